@@ -1,0 +1,57 @@
+# elastic-moe — see README.md. Every target creates or reuses .venv first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e demo bench \
+        controlplane cluster-up cluster-down clean
+
+setup:
+	@bash scripts/venv.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+importlint: setup
+	$(VENV)/bin/lint-imports
+
+## crds: regenerate crds/ from the pydantic models
+crds: setup
+	$(VENV)/bin/moe-operator crd --out crds/
+
+## crds-check: fail when crds/ is not what the models generate
+crds-check: setup
+	@tmp=$$(mktemp -d); $(VENV)/bin/moe-operator crd --out $$tmp >/dev/null && \
+	  diff -ru crds/ $$tmp || { echo "crds/ is stale: run 'make crds'"; exit 1; }
+
+## controlplane: build (or reuse the cached) kube-apiserver + etcd
+controlplane: setup
+	@bash e2e/controlplane/build.sh
+
+cluster-up: controlplane
+	@bash e2e/controlplane/up.sh
+
+cluster-down:
+	@bash e2e/controlplane/down.sh
+
+## test: lint, types, layers, CRDs, then every test tier (unit, integration, e2e/local)
+test: lint typecheck importlint crds-check controlplane
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+unit: setup
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+demo: setup controlplane
+	$(PY) -m e2e.local.demo
+
+bench: setup
+	$(PY) bench/forward.py
+
+clean: cluster-down
+	rm -rf .cluster .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Stateless communication groups (one per epoch) and expert dispatch/combine over them."""

@@ -1,0 +1,1 @@
+"""Request queue, continuous batching and the lockstep step loop across DP ranks."""

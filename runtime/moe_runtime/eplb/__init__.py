@@ -1,0 +1,1 @@
+"""Expert-parallel load balancing: pure placement policy, load windows and move planning."""
