@@ -1,0 +1,66 @@
+"""Value objects that cross the engine/executor/worker seam: one lockstep step and its results.
+
+They are plain dataclasses of builtins and tensors so that they pickle cheaply through Ray
+compiled-graph channels. See docs/INTERNALS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature == 0 is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class SeqWork:
+    """New tokens of one sequence to run on one rank in one step.
+
+    token_ids: the whole prompt (plus tokens already generated, after a migration) on prefill,
+    one token on decode. start_pos: tokens already in this rank's KV cache for the sequence.
+    num_generated: tokens generated so far; a seeded sample depends only on (seed, num_generated),
+    so a migrated sequence produces the same tokens on any rank.
+    """
+
+    seq_id: str
+    token_ids: list[int]
+    start_pos: int
+    sampling: SamplingParams
+    num_generated: int = 0
+
+
+@dataclass
+class RankBatch:
+    """What one rank does in a step: run `seqs`, and first drop the KV cache of `free`."""
+
+    seqs: list[SeqWork] = field(default_factory=list)
+    free: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepInput:
+    """One lockstep step over every rank; each rank reads `batches.get(rank)` (absent = idle)."""
+
+    step_id: int
+    batches: dict[int, RankBatch] = field(default_factory=dict)
+
+
+@dataclass
+class StepOutput:
+    """A rank's result: the sampled token of each of its sequences, and its expert load.
+
+    expert_load: tokens routed to each logical expert by this rank's sequences, int64 [L, E].
+    """
+
+    rank: int
+    step_id: int
+    tokens: dict[str, int] = field(default_factory=dict)
+    expert_load: Any = None
+    error: str | None = None
