@@ -46,10 +46,16 @@ class RankBatch:
 
 @dataclass
 class StepInput:
-    """One lockstep step over every rank; each rank reads `batches.get(rank)` (absent = idle)."""
+    """One lockstep step over every rank; each rank reads `batches.get(rank)` (absent = idle).
+
+    control: instructions every rank applies at the start of this step, before running it, so
+    that all ranks change together at one step boundary (e.g. {"expert_epoch": 3} swaps in the
+    expert placement staged under epoch 3).
+    """
 
     step_id: int
     batches: dict[int, RankBatch] = field(default_factory=dict)
+    control: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
