@@ -1,0 +1,110 @@
+"""What a resize leaves behind: per-stage durations, bytes moved, blackout, outcome.
+
+A record is updated by the coordinator thread and read by HTTP handlers; `snapshot()` returns
+plain JSON-ready dicts (camelCase keys are not used here: the runtime API is snake_case, like
+vLLM's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+from moe_runtime.elastic import stages as st
+
+
+@dataclasses.dataclass
+class StageRecord:
+    """One stage of one resize: wall-clock start and duration in seconds."""
+
+    stage: st.Stage
+    started_at: float
+    duration_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage.value,
+            "started_at": self.started_at,
+            "duration_s": self.duration_s,
+        }
+
+
+@dataclasses.dataclass
+class ResizeRecord:
+    """One resize from `from_size` to `to_size` ranks."""
+
+    resize_id: str
+    from_size: int
+    to_size: int
+    started_at: float = dataclasses.field(default_factory=time.time)
+    stage: st.Stage = st.Stage.IDLE
+    stage_started_at: float = dataclasses.field(default_factory=time.time)
+    finished_at: float | None = None
+    message: str = ""
+    stages: list[StageRecord] = dataclasses.field(default_factory=list)
+    bytes_non_expert: int = 0
+    bytes_expert: int = 0
+    expert_moves: int = 0
+    expert_moves_lower_bound: int = 0
+    blackout_s: float = 0.0
+    balancedness_before: float | None = None
+    balancedness_after: float | None = None
+    freed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.stage in (st.Stage.COMPLETED, st.Stage.FAILED)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.stage is st.Stage.COMPLETED
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+    def enter(self, stage: st.Stage, *, now: float | None = None) -> None:
+        """Close the running stage and open `stage` (terminal stages get a zero duration)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            if self.stages and self.stages[-1].duration_s is None:
+                self.stages[-1].duration_s = now - self.stages[-1].started_at
+            self.stage = stage
+            self.stage_started_at = now
+            if stage in (st.Stage.COMPLETED, st.Stage.FAILED):
+                self.finished_at = now
+            else:
+                self.stages.append(StageRecord(stage=stage, started_at=now))
+
+    def stage_durations(self) -> dict[str, float]:
+        with self._lock:
+            return {s.stage.value: s.duration_s for s in self.stages if s.duration_s is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "resize_id": self.resize_id,
+                "from": self.from_size,
+                "to": self.to_size,
+                "stage": self.stage.value,
+                "started_at": self.started_at,
+                "stage_started_at": self.stage_started_at,
+                "finished_at": self.finished_at,
+                "duration_s": self.duration_s,
+                "message": self.message,
+                "stages": [s.to_json() for s in self.stages],
+                "bytes_moved": {"non_expert": self.bytes_non_expert, "expert": self.bytes_expert},
+                "expert_moves": self.expert_moves,
+                "expert_moves_lower_bound": self.expert_moves_lower_bound,
+                "blackout_s": self.blackout_s,
+                "balancedness": {
+                    "before": self.balancedness_before,
+                    "after": self.balancedness_after,
+                },
+                "freed": list(self.freed),
+            }

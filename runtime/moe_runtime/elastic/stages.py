@@ -1,0 +1,50 @@
+"""Resize stages (DESIGN §3, contract for the names) and the order each kind of resize goes through."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Stage(str, enum.Enum):
+    """Where a resize is. The values are the contract shared with the operator's status."""
+
+    IDLE = "Idle"
+    PROVISIONING = "Provisioning"  # operator only: RayCluster workers added, waiting for pods
+    STANDBY = "Standby"
+    TRANSFERRING = "Transferring"
+    SWITCHING = "Switching"
+    RESHUFFLING = "Reshuffling"
+    MIGRATING = "Migrating"
+    RELEASING = "Releasing"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+
+
+SCALE_UP: tuple[Stage, ...] = (
+    Stage.STANDBY,
+    Stage.TRANSFERRING,
+    Stage.SWITCHING,
+    Stage.RESHUFFLING,
+    Stage.COMPLETED,
+)
+"""Runtime stages of N→M with M > N (the operator puts PROVISIONING before them)."""
+
+SCALE_DOWN: tuple[Stage, ...] = (
+    Stage.RESHUFFLING,
+    Stage.MIGRATING,
+    Stage.SWITCHING,
+    Stage.RELEASING,
+    Stage.COMPLETED,
+)
+"""Runtime stages of M→N with N < M."""
+
+TERMINAL: frozenset[Stage] = frozenset({Stage.IDLE, Stage.COMPLETED, Stage.FAILED})
+
+
+def stages_for(from_size: int, to_size: int) -> tuple[Stage, ...]:
+    """The stages a resize from `from_size` to `to_size` ranks passes through, in order."""
+    if to_size > from_size:
+        return SCALE_UP
+    if to_size < from_size:
+        return SCALE_DOWN
+    return (Stage.COMPLETED,)
