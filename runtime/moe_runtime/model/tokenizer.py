@@ -1,0 +1,96 @@
+"""Tokenizers: a `tokenizer.json` through the `tokenizers` library, or a byte-level fallback.
+
+The byte-level tokenizer maps ids 0..255 to bytes and adds two special ids, BOS (256) and EOS
+(257); it serves synthetic models and checkpoints that ship no `tokenizer.json`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import tokenizers
+
+from moe_runtime.model import errors
+
+BYTE_BOS_ID = 256
+BYTE_EOS_ID = 257
+BYTE_VOCAB_SIZE = 258
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids. `decode` drops special tokens."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, BOS = 256, EOS = 257; encode prepends BOS."""
+
+    @property
+    def vocab_size(self) -> int:
+        return BYTE_VOCAB_SIZE
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return BYTE_BOS_ID
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return BYTE_EOS_ID
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [BYTE_BOS_ID, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Bytes back to text; special and out-of-range ids are dropped, bad UTF-8 replaced."""
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json`; eos/bos ids come from the model config when it has them."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
+            raise errors.CheckpointError(self.path, f"cannot load tokenizer: {exc}") from exc
+        self._bos = bos_token_id if bos_token_id is not None else self._tok.token_to_id("<s>")
+        self._eos = eos_token_id if eos_token_id is not None else self._tok.token_to_id("</s>")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))
