@@ -1,0 +1,528 @@
+"""The engine against a fake executor whose 'model' checks the KV cache the engine implies.
+
+FakeExecutor keeps, per rank, the tokens of each sequence's KV cache; a SeqWork must continue
+it exactly (start_pos == tokens held), else the step fails. The next token is a function of
+the whole KV content (and of (seed, num_generated) when sampling), so a wrong re-prefill after
+a migration, a lost chunk or a stale cache changes the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from moe_runtime import step as step_types
+from moe_runtime.engine import core, request, text
+
+VOCAB = 26
+EOS = 25
+DEADLINE = 10.0
+
+
+class LetterTokenizer:
+    """Token i is the letter chr(ord('a') + i); 'z' (25) is EOS."""
+
+    eos_token_id: int | None = EOS
+    vocab_size = VOCAB
+
+    def encode(self, s: str) -> list[int]:
+        return [ord(c) - ord("a") for c in s]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+def next_token(kv: list[int], sampling: step_types.SamplingParams, num_generated: int) -> int:
+    """Greedy: the letter after the last one (y -> a, skipping EOS unless it is the successor
+    of 'y'); sampled: shifted by a function of (seed, num_generated) only."""
+    token = (kv[-1] + 1) % VOCAB
+    if sampling.temperature > 0:
+        token = (token + (sampling.seed or 0) * 7 + num_generated * 13 + len(kv)) % (VOCAB - 1)
+    return token
+
+
+class FakeExecutor:
+    """Ranks in-process; records every StepInput; optional failure injection."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self._num_ranks = num_ranks
+        self.kv: dict[int, dict[str, list[int]]] = {r: {} for r in range(num_ranks)}
+        self.steps: list[step_types.StepInput] = []
+        self.fail_rank: Callable[[int, int], str | None] = lambda step_id, rank: None
+        self.raise_at: set[int] = set()
+        self.lock = threading.Lock()
+
+    @property
+    def num_ranks(self) -> int:
+        return self._num_ranks
+
+    def execute_step(self, step: step_types.StepInput) -> list[step_types.StepOutput]:
+        with self.lock:
+            self.steps.append(step)
+        if step.step_id in self.raise_at:
+            raise ConnectionError(f"injected failure at step {step.step_id}")
+        outputs = []
+        for rank, batch in sorted(step.batches.items()):
+            error = self.fail_rank(step.step_id, rank)
+            if error is not None:
+                outputs.append(step_types.StepOutput(rank=rank, step_id=step.step_id, error=error))
+                continue
+            cache = self.kv.setdefault(rank, {})
+            for seq_id in batch.free:
+                cache.pop(seq_id, None)
+            out = step_types.StepOutput(rank=rank, step_id=step.step_id)
+            for work in batch.seqs:
+                held = cache.setdefault(work.seq_id, [])
+                if work.start_pos != len(held):
+                    raise AssertionError(
+                        f"rank {rank}: {work.seq_id} start_pos {work.start_pos} but KV holds "
+                        f"{len(held)} tokens"
+                    )
+                held.extend(work.token_ids)
+                out.tokens[work.seq_id] = next_token(held, work.sampling, work.num_generated)
+            outputs.append(out)
+        return outputs
+
+    def seqs_of(self, step: step_types.StepInput, rank: int) -> list[str]:
+        batch = step.batches.get(rank)
+        return [w.seq_id for w in batch.seqs] if batch else []
+
+
+def make_engine(
+    num_ranks: int = 1, *, max_model_len: int = 512, **config: int
+) -> tuple[core.Engine, FakeExecutor]:
+    executor = FakeExecutor(num_ranks)
+    engine = core.Engine(
+        executor,
+        LetterTokenizer(),
+        core.EngineConfig(max_model_len=max_model_len, **config),
+    )
+    return engine, executor
+
+
+@pytest.fixture
+def engine1() -> Iterator[tuple[core.Engine, FakeExecutor]]:
+    engine, executor = make_engine(1)
+    with engine:
+        yield engine, executor
+
+
+def req(
+    rid: str,
+    prompt: str = "a",
+    *,
+    max_tokens: int = 5,
+    stop: tuple[str, ...] = (),
+    sampling: step_types.SamplingParams | None = None,
+    ignore_eos: bool = False,
+) -> request.Request:
+    return request.Request(
+        request_id=rid,
+        prompt_token_ids=LetterTokenizer().encode(prompt),
+        sampling=sampling or step_types.SamplingParams(),
+        max_tokens=max_tokens,
+        stop=stop,
+        ignore_eos=ignore_eos,
+    )
+
+
+def poll(condition: Callable[[], bool], what: str, deadline: float = DEADLINE) -> None:
+    end = time.monotonic() + deadline
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+# ---------------------------------------------------------------------------- basics
+
+
+def test_greedy_generation_and_length_stop(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+    engine, _ = engine1
+    done = engine.add_request(req("r1", "ab", max_tokens=4)).result(DEADLINE)
+    assert done.text == "cdef"
+    assert done.token_ids == [2, 3, 4, 5]
+    assert done.finish_reason is request.FinishReason.LENGTH
+    assert done.num_prompt_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "stop", "ignore_eos", "expected_text", "reason"),
+    [
+        pytest.param("v", (), False, "wxy", request.FinishReason.STOP, id="eos"),
+        pytest.param("v", (), True, "wxyz", request.FinishReason.LENGTH, id="ignore-eos"),
+        pytest.param("a", ("de",), False, "bc", request.FinishReason.STOP, id="stop-string"),
+        pytest.param("a", ("c", "xx"), False, "b", request.FinishReason.STOP, id="first-of-two"),
+        pytest.param("a", ("dx",), False, "bcde", request.FinishReason.LENGTH, id="near-miss"),
+    ],
+)
+def test_stop_conditions(
+    engine1: tuple[core.Engine, FakeExecutor],
+    prompt: str,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    expected_text: str,
+    reason: request.FinishReason,
+) -> None:
+    engine, _ = engine1
+    done = engine.add_request(
+        req("r", prompt, max_tokens=4, stop=stop, ignore_eos=ignore_eos)
+    ).result(DEADLINE)
+    assert (done.text, done.finish_reason) == (expected_text, reason)
+
+
+def test_context_full_ends_with_length() -> None:
+    engine, _ = make_engine(1, max_model_len=6)
+    with engine:
+        done = engine.add_request(req("r", "abcd", max_tokens=100)).result(DEADLINE)
+    assert done.text == "ef"
+    assert done.finish_reason is request.FinishReason.LENGTH
+
+
+def test_kv_freed_when_finished(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+    engine, executor = engine1
+    engine.add_request(req("r", max_tokens=3)).result(DEADLINE)
+    poll(lambda: "r" not in executor.kv[0], "the KV of r to be freed")
+
+
+def test_idle_ranks_get_empty_batches() -> None:
+    engine, executor = make_engine(3)
+    with engine:
+        engine.add_request(req("only", max_tokens=3)).result(DEADLINE)
+    assert executor.steps
+    for step in executor.steps:
+        assert sorted(step.batches) == [0, 1, 2]
+    assert sum(len(b.seqs) for b in executor.steps[0].batches.values()) == 1
+
+
+def test_least_loaded_rank_assignment() -> None:
+    engine, executor = make_engine(3)
+    handles = [req(f"r{i}", max_tokens=3) for i in range(6)]
+    # Queue all before the loop starts so they are admitted at the same boundary.
+    hs = [engine.add_request(r) for r in handles]
+    with engine:
+        for h in hs:
+            h.result(DEADLINE)
+    first = executor.steps[0]
+    assert [len(first.batches[r].seqs) for r in range(3)] == [2, 2, 2]
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def test_requests_join_and_leave_the_running_batch() -> None:
+    engine, executor = make_engine(1)
+    joined: dict[str, int] = {}
+
+    def at_step(outputs: list[step_types.StepOutput]) -> None:
+        if outputs[0].step_id == 3:
+            joined["b"] = 3
+            engine.add_request(req("b", "k", max_tokens=2))
+
+    engine.on_step(at_step)
+    with engine:
+        a = engine.add_request(req("a", "a", max_tokens=8))
+        assert a.result(DEADLINE).text == "bcdefghi"
+    batches = [executor.seqs_of(s, 0) for s in executor.steps]
+    assert batches[-1] == []  # the last step only frees a's KV
+    assert batches[:3] == [["a"]] * 3
+    assert batches[3] == ["a", "b"]  # b joined at the boundary after step 3
+    assert batches[4] == ["a", "b"]
+    assert batches[5:-1] == [["a"]] * 3  # b left after its 2 tokens
+
+
+def test_prefill_is_chunked_by_the_token_budget() -> None:
+    engine, executor = make_engine(1, max_tokens_per_step=8, max_num_seqs_per_rank=4)
+    prompt = "abcdefghijklmnopqrst"  # 20 tokens
+    with engine:
+        done = engine.add_request(req("r", prompt, max_tokens=2)).result(DEADLINE)
+    works = [w for s in executor.steps for w in s.batches[0].seqs]
+    assert [(w.start_pos, len(w.token_ids)) for w in works] == [(0, 8), (8, 8), (16, 4), (20, 1)]
+    assert done.text == "uv"
+
+
+def test_decodes_go_first_within_the_budget() -> None:
+    engine, executor = make_engine(1, max_tokens_per_step=8, max_num_seqs_per_rank=4)
+
+    def at_step(outputs: list[step_types.StepOutput]) -> None:
+        if outputs[0].step_id == 1:
+            engine.add_request(req("long", "abcdefghijklmnop", max_tokens=1))
+
+    engine.on_step(at_step)
+    with engine:
+        engine.add_request(req("short", "a", max_tokens=6)).result(DEADLINE)
+    second = executor.steps[1].batches[0].seqs
+    assert [(w.seq_id, len(w.token_ids)) for w in second] == [("short", 1), ("long", 7)]
+
+
+# ---------------------------------------------------------------------------- streaming
+
+
+def test_stream_deltas_in_order_and_equal_to_the_result(
+    engine1: tuple[core.Engine, FakeExecutor],
+) -> None:
+    engine, _ = engine1
+    handle = engine.add_request(req("r", "a", max_tokens=6, stop=("fgx",)))
+    deltas = list(handle.iter_outputs(DEADLINE))
+    assert [d.new_token_ids for d in deltas] == [[1], [2], [3], [4], [5], [6]]
+    assert [d.num_generated_tokens for d in deltas] == [1, 2, 3, 4, 5, 6]
+    # "f" and "fg" could start the stop string "fgx": held back, then released at the end.
+    assert [d.new_text for d in deltas] == ["b", "c", "d", "e", "", "fg"]
+    assert [d.finished for d in deltas] == [False] * 5 + [True]
+    assert "".join(d.new_text for d in deltas) == handle.result(DEADLINE).text
+
+
+def test_async_stream(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+    engine, _ = engine1
+
+    async def consume() -> list[request.RequestOutput]:
+        handle = engine.add_request(req("r", "a", max_tokens=4))
+        return [out async for out in handle]
+
+    outs = asyncio.run(consume())
+    assert "".join(o.new_text for o in outs) == "bcde"
+    assert outs[-1].finish_reason is request.FinishReason.LENGTH
+
+
+def test_abort_frees_the_kv(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+    engine, executor = engine1
+    started = threading.Event()
+    engine.on_step(lambda outputs: started.set())
+    handle = engine.add_request(req("r", max_tokens=10_000, ignore_eos=True))
+    assert started.wait(DEADLINE)
+    engine.abort("r")
+    assert handle.result(DEADLINE).finish_reason is request.FinishReason.ABORT
+    poll(lambda: "r" not in executor.kv[0], "the KV of r to be freed")
+
+
+# ---------------------------------------------------------------------------- boundary operations
+
+
+def test_call_at_boundary_pauses_stepping_while_requests_queue(
+    engine1: tuple[core.Engine, FakeExecutor],
+) -> None:
+    engine, _ = engine1
+    first = engine.add_request(req("a", max_tokens=50, ignore_eos=True))
+    poll(lambda: engine.stats().step_count >= 2, "some steps")
+    release = threading.Event()
+    seen: dict[str, int] = {}
+
+    def hold() -> str:
+        seen["entry"] = engine.stats().step_count
+        assert release.wait(DEADLINE)
+        seen["exit"] = engine.stats().step_count
+        return "held"
+
+    future = engine.call_at_boundary(hold)
+    poll(lambda: "entry" in seen, "the boundary call to start")
+    late = engine.add_request(req("b", max_tokens=3))  # queued, never refused
+    poll(lambda: engine.stats().num_waiting == 1, "b to wait in the queue")
+    release.set()
+    assert future.result(DEADLINE) == "held"
+    assert seen["entry"] == seen["exit"]
+    assert late.result(DEADLINE).text == "bcd"
+    assert first.result(DEADLINE).finish_reason is request.FinishReason.LENGTH
+
+
+def test_call_at_boundary_propagates_errors_and_keeps_serving(
+    engine1: tuple[core.Engine, FakeExecutor],
+) -> None:
+    engine, _ = engine1
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        engine.call_at_boundary(boom).result(DEADLINE)
+    assert engine.is_alive()
+    assert engine.add_request(req("r", max_tokens=2)).result(DEADLINE).text == "bc"
+
+
+def run_seeded(migrate_at: int | None) -> tuple[dict[str, list[int]], FakeExecutor, list[str]]:
+    engine, executor = make_engine(2)
+    moved: list[str] = []
+    sampling = step_types.SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+
+    def at_step(outputs: list[step_types.StepOutput]) -> None:
+        if migrate_at is not None and outputs[0].step_id == migrate_at:
+            moved.extend(engine.migrate_from([1]).result(0))
+
+    engine.on_step(at_step)
+    hs = [
+        engine.add_request(req(f"r{i}", "abc"[: i + 1], max_tokens=12, sampling=sampling))
+        for i in range(3)
+    ]
+    with engine:
+        results = {h.request_id: h.result(DEADLINE).token_ids for h in hs}
+    return results, executor, moved
+
+
+def test_migrate_from_reprefills_and_keeps_sampling() -> None:
+    reference, _, _ = run_seeded(migrate_at=None)
+    migrated, executor, moved = run_seeded(migrate_at=5)
+    assert migrated == reference
+    assert moved == ["r1"]  # r0 -> rank 0, r1 -> rank 1, r2 -> rank 0
+    step6 = executor.steps[5]
+    assert step6.batches[1].free == ["r1"]
+    (work,) = [w for w in step6.batches[0].seqs if w.seq_id == "r1"]
+    assert (work.start_pos, work.num_generated) == (0, 5)
+    assert len(work.token_ids) == 2 + 5  # prompt + generated so far
+    assert all(executor.seqs_of(s, 1) == [] for s in executor.steps[5:])
+    assert all(1 in s.batches for s in executor.steps[5:])  # draining ranks still step
+
+
+def test_draining_rank_takes_no_new_requests_until_reactivated() -> None:
+    engine, executor = make_engine(2)
+    with engine:
+        engine.migrate_from([1]).result(DEADLINE)
+        engine.add_request(req("x", max_tokens=2)).result(DEADLINE)
+        engine.add_request(req("y", max_tokens=2)).result(DEADLINE)
+        assert all(executor.seqs_of(s, 1) == [] for s in executor.steps)
+        engine.set_active_ranks([0, 1]).result(DEADLINE)
+        a = engine.add_request(req("a", max_tokens=3))
+        b = engine.add_request(req("b", max_tokens=3))
+        a.result(DEADLINE), b.result(DEADLINE)
+    assert any(executor.seqs_of(s, 1) for s in executor.steps)
+
+
+def test_set_active_ranks_grows_and_shrinks() -> None:
+    executor = FakeExecutor(3)
+    config = core.EngineConfig(max_model_len=100_000)
+    engine = core.Engine(executor, LetterTokenizer(), config, active_ranks=[0])
+    endless = {"max_tokens": 100_000, "ignore_eos": True}
+    with engine:
+        engine.add_request(req("a", max_tokens=2)).result(DEADLINE)
+        assert sorted(executor.steps[-1].batches) == [0]
+        engine.set_active_ranks([0, 1, 2]).result(DEADLINE)
+        hs = [engine.add_request(req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
+        poll(lambda: engine.stats().seqs_per_rank == {0: 1, 1: 1, 2: 1}, "one per rank")
+        engine.set_active_ranks([0]).result(DEADLINE)  # shrink: sequences move to rank 0
+        assert engine.stats().seqs_per_rank == {0: 3}
+        steps = engine.stats().step_count
+        poll(lambda: engine.stats().step_count > steps + 3, "steps after the shrink")
+        for h in hs:
+            engine.abort(h.request_id)
+        results = [h.result(DEADLINE) for h in hs]
+    assert sorted(executor.steps[-1].batches) == [0]
+    for r in results:
+        assert r.finish_reason is request.FinishReason.ABORT
+        assert r.token_ids == [(k + 1) % VOCAB for k in range(len(r.token_ids))]
+
+
+def test_step_control_reaches_the_next_step_even_when_idle(
+    engine1: tuple[core.Engine, FakeExecutor],
+) -> None:
+    engine, executor = engine1
+    outputs = engine.add_step_control({"expert_epoch": 3}).result(DEADLINE)
+    assert outputs[0].step_id == executor.steps[-1].step_id
+    assert executor.steps[-1].control == {"expert_epoch": 3}
+    engine.add_request(req("r", max_tokens=2)).result(DEADLINE)
+    assert executor.steps[-1].control == {}
+
+
+def test_on_step_sees_every_step_and_last_token_time_advances(
+    engine1: tuple[core.Engine, FakeExecutor],
+) -> None:
+    engine, executor = engine1
+    seen: list[int] = []
+    engine.on_step(lambda outputs: seen.append(outputs[0].step_id))
+    before = time.monotonic()
+    engine.add_request(req("r", max_tokens=3)).result(DEADLINE)
+    poll(lambda: len(seen) >= 3, "three callbacks")
+    assert seen == [s.step_id for s in executor.steps]
+    last = engine.last_token_time
+    assert last is not None and last >= before
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+def test_transient_rank_error_is_retried_with_the_same_answer() -> None:
+    engine, executor = make_engine(2)
+    executor.fail_rank = lambda step_id, rank: "flaky" if (step_id, rank) == (3, 0) else None
+    with engine:
+        done = engine.add_request(req("r", "a", max_tokens=6)).result(DEADLINE)
+    assert done.text == "bcdefg"
+    assert done.error is None
+
+
+def test_executor_exception_is_retried() -> None:
+    engine, executor = make_engine(1)
+    executor.raise_at = {2}
+    with engine:
+        done = engine.add_request(req("r", "a", max_tokens=4)).result(DEADLINE)
+    assert done.text == "bcde"
+
+
+def test_persistent_rank_error_fails_only_its_requests() -> None:
+    engine, executor = make_engine(2, max_step_retries=1)
+    executor.fail_rank = lambda step_id, rank: "rank is gone" if rank == 1 else None
+    with engine:
+        a = engine.add_request(req("a", max_tokens=3))
+        b = engine.add_request(req("b", max_tokens=3))
+        ra, rb = a.result(DEADLINE), b.result(DEADLINE)
+        assert engine.is_alive()
+    assert (ra.text, ra.error) == ("bcd", None)
+    assert rb.finish_reason is request.FinishReason.ERROR
+    assert rb.error is not None and "rank is gone" in rb.error
+
+
+def test_stop_ends_unfinished_requests_with_an_error() -> None:
+    engine, _ = make_engine(1)
+    engine.start()
+    handle = engine.add_request(req("r", max_tokens=100_000, ignore_eos=True))
+    poll(lambda: engine.stats().step_count > 0, "a step")
+    engine.stop()
+    done = handle.result(DEADLINE)
+    assert done.finish_reason is request.FinishReason.ERROR
+    assert not engine.is_alive()
+    with pytest.raises(core.EngineStopped):
+        engine.add_request(req("late"))
+    with pytest.raises(core.EngineStopped):
+        engine.call_at_boundary(lambda: None).result(DEADLINE)
+
+
+def test_boundary_future_can_be_waited_from_another_thread(
+    engine1: tuple[core.Engine, FakeExecutor],
+) -> None:
+    engine, _ = engine1
+
+    def through_boundary(i: int) -> int:
+        return engine.call_at_boundary(lambda: i).result(DEADLINE)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(through_boundary, i) for i in range(8)]
+        assert sorted(f.result(DEADLINE) for f in futures) == list(range(8))
+
+
+# ---------------------------------------------------------------------------- text
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "deltas"),
+    [
+        pytest.param(["a", "b", "c"], (), ["a", "b", "c"], id="plain"),
+        pytest.param(["a", "\ufffd", "é"], (), ["a", "", "é"], id="incomplete-char-held"),
+        pytest.param(["x", "ST", "OP", "y"], ("STOP",), ["x", "", ""], id="stop-across-tokens"),
+        pytest.param(["x", "S", "a"], ("STOP",), ["x", "", "Sa"], id="false-alarm-released"),
+    ],
+)
+def test_incremental_text(pieces: list[str], stop: tuple[str, ...], deltas: list[str]) -> None:
+    class Pieces:
+        def decode(self, ids: list[int]) -> str:
+            out = "".join(pieces[i] for i in ids)
+            # a replacement char followed by its continuation decodes to the full character
+            return out.replace("\ufffdé", "é")
+
+    inc = text.IncrementalText(Pieces(), stop=stop)
+    got = []
+    for i in range(len(pieces)):
+        got.append(inc.append(i))
+        if inc.stopped:
+            break
+    assert got == deltas
