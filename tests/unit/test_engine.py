@@ -55,6 +55,7 @@ class FakeExecutor:
         self.steps: list[step_types.StepInput] = []
         self.fail_rank: Callable[[int, int], str | None] = lambda step_id, rank: None
         self.raise_at: set[int] = set()
+        self.violations: list[str] = []  # KV inconsistencies seen (the engine retries them)
         self.lock = threading.Lock()
 
     @property
@@ -79,10 +80,12 @@ class FakeExecutor:
             for work in batch.seqs:
                 held = cache.setdefault(work.seq_id, [])
                 if work.start_pos != len(held):
-                    raise AssertionError(
+                    message = (
                         f"rank {rank}: {work.seq_id} start_pos {work.start_pos} but KV holds "
                         f"{len(held)} tokens"
                     )
+                    self.violations.append(message)
+                    raise AssertionError(message)
                 held.extend(work.token_ids)
                 out.tokens[work.seq_id] = next_token(held, work.sampling, work.num_generated)
             outputs.append(out)
@@ -366,6 +369,7 @@ def test_migrate_from_reprefills_and_keeps_sampling() -> None:
     reference, _, _ = run_seeded(migrate_at=None)
     migrated, executor, moved = run_seeded(migrate_at=5)
     assert migrated == reference
+    assert executor.violations == []
     assert moved == ["r1"]  # r0 -> rank 0, r1 -> rank 1, r2 -> rank 0
     step6 = executor.steps[5]
     assert step6.batches[1].free == ["r1"]
@@ -409,8 +413,32 @@ def test_set_active_ranks_grows_and_shrinks() -> None:
             engine.abort(h.request_id)
         results = [h.result(DEADLINE) for h in hs]
     assert sorted(executor.steps[-1].batches) == [0]
+    assert executor.violations == []
     for r in results:
         assert r.finish_reason is request.FinishReason.ABORT
+        assert r.token_ids == [(k + 1) % VOCAB for k in range(len(r.token_ids))]
+
+
+def test_relabel_ranks_follows_the_workers() -> None:
+    engine, executor = make_engine(3)
+    endless = {"max_tokens": 100_000, "ignore_eos": True}
+    with engine:
+        hs = [engine.add_request(req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
+        poll(lambda: engine.stats().seqs_per_rank == {0: 1, 1: 1, 2: 1}, "one per rank")
+
+        def swap_workers() -> None:  # what an executor switch does to its worker objects
+            executor.kv[0], executor.kv[2] = executor.kv[2], executor.kv[0]
+
+        engine.call_at_boundary(swap_workers).result(DEADLINE)
+        engine.relabel_ranks({0: 2, 2: 0}).result(DEADLINE)
+        steps = engine.stats().step_count
+        poll(lambda: engine.stats().step_count > steps + 3, "steps after the relabel")
+        for h in hs:
+            engine.abort(h.request_id)
+        results = [h.result(DEADLINE) for h in hs]
+    assert executor.violations == []
+    for r in results:
+        assert r.error is None
         assert r.token_ids == [(k + 1) % VOCAB for k in range(len(r.token_ids))]
 
 

@@ -297,6 +297,15 @@ class Engine:
         leaving = set(ranks)
         return self.call_at_boundary(lambda: self._migrate_now(leaving))
 
+    def relabel_ranks(self, mapping: dict[int, int]) -> concurrent.futures.Future[None]:
+        """At the next boundary: rank `old` is now called `mapping[old]` (after an executor
+        switch renumbers its workers 0..n-1); sequences, KV frees and marks follow their worker.
+        """
+        targets = [mapping.get(r, r) for r in set(mapping) | set(mapping.values())]
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"relabel mapping {mapping} sends two ranks to one label")
+        return self.call_at_boundary(lambda: self._relabel_now(dict(mapping)))
+
     def add_step_control(
         self, control: dict[str, Any]
     ) -> concurrent.futures.Future[list[step_types.StepOutput]]:
@@ -712,6 +721,17 @@ class Engine:
         self._active = list(ranks)
         self._draining = set()
         log.info("engine: active ranks %s -> %s", old, self._active)
+
+    def _relabel_now(self, mapping: dict[int, int]) -> None:
+        def new(rank: int) -> int:
+            return mapping.get(rank, rank)
+
+        self._active = sorted(new(r) for r in self._active)
+        self._draining = {new(r) for r in self._draining}
+        for seq in self._running.values():
+            seq.rank = new(seq.rank)
+        self._pending_free = {new(r): ids for r, ids in self._pending_free.items()}
+        log.info("engine: ranks relabelled %s; active ranks %s", mapping, self._active)
 
     def _publish_stats(self) -> None:
         stats = EngineStats(
