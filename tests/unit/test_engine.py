@@ -426,11 +426,11 @@ def test_relabel_ranks_follows_the_workers() -> None:
         hs = [engine.add_request(req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
         poll(lambda: engine.stats().seqs_per_rank == {0: 1, 1: 1, 2: 1}, "one per rank")
 
-        def swap_workers() -> None:  # what an executor switch does to its worker objects
+        def switch() -> None:  # an executor switch renumbers its workers, then the engine follows
             executor.kv[0], executor.kv[2] = executor.kv[2], executor.kv[0]
+            engine.relabel_ranks({0: 2, 2: 0}).result(0)  # on the engine thread: runs at once
 
-        engine.call_at_boundary(swap_workers).result(DEADLINE)
-        engine.relabel_ranks({0: 2, 2: 0}).result(DEADLINE)
+        engine.call_at_boundary(switch).result(DEADLINE)
         steps = engine.stats().step_count
         poll(lambda: engine.stats().step_count > steps + 3, "steps after the relabel")
         for h in hs:
