@@ -88,11 +88,19 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
-def _first_token_id(value: Any) -> int | None:
+_REQUIRED = object()
+
+
+def _first_token_id(hf: Mapping[str, Any], key: str, path: str | os.PathLike[str]) -> int | None:
     """HF configs give a token id, a list of ids (several stop tokens) or null."""
+    value = hf.get(key)
     if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
+        value = value[0] if value else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise errors.CheckpointError(path, f"field {key!r} must be a token id, got {value!r}")
+    return value
 
 
 def from_hf_config(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> ModelConfig:
@@ -109,10 +117,23 @@ def from_hf_config(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> Model
     if act != "silu":
         raise errors.CheckpointError(path, f"hidden_act is {act!r}; only 'silu' is supported")
 
-    def need(key: str) -> Any:
-        if key not in hf:
+    def number(key: str, kind: type[int] | type[float], default: Any = _REQUIRED) -> Any:
+        value = hf.get(key, default)
+        if value is _REQUIRED:
             raise errors.CheckpointError(path, f"required field {key!r} is missing")
-        return hf[key]
+        if value is None and default is None:
+            return None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (kind is int and not float(value).is_integer())
+        ):
+            raise errors.CheckpointError(
+                path,
+                f"field {key!r} must be {'an integer' if kind is int else 'a number'}, "
+                f"got {value!r}",
+            )
+        return kind(value)
 
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, Mapping):
@@ -123,31 +144,30 @@ def from_hf_config(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> Model
             path, f"rope_type {rope_type!r} is not supported (only 'default' rotary embeddings)"
         )
     rope_theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+        raise errors.CheckpointError(path, f"rope_theta must be a number, got {rope_theta!r}")
+    hidden = number("hidden_size", int)
+    heads = number("num_attention_heads", int)
+    kv_heads = number("num_key_value_heads", int, None)
+    head_dim = number("head_dim", int, None)
     try:
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = hf.get("num_key_value_heads")
-        head_dim = hf.get("head_dim")
-        window = hf.get("sliding_window")
         return ModelConfig(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=number("vocab_size", int),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=number("intermediate_size", int),
+            num_layers=number("num_hidden_layers", int),
             num_heads=heads,
-            num_kv_heads=heads if kv_heads is None else int(kv_heads),
-            head_dim=hidden // heads if head_dim is None else int(head_dim),
-            num_experts=int(need("num_local_experts")),
-            top_k=int(need("num_experts_per_tok")),
+            num_kv_heads=heads if kv_heads is None else kv_heads,
+            head_dim=hidden // max(heads, 1) if head_dim is None else head_dim,
+            num_experts=number("num_local_experts", int),
+            top_k=number("num_experts_per_tok", int),
             rope_theta=float(rope_theta),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            bos_token_id=_first_token_id(hf.get("bos_token_id")),
-            eos_token_id=_first_token_id(hf.get("eos_token_id")),
+            rms_norm_eps=number("rms_norm_eps", float, 1e-5),
+            max_position_embeddings=number("max_position_embeddings", int, 32768),
+            bos_token_id=_first_token_id(hf, "bos_token_id", path),
+            eos_token_id=_first_token_id(hf, "eos_token_id", path),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            sliding_window=None if window is None else int(window),
+            sliding_window=number("sliding_window", int, None),
         )
     except (TypeError, ValueError) as exc:
-        if isinstance(exc, errors.CheckpointError):
-            raise
         raise errors.CheckpointError(path, f"invalid model configuration: {exc}") from exc

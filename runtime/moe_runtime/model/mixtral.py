@@ -331,7 +331,7 @@ class LocalExperts:
         # Row t*k + j of the flattened problem is token t's j-th expert.
         rows = hidden.repeat_interleave(k, dim=0)
         out = apply_experts(self._weights_for(layer), rows, topk_ids.reshape(-1))
-        return combine_expert_outputs(out.view(tokens, k, -1), topk_weights)
+        return combine_expert_outputs(out.view(tokens, k, hidden.shape[1]), topk_weights)
 
 
 # ---------------------------------------------------------------------------------------------
