@@ -325,6 +325,10 @@ class Engine:
         with self._cond:
             self._callbacks.append(callback)
 
+    def set_observer(self, observer: StepObserver | None) -> None:
+        """Replaces the receiver of step and finish figures (metrics); call before start()."""
+        self._observer = observer
+
     def stats(self) -> EngineStats:
         """Progress records: queue depth, running sequences, time of the last token, …"""
         with self._cond:
