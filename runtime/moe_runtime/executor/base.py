@@ -1,0 +1,224 @@
+"""The executor seam: how the engine and the resize coordinator reach the ranks.
+
+An executor owns one `RankWorker` per DP rank (a Ray actor, or an object in this process) and
+offers one RPC primitive (`collective_rpc`), the lockstep step (`execute_step`), and the
+primitives a live resize is made of:
+
+- `add_ranks(count)`: start workers, wait until they answer; they are *pending* (not stepped).
+- `build_groups(ranks, epoch=k)`: every listed worker joins the step group and the transfer
+  group of epoch k (rendezvous chosen here: a FileStore on one host, else a TCPStore hosted by
+  the group's rank 0). Runs in the background: steps keep running on the active group.
+- `switch(ranks, epoch=k, placement=p)`: at a step boundary, drop the step graph, `activate`
+  epoch k on those workers (worker `ranks[i]` becomes rank i), compile the new step graph.
+- `remove_ranks(ranks)`: stop workers, return their infos (pod names for `workersToDelete`).
+
+Rank labels: the active ranks are always 0..n-1 in step order. A pending worker keeps the label
+it was given by `add_ranks` (n, n+1, ...) or the label it had when a `switch` left it out, until
+it is removed or switched in.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from moe_runtime import step as step_mod
+
+log = logging.getLogger(__name__)
+
+#: Role of the group used only by `execute_step` collectives (expert dispatch/combine).
+STEP_GROUP = "step"
+#: Role of the group used only by background weight moves (non-expert and expert transfers).
+TRANSFER_GROUP = "transfer"
+GROUP_ROLES = (STEP_GROUP, TRANSFER_GROUP)
+
+
+class ExecutorError(RuntimeError):
+    """A call on the ranks failed; `ranks` names the ranks that failed (may be empty)."""
+
+    def __init__(self, message: str, *, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks)
+
+
+class RankDied(ExecutorError):
+    """A rank's worker is gone (its process or node died)."""
+
+
+class Executor(abc.ABC):
+    """One worker per DP rank, stepped in lockstep. See the module docstring."""
+
+    _async_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # -- ranks ---------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def ranks(self) -> list[int]:
+        """The ranks in the step graph, in step order (always 0..n-1)."""
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    @abc.abstractmethod
+    def pending_ranks(self) -> list[int]:
+        """Live workers that are not in the step graph (added, or left out by a switch)."""
+
+    @abc.abstractmethod
+    def rank_infos(self) -> dict[int, dict[str, Any]]:
+        """`RankWorker.info()` of every live worker, active and pending, by rank label."""
+
+    # -- calls ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        background: bool = False,
+        per_rank: Mapping[int, Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call `RankWorker.<method>(*args, **kwargs)` on every rank at once; results in order.
+
+        ranks: rank labels to call (default: the active ranks); may name pending workers.
+        timeout: seconds to wait for all results; TimeoutError past it.
+        background: run in the workers' control lane, so the call overlaps running steps
+        (group building, weight transfers). Control calls run one at a time per worker.
+        per_rank: extra keyword arguments for some ranks (e.g. each one's rank in a new group).
+        A worker's exception is raised as ExecutorError naming the rank (RankDied if it died).
+        """
+
+    def collective_rpc_async(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        background: bool = True,
+        per_rank: Mapping[int, Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> concurrent.futures.Future[list[Any]]:
+        """`collective_rpc` without blocking the caller (defaults to the control lane)."""
+        if self._async_pool is None:
+            self._async_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="executor-rpc"
+            )
+        return self._async_pool.submit(
+            self.collective_rpc,
+            method,
+            *args,
+            ranks=ranks,
+            timeout=timeout,
+            background=background,
+            per_rank=per_rank,
+            **kwargs,
+        )
+
+    @abc.abstractmethod
+    def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
+        """Run one lockstep step on every active rank; outputs in rank order."""
+
+    # -- elastic primitives --------------------------------------------------------------
+    @abc.abstractmethod
+    def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
+        """Start `count` workers, wait until each answers, return their (pending) rank labels."""
+
+    @abc.abstractmethod
+    def build_groups(
+        self, ranks: Sequence[int], *, epoch: int, timeout: float | None = None
+    ) -> None:
+        """Workers `ranks` (labels, in group order) join epoch's step and transfer groups.
+
+        In the background: the active step group keeps serving meanwhile.
+        """
+
+    @abc.abstractmethod
+    def switch(
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int | None = None,
+        placement: Any = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Replace the step graph by one over exactly `ranks` (labels, new step order).
+
+        Call it between steps. With `epoch`, each worker `ranks[i]` first runs
+        `activate(epoch, rank=i, num_ranks=len(ranks), placement=placement)`; without it, the
+        caller has activated them. Afterwards worker `ranks[i]` is rank i.
+        """
+
+    @abc.abstractmethod
+    def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        """Stop those workers (shutdown, then kill); return their infos (pod, host, node_id)."""
+
+    @abc.abstractmethod
+    def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
+        """Ping every live worker: {"ok" | "dead" | "unresponsive"} by rank label."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and release what the executor holds."""
+
+    # -- conveniences built on the primitives ---------------------------------------------
+    def start(
+        self,
+        source: str,
+        *,
+        placement: Any,
+        epoch: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        """Bring the active ranks up serving: load weights, build epoch's groups, activate.
+
+        placement: a `moe_runtime.eplb.policy.Placement` over `num_ranks` ranks.
+        """
+        ranks = self.ranks
+        n = len(ranks)
+        self.collective_rpc(
+            "load_weights",
+            ranks=ranks,
+            timeout=timeout,
+            per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
+            source=source,
+            num_ranks=n,
+            placement=placement,
+        )
+        self.build_groups(ranks, epoch=epoch, timeout=timeout)
+        self.switch(ranks, epoch=epoch, placement=placement, timeout=timeout)
+
+    def _close_async_pool(self) -> None:
+        if self._async_pool is not None:
+            self._async_pool.shutdown(wait=False, cancel_futures=True)
+            self._async_pool = None
+
+
+def check_switch(ranks: Sequence[int], *, live: Sequence[int]) -> dict[int, int]:
+    """Validate a switch and return {old label: new label} for every live worker.
+
+    Workers left out keep their label; one that would collide with a new label is an error
+    (remove it first).
+    """
+    if not ranks:
+        raise ValueError("switch needs at least one rank")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"switch ranks must be distinct, got {list(ranks)}")
+    unknown = sorted(set(ranks) - set(live))
+    if unknown:
+        raise ValueError(f"switch names ranks {unknown} that are not live workers {sorted(live)}")
+    mapping = {old: new for new, old in enumerate(ranks)}
+    left_out = [r for r in live if r not in mapping]
+    clash = sorted(r for r in left_out if r < len(ranks))
+    if clash:
+        raise ValueError(
+            f"ranks {clash} are left out of the switch but their labels are taken by the new "
+            f"ranks 0..{len(ranks) - 1}: remove them first"
+        )
+    mapping.update({r: r for r in left_out})
+    return mapping

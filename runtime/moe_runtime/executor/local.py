@@ -1,0 +1,229 @@
+"""`LocalExecutor`: every rank is a `RankWorker` in this process, each on its own thread.
+
+The fast path for unit tests of the engine and the resize coordinator: no Ray, real gloo groups
+(FileStore rendezvous in a private temporary directory, loopback connections). A step runs
+every rank's `execute_step` at once on one thread per rank, because the expert collectives need
+every rank inside them together. Control calls (`collective_rpc`) also run one thread per rank;
+with `background=True` they may overlap steps, as on Ray.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from moe_runtime import step as step_mod
+from moe_runtime import worker as worker_mod
+from moe_runtime.comm import group as group_mod
+from moe_runtime.executor import base
+
+log = logging.getLogger(__name__)
+
+
+class LocalExecutor(base.Executor):
+    """`num_ranks` in-process ranks (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_ranks: int,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        step_timeout: float | None = 300.0,
+    ) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self._device = device
+        self._dtype = dtype
+        self._step_timeout = step_timeout
+        self._tmp = tempfile.mkdtemp(prefix="elastic-moe-local-")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=64, thread_name_prefix="local-rank"
+        )
+        self._lock = threading.Lock()
+        self._workers: dict[int, worker_mod.RankWorker] = {}
+        self._active: list[int] = []
+        for label in range(num_ranks):
+            self._workers[label] = self._new_worker(label)
+        self._active = list(range(num_ranks))
+        self._closed = False
+
+    def _new_worker(self, label: int) -> worker_mod.RankWorker:
+        return worker_mod.RankWorker(device=self._device, dtype=self._dtype, label=label)
+
+    # -- ranks ---------------------------------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        with self._lock:
+            return list(self._active)
+
+    @property
+    def pending_ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(r for r in self._workers if r not in self._active)
+
+    def rank_infos(self) -> dict[int, dict[str, Any]]:
+        with self._lock:
+            workers = dict(self._workers)
+        return {label: w.info() for label, w in sorted(workers.items())}
+
+    def worker(self, rank: int) -> worker_mod.RankWorker:
+        """The worker object labelled `rank` (tests inspect it directly)."""
+        with self._lock:
+            return self._workers[rank]
+
+    # -- calls ---------------------------------------------------------------------------
+    def collective_rpc(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        background: bool = False,
+        per_rank: Mapping[int, Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        with self._lock:
+            targets = list(self._active if ranks is None else ranks)
+            unknown = [r for r in targets if r not in self._workers]
+            if unknown:
+                raise ValueError(f"collective_rpc({method}): no worker for ranks {unknown}")
+            workers = [self._workers[r] for r in targets]
+        futures = []
+        for label, w in zip(targets, workers, strict=True):
+            extra = dict(per_rank.get(label, {})) if per_rank else {}
+            futures.append(self._pool.submit(getattr(w, method), *args, **kwargs, **extra))
+        return _gather(futures, targets, what=method, timeout=timeout)
+
+    def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
+        with self._lock:
+            active = list(self._active)
+            workers = [self._workers[r] for r in active]
+        if not workers:
+            raise base.ExecutorError("no active ranks: switch first")
+        futures = [self._pool.submit(w.execute_step, step) for w in workers]
+        outs: list[step_mod.StepOutput] = _gather(
+            futures, active, what="execute_step", timeout=self._step_timeout
+        )
+        return outs
+
+    # -- elastic primitives --------------------------------------------------------------
+    def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        with self._lock:
+            start = max(self._workers, default=-1) + 1
+            labels = list(range(start, start + count))
+            for label in labels:
+                self._workers[label] = self._new_worker(label)
+        log.info("added ranks %s (pending)", labels)
+        return labels
+
+    def build_groups(
+        self, ranks: Sequence[int], *, epoch: int, timeout: float | None = None
+    ) -> None:
+        ranks = list(ranks)
+        for role in base.GROUP_ROLES:
+            spec = group_mod.GroupSpec.local(len(ranks), epoch=epoch, directory=self._tmp)
+            self.collective_rpc(
+                "join_group",
+                spec,
+                ranks=ranks,
+                timeout=timeout,
+                background=True,
+                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
+                role=role,
+            )
+
+    def switch(
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int | None = None,
+        placement: Any = None,
+        timeout: float | None = None,
+    ) -> None:
+        ranks = list(ranks)
+        with self._lock:
+            mapping = base.check_switch(ranks, live=list(self._workers))
+        if epoch is not None:
+            self.collective_rpc(
+                "activate",
+                epoch,
+                ranks=ranks,
+                timeout=timeout,
+                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
+                num_ranks=len(ranks),
+                placement=placement,
+            )
+        with self._lock:
+            self._workers = {mapping[old]: w for old, w in self._workers.items()}
+            self._active = list(range(len(ranks)))
+            for label, w in self._workers.items():
+                w.label = label
+        log.info("switched to %d ranks (old labels %s)", len(ranks), ranks)
+
+    def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        infos: list[dict[str, Any]] = []
+        with self._lock:
+            unknown = [r for r in ranks if r not in self._workers]
+            if unknown:
+                raise ValueError(f"remove_ranks: no worker for ranks {unknown}")
+            removed = [(r, self._workers.pop(r)) for r in ranks]
+            self._active = [r for r in self._active if r not in ranks]
+        for label, w in removed:
+            info = w.info()
+            info["label"] = label
+            w.shutdown()
+            infos.append(info)
+        log.info("removed ranks %s", list(ranks))
+        return infos
+
+    def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
+        with self._lock:
+            workers = dict(self._workers)
+        futures = {label: self._pool.submit(w.ping) for label, w in workers.items()}
+        done, _ = concurrent.futures.wait(futures.values(), timeout=timeout)
+        return {
+            label: ("ok" if f in done and f.exception() is None else "unresponsive")
+            for label, f in sorted(futures.items())
+        }
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            workers = list(self._workers.values())
+            self._workers = {}
+            self._active = []
+        for w in workers:
+            w.shutdown()
+        self._close_async_pool()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _gather(
+    futures: Sequence[concurrent.futures.Future[Any]],
+    ranks: Sequence[int],
+    *,
+    what: str,
+    timeout: float | None,
+) -> list[Any]:
+    done, pending = concurrent.futures.wait(futures, timeout=timeout)
+    if pending:
+        late = [r for r, f in zip(ranks, futures, strict=True) if f in pending]
+        raise TimeoutError(f"{what}: ranks {late} did not answer within {timeout}s")
+    results = []
+    for rank, future in zip(ranks, futures, strict=True):
+        exc = future.exception()
+        if exc is not None:
+            raise base.ExecutorError(f"{what} failed on rank {rank}: {exc}", ranks=[rank]) from exc
+        results.append(future.result())
+    return results

@@ -1,0 +1,487 @@
+"""`RayExecutor`: one Ray actor per DP rank, stepped through a Ray compiled graph.
+
+Layout
+------
+- Each rank is one actor (`_RankActor`, wrapping a `RankWorker`) in its own placement group of
+  one bundle ``{"moe_rank": 1}`` (plus ``{"GPU": 1}`` on GPU clusters, where groups use NCCL).
+  The ``moe_rank`` resource is what a worker pod offers (one per pod), so a rank lands on a
+  worker pod and the operator can map ranks to pods. A rank is one actor today; TP>1 would make
+  it a list of actors in one placement group (`_Rank.actor` becomes `actors`).
+- Ranks are ordered as vLLM's RayDistributedExecutor orders workers: the driver's node first,
+  then nodes with fewer workers, then by IP.
+- Each step is one execution of a compiled graph
+  ``InputNode -> [w.execute_step for w in ranks] -> MultiOutputNode`` (about half the per-step
+  overhead of plain actor calls, see tests/integration/test_executor.py).
+- Actors have three concurrency lanes: the default lane (the compiled graph's loop and plain
+  control calls made while no step runs), ``ctl`` (one thread: `background=True` control calls
+  that overlap steps: group building, weight transfers) and ``health`` (pings, never queued
+  behind a transfer).
+
+Rules learned on Ray 2.60 (see REFERENCE.md): two compiled graphs must never be live on the same
+actors (the second hangs and its teardown kills the actors), so `switch` tears the old graph
+down before compiling the new one; compiling over an actor that was just created is slow
+(~2.5 s), so `add_ranks` waits until new actors answer before returning.
+
+Group rendezvous: when every member of a new group runs on one host (one IP) the group uses a
+FileStore in `group_dir` (nothing listens on a port); otherwise a TCPStore hosted by the group's
+rank 0 on a port it reports as free (`RankWorker.free_port`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import ray.dag
+import ray.exceptions
+import ray.util.placement_group as ray_pg
+import ray.util.scheduling_strategies as ray_sched
+
+from moe_runtime import step as step_mod
+from moe_runtime import worker as worker_mod
+from moe_runtime.comm import group as group_mod
+from moe_runtime.executor import base
+
+log = logging.getLogger(__name__)
+
+RANK_RESOURCE = "moe_rank"
+CTL_LANE = "ctl"
+HEALTH_LANE = "health"
+
+
+class _RankActor:
+    """The actor body: a RankWorker plus what only Ray knows (node id and address)."""
+
+    def __init__(self, *, label: int, device: str, dtype: str) -> None:
+        self.worker = worker_mod.RankWorker(
+            device=device, dtype=dtype, torch_threads=1, label=label
+        )
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+
+    def ready(self) -> dict[str, Any]:
+        info = self.worker.info()
+        info.update(node_id=self.node_id, ip=self.node_ip)
+        return info
+
+    def free_port(self) -> tuple[str, int]:
+        return self.worker.free_port(self.node_ip)
+
+    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        return self.worker.execute_step(step)
+
+
+_RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
+)(_RankActor)
+
+
+@dataclasses.dataclass
+class _Rank:
+    """One DP rank: its actor, its placement group, and what it said when it started."""
+
+    label: int
+    actor: Any
+    pg: Any
+    info: dict[str, Any]
+
+
+class RayExecutor(base.Executor):
+    """DP ranks as Ray actors (see the module docstring).
+
+    use_gpu: None = when the cluster has GPUs. ready_timeout: seconds to wait for placement
+    groups and new actors. step_timeout: seconds one step may take before it is reported.
+    """
+
+    def __init__(
+        self,
+        num_ranks: int,
+        *,
+        use_gpu: bool | None = None,
+        dtype: str = "float32",
+        ready_timeout: float = 120.0,
+        step_timeout: float = 120.0,
+        group_dir: str | None = None,
+    ) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0  # type: ignore[no-untyped-call]
+        self.use_gpu = use_gpu
+        self._dtype = dtype
+        self._ready_timeout = ready_timeout
+        self._step_timeout = step_timeout
+        self._group_dir = group_dir or tempfile.gettempdir()
+        self._driver_node = ray.get_runtime_context().get_node_id()
+        self._lock = threading.RLock()
+        self._ranks: dict[int, _Rank] = {}
+        self._active: list[int] = []
+        self._graph: Any = None
+        self._graph_ranks: list[int] = []
+        self._closed = False
+        #: Seconds of the last switch's phases: teardown, activate, compile.
+        self.last_switch: dict[str, float] = {}
+        started = self._start_ranks(num_ranks, first_label=0)
+        with self._lock:
+            for r in started:
+                self._ranks[r.label] = r
+            self._active = [r.label for r in started]
+
+    # -- ranks ---------------------------------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        with self._lock:
+            return list(self._active)
+
+    @property
+    def pending_ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(r for r in self._ranks if r not in self._active)
+
+    def rank_infos(self) -> dict[int, dict[str, Any]]:
+        with self._lock:
+            return {label: {**r.info, "label": label} for label, r in sorted(self._ranks.items())}
+
+    def actor(self, rank: int) -> Any:
+        """The actor handle of rank label `rank` (tests kill it to simulate a lost pod)."""
+        with self._lock:
+            return self._ranks[rank].actor
+
+    def _start_ranks(self, count: int, *, first_label: int) -> list[_Rank]:
+        """Placement groups, then actors; wait until all answer; sort; label from first_label."""
+        bundle: dict[str, float] = {RANK_RESOURCE: 1}
+        if self.use_gpu:
+            bundle["GPU"] = 1
+        pgs = [ray_pg.placement_group([bundle], strategy="STRICT_PACK") for _ in range(count)]
+        actors: list[Any] = []
+        try:
+            try:
+                ray.get([pg.ready() for pg in pgs], timeout=self._ready_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"{count} placement groups of {bundle} were not scheduled within "
+                    f"{self._ready_timeout}s: the cluster offers "
+                    f"{_free(RANK_RESOURCE)} free {RANK_RESOURCE}"
+                ) from None
+            device = "cuda" if self.use_gpu else "cpu"
+            for i, pg in enumerate(pgs):
+                strategy = ray_sched.PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=0
+                )
+                actors.append(
+                    _RemoteRankActor.options(
+                        scheduling_strategy=strategy,
+                        resources={RANK_RESOURCE: 1},
+                        num_gpus=1 if self.use_gpu else 0,
+                    ).remote(label=first_label + i, device=device, dtype=self._dtype)
+                )
+            infos = _get_all(
+                [a.ready.remote() for a in actors],
+                list(range(first_label, first_label + count)),
+                what="ready",
+                timeout=self._ready_timeout,
+            )
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            for pg in pgs:
+                ray_pg.remove_placement_group(pg)
+            raise
+        with self._lock:
+            per_node: dict[str, int] = {}
+            for r in self._ranks.values():
+                per_node[r.info["node_id"]] = per_node.get(r.info["node_id"], 0) + 1
+        for info in infos:
+            per_node[info["node_id"]] = per_node.get(info["node_id"], 0) + 1
+        order = sorted(
+            range(count),
+            key=lambda i: (
+                infos[i]["node_id"] != self._driver_node,
+                per_node[infos[i]["node_id"]],
+                infos[i]["ip"],
+                infos[i]["node_id"],
+            ),
+        )
+        started = []
+        for offset, i in enumerate(order):
+            label = first_label + offset
+            infos[i]["label"] = label
+            started.append(_Rank(label=label, actor=actors[i], pg=pgs[i], info=infos[i]))
+        ray.get([r.actor.execute_method.remote("set_label", r.label) for r in started])
+        log.info(
+            "started ranks %s on nodes %s",
+            [r.label for r in started],
+            [r.info["node_id"][:8] for r in started],
+        )
+        return started
+
+    # -- calls ---------------------------------------------------------------------------
+    def collective_rpc(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+        background: bool = False,
+        per_rank: Mapping[int, Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        with self._lock:
+            targets = list(self._active if ranks is None else ranks)
+            unknown = [r for r in targets if r not in self._ranks]
+            if unknown:
+                raise ValueError(f"collective_rpc({method}): no worker for ranks {unknown}")
+            actors = [self._ranks[r].actor for r in targets]
+        refs = []
+        for label, actor in zip(targets, actors, strict=True):
+            call = actor.execute_method
+            if background:
+                call = call.options(concurrency_group=CTL_LANE)
+            extra = dict(per_rank.get(label, {})) if per_rank else {}
+            refs.append(call.remote(method, *args, **kwargs, **extra))
+        return _get_all(refs, targets, what=method, timeout=timeout)
+
+    def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
+        with self._lock:
+            if self._graph is None and self._active == list(range(len(self._active))):
+                self._compile()  # first step after start(), or after a failed step
+            graph, ranks = self._graph, list(self._graph_ranks)
+        if graph is None:
+            raise base.ExecutorError("no step graph: switch to a set of ranks first")
+        try:
+            outs: list[step_mod.StepOutput] = ray.get(
+                graph.execute(step), timeout=self._step_timeout
+            )
+        except Exception as exc:  # noqa: BLE001 - any graph failure is reported with the dead ranks
+            health = self.check_health(timeout=5.0)
+            bad = [r for r in ranks if health.get(r) != "ok"]
+            log.error("step %d failed (ranks %s not ok): %s", step.step_id, bad, exc)
+            self._teardown()
+            cls = base.RankDied if bad else base.ExecutorError
+            raise cls(f"step {step.step_id} failed: {exc}", ranks=bad) from exc
+        return outs
+
+    def execute_step_remote(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
+        """The same step through plain actor calls, without the compiled graph (benchmarks)."""
+        with self._lock:
+            targets = list(self._active)
+            actors = [self._ranks[r].actor for r in targets]
+        refs = [a.execute_step.remote(step) for a in actors]
+        outs: list[step_mod.StepOutput] = _get_all(
+            refs, targets, what="execute_step", timeout=self._step_timeout
+        )
+        return outs
+
+    # -- the step graph ------------------------------------------------------------------
+    def _compile(self) -> None:
+        with self._lock:
+            if self._graph is not None:
+                raise RuntimeError("a step graph is live: tear it down before compiling another")
+            ranks = list(self._active)
+            actors = [self._ranks[r].actor for r in ranks]
+        with ray.dag.InputNode() as inp:
+            dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
+        graph = dag.experimental_compile()
+        with self._lock:
+            self._graph, self._graph_ranks = graph, ranks
+
+    def _teardown(self) -> None:
+        with self._lock:
+            graph, self._graph, self._graph_ranks = self._graph, None, []
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception:  # noqa: BLE001 - a broken graph is dropped anyway
+                log.exception("step graph teardown failed")
+
+    # -- elastic primitives --------------------------------------------------------------
+    def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        with self._lock:
+            first = max(self._ranks, default=-1) + 1
+        started = self._start_ranks(count, first_label=first)
+        with self._lock:
+            for r in started:
+                self._ranks[r.label] = r
+        return [r.label for r in started]
+
+    def build_groups(
+        self, ranks: Sequence[int], *, epoch: int, timeout: float | None = None
+    ) -> None:
+        ranks = list(ranks)
+        with self._lock:
+            members = [self._ranks[r] for r in ranks]
+        backend: group_mod.Backend = "nccl" if self.use_gpu else "gloo"
+        one_host = len({m.info["ip"] for m in members}) == 1
+        for role in base.GROUP_ROLES:
+            if one_host:
+                spec = group_mod.GroupSpec.local(
+                    len(ranks), epoch=epoch, backend=backend, directory=self._group_dir
+                )
+            else:
+                host, port = ray.get(
+                    members[0].actor.free_port.options(concurrency_group=HEALTH_LANE).remote(),
+                    timeout=30,
+                )
+                spec = group_mod.GroupSpec.tcp(host, port, len(ranks), epoch=epoch, backend=backend)
+            started = time.monotonic()
+            self.collective_rpc(
+                "join_group",
+                spec,
+                ranks=ranks,
+                timeout=timeout,
+                background=True,
+                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
+                role=role,
+            )
+            log.info(
+                "epoch %d %s group over ranks %s built in %.2fs (%s)",
+                epoch,
+                role,
+                ranks,
+                time.monotonic() - started,
+                "FileStore" if one_host else f"TCPStore {spec.host}:{spec.port}",
+            )
+
+    def switch(
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int | None = None,
+        placement: Any = None,
+        timeout: float | None = None,
+    ) -> None:
+        ranks = list(ranks)
+        with self._lock:
+            mapping = base.check_switch(ranks, live=list(self._ranks))
+        t0 = time.monotonic()
+        self._teardown()
+        t1 = time.monotonic()
+        if epoch is not None:
+            self.collective_rpc(
+                "activate",
+                epoch,
+                ranks=ranks,
+                timeout=timeout,
+                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
+                num_ranks=len(ranks),
+                placement=placement,
+            )
+        t2 = time.monotonic()
+        with self._lock:
+            relabelled = {}
+            for old, r in self._ranks.items():
+                r.label = mapping[old]
+                r.info["label"] = r.label
+                relabelled[r.label] = r
+            self._ranks = relabelled
+            self._active = list(range(len(ranks)))
+        ray.get([r.actor.execute_method.remote("set_label", r.label) for r in relabelled.values()])
+        self._compile()
+        t3 = time.monotonic()
+        self.last_switch = {"teardown_s": t1 - t0, "activate_s": t2 - t1, "compile_s": t3 - t2}
+        log.info(
+            "switched to ranks %s (old labels): teardown %.3fs, activate %.3fs, compile %.3fs",
+            ranks,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
+
+    def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        with self._lock:
+            unknown = [r for r in ranks if r not in self._ranks]
+            if unknown:
+                raise ValueError(f"remove_ranks: no worker for ranks {unknown}")
+            in_graph = any(r in self._graph_ranks for r in ranks)
+        if in_graph:
+            self._teardown()
+        with self._lock:
+            removed = [self._ranks.pop(r) for r in ranks]
+            self._active = [r for r in self._active if r not in ranks]
+        refs = [r.actor.execute_method.remote("shutdown") for r in removed]
+        ray.wait(refs, num_returns=len(refs), timeout=10.0)
+        infos = []
+        for r in removed:
+            ray.kill(r.actor)
+            ray_pg.remove_placement_group(r.pg)
+            infos.append(dict(r.info))
+        log.info("removed ranks %s: pods %s", list(ranks), [i.get("pod") for i in infos])
+        return infos
+
+    def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
+        with self._lock:
+            ranks = dict(self._ranks)
+        labels = sorted(ranks)
+        refs = [
+            ranks[r].actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
+            for r in labels
+        ]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done = set(ready)
+        report: dict[int, str] = {}
+        for label, ref in zip(labels, refs, strict=True):
+            if ref not in done:
+                report[label] = "unresponsive"
+                continue
+            try:
+                ray.get(ref)
+                report[label] = "ok"
+            except ray.exceptions.RayActorError:
+                report[label] = "dead"
+            except ray.exceptions.RayError:
+                report[label] = "unresponsive"
+        return report
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown()
+        with self._lock:
+            ranks = list(self._ranks.values())
+            self._ranks = {}
+            self._active = []
+        for r in ranks:
+            ray.kill(r.actor)
+            ray_pg.remove_placement_group(r.pg)
+        self._close_async_pool()
+
+
+def _get_all(
+    refs: Sequence[Any], ranks: Sequence[int], *, what: str, timeout: float | None
+) -> list[Any]:
+    """ray.get every ref; errors name the rank (RankDied for a dead actor)."""
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    if pending:
+        late = [r for r, ref in zip(ranks, refs, strict=True) if ref not in set(ready)]
+        raise TimeoutError(f"{what}: ranks {late} did not answer within {timeout}s")
+    results = []
+    for rank, ref in zip(ranks, refs, strict=True):
+        try:
+            results.append(ray.get(ref))
+        except ray.exceptions.RayActorError as exc:
+            raise base.RankDied(f"{what}: rank {rank} died: {exc}", ranks=[rank]) from exc
+        except ray.exceptions.RayTaskError as exc:
+            raise base.ExecutorError(
+                f"{what} failed on rank {rank}: {exc.cause!r}", ranks=[rank]
+            ) from exc
+    return results
+
+
+def _free(resource: str) -> float:
+    free: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
+    return free.get(resource, 0.0)

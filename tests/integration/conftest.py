@@ -1,0 +1,36 @@
+"""Shared fixtures of the runtime integration tests: one local Ray instance per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# Compiled-graph waits are bounded so a broken graph fails a test instead of hanging it.
+os.environ.setdefault("RAY_CGRAPH_get_timeout", "60")
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """A local Ray instance on loopback with room for 8 rank actors; shut down at session end.
+
+    Rank actors take no CPU (num_cpus=0) and one `moe_rank` each, so 8 ranks fit on 2 cores.
+    """
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        num_cpus=2,
+        num_gpus=0,
+        resources={"moe_rank": 8},
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
