@@ -1,17 +1,200 @@
-"""Command line of the runtime: `moe-runtime serve ...`."""
+"""Command line of the runtime: `moe-runtime serve ...`.
+
+`serve` joins the Ray cluster at RAY_ADDRESS (or starts a local one on 127.0.0.1), starts one
+rank per DP rank with an identity expert placement, the engine and the HTTP server. Ctrl-C or
+SIGTERM stops it cleanly: server, engine, executor, and the Ray instance it started.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
 import sys
+import time
+import types
+from typing import Any
+
+import uvicorn
+
+from moe_runtime import metrics as metrics_mod
+from moe_runtime import server
+from moe_runtime.engine import core
+from moe_runtime.eplb import policy
+from moe_runtime.model import source as source_mod
+
+log = logging.getLogger("moe_runtime.cli")
+
+LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
+LOG_DATEFMT = "%Y-%m-%dT%H:%M:%S"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-runtime", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "--model",
+        required=True,
+        help="synthetic://NAME?seed=S or a directory holding a Mixtral-format checkpoint",
+    )
+    serve.add_argument("--data-parallel-size", type=_positive, required=True, help="DP ranks")
+    serve.add_argument(
+        "--num-redundant-experts",
+        type=_non_negative,
+        default=0,
+        help="extra expert slots; raised to the next value that fills every rank equally",
+    )
+    serve.add_argument(
+        "--max-data-parallel-size",
+        type=_positive,
+        default=None,
+        help="rank slots a local Ray instance offers (default: max(8, DP))",
+    )
+    serve.add_argument("--served-model-name", default=None, help="model name in the API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--executor", choices=("ray", "local"), default="ray")
+    serve.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences per rank")
+    serve.add_argument(
+        "--max-tokens-per-step",
+        type=_positive,
+        default=2048,
+        help="token budget of one rank in one step (bounds prefill chunks)",
+    )
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def num_physical_experts(num_experts: int, redundant: int, num_ranks: int) -> int:
+    """The fewest slots >= num_experts + redundant that every rank holds equally many of."""
+    total = num_experts + redundant
+    return -(-total // num_ranks) * num_ranks
+
+
+def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the server until SIGINT/SIGTERM; returns the exit status."""
+    # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
+    signal.signal(signal.SIGTERM, _raise_exit)
+    started = time.monotonic()
+    src = source_mod.open_source(args.model)
+    cfg = src.config
+    num_ranks = args.data_parallel_size
+    num_physical = num_physical_experts(cfg.num_experts, args.num_redundant_experts, num_ranks)
+    if num_physical != cfg.num_experts + args.num_redundant_experts:
+        log.info(
+            "serve: %d redundant experts (asked %d) so %d ranks hold %d slots each",
+            num_physical - cfg.num_experts,
+            args.num_redundant_experts,
+            num_ranks,
+            num_physical // num_ranks,
+        )
+    placement = policy.identity(cfg.num_layers, cfg.num_experts, num_physical, num_ranks)
+    name = args.served_model_name or _default_name(args.model)
+
+    owns_ray = False
+    executor: Any = None
+    engine: core.Engine | None = None
+    cluster: Any = None
+    try:
+        if args.executor == "ray":
+            from moe_runtime.executor import cluster as cluster_mod  # imports ray: only here
+            from moe_runtime.executor import ray_executor  # imports ray: only here
+
+            cluster = cluster_mod
+            slots = max(8, num_ranks, args.max_data_parallel_size or 0)
+            owns_ray = cluster.connect(num_rank_slots=slots)
+            executor = ray_executor.RayExecutor(num_ranks, dtype=args.dtype)
+        else:
+            from moe_runtime.executor import local
+
+            executor = local.LocalExecutor(num_ranks, dtype=args.dtype)
+        log.info(
+            "serve: loading %s on %d ranks (%s executor)", args.model, num_ranks, args.executor
+        )
+        executor.start(args.model, placement=placement)
+        engine = core.Engine(
+            executor,
+            src.tokenizer(),
+            core.EngineConfig(
+                max_model_len=cfg.max_position_embeddings,
+                max_num_seqs_per_rank=args.max_num_seqs,
+                max_tokens_per_step=max(args.max_tokens_per_step, args.max_num_seqs),
+            ),
+        )
+        metrics = metrics_mod.RuntimeMetrics(stats=engine.stats)
+        engine.set_observer(metrics)
+        app = server.create_app(
+            engine, served_model_name=name, metrics=metrics, vocab_size=cfg.vocab_size
+        )
+        engine.start()
+        log.info(
+            "serve: model '%s' ready on %d ranks in %.1f s; listening on http://%s:%d",
+            name,
+            num_ranks,
+            time.monotonic() - started,
+            args.host,
+            args.port,
+        )
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_config=None, access_log=False
+        )
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        log.info("serve: interrupted")
+    except SystemExit as exc:
+        log.info("serve: exiting (%s)", exc.code)
+    finally:
+        _shutdown(engine, executor, cluster, owns_ray=owns_ray)
+    return 0
+
+
+def _shutdown(engine: core.Engine | None, executor: Any, cluster: Any, *, owns_ray: bool) -> None:
+    log.info("serve: shutting down")
+    if engine is not None:
+        engine.stop()
+    if executor is not None:
+        try:
+            executor.shutdown()
+        except Exception:
+            log.exception("serve: executor shutdown failed")
+    if cluster is not None:
+        cluster.disconnect()  # stops the local Ray instance when owns_ray, else just leaves
+        if owns_ray:
+            log.info("serve: local Ray instance stopped")
+    log.info("serve: stopped")
+
+
+def _default_name(model: str) -> str:
+    if model.startswith("synthetic://"):
+        return model[len("synthetic://") :].split("?", 1)[0]
+    return model.rstrip("/").rsplit("/", 1)[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moe-runtime")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="serve a model over HTTP (not implemented yet)")
-    args = parser.parse_args(argv)
-    print(f"moe-runtime: '{args.command}' is not implemented yet", file=sys.stderr)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+    if args.command == "serve":
+        return serve(args)
     return 2
 
 

@@ -1,0 +1,48 @@
+"""Joining the Ray cluster that `RayExecutor` runs on, or starting a local one on loopback.
+
+Kept here because only `moe_runtime.executor` imports ray; the CLI calls `connect` before it
+builds the executor and `disconnect` after it shut the executor down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from moe_runtime.executor import ray_executor
+
+log = logging.getLogger(__name__)
+
+
+def connect(*, num_rank_slots: int, address: str | None = None) -> bool:
+    """Join the cluster at `address` (default: env RAY_ADDRESS), or start a local one.
+
+    A local instance listens on 127.0.0.1 only, has no dashboard, and offers `num_rank_slots`
+    rank slots (the `moe_rank` resource that worker pods offer on Kubernetes; rank actors take
+    no CPU). Returns True when this call started Ray: the caller then owns it and must call
+    `disconnect`, which stops every process it started.
+    """
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        log.info("ray: joining the cluster at %s", address)
+        ray.init(address=address, configure_logging=False)
+        return False
+    log.info("ray: starting a local instance on 127.0.0.1 with %d rank slots", num_rank_slots)
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        resources={ray_executor.RANK_RESOURCE: num_rank_slots},
+        include_dashboard=False,
+        configure_logging=False,
+    )
+    return True
+
+
+def disconnect() -> None:
+    """Leave the cluster; a local instance started by `connect` is shut down with its processes."""
+    if ray.is_initialized():
+        ray.shutdown()
+        log.info("ray: disconnected")
