@@ -33,6 +33,7 @@ def connect(*, num_rank_slots: int, address: str | None = None) -> bool:
         return False
     log.info("ray: starting a local instance on 127.0.0.1 with %d rank slots", num_rank_slots)
     ray.init(
+        address="local",  # never attach to another instance found on this host
         _node_ip_address="127.0.0.1",
         resources={ray_executor.RANK_RESOURCE: num_rank_slots},
         include_dashboard=False,
