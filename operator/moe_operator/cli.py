@@ -3,18 +3,56 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import pathlib
 import sys
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from moe_operator.api import crd
+
+    for path in crd.write_crds(pathlib.Path(args.out)):
+        print(path)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from moe_operator import handlers
+
+    kopf.configure(verbose=args.verbose, debug=args.debug)
+    if not args.debug:  # one line per API request is too much at INFO
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+    )
+    del handlers  # imported for its registrations
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-operator")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run the operator (not implemented yet)")
-    crd = sub.add_parser("crd", help="write the CRD YAML")
+    run = sub.add_parser("run", help="run the operator (kopf; KUBECONFIG or in-cluster config)")
+    run.add_argument(
+        "-n", "--namespace", action="append", help="watch only these namespaces (repeatable)"
+    )
+    run.add_argument(
+        "--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    run.add_argument("--verbose", action="store_true")
+    run.add_argument("--debug", action="store_true")
+    run.set_defaults(func=_run)
+    crd = sub.add_parser("crd", help="write the CRD YAML generated from the pydantic models")
     crd.add_argument("--out", default="crds/")
+    crd.set_defaults(func=_crd)
     args = parser.parse_args(argv)
-    print(f"moe-operator: '{args.command}' is not implemented yet", file=sys.stderr)
-    return 2
+    result: int = args.func(args)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,24 @@
+"""Names of the MoEDeployment API group, kind and the labels the operator puts on children."""
+
+from __future__ import annotations
+
+from typing import Final
+
+GROUP: Final = "elasticmoe.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "MoEDeployment"
+PLURAL: Final = "moedeployments"
+SINGULAR: Final = "moedeployment"
+SHORT_NAMES: Final = ("moed",)
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+#: Label on every child (and in ``status.selector``) naming the owning MoEDeployment.
+LABEL_DEPLOYMENT: Final = f"{GROUP}/deployment"
+#: Label saying which part of the deployment an object is (``head``, ``worker``, ``api``, ...).
+LABEL_COMPONENT: Final = f"{GROUP}/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "elastic-moe"
+
+#: Annotation overriding the URL the operator uses to reach the runtime's admin API.
+ANNOTATION_RUNTIME_URL: Final = f"{GROUP}/runtime-url"

@@ -1,0 +1,203 @@
+"""``MoEDeployment.spec``: what the user asks for (DESIGN §2).
+
+Every model forbids unknown fields; the CRD generated from these models makes the API server
+prune and (with ``--validate=strict``) refuse them. CEL rules attached with ``json_schema_extra``
+land in the CRD as ``x-kubernetes-validations``; the same rules are checked again in Python
+(``model_validator``) so the operator never acts on a spec the API server would refuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal, Union
+
+import pydantic
+from pydantic import alias_generators
+
+#: Largest data-parallel size the schema accepts (bounds CEL cost estimates too).
+MAX_DATA_PARALLEL_SIZE = 1024
+MAX_TENSOR_PARALLEL_SIZE = 64
+DEFAULT_IMAGE = "ghcr.io/elastic-moe/elastic-moe:0.1.0"
+
+Accelerator = Literal["cpu", "nvidia.com/gpu"]
+ACCELERATOR_CPU: Final = "cpu"
+ACCELERATOR_NVIDIA_GPU: Final = "nvidia.com/gpu"
+
+#: A Kubernetes resource quantity (``"2"``, ``"500m"``, ``"4Gi"`` or an integer).
+Quantity = Union[int, str]
+
+
+def defaulted(model: type[Any]) -> Any:
+    """A sub-object field that defaults to ``model()``; the CRD gets ``default: {}`` so the API
+    server fills in the sub-object's own defaults too."""
+    return pydantic.Field(default_factory=model, json_schema_extra={"default": {}})
+
+
+class ApiModel(pydantic.BaseModel):
+    """Base of every spec/status model: camelCase on the wire, unknown fields refused."""
+
+    model_config = pydantic.ConfigDict(
+        extra="forbid",
+        alias_generator=alias_generators.to_camel,
+        populate_by_name=True,
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The object as the API server stores it (camelCase, ``None`` fields left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class ModelSpec(ApiModel):
+    """Which checkpoint to serve."""
+
+    source: str = pydantic.Field(
+        min_length=1,
+        max_length=4096,
+        description=(
+            "synthetic://NAME?seed=N or a local directory holding a Hugging Face Mixtral-format "
+            "checkpoint (config.json + *.safetensors). Immutable."
+        ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self == oldSelf", "message": "model.source is immutable"}
+            ]
+        },
+    )
+    served_model_name: str | None = pydantic.Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Name of the model in the OpenAI-compatible API (default: the deployment name).",
+    )
+
+
+class EplbSpec(ApiModel):
+    """Expert-parallel load balancer settings."""
+
+    enabled: bool = pydantic.Field(default=True, description="Rebalance experts from live load.")
+    window_size: int = pydantic.Field(
+        default=1000, ge=1, le=1_000_000, description="Steps of expert load kept in the window."
+    )
+    step_interval: int = pydantic.Field(
+        default=3000, ge=1, le=10_000_000, description="Steps between two rebalances."
+    )
+
+
+class ExpertParallelSpec(ApiModel):
+    """How experts are spread over the ranks."""
+
+    num_redundant_experts: int = pydantic.Field(
+        default=0, ge=0, le=4096, description="Extra physical expert slots for hot experts."
+    )
+    eplb: EplbSpec = defaulted(EplbSpec)
+
+
+class ElasticSpec(ApiModel):
+    """Timeouts of live resizes."""
+
+    drain_timeout_seconds: int = pydantic.Field(default=120, ge=1, le=86_400)
+    resize_timeout_seconds: int = pydantic.Field(default=600, ge=1, le=86_400)
+
+
+class FaultToleranceSpec(ApiModel):
+    """What to do when a rank dies."""
+
+    auto_recover: bool = pydantic.Field(
+        default=True, description="Replace dead ranks (or shrink) without user action."
+    )
+
+
+class ResourceRequirements(ApiModel):
+    """Container resources (a subset of core/v1 ResourceRequirements)."""
+
+    requests: dict[str, Quantity] | None = None
+    limits: dict[str, Quantity] | None = None
+
+
+class Toleration(ApiModel):
+    """A core/v1 Toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class RaySpec(ApiModel):
+    """The RayCluster the deployment runs on."""
+
+    image: str = pydantic.Field(default=DEFAULT_IMAGE, min_length=1, max_length=1024)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    accelerator: Accelerator = pydantic.Field(
+        default="cpu",
+        description="nvidia.com/gpu gives each worker tensorParallelSize GPUs.",
+    )
+    head_resources: ResourceRequirements | None = None
+    worker_resources: ResourceRequirements | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[Toleration] | None = None
+    service_account_name: str | None = pydantic.Field(default=None, max_length=253)
+
+
+_SPEC_RULES: list[pydantic.JsonValue] = [
+    {
+        "rule": "self.minDataParallelSize <= self.maxDataParallelSize",
+        "message": "minDataParallelSize must be less than or equal to maxDataParallelSize",
+        "fieldPath": ".minDataParallelSize",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.dataParallelSize >= self.minDataParallelSize",
+        "message": "dataParallelSize must be at least minDataParallelSize",
+        "fieldPath": ".dataParallelSize",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": "self.dataParallelSize <= self.maxDataParallelSize",
+        "message": "dataParallelSize must be at most maxDataParallelSize",
+        "fieldPath": ".dataParallelSize",
+        "reason": "FieldValueInvalid",
+    },
+]
+
+
+class MoEDeploymentSpec(ApiModel):
+    """What the user asks for: the model, the data-parallel size and its bounds, and how to run it."""
+
+    model_config = pydantic.ConfigDict(json_schema_extra={"x-kubernetes-validations": _SPEC_RULES})
+
+    model: ModelSpec
+    data_parallel_size: int = pydantic.Field(
+        ge=1,
+        le=MAX_DATA_PARALLEL_SIZE,
+        description="DP ranks (one worker pod each); the expert-parallel size is DP x TP.",
+    )
+    min_data_parallel_size: int = pydantic.Field(default=1, ge=1, le=MAX_DATA_PARALLEL_SIZE)
+    max_data_parallel_size: int = pydantic.Field(default=8, ge=1, le=MAX_DATA_PARALLEL_SIZE)
+    tensor_parallel_size: int = pydantic.Field(default=1, ge=1, le=MAX_TENSOR_PARALLEL_SIZE)
+    expert_parallel: ExpertParallelSpec = defaulted(ExpertParallelSpec)
+    elastic: ElasticSpec = defaulted(ElasticSpec)
+    fault_tolerance: FaultToleranceSpec = defaulted(FaultToleranceSpec)
+    ray: RaySpec = defaulted(RaySpec)
+
+    @pydantic.model_validator(mode="after")
+    def _sizes_consistent(self) -> MoEDeploymentSpec:
+        if self.min_data_parallel_size > self.max_data_parallel_size:
+            raise ValueError(
+                "minDataParallelSize must be less than or equal to maxDataParallelSize "
+                f"(got {self.min_data_parallel_size} > {self.max_data_parallel_size})"
+            )
+        if not (
+            self.min_data_parallel_size <= self.data_parallel_size <= self.max_data_parallel_size
+        ):
+            raise ValueError(
+                f"dataParallelSize must be within [minDataParallelSize, maxDataParallelSize] = "
+                f"[{self.min_data_parallel_size}, {self.max_data_parallel_size}] "
+                f"(got {self.data_parallel_size})"
+            )
+        return self
+
+    @property
+    def wants_gpus(self) -> bool:
+        return self.ray.accelerator == ACCELERATOR_NVIDIA_GPU

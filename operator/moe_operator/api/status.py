@@ -1,0 +1,117 @@
+"""``MoEDeployment.status``: what the operator observed (DESIGN §2), plus the typed constants of
+phases, resize stages (DESIGN §3), condition types and condition reasons."""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import pydantic
+
+from moe_operator.api import spec as spec_
+
+
+class Phase(str, enum.Enum):
+    """Coarse lifecycle of a deployment."""
+
+    PENDING = "Pending"
+    PROVISIONING = "Provisioning"
+    SERVING = "Serving"
+    RESIZING = "Resizing"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+
+
+class Stage(str, enum.Enum):
+    """Stages of a live resize; the names are fixed by DESIGN section 3."""
+
+    PROVISIONING = "Provisioning"
+    STANDBY = "Standby"
+    TRANSFERRING = "Transferring"
+    SWITCHING = "Switching"
+    RESHUFFLING = "Reshuffling"
+    MIGRATING = "Migrating"
+    RELEASING = "Releasing"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+
+
+class ConditionStatus(str, enum.Enum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+# Condition types.
+CONDITION_READY: Final = "Ready"
+CONDITION_RESIZING: Final = "Resizing"
+CONDITION_DEGRADED: Final = "Degraded"
+CONDITION_TYPES: Final = (CONDITION_READY, CONDITION_RESIZING, CONDITION_DEGRADED)
+
+# Condition reasons (CamelCase, as the API conventions ask).
+REASON_CHILDREN_CREATED: Final = "ChildrenCreated"
+REASON_WAITING_FOR_RAY_CLUSTER: Final = "WaitingForRayCluster"
+REASON_WAITING_FOR_WORKERS: Final = "WaitingForWorkers"
+REASON_ALL_RANKS_READY: Final = "AllRanksReady"
+REASON_RANKS_MISSING: Final = "RanksMissing"
+REASON_NO_RESIZE: Final = "NoResize"
+REASON_RESIZE_IN_PROGRESS: Final = "ResizeInProgress"
+REASON_RESIZE_FAILED: Final = "ResizeFailed"
+REASON_HEALTHY: Final = "Healthy"
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+
+DATE_TIME: Final[dict[str, pydantic.JsonValue]] = {"format": "date-time"}
+
+
+class Condition(spec_.ApiModel):
+    """A condition following the Kubernetes API conventions."""
+
+    type: str = pydantic.Field(min_length=1, max_length=316)
+    status: ConditionStatus
+    reason: str = pydantic.Field(min_length=1, max_length=1024)
+    message: str = pydantic.Field(default="", max_length=32768)
+    last_transition_time: str = pydantic.Field(json_schema_extra=DATE_TIME)
+    observed_generation: int | None = pydantic.Field(default=None, ge=0)
+
+
+class ResizeStatus(spec_.ApiModel):
+    """Progress of the running (or last) live resize."""
+
+    from_size: int = pydantic.Field(ge=0)
+    to_size: int = pydantic.Field(ge=0)
+    stage: Stage
+    started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
+    stage_started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
+    message: str | None = None
+
+
+class ExpertsStatus(spec_.ApiModel):
+    """Expert placement as the runtime reports it."""
+
+    balancedness: float | None = pydantic.Field(default=None, ge=0, le=1)
+    redundant_experts: int | None = pydantic.Field(default=None, ge=0)
+
+
+class MoEDeploymentStatus(spec_.ApiModel):
+    """What the operator observed; written only when more than timestamps changed."""
+
+    observed_generation: int | None = None
+    phase: Phase | None = None
+    data_parallel_size: int | None = pydantic.Field(
+        default=None, ge=0, description="Ranks serving now."
+    )
+    target_data_parallel_size: int | None = pydantic.Field(default=None, ge=0)
+    selector: str | None = None
+    resize: ResizeStatus | None = None
+    experts: ExpertsStatus | None = None
+    endpoint: str | None = None
+    conditions: list[Condition] | None = pydantic.Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+    def condition(self, type_: str) -> Condition | None:
+        for cond in self.conditions or ():
+            if cond.type == type_:
+                return cond
+        return None

@@ -1,0 +1,148 @@
+"""kopf registrations, kept thin: every trigger ends in ``reconcile.reconcile``.
+
+Create, update and resume (operator restart) of a MoEDeployment, any event on a RayCluster the
+operator manages, and a periodic resync all run the same idempotent reconcile; one lock per
+deployment keeps them from racing. No timers or daemons: those make kopf put a finalizer on
+every object, so deleting a deployment would hang whenever the operator is down. kopf keeps its
+own bookkeeping in ``elasticmoe.io/*`` annotations, never in ``status`` (whose schema is closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any, Final, Union, cast
+
+import kopf
+
+from moe_operator import reconcile
+from moe_operator.api import group
+from moe_operator.k8s import api as k8s_api
+
+Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
+Key = tuple[str, str]
+
+RESYNC_SECONDS: Final = float(os.environ.get("MOE_RESYNC_SECONDS", "60"))
+RETRY_BACKOFF_SECONDS: Final = 5.0
+RESOURCE: Final = (group.GROUP, group.VERSION, group.PLURAL)
+RAYCLUSTERS: Final = ("ray.io", "v1", "rayclusters")
+
+logger = logging.getLogger(__name__)
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=group.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=group.GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{group.GROUP}/operator"
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    memo.api = k8s_api.Api.from_environment()
+    memo.locks = {}  # Key -> asyncio.Lock, shared by every per-object memo (shallow copies)
+    memo.known = set()  # Keys of the MoEDeployments seen, for the periodic resync
+    memo.resync = asyncio.get_running_loop().create_task(_resync_forever(memo))
+
+
+@kopf.on.cleanup()
+async def close(memo: Any, **_: Any) -> None:
+    task = memo.get("resync")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    api = memo.get("api")
+    if api is not None:
+        await api.close()
+
+
+def _lock(memo: Any, key: Key) -> asyncio.Lock:
+    locks: dict[Key, asyncio.Lock] = memo.locks
+    return locks.setdefault(key, asyncio.Lock())
+
+
+async def _reconcile(body: dict[str, Any], memo: Any, log: Logger) -> None:
+    target = kopf.Body(cast(kopf.RawBody, body))
+
+    def events(reason: str, message: str) -> None:
+        kopf.info(target, reason=reason, message=message)
+
+    try:
+        await reconcile.reconcile(api=memo.api, body=body, events=events, logger=log)
+    except reconcile.InvalidSpec as error:
+        kopf.warn(target, reason="InvalidSpec", message=str(error)[:1000])
+        raise kopf.PermanentError(str(error)) from error
+
+
+async def _reconcile_fresh(key: Key, memo: Any, log: Logger) -> None:
+    """Reconcile the current version of a deployment (read again, not from a cached body)."""
+    async with _lock(memo, key):
+        body = await memo.api.get(
+            api_version=group.API_VERSION, kind=group.KIND, namespace=key[0], name=key[1]
+        )
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        await _reconcile(body, memo, log)
+
+
+@kopf.on.resume(*RESOURCE, backoff=RETRY_BACKOFF_SECONDS)
+@kopf.on.create(*RESOURCE, backoff=RETRY_BACKOFF_SECONDS)
+@kopf.on.update(*RESOURCE, backoff=RETRY_BACKOFF_SECONDS)
+async def reconcile_on_change(
+    body: kopf.Body, namespace: str | None, name: str, memo: Any, logger: Logger, **_: Any
+) -> None:
+    async with _lock(memo, (namespace or "", name)):
+        await _reconcile(dict(body), memo, logger)
+
+
+@kopf.on.event(*RESOURCE)
+async def track(
+    type: str,  # noqa: A002 - kopf's name
+    namespace: str | None,
+    name: str,
+    memo: Any,
+    **_: Any,
+) -> None:
+    """Remember which deployments exist, for the periodic resync."""
+    key = (namespace or "", name)
+    if type == "DELETED":
+        memo.known.discard(key)
+        memo.locks.pop(key, None)
+    else:
+        memo.known.add(key)
+
+
+@kopf.on.event(*RAYCLUSTERS, labels={group.LABEL_MANAGED_BY: group.MANAGED_BY})
+async def raycluster_changed(
+    type: str,  # noqa: A002 - kopf's name
+    labels: kopf.Labels,
+    namespace: str | None,
+    memo: Any,
+    logger: Logger,
+    **_: Any,
+) -> None:
+    """A managed RayCluster changed (status, deletion, someone's edit): reconcile its owner."""
+    owner = labels.get(group.LABEL_DEPLOYMENT)
+    key = (namespace or "", owner or "")
+    if owner is None or key not in memo.known:
+        return
+    try:
+        await _reconcile_fresh(key, memo, logger)
+    except (k8s_api.ApiError, kopf.PermanentError) as error:
+        logger.warning(
+            "reconcile of %s/%s after a RayCluster %s failed: %s", namespace, owner, type, error
+        )
+
+
+async def _resync_forever(memo: Any) -> None:
+    """Level-triggered safety net: every ``MOE_RESYNC_SECONDS`` reconcile every deployment."""
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        for key in sorted(memo.known):
+            try:
+                await _reconcile_fresh(key, memo, logger)
+            except (k8s_api.ApiError, kopf.PermanentError, OSError) as error:
+                logger.warning("resync of %s/%s failed: %s", key[0], key[1], error)

@@ -1,0 +1,208 @@
+"""A small asynchronous Kubernetes API client: server-side apply, get, create, status patch.
+
+Connection settings (in-cluster service account, or a kubeconfig) are read by the official
+``kubernetes`` package; requests go through one ``httpx.AsyncClient`` shared by every handler
+on the operator's event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import ssl
+from collections.abc import Generator
+from typing import Any, Final
+
+import httpx
+import kubernetes
+
+from moe_operator.api import group
+
+logger = logging.getLogger(__name__)
+
+FIELD_MANAGER: Final = "elastic-moe"
+APPLY_PATCH: Final = "application/apply-patch+yaml"
+MERGE_PATCH: Final = "application/merge-patch+json"
+
+#: (apiVersion, kind) -> (URL prefix, plural) of every kind the operator touches.
+_KINDS: Final[dict[tuple[str, str], tuple[str, str]]] = {
+    ("v1", "Service"): ("/api/v1", "services"),
+    ("v1", "Secret"): ("/api/v1", "secrets"),
+    ("ray.io/v1", "RayCluster"): ("/apis/ray.io/v1", "rayclusters"),
+    (group.API_VERSION, group.KIND): (f"/apis/{group.API_VERSION}", group.PLURAL),
+}
+
+
+class ApiError(Exception):
+    """The API server answered with an error status."""
+
+    def __init__(self, *, method: str, url: str, status: int, body: str) -> None:
+        super().__init__(f"{method} {url}: HTTP {status}: {body[:500]}")
+        self.status = status
+        self.body = body
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyResult:
+    """What the API server returned for one write, and whether the object was created by it."""
+
+    obj: dict[str, Any]
+    created: bool
+
+
+def path(
+    *, api_version: str, kind: str, namespace: str, name: str | None = None, sub: str = ""
+) -> str:
+    prefix, plural = _KINDS[(api_version, kind)]
+    out = f"{prefix}/namespaces/{namespace}/{plural}"
+    if name is not None:
+        out += f"/{name}"
+    if sub:
+        out += f"/{sub}"
+    return out
+
+
+class _ConfigAuth(httpx.Auth):
+    """Bearer token from the kubernetes Configuration, re-read per request (tokens rotate)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        token = self._config.get_api_key_with_prefix(
+            "BearerToken"
+        ) or self._config.get_api_key_with_prefix("authorization")
+        if token:
+            request.headers["Authorization"] = token
+        yield request
+
+
+def _load_configuration(kubeconfig: str | None) -> Any:
+    config = kubernetes.client.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_incluster_config(client_configuration=config)  # type: ignore[no-untyped-call]
+    else:
+        kubernetes.config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, client_configuration=config
+        )
+    return config
+
+
+class Api:
+    """Asynchronous client of the few API calls the operator makes."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    @classmethod
+    def from_environment(cls, *, kubeconfig: str | None = None, timeout: float = 30.0) -> Api:
+        """In-cluster config when running in a pod, else ``kubeconfig`` / ``$KUBECONFIG``."""
+        config = _load_configuration(kubeconfig or os.environ.get("KUBECONFIG"))
+        verify: ssl.SSLContext | bool = True
+        if not config.verify_ssl:
+            verify = False
+        else:
+            verify = ssl.create_default_context(cafile=config.ssl_ca_cert)
+            if config.cert_file:
+                verify.load_cert_chain(config.cert_file, config.key_file)
+        client = httpx.AsyncClient(
+            base_url=config.host,
+            verify=verify,
+            auth=_ConfigAuth(config),
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+            headers={"Accept": "application/json"},
+        )
+        return cls(client)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        headers = {"Content-Type": content_type} if body is not None else {}
+        response = await self._client.request(
+            method, url, json=body, headers=headers, params=params
+        )
+        if response.status_code >= 400:
+            raise ApiError(method=method, url=url, status=response.status_code, body=response.text)
+        return response
+
+    async def get(
+        self, *, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        """The object, or ``None`` when it does not exist."""
+        url = path(api_version=api_version, kind=kind, namespace=namespace, name=name)
+        try:
+            response = await self._request("GET", url)
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def apply(self, obj: dict[str, Any]) -> ApplyResult:
+        """Server-side apply ``obj`` as field manager ``elastic-moe`` (conflicts forced)."""
+        meta = obj["metadata"]
+        url = path(
+            api_version=obj["apiVersion"],
+            kind=obj["kind"],
+            namespace=meta["namespace"],
+            name=meta["name"],
+        )
+        response = await self._request(
+            "PATCH",
+            url,
+            body=obj,
+            content_type=APPLY_PATCH,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
+        return ApplyResult(obj=response.json(), created=response.status_code == 201)
+
+    async def create(self, obj: dict[str, Any]) -> ApplyResult:
+        """Create ``obj``; when it already exists, return the stored one (``created=False``)."""
+        meta = obj["metadata"]
+        kind = {"api_version": obj["apiVersion"], "kind": obj["kind"]}
+        url = path(**kind, namespace=meta["namespace"])
+        try:
+            response = await self._request(
+                "POST", url, body=obj, params={"fieldManager": FIELD_MANAGER}
+            )
+        except ApiError as error:
+            if error.status != 409:
+                raise
+            existing = await self.get(**kind, namespace=meta["namespace"], name=meta["name"])
+            if existing is None:
+                raise
+            return ApplyResult(obj=existing, created=False)
+        return ApplyResult(obj=response.json(), created=True)
+
+    async def patch_status(
+        self, *, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON-merge-patch ``status`` of a MoEDeployment (the status subresource)."""
+        url = path(
+            api_version=group.API_VERSION,
+            kind=group.KIND,
+            namespace=namespace,
+            name=name,
+            sub="status",
+        )
+        response = await self._request(
+            "PATCH",
+            url,
+            body={"status": patch},
+            content_type=MERGE_PATCH,
+            params={"fieldManager": FIELD_MANAGER},
+        )
+        result: dict[str, Any] = response.json()
+        return result

@@ -1,0 +1,150 @@
+"""One reconcile of a MoEDeployment: observe -> plan -> apply -> one status write.
+
+Glue between the pure planner (``plan``) and the API client (``k8s``); no kopf here, so the
+handlers stay thin and this can be driven by any caller (kopf handlers, a timer, a test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any, Union
+
+import pydantic
+
+from moe_operator.api import spec as spec_
+from moe_operator.api import status as status_
+from moe_operator.k8s import api as k8s_api
+from moe_operator.plan import builders, observe, resize
+from moe_operator.plan import status as plan_status
+
+#: ``events(reason, message)``: posts a Kubernetes event on the MoEDeployment.
+Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
+EventSink = Callable[[str, str], None]
+
+
+class InvalidSpec(ValueError):
+    """The spec does not validate (the CRD should have refused it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one reconcile did."""
+
+    phase: status_.Phase
+    created: tuple[str, ...]
+    status_written: bool
+
+
+def parse_spec(raw: Any) -> spec_.MoEDeploymentSpec:
+    try:
+        return spec_.MoEDeploymentSpec.model_validate(raw)
+    except pydantic.ValidationError as error:
+        raise InvalidSpec(str(error)) from error
+
+
+def parse_status(raw: Any, *, logger: Logger) -> status_.MoEDeploymentStatus:
+    """The stored status; an unreadable one counts as empty (and gets rewritten)."""
+    try:
+        return status_.MoEDeploymentStatus.model_validate(raw or {})
+    except pydantic.ValidationError as error:
+        logger.warning("ignoring unreadable status: %s", error)
+        return status_.MoEDeploymentStatus()
+
+
+async def observe_children(*, api: k8s_api.Api, owner: builders.Owner) -> observe.Observed:
+    ray = await api.get(
+        api_version="ray.io/v1",
+        kind="RayCluster",
+        namespace=owner.namespace,
+        name=builders.raycluster_name(owner.name),
+    )
+    secret = await api.get(
+        api_version="v1",
+        kind="Secret",
+        namespace=owner.namespace,
+        name=builders.secret_name(owner.name),
+    )
+    return observe.Observed(raycluster=observe.raycluster(ray), secret_exists=secret is not None)
+
+
+async def _execute(
+    action: resize.Action,
+    *,
+    api: k8s_api.Api,
+    owner: builders.Owner,
+    spec: spec_.MoEDeploymentSpec,
+) -> k8s_api.ApplyResult | None:
+    if isinstance(action, resize.EnsureSecret):
+        token = secrets.token_urlsafe(32)
+        return await api.create(builders.build_secret(owner=owner, token=token))
+    if isinstance(action, resize.ApplyRayCluster):
+        return await api.apply(
+            builders.build_raycluster(
+                owner=owner, spec=spec, worker_replicas=action.worker_replicas
+            )
+        )
+    if isinstance(action, resize.ApplyService):
+        return await api.apply(builders.build_service(owner=owner))
+    if isinstance(action, resize.ScaleRuntime):
+        raise NotImplementedError("live resizes are driven by the resize driver")
+    return None
+
+
+async def reconcile(
+    *,
+    api: k8s_api.Api,
+    body: dict[str, Any],
+    events: EventSink,
+    logger: Logger,
+    now: str | None = None,
+) -> Outcome:
+    """Bring the children in line with the spec and write the status if it changed."""
+    meta = body["metadata"]
+    owner = builders.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    generation = int(meta.get("generation") or 1)
+    spec = parse_spec(body.get("spec"))
+    raw_status = body.get("status") or {}
+    current = parse_status(raw_status, logger=logger)
+    observed = await observe_children(api=api, owner=owner)
+    actions = resize.plan_resize(spec, current, observed)
+    created: list[str] = []
+    phase: resize.SetPhase | None = None
+    for action in actions:
+        if isinstance(action, resize.SetPhase):
+            phase = action
+            continue
+        result = await _execute(action, api=api, owner=owner, spec=spec)
+        if result is not None and result.created:
+            kind, name = result.obj["kind"], result.obj["metadata"]["name"]
+            created.append(f"{kind}/{name}")
+            logger.info("created %s %s/%s", kind, owner.namespace, name)
+            events("Created", f"Created {kind} {name}")
+    if phase is None:  # plan_resize always ends with one; keep the status honest regardless
+        phase = resize.SetPhase(current.phase or status_.Phase.PENDING, "Unknown", "")
+    new = plan_status.next_status(
+        name=owner.name,
+        namespace=owner.namespace,
+        generation=generation,
+        target=spec.data_parallel_size,
+        current=current,
+        observed=observed,
+        phase=phase,
+        now=now or plan_status.now_rfc3339(),
+    )
+    written = plan_status.needs_write(raw_status, new)
+    if written:
+        await api.patch_status(
+            namespace=owner.namespace,
+            name=owner.name,
+            patch=plan_status.merge_patch(raw_status, new),
+        )
+        logger.info(
+            "status: phase=%s dp=%s target=%s",
+            new.phase,
+            new.data_parallel_size,
+            new.target_data_parallel_size,
+        )
+    return Outcome(phase=phase.phase, created=tuple(created), status_written=written)

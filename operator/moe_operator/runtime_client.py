@@ -1,0 +1,161 @@
+"""Asynchronous httpx client of the runtime's admin API (DESIGN §4).
+
+Used by the operator to observe a deployment (``GET /elastic_ep/status``, ``GET /health``) and,
+from the resize driver, to ask for a live resize (``POST /scale_elastic_ep``). Tests pass an
+``httpx.MockTransport``.
+
+Where the runtime is reached: the ``elasticmoe.io/runtime-url`` annotation of the
+MoEDeployment, else ``$MOE_RUNTIME_URL_TEMPLATE`` (``{name}``, ``{namespace}`` and
+``{service}`` are filled in; local runs point it at loopback), else the in-cluster Service.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Final
+
+import httpx
+import pydantic
+
+from moe_operator.api import group
+from moe_operator.plan import builders
+
+URL_TEMPLATE_ENV: Final = "MOE_RUNTIME_URL_TEMPLATE"
+
+
+def runtime_url(
+    *,
+    name: str,
+    namespace: str,
+    annotations: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """The base URL of a deployment's runtime API."""
+    override = (annotations or {}).get(group.ANNOTATION_RUNTIME_URL)
+    if override:
+        return override.rstrip("/")
+    template = (os.environ if environ is None else environ).get(URL_TEMPLATE_ENV)
+    if template:
+        return template.format(
+            name=name, namespace=namespace, service=builders.service_name(name)
+        ).rstrip("/")
+    return builders.endpoint(owner_name=name, namespace=namespace)
+
+
+class _Response(pydantic.BaseModel):
+    # Answers of our own runtime: tolerate fields added by newer runtimes.
+    model_config = pydantic.ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ScaleAccepted(_Response):
+    """Answer of ``POST /scale_elastic_ep``."""
+
+    resize_id: str | None = None
+    from_size: int | None = pydantic.Field(default=None, alias="from")
+    to_size: int | None = pydantic.Field(default=None, alias="to")
+    stage: str | None = None
+    message: str | None = None
+
+
+class RankInfo(_Response):
+    rank: int
+    node_id: str | None = None
+    pod: str | None = None
+    healthy: bool = True
+    num_experts: int | None = None
+
+
+class ElasticStatus(_Response):
+    """Answer of ``GET /elastic_ep/status``."""
+
+    data_parallel_size: int
+    target_data_parallel_size: int | None = None
+    stage: str | None = None
+    resize: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = pydantic.Field(default_factory=list)
+    ranks: list[RankInfo] = pydantic.Field(default_factory=list)
+    eplb: dict[str, Any] | None = None
+
+
+class RuntimeApiError(Exception):
+    """The runtime answered with an error."""
+
+    def __init__(self, *, method: str, path: str, status: int, detail: str) -> None:
+        super().__init__(f"{method} {path}: HTTP {status}: {detail[:500]}")
+        self.status = status
+        self.detail = detail
+
+
+class ResizeConflict(RuntimeApiError):
+    """409: a resize to another size is running."""
+
+
+class Unauthorized(RuntimeApiError):
+    """401: the admin token is missing or wrong."""
+
+
+class RuntimeClient:
+    """Client of one runtime's admin API."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout, transport=transport
+        )
+
+    async def __aenter__(self) -> RuntimeClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _call(
+        self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None
+    ) -> Any:
+        response = await self._client.request(method, path, json=json, params=params)
+        if response.status_code >= 400:
+            kind = {409: ResizeConflict, 401: Unauthorized}.get(
+                response.status_code, RuntimeApiError
+            )
+            raise kind(method=method, path=path, status=response.status_code, detail=response.text)
+        return response.json()
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200; False on any error or transport failure."""
+        try:
+            response = await self._client.get("/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def status(self) -> ElasticStatus:
+        return ElasticStatus.model_validate(await self._call("GET", "/elastic_ep/status"))
+
+    async def is_scaling(self) -> bool:
+        payload = await self._call("POST", "/is_scaling_elastic_ep")
+        return bool(payload["is_scaling_elastic_ep"])
+
+    async def scale(
+        self, new_size: int, *, drain_timeout: int | None = None, wait: bool = False
+    ) -> ScaleAccepted:
+        """Ask for a live resize to ``new_size`` DP ranks (202 at once, or 200 when done)."""
+        if new_size < 1:
+            raise ValueError(f"new_size must be >= 1, got {new_size}")
+        body: dict[str, int] = {"new_data_parallel_size": new_size}
+        if drain_timeout is not None:
+            body["drain_timeout"] = drain_timeout
+        params = {"wait": "true"} if wait else None
+        return ScaleAccepted.model_validate(
+            await self._call("POST", "/scale_elastic_ep", json=body, params=params)
+        )
