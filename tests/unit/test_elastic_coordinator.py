@@ -23,6 +23,7 @@ class FakeOps:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_in: stages.Stage | None = None
+        self.ended = 0
 
     def current_size(self) -> int:
         return self.size
@@ -41,6 +42,9 @@ class FakeOps:
     def rollback(self, plan: Any, record: records.ResizeRecord, failed: stages.Stage) -> str:
         self.rolled_back.append(failed)
         return f"serving at {self.size}"
+
+    def end(self, plan: Any) -> None:
+        self.ended += 1
 
 
 def make(size: int = 2, **limits: Any) -> tuple[FakeOps, coordinator.Coordinator]:
@@ -107,6 +111,7 @@ def test_a_failed_stage_rolls_back_and_a_later_resize_succeeds() -> None:
     assert rec.stage is stages.Stage.FAILED
     assert "Transferring failed: rank 3 unreachable" in rec.message
     assert ops.rolled_back == [stages.Stage.TRANSFERRING] and ops.size == 2
+    assert ops.ended == 1
     ops.fail_in = None
     again = c.request(4)
     assert c.wait(again, timeout=10) and again.succeeded and ops.size == 4

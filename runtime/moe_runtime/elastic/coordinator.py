@@ -97,6 +97,9 @@ class ResizeOps(Protocol):
     def rollback(self, plan: Any, record: records.ResizeRecord, failed: stages.Stage) -> str:
         """Undo what the resize allocated; return where the deployment now serves (a message)."""
 
+    def end(self, plan: Any) -> None:
+        """Called once after a resize whose `begin` returned, however it ended."""
+
 
 class ProgressTracker:
     """Measures the blackout of a resize: the longest gap with no token produced while busy.
@@ -265,8 +268,10 @@ class Coordinator:
         self.tracker.start()
         stage = order[0]
         plan: Any = None
+        begun = False
         try:
             plan = self._ops.begin(record)
+            begun = True
             for stage in order:
                 if stage is stages.Stage.COMPLETED:
                     break
@@ -303,6 +308,11 @@ class Coordinator:
                 record.blackout_s,
                 record.stage_durations(),
             )
+        if begun:
+            try:
+                self._ops.end(plan)
+            except Exception:  # noqa: BLE001 - the record is final already
+                log.exception("resize %s: end hook failed", record.resize_id)
         with self._lock:
             self._history.append(record)
             self._current = None
