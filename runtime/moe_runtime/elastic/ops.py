@@ -419,8 +419,13 @@ class EngineResizeOps:
         moved = self.engine.migrate_from(plan.departing).result(
             timeout=self.config.boundary_timeout
         )
-        record.message = f"migrated {len(moved)} sequences off ranks {plan.departing}"
-        log.info("resize %s: %s", record.resize_id, record.message)
+        record.sequences_migrated += len(moved)
+        log.info(
+            "resize %s: migrated %d sequences off ranks %s",
+            record.resize_id,
+            len(moved),
+            plan.departing,
+        )
 
     def _down_switch(self, plan: Plan, record: records.ResizeRecord) -> None:
         assert plan.target is not None
@@ -430,7 +435,8 @@ class EngineResizeOps:
         def switch() -> None:
             # Sequences still on departing ranks (none after Migrating, unless one arrived
             # between the two boundaries) move now, in the same pause.
-            self.engine.migrate_from(plan.departing)
+            late = self.engine.migrate_from(plan.departing).result()
+            record.sequences_migrated += len(late)
             self.executor.switch(survivors, epoch=plan.epoch, placement=target)
             plan.switched = True
             self.serving.placement = target
@@ -444,7 +450,6 @@ class EngineResizeOps:
     def _down_release(self, plan: Plan, record: records.ResizeRecord) -> None:
         record.freed = self.executor.remove_ranks(plan.departing)
         record.balancedness_after = self.balancedness()
-        record.message = ""
 
     # -- dynamic EPLB --------------------------------------------------------------------
     def _on_step(self, outputs: list[step_mod.StepOutput]) -> None:

@@ -52,6 +52,7 @@ class ResizeRecord:
     balancedness_before: float | None = None
     balancedness_after: float | None = None
     freed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    sequences_migrated: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -107,4 +108,5 @@ class ResizeRecord:
                     "after": self.balancedness_after,
                 },
                 "freed": list(self.freed),
+                "sequences_migrated": self.sequences_migrated,
             }
