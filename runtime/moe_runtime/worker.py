@@ -704,6 +704,16 @@ class RankWorker:
         """Tokens routed per logical expert [L, E] by this rank since its weights loaded."""
         return None if self.total_load is None else self.total_load.clone()
 
+    def drop_epoch(self, epoch: int) -> None:
+        """Destroy the step and transfer groups of `epoch` (a resize undone before its switch).
+
+        The active epoch cannot be dropped.
+        """
+        if epoch == self.epoch:
+            raise ValueError(f"epoch {epoch} is the active one ({self._ctx()})")
+        for role in ROLES:
+            self._drop_group((epoch, role))
+
     def shutdown(self) -> None:
         """Destroy every group and drop weights."""
         with self._lock:

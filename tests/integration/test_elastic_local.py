@@ -191,3 +191,23 @@ def test_shrink_moves_long_generations_off_departing_ranks(
     assert sorted(i["rank"] for i in record.freed) == [2, 3]
     assert {p: r.token_ids for p, r in results.items()} == {p: reference[(p, 24)] for p in range(8)}
     assert all(r.error is None for r in results.values())
+
+
+def test_injected_failure_leaves_old_size_serving_and_next_resize_works(
+    deployment: Deployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    deployment.elastic.coordinator.inject_failure(stages.Stage.TRANSFERRING)
+    record = deployment.elastic.coordinator.request(4)
+    assert deployment.elastic.coordinator.wait(record, timeout=240)
+    assert record.stage is stages.Stage.FAILED
+    assert "Transferring failed: injected failure" in record.message
+    assert "cleanup problems" not in record.message
+    assert deployment.executor.num_ranks == 2 and deployment.executor.pending_ranks == []
+    for w in (deployment.executor.worker(0), deployment.executor.worker(1)):
+        assert {epoch for epoch, _ in w.groups()} == {0}  # the standby groups are gone
+    out = deployment.generate(3, 16, rid="after-failure")
+    assert out.token_ids == reference[(3, 16)]
+    again = resize(deployment, 4)
+    assert again.stage is stages.Stage.COMPLETED and deployment.executor.num_ranks == 4
+    out = deployment.generate(5, 16, rid="after-retry")
+    assert out.token_ids == reference[(5, 16)]
