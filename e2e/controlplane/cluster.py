@@ -383,7 +383,8 @@ def _start_once(
 
 def crd_files() -> list[pathlib.Path]:
     """KubeRay's RayCluster CRD (from the cache) and every CRD in the repository's ``crds/``."""
-    return [cache_dir() / "crds" / RAYCLUSTER_CRD, *sorted((REPO / "crds").glob("*.yaml"))]
+    ours = [p for p in sorted((REPO / "crds").glob("*.yaml")) if p.name != "kustomization.yaml"]
+    return [cache_dir() / "crds" / RAYCLUSTER_CRD, *ours]
 
 
 def install_crds(plane: ControlPlane, files: Sequence[pathlib.Path]) -> None:

@@ -24,6 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose, debug=args.debug)
     if not args.debug:  # one line per API request is too much at INFO
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        logging.getLogger("httpcore").setLevel(logging.WARNING)
     kopf.run(
         standalone=True,
         clusterwide=not args.namespace,

@@ -117,7 +117,7 @@ async def track(
 
 @kopf.on.event(*RAYCLUSTERS, labels={group.LABEL_MANAGED_BY: group.MANAGED_BY})
 async def raycluster_changed(
-    type: str,  # noqa: A002 - kopf's name
+    type: str | None,  # noqa: A002 - kopf's name
     labels: kopf.Labels,
     namespace: str | None,
     memo: Any,
@@ -127,7 +127,7 @@ async def raycluster_changed(
     """A managed RayCluster changed (status, deletion, someone's edit): reconcile its owner."""
     owner = labels.get(group.LABEL_DEPLOYMENT)
     key = (namespace or "", owner or "")
-    if owner is None or key not in memo.known:
+    if type is None or owner is None or key not in memo.known:  # None: the initial listing
         return
     try:
         await _reconcile_fresh(key, memo, logger)

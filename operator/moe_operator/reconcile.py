@@ -143,8 +143,16 @@ async def reconcile(
         )
         logger.info(
             "status: phase=%s dp=%s target=%s",
-            new.phase,
+            phase.phase.value,
             new.data_parallel_size,
             new.target_data_parallel_size,
         )
+    logger.debug(
+        "reconciled %s/%s: phase=%s created=%s status %s",
+        owner.namespace,
+        owner.name,
+        phase.phase.value,
+        created,
+        "written" if written else "unchanged",
+    )
     return Outcome(phase=phase.phase, created=tuple(created), status_written=written)

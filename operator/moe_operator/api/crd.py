@@ -177,4 +177,17 @@ def write_crds(out_dir: pathlib.Path) -> list[pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / FILE_NAME
     path.write_text(render_crd(), encoding="utf-8")
-    return [path]
+    kustomization = out_dir / "kustomization.yaml"
+    kustomization.write_text(
+        HEADER
+        + yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [FILE_NAME],
+            },
+            sort_keys=False,
+        ),
+        encoding="utf-8",
+    )
+    return [path, kustomization]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from typing import Any, Final
 
 from moe_operator.api import group
@@ -153,7 +154,7 @@ def _health_probe(*, period: int, failures: int) -> dict[str, Any]:
 
 
 def _head_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
-    serve = " ".join(json.dumps(arg) for arg in serve_command(owner_name=owner.name, spec=spec))
+    serve = shlex.join(serve_command(owner_name=owner.name, spec=spec))
     container = {
         "name": HEAD_CONTAINER,
         "image": spec.ray.image,
