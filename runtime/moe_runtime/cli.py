@@ -19,6 +19,9 @@ import uvicorn
 
 from moe_runtime import metrics as metrics_mod
 from moe_runtime import server
+from moe_runtime.elastic import coordinator as elastic_coordinator
+from moe_runtime.elastic import ops as elastic_ops
+from moe_runtime.elastic import service as elastic_service
 from moe_runtime.engine import core
 from moe_runtime.eplb import policy
 from moe_runtime.model import source as source_mod
@@ -63,6 +66,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one rank in one step (bounds prefill chunks)",
     )
     serve.add_argument("--dtype", default="float32")
+    elastic = serve.add_argument_group("elastic expert parallelism")
+    elastic.add_argument(
+        "--min-data-parallel-size", type=_positive, default=1, help="smallest size a resize may ask"
+    )
+    elastic.add_argument(
+        "--max-experts-per-rank",
+        type=_positive,
+        default=None,
+        help="expert slots one rank can hold; sizes that would need more are refused",
+    )
+    elastic.add_argument(
+        "--weight-source",
+        choices=("peer", "storage"),
+        default="peer",
+        help="where new ranks get non-expert weights on scale-up",
+    )
+    elastic.add_argument(
+        "--eplb", action=argparse.BooleanOptionalAction, default=True, help="dynamic EPLB"
+    )
+    elastic.add_argument("--eplb-window-size", type=_positive, default=1000)
+    elastic.add_argument("--eplb-step-interval", type=_positive, default=3000)
+    elastic.add_argument(
+        "--admin-token",
+        default=None,
+        help="bearer token of the admin routes (default: $MOE_ADMIN_TOKEN; none = open)",
+    )
     serve.add_argument("--log-level", default="INFO")
     return parser
 
@@ -143,8 +172,35 @@ def serve(args: argparse.Namespace) -> int:
         )
         metrics = metrics_mod.RuntimeMetrics(stats=engine.stats)
         engine.set_observer(metrics)
+        max_size = args.max_data_parallel_size or max(8, num_ranks)
+        elastic = elastic_service.ElasticService.attach(
+            engine=engine,
+            executor=executor,
+            model_config=cfg,
+            placement=placement,
+            config=elastic_ops.ElasticConfig(
+                source=args.model,
+                num_redundant_experts=args.num_redundant_experts,
+                weight_source=args.weight_source,
+                eplb_enabled=args.eplb,
+                eplb_window_size=args.eplb_window_size,
+                eplb_step_interval=args.eplb_step_interval,
+            ),
+            limits=elastic_coordinator.Limits(
+                min_size=args.min_data_parallel_size,
+                max_size=max_size,
+                num_experts=cfg.num_experts,
+                num_redundant_experts=args.num_redundant_experts,
+                max_experts_per_rank=args.max_experts_per_rank,
+            ),
+            registry=metrics.registry,
+        )
         app = server.create_app(
-            engine, served_model_name=name, metrics=metrics, vocab_size=cfg.vocab_size
+            engine,
+            served_model_name=name,
+            metrics=metrics,
+            vocab_size=cfg.vocab_size,
+            admin_router=elastic.router(token=args.admin_token),
         )
         engine.start()
         log.info(
