@@ -39,6 +39,7 @@ class LocalExecutor(base.Executor):
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self._device = device
+        self._backend: group_mod.Backend = "nccl" if device.startswith("cuda") else "gloo"
         self._dtype = dtype
         self._step_timeout = step_timeout
         self._tmp = tempfile.mkdtemp(prefix="elastic-moe-local-")
@@ -129,7 +130,9 @@ class LocalExecutor(base.Executor):
     ) -> None:
         ranks = list(ranks)
         for role in base.GROUP_ROLES:
-            spec = group_mod.GroupSpec.local(len(ranks), epoch=epoch, directory=self._tmp)
+            spec = group_mod.GroupSpec.local(
+                len(ranks), epoch=epoch, backend=self._backend, directory=self._tmp
+            )
             self.collective_rpc(
                 "join_group",
                 spec,

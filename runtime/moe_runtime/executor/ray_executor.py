@@ -41,7 +41,7 @@ from typing import Any
 import ray
 import ray.dag
 import ray.exceptions
-import ray.util.placement_group as ray_pg
+import ray.util
 import ray.util.scheduling_strategies as ray_sched
 
 from moe_runtime import step as step_mod
@@ -101,6 +101,8 @@ class RayExecutor(base.Executor):
 
     use_gpu: None = when the cluster has GPUs. ready_timeout: seconds to wait for placement
     groups and new actors. step_timeout: seconds one step may take before it is reported.
+    rendezvous: "auto" (FileStore when a group's members share one IP, else TCPStore), "tcp"
+    or "file" (forced; tests use "tcp" to cover the multi-host path on one machine).
     """
 
     def __init__(
@@ -112,7 +114,11 @@ class RayExecutor(base.Executor):
         ready_timeout: float = 120.0,
         step_timeout: float = 120.0,
         group_dir: str | None = None,
+        rendezvous: str = "auto",
     ) -> None:
+        if rendezvous not in ("auto", "tcp", "file"):
+            raise ValueError(f"rendezvous must be 'auto', 'tcp' or 'file', got {rendezvous!r}")
+        self._rendezvous = rendezvous
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if not ray.is_initialized():
@@ -130,6 +136,7 @@ class RayExecutor(base.Executor):
         self._active: list[int] = []
         self._graph: Any = None
         self._graph_ranks: list[int] = []
+        self._compiled_once = False
         self._closed = False
         #: Seconds of the last switch's phases: teardown, activate, compile.
         self.last_switch: dict[str, float] = {}
@@ -164,7 +171,7 @@ class RayExecutor(base.Executor):
         bundle: dict[str, float] = {RANK_RESOURCE: 1}
         if self.use_gpu:
             bundle["GPU"] = 1
-        pgs = [ray_pg.placement_group([bundle], strategy="STRICT_PACK") for _ in range(count)]
+        pgs = [ray.util.placement_group([bundle], strategy="STRICT_PACK") for _ in range(count)]
         actors: list[Any] = []
         try:
             try:
@@ -197,7 +204,7 @@ class RayExecutor(base.Executor):
             for a in actors:
                 ray.kill(a)
             for pg in pgs:
-                ray_pg.remove_placement_group(pg)
+                ray.util.remove_placement_group(pg)
             raise
         with self._lock:
             per_node: dict[str, int] = {}
@@ -255,8 +262,8 @@ class RayExecutor(base.Executor):
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         with self._lock:
-            if self._graph is None and self._active == list(range(len(self._active))):
-                self._compile()  # first step after start(), or after a failed step
+            if self._graph is None and not self._compiled_once:
+                self._compile()  # the first step, when no switch compiled a graph yet
             graph, ranks = self._graph, list(self._graph_ranks)
         if graph is None:
             raise base.ExecutorError("no step graph: switch to a set of ranks first")
@@ -296,6 +303,7 @@ class RayExecutor(base.Executor):
         graph = dag.experimental_compile()
         with self._lock:
             self._graph, self._graph_ranks = graph, ranks
+            self._compiled_once = True
 
     def _teardown(self) -> None:
         with self._lock:
@@ -325,7 +333,9 @@ class RayExecutor(base.Executor):
         with self._lock:
             members = [self._ranks[r] for r in ranks]
         backend: group_mod.Backend = "nccl" if self.use_gpu else "gloo"
-        one_host = len({m.info["ip"] for m in members}) == 1
+        one_host = self._rendezvous == "file" or (
+            self._rendezvous == "auto" and len({m.info["ip"] for m in members}) == 1
+        )
         for role in base.GROUP_ROLES:
             if one_host:
                 spec = group_mod.GroupSpec.local(
@@ -417,7 +427,7 @@ class RayExecutor(base.Executor):
         infos = []
         for r in removed:
             ray.kill(r.actor)
-            ray_pg.remove_placement_group(r.pg)
+            ray.util.remove_placement_group(r.pg)
             infos.append(dict(r.info))
         log.info("removed ranks %s: pods %s", list(ranks), [i.get("pod") for i in infos])
         return infos
@@ -457,7 +467,7 @@ class RayExecutor(base.Executor):
             self._active = []
         for r in ranks:
             ray.kill(r.actor)
-            ray_pg.remove_placement_group(r.pg)
+            ray.util.remove_placement_group(r.pg)
         self._close_async_pool()
 
 

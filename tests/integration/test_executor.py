@@ -1,0 +1,277 @@
+"""RayExecutor on a local Ray instance: generation equals the single-process model, the elastic
+primitives grow 2 -> 4 and shrink 4 -> 2 ranks mid-generation with identical tokens (no engine:
+a small lockstep loop drives the steps), a killed actor is reported by the health check, and
+the compiled graph's per-step overhead is printed next to plain actor calls."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from moe_runtime import step as step_mod
+from moe_runtime.comm import group as group_mod
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.executor import base
+from moe_runtime.model import mixtral
+from tests.unit import test_worker as lockstep
+
+pytestmark = pytest.mark.ray
+
+SOURCE = lockstep.SOURCE
+PROMPTS = [*lockstep.PROMPTS, [1, 42, 43, 44, 45], [1, 250, 251]]
+MAX_TOKENS = 16
+ELASTIC_MAX_TOKENS = 40  # long enough that every sequence outlives both resizes
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    torch.set_num_threads(1)
+    return mixtral.generate_greedy(SOURCE, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def ray_executor_mod(ray_session: None) -> Any:
+    from moe_runtime.executor import ray_executor
+
+    return ray_executor
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ray_executor_mod: Any) -> Iterator[base.Executor]:
+    ex = ray_executor_mod.RayExecutor(2)
+    ex.start(SOURCE, placement=lockstep.identity(2))
+    yield ex
+    ex.shutdown()
+
+
+def while_stepping(
+    run: lockstep.Lockstep, fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> tuple[Any, int]:
+    """Run fn in a thread while the lockstep loop keeps stepping; (its result, steps run)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(fn, *args, **kwargs)
+        steps = 0
+        deadline = time.monotonic() + 120
+        while not future.done() and time.monotonic() < deadline:
+            if all(s.done for s in run.seqs.values()):
+                break
+            run.step()
+            steps += 1
+        return future.result(timeout=max(1.0, deadline - time.monotonic())), steps
+
+
+def _total_load(outs: list[step_mod.StepOutput]) -> torch.Tensor:
+    return torch.stack([o.expert_load for o in outs]).sum(0)
+
+
+def test_two_ranks_generate_like_single_process(
+    two_ranks: base.Executor, reference: list[list[int]]
+) -> None:
+    run = lockstep.Lockstep(two_ranks)
+    for i, prompt in enumerate(PROMPTS):
+        run.add(f"g{i}", prompt, rank=i % 2, max_tokens=MAX_TOKENS)
+    got = run.run()
+    assert [got[f"g{i}"] for i in range(len(PROMPTS))] == reference
+    assert sorted(two_ranks.rank_infos()) == [0, 1]
+
+
+def test_grow_2_to_4_then_shrink_to_2_while_generating(ray_executor_mod: Any) -> None:
+    reference = mixtral.generate_greedy(SOURCE, PROMPTS, ELASTIC_MAX_TOKENS)
+    ex = ray_executor_mod.RayExecutor(2)
+    try:
+        _grow_and_shrink(ex, reference)
+    finally:
+        ex.shutdown()
+
+
+def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
+    t0 = time.monotonic()
+
+    def mark(stage: str) -> None:
+        print(f"[{time.monotonic() - t0:6.2f}s] {stage}")
+
+    cfg = lockstep._config()
+    num_physical = cfg.num_experts
+    old = lockstep.identity(2)
+    ex.start(SOURCE, placement=old)
+    run = lockstep.Lockstep(ex)
+    for i, prompt in enumerate(PROMPTS):
+        run.add(str(i), prompt, rank=i % 2, max_tokens=ELASTIC_MAX_TOKENS)
+    load = _total_load(run.step())
+    for _ in range(2):
+        load += _total_load(run.step())
+
+    mark("Standby")
+    # Standby: new actors with placeholder weights
+    started = time.monotonic()
+    new = ex.add_ranks(2)
+    assert new == [2, 3] and ex.pending_ranks == [2, 3] and ex.ranks == [0, 1]
+    ex.collective_rpc(
+        "load_weights",
+        ranks=new,
+        per_rank={2: {"rank": 2}, 3: {"rank": 3}},
+        source=SOURCE,
+        num_ranks=4,
+        placement=None,
+        placeholder=True,
+    )
+    print(f"\nstandby: 2 new actors ready with placeholders in {time.monotonic() - started:.2f}s")
+    mark("Standby groups")
+    # Standby groups over 4 ranks, built in the background: ranks 0-2 enter the rendezvous
+    # and wait for rank 3 while the old graph keeps stepping; then rank 3 joins.
+    for role in base.GROUP_ROLES:
+        spec = group_mod.GroupSpec.local(4, epoch=1)
+        joining = ex.collective_rpc_async(
+            "join_group",
+            spec,
+            ranks=[0, 1, 2],
+            per_rank={r: {"rank": r} for r in range(3)},
+            role=role,
+        )
+        for _ in range(3):
+            run.step()
+            assert not joining.done()
+        ex.collective_rpc("join_group", spec, 3, ranks=[3], role=role, background=True)
+        joining.result(timeout=60)
+    assert ex.collective_rpc("groups", ranks=[0]) == [
+        [(0, "step"), (0, "transfer"), (1, "step"), (1, "transfer")]
+    ]
+
+    mark("Transferring")
+    # Transferring: non-expert weights peer to peer (rank 0 -> 2, rank 1 -> 3), in the background
+    received, steps = while_stepping(
+        run,
+        ex.collective_rpc,
+        "transfer_non_expert",
+        1,
+        ranks=[0, 1, 2, 3],
+        background=True,
+        src_ranks=[0, 1],
+        dst_ranks=[2, 3],
+    )
+    assert received[0] == received[1] == 0 and received[2] == received[3] > 0
+    print(f"non-expert transfer: {sum(received)} bytes to 2 new ranks ({steps} steps meanwhile)")
+
+    mark("Staging experts")
+    # Experts for 4 ranks staged (EPLB from the observed load); live experts keep serving
+    grown = moves_mod.rebalance_for_resize(
+        load, old, old_num_ranks=2, new_num_ranks=4, num_physical=num_physical
+    )
+    plan = moves_mod.plan_moves(old, grown, old_num_ranks=2, new_num_ranks=4)
+    staged, steps = while_stepping(
+        run,
+        ex.collective_rpc,
+        "stage_experts",
+        1,
+        plan,
+        grown,
+        ranks=[0, 1, 2, 3],
+        background=True,
+        per_rank={r: {"new_rank": r} for r in range(4)},
+        new_num_ranks=4,
+    )
+    assert staged[2] > 0 and staged[3] > 0
+    print(f"expert staging: {len(plan)} moves, {sum(staged)} bytes ({steps} steps meanwhile)")
+
+    mark("Switching")
+    # Switching: at a step boundary
+    ex.switch([0, 1, 2, 3], epoch=1, placement=grown)
+    assert ex.ranks == [0, 1, 2, 3] and ex.pending_ranks == []
+    print(f"switch 2->4: {ex.last_switch}")  # type: ignore[attr-defined]
+    run.migrate("4", 2)
+    run.migrate("5", 3)
+    for _ in range(3):
+        outs = run.step()
+        assert outs[2].tokens and outs[3].tokens  # the new ranks serve sequences
+    assert ex.collective_rpc("groups", ranks=[0]) == [[(1, "step"), (1, "transfer")]]
+
+    mark("Shrink")
+    # Shrink: experts leave ranks 2 and 3 first (staged), their sequences re-prefill on 0 and 1
+    shrunk = moves_mod.rebalance_for_resize(
+        load, grown, old_num_ranks=4, new_num_ranks=2, num_physical=num_physical
+    )
+    plan = moves_mod.plan_moves(grown, shrunk, old_num_ranks=4, new_num_ranks=2)
+    while_stepping(
+        run,
+        ex.collective_rpc,
+        "stage_experts",
+        1,
+        plan,
+        shrunk,
+        ranks=[0, 1, 2, 3],
+        background=True,
+        stage=2,
+        per_rank={
+            0: {"new_rank": 0},
+            1: {"new_rank": 1},
+            2: {"new_rank": None},
+            3: {"new_rank": None},
+        },
+        new_num_ranks=2,
+    )
+    for seq_id, seq in run.seqs.items():
+        if seq.rank >= 2:
+            run.migrate(seq_id, seq.rank - 2)
+    while_stepping(run, ex.build_groups, [0, 1], epoch=2)
+    run.step()
+    ex.switch([0, 1], epoch=2, placement=shrunk)
+    print(f"switch 4->2: {ex.last_switch}")  # type: ignore[attr-defined]
+    assert ex.ranks == [0, 1] and ex.pending_ranks == [2, 3]
+    infos = ex.remove_ranks([2, 3])
+    assert [i["label"] for i in infos] == [2, 3] and all(i["pod"] for i in infos)
+    assert ex.pending_ranks == []
+
+    mark("finishing")
+    assert not any(s.done for s in run.seqs.values())  # generation goes on at 2 ranks
+    got = run.run()
+    mark("done")
+    assert [got[str(i)] for i in range(len(PROMPTS))] == reference
+
+
+def test_killed_actor_is_reported_dead(ray_executor_mod: Any) -> None:
+    import ray
+
+    ex = ray_executor_mod.RayExecutor(2, rendezvous="tcp")  # groups over TCPStore, as on k8s
+    try:
+        ex.start(SOURCE, placement=lockstep.identity(2))
+        assert ex.execute_step(step_mod.StepInput(0, {}))[1].error is None
+        assert ex.check_health() == {0: "ok", 1: "ok"}
+        ray.kill(ex.actor(1))
+        deadline = time.monotonic() + 10
+        health = ex.check_health(timeout=2.0)
+        while health[1] == "ok" and time.monotonic() < deadline:
+            health = ex.check_health(timeout=2.0)
+        assert health == {0: "ok", 1: "dead"}
+        started = time.monotonic()
+        with pytest.raises(base.RankDied) as failed:
+            ex.execute_step(step_mod.StepInput(0, {}))
+        assert failed.value.ranks == [1]
+        print(f"\nstep on a dead rank failed in {time.monotonic() - started:.2f}s")
+    finally:
+        ex.shutdown()
+
+
+def test_compiled_graph_overhead_vs_remote_calls(two_ranks: base.Executor) -> None:
+    """A figure, not an assertion: per-step time of an empty step (idle ranks, collectives)."""
+    step = step_mod.StepInput(0, {})
+    for _ in range(5):
+        two_ranks.execute_step(step)
+    figures = {}
+    for name, call in (
+        ("compiled graph", two_ranks.execute_step),
+        ("plain .remote()", two_ranks.execute_step_remote),  # type: ignore[attr-defined]
+    ):
+        started = time.perf_counter()
+        for _ in range(50):
+            outs = call(step)
+        figures[name] = (time.perf_counter() - started) / 50 * 1e3
+        assert all(o.error is None for o in outs)
+    print(
+        "\nper-step time, 2 ranks, empty step (4 layers of expert all-to-all): "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in figures.items())
+    )
