@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -26,7 +28,7 @@ def _few_threads() -> None:
 
 def _hf_model(**overrides: object) -> transformers.MixtralForCausalLM:
     torch.manual_seed(0)
-    settings: dict[str, object] = dict(
+    settings: dict[str, Any] = dict(
         vocab_size=320,
         hidden_size=64,
         intermediate_size=96,
@@ -41,7 +43,7 @@ def _hf_model(**overrides: object) -> transformers.MixtralForCausalLM:
     )
     settings.update(overrides)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**settings))
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -128,8 +130,6 @@ def test_sliding_window_matters(
     batch = mixtral.ForwardBatch(["s"], [PROMPTS[2]], [0])
     experts = mixtral.LocalExperts.from_source(src)
     windowed = mixtral.MixtralModel.from_source(src)
-    import dataclasses
-
     full = mixtral.MixtralModel(dataclasses.replace(src.config, sliding_window=None))
     full.load_non_expert(windowed.non_expert_state())
     a = windowed.forward(batch, mixtral.KVCache(src.config), experts)
@@ -187,7 +187,7 @@ def _first_shard(path: pathlib.Path) -> str:
     return str(index["weight_map"][Q0])
 
 
-BROKEN: dict[str, tuple[str, Callable[[pathlib.Path], None], str, list[str]]] = {
+BROKEN: dict[str, tuple[str, Callable[[pathlib.Path], object], str, list[str]]] = {
     # id: (layout to start from, how to break it, file named in the error, words in the error)
     "no-config": (
         "single-file",
