@@ -1,0 +1,181 @@
+"""The manifest builders, checked on their output."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+import pytest
+
+from moe_operator.api import spec as spec_
+from moe_operator.plan import builders
+
+OWNER = builders.Owner(name="tiny", namespace="ml", uid="1234")
+
+
+def make_spec(**overrides: Any) -> spec_.MoEDeploymentSpec:
+    raw: dict[str, Any] = {
+        "model": {"source": "synthetic://tiny?seed=0"},
+        "dataParallelSize": 2,
+        "minDataParallelSize": 1,
+        "maxDataParallelSize": 4,
+    }
+    raw.update(overrides)
+    return spec_.MoEDeploymentSpec.model_validate(raw)
+
+
+def worker_group(obj: dict[str, Any]) -> dict[str, Any]:
+    (group,) = obj["spec"]["workerGroupSpecs"]
+    return dict(group)
+
+
+def head_container(obj: dict[str, Any]) -> dict[str, Any]:
+    (container,) = obj["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    objs = [
+        builders.build_raycluster(owner=OWNER, spec=make_spec()),
+        builders.build_service(owner=OWNER),
+        builders.build_secret(owner=OWNER, token="s3cret"),
+    ]
+    for obj in objs:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "elasticmoe.io/v1alpha1",
+                "kind": "MoEDeployment",
+                "name": "tiny",
+                "uid": "1234",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"]["elasticmoe.io/deployment"] == "tiny"
+
+
+def test_worker_group_follows_the_sizes() -> None:
+    group = worker_group(builders.build_raycluster(owner=OWNER, spec=make_spec()))
+    assert group["groupName"] == "ranks"
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 4)
+
+
+def test_worker_replicas_override() -> None:
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec(), worker_replicas=3)
+    assert worker_group(obj)["replicas"] == 3
+
+
+def test_each_worker_offers_one_rank_resource() -> None:
+    params = worker_group(builders.build_raycluster(owner=OWNER, spec=make_spec()))[
+        "rayStartParams"
+    ]
+    # KubeRay passes the value verbatim to `ray start --resources=...`: a quoted JSON object.
+    assert json.loads(json.loads(params["resources"])) == {"moe_rank": 1}
+
+
+def test_head_runs_the_runtime() -> None:
+    container = head_container(
+        builders.build_raycluster(
+            owner=OWNER, spec=make_spec(model={"source": "/models/mixtral", "servedModelName": "m"})
+        )
+    )
+    command = container["args"][0].split("exec ", 1)[1]
+    assert shlex.split(command) == [
+        "moe-runtime", "serve", "--model", "/models/mixtral", "--data-parallel-size", "2",
+        "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RAY_ADDRESS"]["value"] == "auto"
+    assert env["MOE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "tiny-admin",
+        "key": "token",
+    }
+    assert env["MOE_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+
+
+def test_served_model_name_defaults_to_the_deployment_name() -> None:
+    command = head_container(builders.build_raycluster(owner=OWNER, spec=make_spec()))["args"][0]
+    assert "--served-model-name tiny" in command
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "gpus"), [("cpu", None), ("nvidia.com/gpu", 2)], ids=["cpu", "gpu"]
+)
+def test_gpus_per_worker_follow_tensor_parallel_size(accelerator: str, gpus: int | None) -> None:
+    spec = make_spec(tensorParallelSize=2, ray={"accelerator": accelerator})
+    group = worker_group(builders.build_raycluster(owner=OWNER, spec=spec))
+    resources = group["template"]["spec"]["containers"][0]["resources"]
+    assert resources.get("limits", {}).get("nvidia.com/gpu") == gpus
+    assert group["rayStartParams"].get("num-gpus") == (str(gpus) if gpus else None)
+
+
+def test_ray_placement_and_resources_come_from_the_spec() -> None:
+    spec = make_spec(
+        ray={
+            "image": "registry.local/moe:1",
+            "workerResources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": 4}},
+            "nodeSelector": {"pool": "moe"},
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        }
+    )
+    obj = builders.build_raycluster(owner=OWNER, spec=spec)
+    pod = worker_group(obj)["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "moe"}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["containers"][0]["image"] == "registry.local/moe:1"
+    assert pod["containers"][0]["resources"] == {
+        "requests": {"cpu": "2", "memory": "8Gi"},
+        "limits": {"cpu": 4},
+    }
+    assert obj["spec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"] == {"pool": "moe"}
+
+
+def test_pods_run_as_non_root() -> None:
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec())
+    pods = [obj["spec"]["headGroupSpec"]["template"], worker_group(obj)["template"]]
+    for pod in pods:
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        container = pod["spec"]["containers"][0]
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_service_selects_the_head_on_port_8000() -> None:
+    svc = builders.build_service(owner=OWNER)
+    assert svc["metadata"]["name"] == "tiny-api"
+    assert svc["spec"]["selector"] == {
+        "elasticmoe.io/deployment": "tiny",
+        "elasticmoe.io/component": "head",
+    }
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
+    head = builders.build_raycluster(owner=OWNER, spec=make_spec())["spec"]["headGroupSpec"]
+    assert svc["spec"]["selector"].items() <= head["template"]["metadata"]["labels"].items()
+
+
+def test_secret_holds_the_token() -> None:
+    secret = builders.build_secret(owner=OWNER, token="s3cret")
+    assert secret["metadata"]["name"] == "tiny-admin"
+    assert secret["stringData"] == {"token": "s3cret"}
+
+
+def test_secret_refuses_an_empty_token() -> None:
+    with pytest.raises(ValueError, match="token"):
+        builders.build_secret(owner=OWNER, token="")
+
+
+def test_builders_are_deterministic() -> None:
+    spec = make_spec()
+    assert builders.build_raycluster(owner=OWNER, spec=spec) == builders.build_raycluster(
+        owner=OWNER, spec=spec
+    )
+
+
+def test_names_and_endpoint() -> None:
+    assert builders.selector("tiny") == "elasticmoe.io/deployment=tiny"
+    assert builders.endpoint(owner_name="tiny", namespace="ml") == "http://tiny-api.ml.svc:8000"

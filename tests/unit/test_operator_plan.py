@@ -1,0 +1,176 @@
+"""The reconcile planner and the status computation: pure functions, no cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from moe_operator.api import spec as spec_
+from moe_operator.api import status as status_
+from moe_operator.plan import observe, resize
+from moe_operator.plan import status as plan_status
+
+SPEC = spec_.MoEDeploymentSpec.model_validate(
+    {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2, "maxDataParallelSize": 4}
+)
+EMPTY = status_.MoEDeploymentStatus()
+T0 = "2026-01-01T00:00:00Z"
+T1 = "2026-01-01T00:05:00Z"
+
+
+def ray(*, ready: int, head: bool = True, replicas: int = 2) -> observe.RayClusterObservation:
+    return observe.RayClusterObservation(
+        worker_replicas=replicas, ready_workers=ready, head_ready=head
+    )
+
+
+def phase_of(actions: list[resize.Action]) -> resize.SetPhase:
+    last = actions[-1]
+    assert isinstance(last, resize.SetPhase)
+    return last
+
+
+def test_first_reconcile_creates_every_child() -> None:
+    actions = resize.plan_resize(SPEC, EMPTY, observe.Observed())
+    assert actions[:3] == [
+        resize.EnsureSecret(),
+        resize.ApplyRayCluster(worker_replicas=2),
+        resize.ApplyService(),
+    ]
+    assert phase_of(actions).phase == status_.Phase.PROVISIONING
+
+
+def test_an_existing_secret_is_never_recreated() -> None:
+    actions = resize.plan_resize(
+        SPEC, EMPTY, observe.Observed(raycluster=ray(ready=0), secret_exists=True)
+    )
+    assert not any(isinstance(a, resize.EnsureSecret) for a in actions)
+
+
+@pytest.mark.parametrize(
+    ("current", "observed", "phase", "reason"),
+    [
+        (None, ray(ready=0, head=False), status_.Phase.PROVISIONING, "WaitingForRayCluster"),
+        (None, ray(ready=1), status_.Phase.PROVISIONING, "WaitingForWorkers"),
+        (None, ray(ready=2), status_.Phase.SERVING, "AllRanksReady"),
+        (status_.Phase.SERVING, ray(ready=1), status_.Phase.DEGRADED, "RanksMissing"),
+        (status_.Phase.DEGRADED, ray(ready=2), status_.Phase.SERVING, "AllRanksReady"),
+    ],
+    ids=["head-pending", "workers-pending", "serving", "lost-a-rank", "recovered"],
+)
+def test_phase_follows_the_raycluster(
+    current: status_.Phase | None,
+    observed: observe.RayClusterObservation,
+    phase: status_.Phase,
+    reason: str,
+) -> None:
+    status = status_.MoEDeploymentStatus(phase=current)
+    got = phase_of(resize.plan_resize(SPEC, status, observe.Observed(raycluster=observed)))
+    assert (got.phase, got.reason) == (phase, reason)
+
+
+def test_a_new_target_resizes_the_worker_group() -> None:
+    spec = SPEC.model_copy(update={"data_parallel_size": 3})
+    actions = resize.plan_resize(spec, EMPTY, observe.Observed(raycluster=ray(ready=2)))
+    assert resize.ApplyRayCluster(worker_replicas=3) in actions
+
+
+def status_after(
+    *, current: status_.MoEDeploymentStatus, observed: observe.Observed, now: str
+) -> status_.MoEDeploymentStatus:
+    phase = phase_of(resize.plan_resize(SPEC, current, observed))
+    return plan_status.next_status(
+        name="tiny",
+        namespace="ml",
+        generation=1,
+        target=2,
+        current=current,
+        observed=observed,
+        phase=phase,
+        now=now,
+    )
+
+
+def test_status_fields() -> None:
+    new = status_after(
+        current=EMPTY, observed=observe.Observed(raycluster=ray(ready=2)), now=T0
+    ).to_wire()
+    assert new["phase"] == "Serving"
+    assert new["dataParallelSize"] == 2
+    assert new["targetDataParallelSize"] == 2
+    assert new["selector"] == "elasticmoe.io/deployment=tiny"
+    assert new["endpoint"] == "http://tiny-api.ml.svc:8000"
+    assert new["observedGeneration"] == 1
+    conditions = {c["type"]: c for c in new["conditions"]}
+    assert [c["type"] for c in new["conditions"]] == ["Ready", "Resizing", "Degraded"]
+    assert conditions["Ready"] == {
+        "type": "Ready",
+        "status": "True",
+        "reason": "AllRanksReady",
+        "message": "2 of 2 ranks ready",
+        "lastTransitionTime": T0,
+        "observedGeneration": 1,
+    }
+
+
+def test_transition_time_moves_only_when_the_status_flips() -> None:
+    observed = observe.Observed(raycluster=ray(ready=2))
+    first = status_after(current=EMPTY, observed=observed, now=T0)
+    again = status_after(current=first, observed=observed, now=T1)
+    assert again == first
+    assert not plan_status.needs_write(first.to_wire(), again)
+    degraded = status_after(
+        current=first, observed=observe.Observed(raycluster=ray(ready=1)), now=T1
+    )
+    ready = degraded.condition("Ready")
+    assert ready is not None and (ready.status, ready.last_transition_time) == ("False", T1)
+    resizing = degraded.condition("Resizing")
+    assert resizing is not None and resizing.last_transition_time == T0
+
+
+def test_timestamps_alone_do_not_need_a_write() -> None:
+    observed = observe.Observed(raycluster=ray(ready=2))
+    stored = status_after(current=EMPTY, observed=observed, now=T0).to_wire()
+    fresh = status_after(current=EMPTY, observed=observed, now=T1)
+    assert not plan_status.needs_write(stored, fresh)
+    assert plan_status.needs_write({}, fresh)
+
+
+def test_merge_patch_nulls_removed_keys() -> None:
+    new = status_.MoEDeploymentStatus(phase=status_.Phase.SERVING)
+    patch: dict[str, Any] = plan_status.merge_patch({"phase": "Resizing", "endpoint": "x"}, new)
+    assert patch == {"phase": "Serving", "endpoint": None}
+
+
+def test_serving_size_prefers_the_runtime() -> None:
+    runtime = observe.RuntimeObservation(data_parallel_size=3, target_data_parallel_size=3)
+    observed = observe.Observed(raycluster=ray(ready=2), runtime=runtime)
+    assert plan_status.serving_size(observed=observed, target=2) == 3
+    assert plan_status.serving_size(observed=observe.Observed(), target=2) == 0
+
+
+def test_observe_parses_a_raycluster() -> None:
+    obj = {
+        "spec": {"workerGroupSpecs": [{"groupName": "ranks", "replicas": 3}]},
+        "status": {
+            "readyWorkerReplicas": 2,
+            "state": "ready",
+            "conditions": [{"type": "HeadPodReady", "status": "True"}],
+        },
+    }
+    assert observe.raycluster(obj) == observe.RayClusterObservation(
+        worker_replicas=3, ready_workers=2, head_ready=True, state="ready"
+    )
+    assert observe.raycluster(None) is None
+    assert observe.raycluster({"spec": {}}) == observe.RayClusterObservation(
+        worker_replicas=0, ready_workers=0, head_ready=False
+    )
+
+
+def test_observe_parses_the_runtime_status() -> None:
+    got = observe.runtime(
+        {"data_parallel_size": 2, "target_data_parallel_size": 4, "stage": "Standby",
+         "eplb": {"balancedness": 0.8}}
+    )  # fmt: skip
+    assert got == observe.RuntimeObservation(2, 4, "Standby", 0.8)

@@ -1,0 +1,157 @@
+"""The runtime admin client against an ``httpx.MockTransport``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from moe_operator import runtime_client
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def client(handler: Handler, *, token: str | None = "tok") -> runtime_client.RuntimeClient:
+    return runtime_client.RuntimeClient(
+        "http://runtime:8000", token=token, transport=httpx.MockTransport(handler)
+    )
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_scale_sends_the_body_and_the_token() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(
+            202, json={"resize_id": "r1", "from": 2, "to": 4, "stage": "Provisioning"}
+        )
+
+    async def main() -> runtime_client.ScaleAccepted:
+        async with client(handler) as c:
+            return await c.scale(4, drain_timeout=30)
+
+    accepted = run(main())
+    assert accepted == runtime_client.ScaleAccepted(
+        resize_id="r1", from_size=2, to_size=4, stage="Provisioning"
+    )
+    (request,) = seen
+    assert (request.method, request.url.path) == ("POST", "/scale_elastic_ep")
+    assert request.headers["Authorization"] == "Bearer tok"
+    assert json.loads(request.content) == {"new_data_parallel_size": 4, "drain_timeout": 30}
+
+
+def test_scale_wait_passes_the_query() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.params["wait"] == "true"
+        return httpx.Response(200, json={"message": "Scaled to 3 data parallel engines"})
+
+    async def main() -> runtime_client.ScaleAccepted:
+        async with client(handler) as c:
+            return await c.scale(3, wait=True)
+
+    result = run(main())
+    assert isinstance(result, runtime_client.ScaleAccepted)
+    assert result.message == "Scaled to 3 data parallel engines"
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (409, runtime_client.ResizeConflict),
+        (401, runtime_client.Unauthorized),
+        (400, runtime_client.RuntimeApiError),
+    ],
+    ids=["conflict", "unauthorized", "bad-request"],
+)
+def test_scale_errors(status: int, error: type[Exception]) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"detail": "no"})
+
+    async def main() -> None:
+        async with client(handler) as c:
+            await c.scale(2)
+
+    with pytest.raises(error):
+        run(main())
+
+
+def test_scale_refuses_a_size_below_one() -> None:
+    async def main() -> None:
+        async with client(lambda r: httpx.Response(500)) as c:
+            await c.scale(0)
+
+    with pytest.raises(ValueError, match="new_size"):
+        run(main())
+
+
+def test_status_is_parsed() -> None:
+    payload = {
+        "data_parallel_size": 2,
+        "target_data_parallel_size": 2,
+        "stage": None,
+        "resize": None,
+        "history": [],
+        "ranks": [{"rank": 0, "node_id": "n0", "pod": "p0", "healthy": True, "num_experts": 8}],
+        "eplb": {"balancedness": 0.9},
+        "future_field": 1,
+    }
+
+    async def main() -> runtime_client.ElasticStatus:
+        async with client(lambda r: httpx.Response(200, json=payload)) as c:
+            return await c.status()
+
+    status = run(main())
+    assert isinstance(status, runtime_client.ElasticStatus)
+    assert status.data_parallel_size == 2
+    assert status.ranks[0].num_experts == 8
+
+
+def test_health_and_is_scaling() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, json={"is_scaling_elastic_ep": True})
+
+    async def main() -> tuple[bool, bool]:
+        async with client(handler) as c:
+            return await c.health(), await c.is_scaling()
+
+    assert run(main()) == (True, True)
+
+
+def test_health_is_false_when_unreachable() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    async def main() -> bool:
+        async with client(handler, token=None) as c:
+            return await c.health()
+
+    assert run(main()) is False
+
+
+@pytest.mark.parametrize(
+    ("annotations", "environ", "url"),
+    [
+        ({}, {}, "http://tiny-api.ml.svc:8000"),
+        ({}, {"MOE_RUNTIME_URL_TEMPLATE": "http://127.0.0.1:9000/{namespace}/{name}"},
+         "http://127.0.0.1:9000/ml/tiny"),
+        ({"elasticmoe.io/runtime-url": "http://127.0.0.1:8123/"},
+         {"MOE_RUNTIME_URL_TEMPLATE": "http://x"}, "http://127.0.0.1:8123"),
+    ],
+    ids=["service", "env-template", "annotation-wins"],
+)  # fmt: skip
+def test_runtime_url(annotations: dict[str, str], environ: dict[str, str], url: str) -> None:
+    assert (
+        runtime_client.runtime_url(
+            name="tiny", namespace="ml", annotations=annotations, environ=environ
+        )
+        == url
+    )
