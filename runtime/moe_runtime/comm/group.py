@@ -204,7 +204,10 @@ class StatelessGroup:
                 f"output must hold world_size ({self.world_size}) x tensor "
                 f"{tuple(tensor.shape)}, got {tuple(output.shape)}"
             )
-        self._pg._allgather_base(output, tensor.contiguous()).wait()
+        if not output.is_contiguous():
+            raise ValueError("output must be contiguous")
+        # gloo splits the output along dim 0 and wants each chunk shaped like the input: flatten.
+        self._pg._allgather_base(output.view(-1), tensor.reshape(-1).contiguous()).wait()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In place: ``tensor`` becomes the reduction over ranks (op: sum, max, min, product)."""
