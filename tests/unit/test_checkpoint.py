@@ -15,7 +15,7 @@ import tokenizers
 import torch
 import transformers
 
-from moe_runtime.model import errors, mixtral, names, source, tokenizer
+from moe_runtime.model import config, errors, mixtral, names, source, tokenizer
 
 PROMPTS = [[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)]]
 NEW_TOKENS = 8
@@ -337,3 +337,53 @@ def test_shard_listed_but_tensor_absent_fails_when_loaded(
 def test_not_a_directory(tmp_path: pathlib.Path) -> None:
     with pytest.raises(errors.CheckpointError, match="no such checkpoint directory"):
         source.open_source(str(tmp_path / "nowhere"))
+
+
+_GOOD_HF = dict(
+    model_type="mixtral",
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        pytest.param({"hidden_size": None}, ["'hidden_size'", "integer"], id="null-field"),
+        pytest.param({"vocab_size": "320"}, ["'vocab_size'", "integer"], id="string-field"),
+        pytest.param({"num_hidden_layers": 2.5}, ["'num_hidden_layers'"], id="fraction"),
+        pytest.param({"hidden_act": "gelu"}, ["hidden_act", "silu"], id="activation"),
+        pytest.param(
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, ["yarn"], id="rope"
+        ),
+        pytest.param({"num_key_value_heads": 3}, ["num_kv_heads"], id="gqa-groups"),
+        pytest.param({"num_experts_per_tok": 9}, ["top_k"], id="top-k"),
+        pytest.param({"eos_token_id": "</s>"}, ["'eos_token_id'"], id="eos"),
+    ],
+)
+def test_config_field_errors_name_the_field(changes: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(errors.CheckpointError) as info:
+        config.from_hf_config({**_GOOD_HF, **changes}, "/ckpt/config.json")
+    message = str(info.value)
+    assert message.startswith("/ckpt/config.json: ")
+    assert message.count("/ckpt/config.json") == 1
+    for word in words:
+        assert word in message, message
+
+
+def test_config_defaults_and_rope_theta() -> None:
+    cfg = config.from_hf_config(
+        {**_GOOD_HF, "rope_theta": 5e5, "eos_token_id": [2, 7], "sliding_window": None}, "c"
+    )
+    assert (cfg.head_dim, cfg.rope_theta, cfg.eos_token_id, cfg.sliding_window) == (
+        16,
+        5e5,
+        2,
+        None,
+    )

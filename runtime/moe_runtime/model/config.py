@@ -169,5 +169,7 @@ def from_hf_config(hf: Mapping[str, Any], path: str | os.PathLike[str]) -> Model
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             sliding_window=number("sliding_window", int, None),
         )
+    except errors.CheckpointError:
+        raise
     except (TypeError, ValueError) as exc:
         raise errors.CheckpointError(path, f"invalid model configuration: {exc}") from exc
