@@ -1,0 +1,51 @@
+"""The kustomize manifests are accepted by a real API server."""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e.controlplane import cluster
+from tests.integration.operator import conftest as ops
+
+pytestmark = pytest.mark.controlplane
+
+
+def test_kustomize_dry_run(control_plane: cluster.ControlPlane) -> None:
+    # A dry run creates nothing, so namespaced objects need their namespace to exist.
+    control_plane.kubectl(
+        "apply", "--server-side", "-f", str(ops.REPO / "manifests/namespace.yaml")
+    )
+    done = control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-k", str(ops.REPO / "manifests")
+    )
+    out = done.stdout
+    for name in (
+        "customresourcedefinition.apiextensions.k8s.io/moedeployments.elasticmoe.io",
+        "serviceaccount/moe-operator",
+        "clusterrole.rbac.authorization.k8s.io/elastic-moe-operator",
+        "clusterrolebinding.rbac.authorization.k8s.io/elastic-moe-operator",
+        "deployment.apps/moe-operator",
+    ):
+        assert name in out
+
+
+def test_operator_service_account_cannot_delete(control_plane: cluster.ControlPlane) -> None:
+    """Least privilege: the operator's identity may create children but never delete them."""
+    control_plane.kubectl(
+        "apply", "--server-side",
+        "-f", str(ops.REPO / "manifests/namespace.yaml"),
+        "-f", str(ops.REPO / "manifests/rbac.yaml"),
+    )  # fmt: skip
+    sa = f"system:serviceaccount:{ops.OPERATOR_NAMESPACE}:{ops.OPERATOR_SA}"
+
+    def can(*args: str) -> str:
+        done = control_plane.kubectl("auth", "can-i", *args, f"--as={sa}", check=False)
+        return done.stdout.strip()
+
+    assert can("patch", "rayclusters.ray.io") == "yes"
+    assert can("patch", "moedeployments.elasticmoe.io", "--subresource=status") == "yes"
+    assert can("create", "secrets") == "yes"
+    assert can("delete", "rayclusters.ray.io") == "no"
+    assert can("update", "secrets") == "no"
+    assert can("list", "secrets") == "no"
+    assert can("create", "pods") == "no"
