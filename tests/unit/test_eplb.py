@@ -38,7 +38,7 @@ SHAPES = [
     pytest.param(2, 8, 8, 2, 1, 1, id="L2-E8-P8-r2"),
     pytest.param(3, 8, 12, 4, 1, 1, id="L3-E8-P12-r4-redundant"),
     pytest.param(2, 12, 16, 8, 2, 4, id="L2-E12-P16-r8-n2-g4-hier"),
-    pytest.param(2, 12, 18, 3, 2, 3, id="L2-E12-P18-r3-n2-g3-global-fallback"),
+    pytest.param(2, 12, 20, 4, 2, 3, id="L2-E12-P20-r4-n2-g3-global-fallback"),
     pytest.param(4, 16, 24, 6, 1, 1, id="L4-E16-P24-r6"),
     pytest.param(1, 6, 9, 3, 1, 1, id="L1-E6-P9-r3"),
     pytest.param(2, 16, 16, 1, 1, 1, id="L2-E16-P16-r1"),
@@ -105,6 +105,23 @@ def test_rebalance_matches_deepseek_reference_example():
     ]
 
 
+@pytest.mark.parametrize("load_kind", list(LOADS))
+def test_hierarchical_keeps_each_expert_group_on_one_node(load_kind):
+    layers, experts, ranks, nodes, groups = 2, 16, 8, 2, 4
+    load = LOADS[load_kind](layers, experts, 9)
+    placement = policy.rebalance(load, 24, ranks, nodes, groups)
+    per_node = ranks // nodes
+    for layer in range(layers):
+        node_of_group: dict[int, set[int]] = {}
+        for rank in range(ranks):
+            for expert in placement.experts_on_rank(layer, rank, ranks):
+                node_of_group.setdefault(expert // (experts // groups), set()).add(rank // per_node)
+        assert all(len(n) == 1 for n in node_of_group.values())
+        assert sorted(
+            len([g for g, n in node_of_group.items() if node in n]) for node in range(nodes)
+        ) == [2, 2]
+
+
 def test_redundant_slots_go_to_hot_experts():
     load = torch.tensor([[1000, 10, 10, 10, 10, 10, 10, 10, 500, 10, 10, 10]])
     placement = policy.rebalance(load, 16, 4)
@@ -135,6 +152,12 @@ def test_balancedness_splits_replicated_load_evenly():
         pytest.param(lambda: policy.rebalance(torch.ones(8), 8, 2), r"\[L, E\]", id="load-1d"),
         pytest.param(lambda: policy.rebalance(-torch.ones(1, 8), 8, 2), ">= 0", id="negative"),
         pytest.param(lambda: policy.identity(1, 4, 4, 0), "num_ranks", id="zero-ranks"),
+        pytest.param(
+            lambda: policy.rebalance(torch.ones(1, 8), 8, 2, 1, 3), "num_groups", id="E%groups"
+        ),
+        pytest.param(
+            lambda: policy.rebalance(torch.ones(1, 8), 9, 3, 2, 2), "num_nodes", id="ranks%nodes"
+        ),
         pytest.param(
             lambda: policy.Placement.from_phy2log(torch.tensor([[0, 0]]), 2),
             "no slot",

@@ -182,12 +182,15 @@ def rebalance(
     if (weight < 0).any():
         raise ValueError("load must be >= 0")
     weight[weight.sum(-1) == 0] = 1.0  # cold layers: balance as if uniform
-    hierarchical = (
-        num_groups % num_nodes == 0
-        and num_experts % num_groups == 0
-        and num_ranks % num_nodes == 0
-        and num_physical % num_nodes == 0
-    )
+    if num_experts % num_groups != 0:
+        raise ValueError(
+            f"num_groups ({num_groups}) must divide num_experts ({num_experts}) evenly"
+        )
+    if num_ranks % num_nodes != 0:
+        raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks}) evenly")
+    # As DeepSeek: hierarchical when the groups divide over the nodes (then P divides too,
+    # since P divides over the ranks and the ranks over the nodes).
+    hierarchical = num_groups % num_nodes == 0
     if hierarchical:
         phy2log = _hierarchical(weight, num_physical, num_groups, num_nodes, num_ranks)
     else:
