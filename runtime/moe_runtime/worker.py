@@ -604,24 +604,31 @@ class RankWorker:
         """Apply step.control, free KV, run this rank's batch, sample; never raises.
 
         An idle rank (no batch) still runs the forward pass with no tokens, so it joins the
-        expert collectives. A bad batch is replaced by an empty one (peers must not hang) and
-        reported in StepOutput.error, as is any exception.
+        expert collectives. When the control fails, or the batch is bad, the rank runs an empty
+        batch instead (its peers must not hang in a collective) and reports the problem in
+        StepOutput.error, as it does any exception.
         """
         rank = -1 if self.rank is None else self.rank
         out = step_mod.StepOutput(rank=rank, step_id=step.step_id)
         batch = step.batches.get(rank) or step_mod.RankBatch()
         errors: list[str] = []
+        run_batch = True
         try:
             self._check_fail("execute_step")
             if step.control:
                 self._apply_control(step.control)
+        except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
+            log.exception("step %d: control failed, running empty (%s)", step.step_id, self._ctx())
+            errors.append(f"{type(exc).__name__}: {exc}")
+            run_batch = False
+        try:
             cfg, model = self._require_model()
             if self._backend is None or self.kv is None:
                 raise RuntimeError(f"rank not activated ({self._ctx()})")
             kv = self.kv
             for seq_id in batch.free:
                 kv.free(seq_id)
-            seqs = list(batch.seqs)
+            seqs = list(batch.seqs) if run_batch else []
             bad = self._invalid(seqs, cfg, kv)
             if bad:
                 errors.append(f"invalid sequences, step ran empty: {bad}")

@@ -326,3 +326,20 @@ def test_rebalance_commits_at_a_step_boundary(
     assert ex.worker(0).placement is not None and ex.worker(0).placement.equals(new)
     got = run.run()
     assert [got[str(i)] for i in range(len(PROMPTS))] == reference
+
+
+def test_failed_commit_on_one_rank_is_reported_without_hanging(
+    executor_factory: type[local.LocalExecutor],
+) -> None:
+    """Rank 1 has nothing staged: it reports the error and still joins the step's collectives."""
+    ex = executor_factory(2)
+    placement = identity(2)
+    ex.start(SOURCE, placement=placement)
+    ex.collective_rpc("stage_experts", 0, [], placement, 0, 2, ranks=[0], stage=9)
+    work = step_mod.SeqWork("a", PROMPTS[0], 0, GREEDY)
+    step = step_mod.StepInput(
+        0, {0: step_mod.RankBatch(seqs=[work])}, {worker_mod.CONTROL_EXPERT_EPOCH: 9}
+    )
+    outs = ex.execute_step(step)
+    assert outs[0].error is None and "a" in outs[0].tokens
+    assert outs[1].error is not None and "stage 9" in outs[1].error
