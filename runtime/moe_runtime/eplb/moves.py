@@ -137,6 +137,7 @@ def rebalance_for_resize(
     num_physical: int,
     num_nodes: int = 1,
     num_groups: int = 1,
+    tolerance: float = 0.0,
 ) -> policy.Placement:
     """``policy.rebalance`` for new_num_ranks, relabelled to keep experts where they are.
 
@@ -146,6 +147,11 @@ def rebalance_for_resize(
     (greedy matching on the overlap), then puts each expert back at its old local offset when
     it can. Same balancedness as plain ``rebalance``, never more moves in practice, usually far
     fewer. Old ranks >= new_num_ranks (departing on a shrink) keep nothing.
+
+    When the rank count and P are unchanged (a periodic rebalance), a layer keeps its old slots
+    outright if its busiest rank would not be more than ``tolerance`` (a fraction) busier than
+    under the new placement: balanced packing is chaotic, and a 1% drift in load would
+    otherwise move most experts for no gain.
     """
     new = policy.rebalance(load, num_physical, new_num_ranks, num_nodes, num_groups)
     _check_pair(old, new, old_num_ranks, new_num_ranks)
@@ -153,10 +159,20 @@ def rebalance_for_resize(
     new_per = new.slots_per_rank(new_num_ranks)
     nodes = num_nodes if num_nodes >= 1 and new_num_ranks % num_nodes == 0 else 1
     ranks_per_node = new_num_ranks // nodes
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     old_rows = old.phy2log.tolist()
+    keep = [False] * new.num_layers
+    if old_num_ranks == new_num_ranks and old.num_physical == new.num_physical:
+        old_max = old.rank_slot_load(load, old_num_ranks).max(dim=-1).values
+        new_max = new.rank_slot_load(load, new_num_ranks).max(dim=-1).values
+        keep = (old_max <= new_max * (1.0 + tolerance) + 1e-9).tolist()
     out_rows: list[list[int]] = []
     for layer, row in enumerate(new.phy2log.tolist()):
         old_row = old_rows[layer]
+        if keep[layer]:
+            out_rows.append(list(old_row))
+            continue
         old_slots = [
             old_row[r * old_per : (r + 1) * old_per] if r < old_num_ranks else []
             for r in range(new_num_ranks)
