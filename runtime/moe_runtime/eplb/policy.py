@@ -42,18 +42,35 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Placement:
     """Where each logical expert lives, for every layer (see the module glossary).
 
     phy2log: [L, P] int64, logical expert of each slot.
     log2phy: [L, E, R] int64, slots of each logical expert in ascending order, -1 padded.
     logcnt: [L, E] int64, replicas of each logical expert.
+
+    Compare placements with ``equals`` (``==`` is identity: the fields are tensors).
     """
 
     phy2log: torch.Tensor
     log2phy: torch.Tensor
     logcnt: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.phy2log.dim() != 2 or self.logcnt.dim() != 2 or self.log2phy.dim() != 3:
+            raise ValueError(
+                "Placement wants phy2log [L, P], log2phy [L, E, R], logcnt [L, E]; got "
+                f"{tuple(self.phy2log.shape)}, {tuple(self.log2phy.shape)}, "
+                f"{tuple(self.logcnt.shape)}"
+            )
+        layers, experts = self.logcnt.shape
+        if self.phy2log.shape[0] != layers or tuple(self.log2phy.shape[:2]) != (layers, experts):
+            raise ValueError(
+                "Placement tensors disagree on L or E: "
+                f"{tuple(self.phy2log.shape)}, {tuple(self.log2phy.shape)}, "
+                f"{tuple(self.logcnt.shape)}"
+            )
 
     @classmethod
     def from_phy2log(cls, phy2log: torch.Tensor, num_experts: int) -> Placement:
