@@ -468,23 +468,35 @@ class MixtralModel:
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     ) -> torch.Tensor:
-        """Causal GQA attention of q [n, heads, D] over keys/values [kv_heads, start + n, D]."""
+        """Causal GQA attention of q [n, heads, D] over keys/values [kv_heads, start + n, D].
+
+        The query of position p sees keys 0..p (the last `sliding_window` of them when set).
+        One sequence at a time, so a sequence's numbers do not depend on the rest of the batch.
+        """
         cfg = self.config
         n = q.shape[0]
         total = keys.shape[1]
-        qg = q.reshape(n, cfg.num_kv_heads, cfg.num_query_groups, cfg.head_dim).permute(1, 2, 0, 3)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)[:, None]) * (cfg.head_dim**-0.5)
         window = cfg.sliding_window
+        mask = None
         if n > 1 or (window is not None and total > window):
             q_pos = torch.arange(start, start + n, device=q.device)[:, None]
             k_pos = torch.arange(total, device=q.device)[None, :]
-            allowed = k_pos <= q_pos
+            mask = k_pos <= q_pos
             if window is not None:
-                allowed = allowed & (k_pos > q_pos - window)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values[:, None])  # [kv_heads, groups, n, D]
-        return out.permute(2, 0, 1, 3).reshape(n, cfg.num_heads * cfg.head_dim)
+                mask = mask & (k_pos > q_pos - window)
+        # Grouped-query attention without copying keys/values: the g query heads that share a
+        # key/value head become g * n query rows of that head (rows ordered (group, position)).
+        groups = cfg.num_query_groups
+        rows = q.reshape(n, cfg.num_kv_heads, groups, cfg.head_dim).permute(1, 2, 0, 3)
+        out = F.scaled_dot_product_attention(
+            rows.reshape(1, cfg.num_kv_heads, groups * n, cfg.head_dim),
+            keys[None],
+            values[None],
+            attn_mask=None if mask is None else mask.repeat(groups, 1),
+            scale=cfg.head_dim**-0.5,
+        )  # [1, kv_heads, groups * n, D]
+        out = out.reshape(cfg.num_kv_heads, groups, n, cfg.head_dim).permute(2, 0, 1, 3)
+        return out.reshape(n, cfg.num_heads * cfg.head_dim)
 
     @torch.no_grad()
     def forward(
