@@ -409,8 +409,12 @@ class RankWorker:
         new_num_ranks: int,
         *,
         stage: int | None = None,
+        from_source: bool = False,
     ) -> int:
         """Prepare this rank's slots of `new_placement` in a staging area; returns bytes received.
+
+        from_source: experts that neither this rank holds nor a move brings are read from the
+        model source (recovery after a rank died with the only copy); otherwise that is an error.
 
         new_rank None: this rank leaves (scale-down); it only sends and stages nothing.
 
@@ -460,15 +464,33 @@ class RankWorker:
         available = {**held, **received}
         staged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
         missing: list[tuple[int, int]] = []
+        loaded = 0
+        src = (
+            source_mod.open_source(self.source_name)
+            if from_source and self.source_name is not None
+            else None
+        )
         for layer in range(cfg.num_layers):
             for slot, logical in enumerate(
                 new_placement.experts_on_rank(layer, new_rank, new_num_ranks)
             ):
                 weights = available.get((layer, logical))
+                if weights is None and src is not None:
+                    weights = mixtral.load_expert(
+                        src,
+                        layer,
+                        logical,
+                        dtype=self.dtype,
+                        device=self.device,
+                    )
+                    available[(layer, logical)] = weights
+                    loaded += 1
                 if weights is None:
                     missing.append((layer, logical))
                 else:
                     staged[(layer, slot)] = weights
+        if loaded:
+            log.info("read %d experts from %s (%s)", loaded, self.source_name, self._ctx())
         if missing:
             raise RuntimeError(
                 f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
