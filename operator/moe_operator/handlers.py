@@ -127,7 +127,8 @@ async def raycluster_changed(
     """A managed RayCluster changed (status, deletion, someone's edit): reconcile its owner."""
     owner = labels.get(group.LABEL_DEPLOYMENT)
     key = (namespace or "", owner or "")
-    if type is None or owner is None or key not in memo.known:  # None: the initial listing
+    # None: the initial listing (resume handles those); ADDED: almost always our own create.
+    if type in (None, "ADDED") or owner is None or key not in memo.known:
         return
     try:
         await _reconcile_fresh(key, memo, logger)

@@ -6,6 +6,7 @@ handlers stay thin and this can be driven by any caller (kopf handlers, a timer,
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import secrets
@@ -17,7 +18,7 @@ import pydantic
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import builders, observe, resize
+from moe_operator.plan import builders, diff, observe, resize
 from moe_operator.plan import status as plan_status
 
 #: ``events(reason, message)``: posts a Kubernetes event on the MoEDeployment.
@@ -54,20 +55,50 @@ def parse_status(raw: Any, *, logger: Logger) -> status_.MoEDeploymentStatus:
         return status_.MoEDeploymentStatus()
 
 
-async def observe_children(*, api: k8s_api.Api, owner: builders.Owner) -> observe.Observed:
-    ray = await api.get(
-        api_version="ray.io/v1",
-        kind="RayCluster",
-        namespace=owner.namespace,
-        name=builders.raycluster_name(owner.name),
+@dataclasses.dataclass(frozen=True)
+class Children:
+    """The children as stored (``None``: missing), and the observation planned on."""
+
+    raycluster: dict[str, Any] | None
+    service: dict[str, Any] | None
+    observed: observe.Observed
+
+
+async def observe_children(*, api: k8s_api.Api, owner: builders.Owner) -> Children:
+    ray, service, secret = await asyncio.gather(
+        api.get(
+            api_version="ray.io/v1",
+            kind="RayCluster",
+            namespace=owner.namespace,
+            name=builders.raycluster_name(owner.name),
+        ),
+        api.get(
+            api_version="v1",
+            kind="Service",
+            namespace=owner.namespace,
+            name=builders.service_name(owner.name),
+        ),
+        api.get(
+            api_version="v1",
+            kind="Secret",
+            namespace=owner.namespace,
+            name=builders.secret_name(owner.name),
+        ),
     )
-    secret = await api.get(
-        api_version="v1",
-        kind="Secret",
-        namespace=owner.namespace,
-        name=builders.secret_name(owner.name),
+    observed = observe.Observed(
+        raycluster=observe.raycluster(ray),
+        secret_exists=secret is not None,
+        service_exists=service is not None,
     )
-    return observe.Observed(raycluster=observe.raycluster(ray), secret_exists=secret is not None)
+    return Children(raycluster=ray, service=service, observed=observed)
+
+
+async def _apply_unless_current(
+    api: k8s_api.Api, desired: dict[str, Any], stored: dict[str, Any] | None
+) -> k8s_api.ApplyResult:
+    if stored is not None and diff.contains(stored, desired):
+        return k8s_api.ApplyResult(obj=stored, created=False)
+    return await api.apply(desired)
 
 
 async def _execute(
@@ -76,18 +107,20 @@ async def _execute(
     api: k8s_api.Api,
     owner: builders.Owner,
     spec: spec_.MoEDeploymentSpec,
+    children: Children,
 ) -> k8s_api.ApplyResult | None:
     if isinstance(action, resize.EnsureSecret):
         token = secrets.token_urlsafe(32)
         return await api.create(builders.build_secret(owner=owner, token=token))
     if isinstance(action, resize.ApplyRayCluster):
-        return await api.apply(
-            builders.build_raycluster(
-                owner=owner, spec=spec, worker_replicas=action.worker_replicas
-            )
+        desired = builders.build_raycluster(
+            owner=owner, spec=spec, worker_replicas=action.worker_replicas
         )
+        return await _apply_unless_current(api, desired, children.raycluster)
     if isinstance(action, resize.ApplyService):
-        return await api.apply(builders.build_service(owner=owner))
+        return await _apply_unless_current(
+            api, builders.build_service(owner=owner), children.service
+        )
     if isinstance(action, resize.ScaleRuntime):
         raise NotImplementedError("live resizes are driven by the resize driver")
     return None
@@ -108,7 +141,8 @@ async def reconcile(
     spec = parse_spec(body.get("spec"))
     raw_status = body.get("status") or {}
     current = parse_status(raw_status, logger=logger)
-    observed = await observe_children(api=api, owner=owner)
+    children = await observe_children(api=api, owner=owner)
+    observed = children.observed
     actions = resize.plan_resize(spec, current, observed)
     created: list[str] = []
     phase: resize.SetPhase | None = None
@@ -116,7 +150,7 @@ async def reconcile(
         if isinstance(action, resize.SetPhase):
             phase = action
             continue
-        result = await _execute(action, api=api, owner=owner, spec=spec)
+        result = await _execute(action, api=api, owner=owner, spec=spec, children=children)
         if result is not None and result.created:
             kind, name = result.obj["kind"], result.obj["metadata"]["name"]
             created.append(f"{kind}/{name}")

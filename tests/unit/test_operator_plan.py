@@ -8,7 +8,7 @@ import pytest
 
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import observe, resize
+from moe_operator.plan import diff, observe, resize
 from moe_operator.plan import status as plan_status
 
 SPEC = spec_.MoEDeploymentSpec.model_validate(
@@ -174,3 +174,34 @@ def test_observe_parses_the_runtime_status() -> None:
          "eplb": {"balancedness": 0.8}}
     )  # fmt: skip
     assert got == observe.RuntimeObservation(2, 4, "Standby", 0.8)
+
+
+@pytest.mark.parametrize(
+    ("actual", "desired", "expected"),
+    [
+        ({"a": 1, "b": {"c": 2, "d": 3}}, {"b": {"c": 2}}, True),
+        ({"a": 1}, {"a": 2}, False),
+        ({"a": [{"x": 1, "y": 2}]}, {"a": [{"x": 1}]}, True),
+        ({"a": [{"x": 1}, {"x": 2}]}, {"a": [{"x": 1}]}, False),
+        ({"a": 1}, {"a": True}, False),
+        ({}, {"a": None}, False),
+    ],
+    ids=["nested-subset", "changed", "list-of-subsets", "list-length", "bool-vs-int", "missing"],
+)
+def test_contains(actual: Any, desired: Any, expected: bool) -> None:
+    assert diff.contains(actual, desired) is expected
+
+
+def test_status_is_the_same_before_and_after_the_raycluster_exists() -> None:
+    """A restarted operator sees the RayCluster it created; it must not compute a new status."""
+    first = status_after(current=EMPTY, observed=observe.Observed(), now=T0)
+    resumed = status_after(
+        current=first, observed=observe.Observed(raycluster=ray(ready=0, head=False)), now=T1
+    )
+    assert not plan_status.needs_write(first.to_wire(), resumed)
+
+
+def test_a_vanished_raycluster_degrades_a_serving_deployment() -> None:
+    serving = status_.MoEDeploymentStatus(phase=status_.Phase.SERVING)
+    got = phase_of(resize.plan_resize(SPEC, serving, observe.Observed()))
+    assert (got.phase, got.reason) == (status_.Phase.DEGRADED, "RanksMissing")

@@ -57,6 +57,10 @@ class SetPhase:
 Action = Union[EnsureSecret, ApplyRayCluster, ApplyService, ScaleRuntime, SetPhase]
 
 
+def was_serving(status: status_.MoEDeploymentStatus) -> bool:
+    return status.phase in (status_.Phase.SERVING, status_.Phase.DEGRADED)
+
+
 def _phase(
     *,
     spec: spec_.MoEDeploymentSpec,
@@ -65,31 +69,32 @@ def _phase(
 ) -> SetPhase:
     ray = observed.raycluster
     target = spec.data_parallel_size
-    if ray is None:
+    if ray is None and was_serving(status):
+        return SetPhase(
+            status_.Phase.DEGRADED,
+            status_.REASON_RANKS_MISSING,
+            "the RayCluster disappeared; re-creating it",
+        )
+    if ray is None or (not ray.head_ready and not was_serving(status)):
+        # The same words whether the RayCluster is being created now or exists without a
+        # ready head: a restarted operator must compute the very same status.
         return SetPhase(
             status_.Phase.PROVISIONING,
             status_.REASON_WAITING_FOR_RAY_CLUSTER,
-            "RayCluster requested",
+            "waiting for the Ray head",
         )
-    if ray.head_ready and ray.ready_workers >= target:
+    if ray.head_ready and ray.ready_workers >= target:  # ray is not None from here on
         return SetPhase(
             status_.Phase.SERVING,
             status_.REASON_ALL_RANKS_READY,
             f"{target} of {target} ranks ready",
         )
-    was_serving = status.phase in (status_.Phase.SERVING, status_.Phase.DEGRADED)
-    if was_serving:
+    if was_serving(status):
         return SetPhase(
             status_.Phase.DEGRADED,
             status_.REASON_RANKS_MISSING,
             f"{ray.ready_workers} of {target} ranks ready"
             + ("" if ray.head_ready else "; head not ready"),
-        )
-    if not ray.head_ready:
-        return SetPhase(
-            status_.Phase.PROVISIONING,
-            status_.REASON_WAITING_FOR_RAY_CLUSTER,
-            "waiting for the Ray head",
         )
     return SetPhase(
         status_.Phase.PROVISIONING,
