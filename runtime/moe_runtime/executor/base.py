@@ -222,3 +222,29 @@ def check_switch(ranks: Sequence[int], *, live: Sequence[int]) -> dict[int, int]
         )
     mapping.update({r: r for r in left_out})
     return mapping
+
+
+def order_ranks(
+    infos: Sequence[Mapping[str, Any]],
+    *,
+    driver_node: str,
+    existing_nodes: Sequence[str] = (),
+) -> list[int]:
+    """Rank order of new workers, as vLLM's RayDistributedExecutor orders them.
+
+    infos: each new worker's `node_id` and `ip`. Returns indices into `infos`: workers on the
+    driver's node first, then those on nodes with fewer workers (existing ones counted), then
+    by IP and node id; ties keep their order. Pure: data in, data out.
+    """
+    per_node: dict[str, int] = {}
+    for node in [*existing_nodes, *(str(i["node_id"]) for i in infos)]:
+        per_node[node] = per_node.get(node, 0) + 1
+    return sorted(
+        range(len(infos)),
+        key=lambda i: (
+            infos[i]["node_id"] != driver_node,
+            per_node[str(infos[i]["node_id"])],
+            str(infos[i]["ip"]),
+            str(infos[i]["node_id"]),
+        ),
+    )

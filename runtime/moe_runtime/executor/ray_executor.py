@@ -207,20 +207,8 @@ class RayExecutor(base.Executor):
                 ray.util.remove_placement_group(pg)
             raise
         with self._lock:
-            per_node: dict[str, int] = {}
-            for r in self._ranks.values():
-                per_node[r.info["node_id"]] = per_node.get(r.info["node_id"], 0) + 1
-        for info in infos:
-            per_node[info["node_id"]] = per_node.get(info["node_id"], 0) + 1
-        order = sorted(
-            range(count),
-            key=lambda i: (
-                infos[i]["node_id"] != self._driver_node,
-                per_node[infos[i]["node_id"]],
-                infos[i]["ip"],
-                infos[i]["node_id"],
-            ),
-        )
+            existing = [r.info["node_id"] for r in self._ranks.values()]
+        order = base.order_ranks(infos, driver_node=self._driver_node, existing_nodes=existing)
         started = []
         for offset, i in enumerate(order):
             label = first_label + offset
