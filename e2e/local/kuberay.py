@@ -109,6 +109,7 @@ _SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 _PORT_FLAG = re.compile(r"(--port(?:=|\s+))(\d+)")
 _HOST_FLAG = re.compile(r"(--host(?:=|\s+))(\S+)")
+_SHELLS = {"sh", "bash", "dash", "zsh", "ash"}
 
 # Condition types and reasons as KubeRay names them.
 COND_HEAD_READY = "HeadPodReady"
@@ -192,11 +193,37 @@ def rewrite_runtime_argv(argv: list[str], *, port: int) -> tuple[list[str], int]
             out[i] = _HOST_FLAG.sub(lambda m: f"{m.group(1)}{LOOPBACK}", item)
         i += 1
     if declared is None and not any(_PORT_FLAG.search(x) or x == "--port" for x in out):
-        if len(out) >= 2 and out[-2] == "-c":  # sh -c "...": extend the script
+        if _is_shell_c(out):  # sh -c "...": extend the script
             out[-1] = f"{out[-1]} --host {LOOPBACK} --port {port}"
         else:
             out += ["--host", LOOPBACK, "--port", str(port)]
     return out, declared or DEFAULT_RUNTIME_PORT
+
+
+def local_shell_argv(argv: list[str]) -> list[str]:
+    """Drop the login flag of a shell command (``bash -lc``): a login shell resets PATH from
+    /etc/profile, and the local processes need the stand-in's PATH (the venv's ``bin`` first)."""
+    if not argv or Path(argv[0]).name not in _SHELLS:
+        return list(argv)
+    out = [argv[0]]
+    options = True
+    for item in argv[1:]:
+        if options and item == "--login":
+            continue
+        if options and item.startswith("-") and item != "--" and not item.startswith("--"):
+            item = "-" + item[1:].replace("l", "")
+            if item == "-":
+                continue
+        elif options:
+            options = False
+        out.append(item)
+    return out
+
+
+def _is_shell_c(argv: list[str]) -> bool:
+    if not argv or Path(argv[0]).name not in _SHELLS:
+        return False
+    return any(a.startswith("-") and not a.startswith("--") and "c" in a for a in argv[1:3])
 
 
 def _int_or_none(text: str) -> int | None:
@@ -241,6 +268,7 @@ class _Cluster:
     workdir: Path
     ray_temp: Path
     gcs_port: int = 0
+    client_port: int = 0
     head: _Pod | None = None
     gcs_up: bool = False
     gcs: Any = None  # ray._raylet.GcsClient once the head answers
@@ -257,6 +285,13 @@ class _Cluster:
     provisioned: bool = False
     last_status: dict[str, Any] = dataclasses.field(default_factory=dict)
     conditions: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    said: set[str] = dataclasses.field(default_factory=set)  # waits already logged
+
+    def say_once(self, message: str) -> None:
+        """Log a wait once, not on every pass of the loop."""
+        if message not in self.said:
+            self.said.add(message)
+            log.info("%s: %s", self.ctx, message)
 
     @property
     def ctx(self) -> str:
@@ -479,6 +514,7 @@ class LocalKubeRay:
         created = self._create_pod_object(c, obj, pod, template)
         pod.uid = created["metadata"]["uid"]
         c.gcs_port = procs.free_port()
+        c.client_port = procs.free_port()
         c.gcs_up = False
         params = head_spec.get("rayStartParams") or {}
         argv = [
@@ -491,7 +527,7 @@ class LocalKubeRay:
             f"--temp-dir={c.ray_temp}",
             "--include-dashboard=false",
             "--disable-usage-stats",
-            f"--ray-client-server-port={procs.free_port()}",
+            f"--ray-client-server-port={c.client_port}",
             f"--dashboard-agent-listen-port={procs.free_port()}",
             *self._ray_params_argv(params, pod_name=name, default_cpus="1"),
         ]
@@ -512,25 +548,29 @@ class LocalKubeRay:
         try:
             socket.create_connection((LOOPBACK, c.gcs_port), timeout=0.2).close()
         except OSError:
-            self._check_start_timeout(c, c.head)
-            return
-        if c.gcs is None:
-            c.gcs = self._gcs_client(c.gcs_address)
-        nodes = self._alive_nodes(c)
+            nodes = None
+        else:
+            if c.gcs is None:
+                c.gcs = self._gcs_client(c.gcs_address)
+            nodes = self._alive_nodes(c)
         if nodes is not None and any(n.get(NODE_POD_LABEL) == c.head.name for n in nodes):
             c.gcs_up = True
             log.info("%s: ray head up at %s", c.ctx, c.gcs_address)
+        elif self._start_timed_out(c, c.head):  # as a liveness probe would: start again
+            self._teardown(c, delete_pods=True)
 
-    def _check_start_timeout(self, c: _Cluster, pod: _Pod) -> None:
+    def _start_timed_out(self, c: _Cluster, pod: _Pod) -> bool:
         assert pod.proc is not None
-        if time.monotonic() - pod.proc.started_at > self.node_start_timeout_s:
-            log.error(
-                "%s: pod %s not up after %.0fs; log tail:\n%s",
-                c.ctx,
-                pod.name,
-                self.node_start_timeout_s,
-                pod.proc.tail(),
-            )
+        if time.monotonic() - pod.proc.started_at <= self.node_start_timeout_s:
+            return False
+        log.error(
+            "%s: pod %s: ray node not up after %.0fs; replacing it; log tail:\n%s",
+            c.ctx,
+            pod.name,
+            self.node_start_timeout_s,
+            pod.proc.tail(),
+        )
+        return True
 
     def _ensure_runtime(self, c: _Cluster, obj: dict[str, Any], head_spec: dict[str, Any]) -> None:
         assert c.head is not None
@@ -560,13 +600,13 @@ class LocalKubeRay:
         try:
             env = self._container_env(c, obj, container, pod=c.head)
         except EnvNotReady as exc:
-            log.info("%s: pod %s waits: %s", c.ctx, c.head.name, exc)
+            c.say_once(f"pod {c.head.name} waits: {exc}")
             return
         env["RAY_ADDRESS"] = c.gcs_address
         argv0 = [expand_vars(a, env) for a in argv0]
         if not c.runtime_port:
             c.runtime_port = procs.free_port()
-        argv, c.declared_port = rewrite_runtime_argv(argv0, port=c.runtime_port)
+        argv, c.declared_port = rewrite_runtime_argv(local_shell_argv(argv0), port=c.runtime_port)
         probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
         c.health_path = probe.get("path") or DEFAULT_HEALTH_PATH
         c.runtime = procs.Proc(
@@ -723,7 +763,7 @@ class LocalKubeRay:
             try:
                 env = self._container_env(c, obj, container, pod=wp)
             except EnvNotReady as exc:
-                log.info("%s: pod %s waits: %s", c.ctx, wp.name, exc)
+                c.say_once(f"pod {wp.name} waits: {exc}")
                 continue
             env["MOE_POD_NAME"] = wp.name
             argv = [
@@ -761,9 +801,9 @@ class LocalKubeRay:
             ready = wp.name in alive
             if ready != wp.ready:
                 log.info("%s: pod %s ready=%s", c.ctx, wp.name, ready)
-            if not ready and not wp.ready:
-                self._check_start_timeout(c, wp)
             wp.ready = ready
+            if not ready and wp.reported != (True, True) and self._start_timed_out(c, wp):
+                self._begin_stop(c, wp)
 
     # --- stopping -------------------------------------------------------------------------------
 
@@ -824,6 +864,7 @@ class LocalKubeRay:
         c.runtime_restarts = 0
         c.runtime_next_start = 0.0
         c.provisioned = False
+        c.said.clear()
         # Ray's session files go with the nodes; a cluster that starts again gets a fresh dir.
         shutil.rmtree(c.ray_temp, ignore_errors=True)
         if not final:
@@ -986,14 +1027,7 @@ class LocalKubeRay:
             status["state"] = STATE_READY
         if c.head is not None:
             status["head"] = {"podIP": LOOPBACK, "serviceIP": LOOPBACK, "podName": c.head.name}
-            endpoints = {"gcs-server": str(c.gcs_port)} if c.gcs_port else {}
-            if c.runtime_port:
-                endpoints["serve"] = str(c.runtime_port)
-                head_spec = spec.get("headGroupSpec") or {}
-                for port in _first_container(head_spec.get("template") or {}).get("ports") or []:
-                    if port.get("name") and port.get("containerPort") == c.declared_port:
-                        endpoints[port["name"]] = str(c.runtime_port)
-            status["endpoints"] = endpoints
+            status["endpoints"] = self._endpoints(c, spec)
         if status == c.last_status:
             return
         body = {"status": {**status, "lastUpdateTime": now_rfc3339()}}
@@ -1005,6 +1039,24 @@ class LocalKubeRay:
                 body["status"][key] = None
         self.kube.patch(_cluster_path(c.namespace, c.name) + "/status", body)
         c.last_status = status
+
+    @staticmethod
+    def _endpoints(c: _Cluster, spec: dict[str, Any]) -> dict[str, str]:
+        """KubeRay's ``status.endpoints`` (head container port name -> port), with the local
+        ports: the runtime's, the GCS's and the Ray client's; others (the dashboard) are off."""
+        endpoints = {"gcs-server": str(c.gcs_port)}
+        head_spec = spec.get("headGroupSpec") or {}
+        for port in _first_container(head_spec.get("template") or {}).get("ports") or []:
+            name, number = port.get("name"), port.get("containerPort")
+            if not name:
+                continue
+            if number == c.declared_port and c.runtime_port:
+                endpoints[name] = str(c.runtime_port)
+            elif number == 6379 or name in ("gcs", "gcs-server"):
+                endpoints[name] = str(c.gcs_port)
+            elif number == 10001 or name == "client":
+                endpoints[name] = str(c.client_port)
+        return endpoints
 
     def _condition(self, c: _Cluster, kind: str, ok: bool, reason: str) -> None:
         status = "True" if ok else "False"
@@ -1035,7 +1087,9 @@ class LocalKubeRay:
                 "RAY_PORT": str(c.gcs_port),
                 "RAY_ADDRESS": c.gcs_address,
                 "RAY_USAGE_STATS_ENABLED": "0",
-                "KUBERAY_GEN_RAY_START_CMD": "",
+                # KubeRay's generated `ray start` (set when the head overwrites the container
+                # command); the Ray node already runs here, so the command is a no-op.
+                "KUBERAY_GEN_RAY_START_CMD": "true",
             }
         )
         env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", str(self.drain_timeout_s))
@@ -1162,9 +1216,15 @@ class LocalKubeRay:
             # token (~/.ray/auth_token) for this process's queries unless RAY_AUTH_MODE says no.
             from ray._private.authentication import authentication_token_setup
 
-            authentication_token_setup.maybe_enable_token_auth_if_token_available(
-                warn_if_disabled=False
-            )
+            quiet = logging.getLogger(authentication_token_setup.__name__)
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # it warns that token auth is on: that is the default
+            try:
+                authentication_token_setup.maybe_enable_token_auth_if_token_available(
+                    warn_if_disabled=False
+                )
+            finally:
+                quiet.setLevel(level)
             self._auth_checked = True
         from ray import _raylet
 
@@ -1177,7 +1237,7 @@ class LocalKubeRay:
         try:
             info = c.gcs.get_all_node_info(timeout=2)
         except Exception as exc:  # noqa: BLE001 - Ray raises several RPC error types
-            log.info("%s: GCS query failed: %s", c.ctx, exc)
+            c.say_once(f"GCS query failed: {exc}")
             return None
         return [dict(n.labels) for n in info.values() if n.state == 0]
 

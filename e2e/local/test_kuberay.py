@@ -192,6 +192,30 @@ def test_parse_resources_refuses_non_json() -> None:
             id="shell-string",
         ),
         pytest.param(
+            [
+                "/bin/bash",
+                "-lc",
+                "--",
+                "ulimit -n 65536; $KUBERAY_GEN_RAY_START_CMD && exec moe-runtime serve"
+                " --model m --host 0.0.0.0 --port 8000",
+            ],
+            [
+                "/bin/bash",
+                "-c",
+                "--",
+                "ulimit -n 65536; $KUBERAY_GEN_RAY_START_CMD && exec moe-runtime serve"
+                " --model m --host 127.0.0.1 --port 9999",
+            ],
+            8000,
+            id="operator-head-command",
+        ),
+        pytest.param(
+            ["bash", "-l", "-c", "moe-runtime serve"],
+            ["bash", "-c", "moe-runtime serve --host 127.0.0.1 --port 9999"],
+            8000,
+            id="login-shell-absent-port",
+        ),
+        pytest.param(
             ["moe-runtime", "serve"],
             ["moe-runtime", "serve", "--host", "127.0.0.1", "--port", "9999"],
             8000,
@@ -200,7 +224,8 @@ def test_parse_resources_refuses_non_json() -> None:
     ],
 )
 def test_rewrite_runtime_argv(argv: list[str], expected: list[str], declared: int) -> None:
-    assert kuberay.rewrite_runtime_argv(argv, port=9999) == (expected, declared)
+    local = kuberay.local_shell_argv(argv)
+    assert kuberay.rewrite_runtime_argv(local, port=9999) == (expected, declared)
 
 
 def test_expand_vars() -> None:
