@@ -492,7 +492,12 @@ class EngineResizeOps:
         old = self.serving.placement
         before = policy.balancedness(load, old, n)
         target = moves_mod.rebalance_for_resize(
-            load, old, old_num_ranks=n, new_num_ranks=n, num_physical=old.num_physical
+            load,
+            old,
+            old_num_ranks=n,
+            new_num_ranks=n,
+            num_physical=old.num_physical,
+            tolerance=0.0 if force else self.config.eplb_min_gain,
         )
         after = policy.balancedness(load, target, n)
         result: dict[str, Any] = {"before": before, "after": after, "applied": False}
