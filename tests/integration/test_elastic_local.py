@@ -211,3 +211,21 @@ def test_injected_failure_leaves_old_size_serving_and_next_resize_works(
     assert again.stage is stages.Stage.COMPLETED and deployment.executor.num_ranks == 4
     out = deployment.generate(5, 16, rid="after-retry")
     assert out.token_ids == reference[(5, 16)]
+
+
+def test_dynamic_eplb_rebalances_while_serving(
+    deployment: Deployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    ops_ = deployment.elastic.ops
+    identity = ops_.serving.placement
+    with Load(deployment, reference, clients=4) as load:
+        deadline = time.monotonic() + 120
+        while ops_.rebalances < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert load.failed == []
+    assert ops_.rebalances >= 1, ops_.last_rebalance
+    assert not ops_.serving.placement.equals(identity)
+    last = ops_.last_rebalance
+    assert last["applied"] and last["after"] > last["before"] and last["moves"] > 0
+    status = deployment.elastic.status()["eplb"]
+    assert status["rebalances"] >= 1 and 0 < status["balancedness"] <= 1
