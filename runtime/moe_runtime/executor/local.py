@@ -71,7 +71,7 @@ class LocalExecutor(base.Executor):
     def rank_infos(self) -> dict[int, dict[str, Any]]:
         with self._lock:
             workers = dict(self._workers)
-        return {label: w.info() for label, w in sorted(workers.items())}
+        return {label: {**w.info(), "label": label} for label, w in sorted(workers.items())}
 
     def worker(self, rank: int) -> worker_mod.RankWorker:
         """The worker object labelled `rank` (tests inspect it directly)."""

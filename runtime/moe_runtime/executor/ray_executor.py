@@ -103,6 +103,10 @@ class RayExecutor(base.Executor):
     groups and new actors. step_timeout: seconds one step may take before it is reported.
     rendezvous: "auto" (FileStore when a group's members share one IP, else TCPStore), "tcp"
     or "file" (forced; tests use "tcp" to cover the multi-host path on one machine).
+    transfer_backend: backend of the transfer groups. Default gloo even on GPUs: background
+    weight moves then never run NCCL kernels next to the step's NCCL collectives (two
+    communicators whose kernels interleave in different orders on different ranks can
+    deadlock), at the cost of staging weights through host memory. "nccl" is faster.
     """
 
     def __init__(
@@ -115,10 +119,12 @@ class RayExecutor(base.Executor):
         step_timeout: float = 120.0,
         group_dir: str | None = None,
         rendezvous: str = "auto",
+        transfer_backend: group_mod.Backend = "gloo",
     ) -> None:
         if rendezvous not in ("auto", "tcp", "file"):
             raise ValueError(f"rendezvous must be 'auto', 'tcp' or 'file', got {rendezvous!r}")
         self._rendezvous = rendezvous
+        self._transfer_backend: group_mod.Backend = transfer_backend
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if not ray.is_initialized():
@@ -320,11 +326,13 @@ class RayExecutor(base.Executor):
         ranks = list(ranks)
         with self._lock:
             members = [self._ranks[r] for r in ranks]
-        backend: group_mod.Backend = "nccl" if self.use_gpu else "gloo"
+        step_backend: group_mod.Backend = "nccl" if self.use_gpu else "gloo"
+        backends = {base.STEP_GROUP: step_backend, base.TRANSFER_GROUP: self._transfer_backend}
         one_host = self._rendezvous == "file" or (
             self._rendezvous == "auto" and len({m.info["ip"] for m in members}) == 1
         )
         for role in base.GROUP_ROLES:
+            backend = backends[role]
             if one_host:
                 spec = group_mod.GroupSpec.local(
                     len(ranks), epoch=epoch, backend=backend, directory=self._group_dir
