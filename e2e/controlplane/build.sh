@@ -79,8 +79,11 @@ GO
 install_etcd() {
   if [[ -x "$BIN/etcd" ]]; then return; fi
   local found=""
-  found="$(command -v etcd || true)"
-  if [[ -z "$found" && "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+  if [[ "${MOE_ETCD_FROM_GO:-0}" != 1 ]]; then
+    found="$(command -v etcd || true)"
+  fi
+  if [[ -z "$found" && "${MOE_ETCD_FROM_GO:-0}" != 1 && "$(id -u)" == 0 ]] &&
+    command -v apt-get >/dev/null; then
     log "installing etcd-server with apt"
     if DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1 ||
       { apt-get update -q >/dev/null 2>&1 &&
@@ -92,11 +95,34 @@ install_etcd() {
     ln -sfn "$found" "$BIN/etcd"
     return
   fi
-  log "building etcd $ETCD_GO_VERSION from the Go module"
+  log "building etcd $ETCD_GO_VERSION from the Go module go.etcd.io/etcd/server/v3"
   local src="$CACHE/src/etcd-$ETCD_GO_VERSION"
   mkdir -p "$src"
-  (cd "$src" && GOBIN="$src/bin" go install "go.etcd.io/etcd/server/v3@$ETCD_GO_VERSION")
-  cp "$src/bin/server" "$BIN/etcd-$ETCD_GO_VERSION" 2>/dev/null || cp "$src/bin/v3" "$BIN/etcd-$ETCD_GO_VERSION"
+  # `go install module@version` refuses modules whose go.mod has replace lines (etcd's has), so
+  # build a tiny main module that requires the server module instead.
+  cat >"$src/go.mod" <<GOMOD
+module elasticmoe.local/etcd
+
+go 1.24
+
+require go.etcd.io/etcd/server/v3 $ETCD_GO_VERSION
+GOMOD
+  cat >"$src/main.go" <<'GO'
+// Command etcd is the upstream etcd server, built from the go.etcd.io/etcd/server/v3 module.
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() {
+	etcdmain.Main(os.Args)
+}
+GO
+  (cd "$src" && go mod tidy && go build -trimpath -ldflags="-s -w" -o "$BIN/etcd-$ETCD_GO_VERSION.tmp" .)
+  mv "$BIN/etcd-$ETCD_GO_VERSION.tmp" "$BIN/etcd-$ETCD_GO_VERSION"
   ln -sfn "$BIN/etcd-$ETCD_GO_VERSION" "$BIN/etcd"
 }
 
