@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
 from typing import Any
 
 import pytest
@@ -179,3 +181,20 @@ def test_builders_are_deterministic() -> None:
 def test_names_and_endpoint() -> None:
     assert builders.selector("tiny") == "elasticmoe.io/deployment=tiny"
     assert builders.endpoint(owner_name="tiny", namespace="ml") == "http://tiny-api.ml.svc:8000"
+
+
+def test_head_starts_ray_without_blocking_then_the_runtime() -> None:
+    """KubeRay's generated `ray start` always carries --block; the head must drop it so the
+    runtime can start after Ray."""
+    args = head_container(builders.build_raycluster(owner=OWNER, spec=make_spec()))["args"][0]
+    start, runtime = args.split(" && exec ", 1)
+    assert runtime.startswith("moe-runtime serve ")
+    fake = 'echo ray start --head  --block  --resources="{\\"moe_rank\\": 1}" '
+    done = subprocess.run(
+        ["bash", "-c", f"{start} && echo runtime"],
+        env={"PATH": os.environ["PATH"], builders.RAY_START_ENV: fake},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.splitlines() == ['ray start --head --resources={"moe_rank": 1}', "runtime"]

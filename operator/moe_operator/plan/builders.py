@@ -25,6 +25,8 @@ SECRET_TOKEN_KEY: Final = "token"
 RUN_AS_USER: Final = 1000
 #: KubeRay annotation: run our command after KubeRay's generated ``ray start`` (head only).
 OVERWRITE_CMD_ANNOTATION: Final = "ray.io/overwrite-container-cmd"
+#: Environment variable in which KubeRay passes its generated ``ray start`` command.
+RAY_START_ENV: Final = "KUBERAY_GEN_RAY_START_CMD"
 
 COMPONENT_RAY: Final = "ray"
 COMPONENT_HEAD: Final = "head"
@@ -159,10 +161,12 @@ def _head_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str, 
         "name": HEAD_CONTAINER,
         "image": spec.ray.image,
         "imagePullPolicy": spec.ray.image_pull_policy,
-        # KubeRay puts its generated `ray start --head` in $KUBERAY_GEN_RAY_START_CMD when the
-        # overwrite annotation is set; the runtime then joins that Ray instance (RAY_ADDRESS).
+        # With the overwrite annotation KubeRay leaves our command alone and hands us its
+        # generated `ray start --head ... --block` in $KUBERAY_GEN_RAY_START_CMD. Without
+        # --block it returns once Ray is up; the runtime then becomes the container's main
+        # process and joins that Ray instance (RAY_ADDRESS=auto).
         "command": ["/bin/bash", "-lc", "--"],
-        "args": [f"ulimit -n 65536; $KUBERAY_GEN_RAY_START_CMD && exec {serve}"],
+        "args": [f'ulimit -n 65536; eval "${{{RAY_START_ENV}/--block/}}" && exec {serve}'],
         "ports": [
             {"name": "gcs", "containerPort": 6379},
             {"name": "dashboard", "containerPort": 8265},
