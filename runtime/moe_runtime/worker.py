@@ -405,9 +405,9 @@ class RankWorker:
         epoch: int,
         moves: Sequence[moves_mod.ExpertMove],
         new_placement: policy.Placement,
+        *,
         new_rank: int | None,
         new_num_ranks: int,
-        *,
         stage: int | None = None,
         from_source: bool = False,
     ) -> int:

@@ -263,7 +263,9 @@ def test_killed_actor_is_reported_dead_and_survivors_recover(ray_executor_mod: A
         assert info["label"] == 1 and info["pod"]
         ex.build_groups([0], epoch=1)
         one = lockstep.identity(1)
-        ex.collective_rpc("stage_experts", 0, [], one, 0, 1, ranks=[0], from_source=True)
+        ex.collective_rpc(
+            "stage_experts", 0, [], one, ranks=[0], new_rank=0, new_num_ranks=1, from_source=True
+        )
         ex.switch([0], epoch=1, placement=one)
         print(f"recovered at 1 rank in {time.monotonic() - started:.2f}s")
         run.migrate("b", 0)

@@ -335,7 +335,9 @@ def test_failed_commit_on_one_rank_is_reported_without_hanging(
     ex = executor_factory(2)
     placement = identity(2)
     ex.start(SOURCE, placement=placement)
-    ex.collective_rpc("stage_experts", 0, [], placement, 0, 2, ranks=[0], stage=9)
+    ex.collective_rpc(
+        "stage_experts", 0, [], placement, ranks=[0], new_rank=0, new_num_ranks=2, stage=9
+    )
     work = step_mod.SeqWork("a", PROMPTS[0], 0, GREEDY)
     step = step_mod.StepInput(
         0, {0: step_mod.RankBatch(seqs=[work])}, {worker_mod.CONTROL_EXPERT_EPOCH: 9}

@@ -124,6 +124,8 @@ class RayExecutor(base.Executor):
         if rendezvous not in ("auto", "tcp", "file"):
             raise ValueError(f"rendezvous must be 'auto', 'tcp' or 'file', got {rendezvous!r}")
         self._rendezvous = rendezvous
+        if transfer_backend not in ("gloo", "nccl"):
+            raise ValueError(f"transfer_backend must be 'gloo' or 'nccl', got {transfer_backend!r}")
         self._transfer_backend: group_mod.Backend = transfer_backend
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
