@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,3 +224,35 @@ def test_models_health_metrics_admin(app: fastapi.FastAPI) -> None:
     assert run(get(app, "/elastic_ep/status")).json() == {"data_parallel_size": 2}
     missing = run(get(app, "/nope"))
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_health_and_queueing_while_a_boundary_call_holds_the_loop(app: fastapi.FastAPI) -> None:
+    engine: core.Engine = app.state.api.engine
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hold() -> None:  # what a resize switch does: the loop does not step meanwhile
+        entered.set()
+        assert release.wait(30)
+
+    held = engine.call_at_boundary(hold)
+    assert entered.wait(30)
+
+    async def during() -> tuple[int, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            health = (await c.get("/health")).status_code
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0}
+            pending = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 30
+            while engine.stats().num_waiting < 1:  # queued, not refused
+                assert time.monotonic() < deadline, "the request never reached the queue"
+                await asyncio.sleep(0.005)
+            assert not pending.done()
+            release.set()
+            return health, await pending
+
+    health, resp = run(during())
+    held.result(30)
+    assert health == 200
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "bc"
