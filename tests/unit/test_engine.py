@@ -380,6 +380,28 @@ def test_migrate_from_reprefills_and_keeps_sampling() -> None:
     assert all(1 in s.batches for s in executor.steps[5:])  # draining ranks still step
 
 
+def test_leaving_ranks_get_no_more_step_input() -> None:
+    engine, executor = make_engine(3)
+    endless = {"max_tokens": 100_000, "ignore_eos": True}
+    with engine:
+        hs = [engine.add_request(req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
+        poll(lambda: engine.stats().seqs_per_rank == {0: 1, 1: 1, 2: 1}, "one per rank")
+
+        def switch() -> None:  # the coordinator's scale-down switch: migrate, switch, shrink
+            engine.migrate_from([2]).result(0)
+            engine.set_active_ranks([0, 1]).result(0)
+
+        engine.call_at_boundary(switch).result(DEADLINE)
+        steps = engine.stats().step_count
+        poll(lambda: engine.stats().step_count > steps + 3, "steps after the switch")
+        for h in hs:
+            engine.abort(h.request_id)
+        results = [h.result(DEADLINE) for h in hs]
+    after = [s for s in executor.steps if s.step_id > steps]
+    assert after and all(sorted(s.batches) == [0, 1] for s in after)
+    assert all(r.error is None for r in results)
+
+
 def test_draining_rank_takes_no_new_requests_until_reactivated() -> None:
     engine, executor = make_engine(2)
     with engine:

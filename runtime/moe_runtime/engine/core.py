@@ -280,6 +280,8 @@ class Engine:
         """At the next boundary: step exactly these ranks; clears the draining marks.
 
         Sequences on ranks that leave are migrated first (see `migrate_from`), so none is lost.
+        Leaving ranks get no more StepInput, so KV frees still owed to them are dropped: call
+        `migrate_from` one boundary earlier (while they still step) to have them delivered.
         """
         new = sorted(set(ranks))
         if not new:
@@ -457,8 +459,8 @@ class Engine:
     def _schedule(self) -> tuple[dict[int, step_types.RankBatch], list[_Work]]:
         batches = {rank: step_types.RankBatch() for rank in self._active}
         for rank, ids in self._pending_free.items():
-            if ids:
-                batches.setdefault(rank, step_types.RankBatch()).free.extend(ids)
+            if rank in batches:
+                batches[rank].free.extend(ids)
         self._pending_free = {}
         budget = {rank: self.config.max_tokens_per_step for rank in self._active}
         work: list[_Work] = []
@@ -724,6 +726,11 @@ class Engine:
             self._migrate_now(leaving)
         self._active = list(ranks)
         self._draining = set()
+        # Ranks that no longer step read no StepInput: their KV goes away with them.
+        dropped = {r: ids for r, ids in self._pending_free.items() if r not in ranks and ids}
+        self._pending_free = {r: ids for r, ids in self._pending_free.items() if r in ranks}
+        if dropped:
+            log.info("engine: KV frees for leaving ranks dropped: %s", dropped)
         log.info("engine: active ranks %s -> %s", old, self._active)
 
     def _relabel_now(self, mapping: dict[int, int]) -> None:
