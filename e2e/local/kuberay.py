@@ -5,7 +5,7 @@ namespace, or all) and does on this machine what KubeRay does on a cluster:
 
 - **Head.** A Pod object ``<cluster>-head-<5 chars>`` (labels ``ray.io/cluster``,
   ``ray.io/node-type=head``, ``ray.io/group=headgroup``) and a local Ray head node,
-  ``ray start --head --block --port=<free> --temp-dir=<per cluster> --include-dashboard=false``
+  ``ray start --head --block --port=<free> --temp-dir=<per node> --include-dashboard=false``
   with the head group's ``rayStartParams`` (``num-cpus`` (default 1), ``num-gpus``,
   ``resources``, ``object-store-memory``, ``labels``). Once the GCS answers, the head
   container's ``command`` + ``args`` run as a process with the container's ``env``/``envFrom``
@@ -269,6 +269,7 @@ class _Cluster:
     ray_temp: Path
     gcs_port: int = 0
     client_port: int = 0
+    node_count: int = 0  # names the nodes' temp dirs
     head: _Pod | None = None
     gcs_up: bool = False
     gcs: Any = None  # ray._raylet.GcsClient once the head answers
@@ -389,6 +390,11 @@ class LocalKubeRay:
     def gcs_address(self, namespace: str, name: str) -> str | None:
         cluster = self._clusters.get((namespace, name))
         return cluster.gcs_address if cluster is not None and cluster.gcs_up else None
+
+    def ray_temp_dir(self, namespace: str, name: str) -> Path | None:
+        """The Ray temp dir of a cluster's nodes (every Ray process of it names it)."""
+        cluster = self._clusters.get((namespace, name))
+        return cluster.ray_temp if cluster is not None else None
 
     # --- loop -----------------------------------------------------------------------------------
 
@@ -524,7 +530,7 @@ class LocalKubeRay:
             "--block",
             f"--node-ip-address={LOOPBACK}",
             f"--port={c.gcs_port}",
-            f"--temp-dir={c.ray_temp}",
+            f"--temp-dir={self._node_temp(c)}",
             "--include-dashboard=false",
             "--disable-usage-stats",
             f"--ray-client-server-port={c.client_port}",
@@ -772,7 +778,7 @@ class LocalKubeRay:
                 "--block",
                 f"--address={c.gcs_address}",
                 f"--node-ip-address={LOOPBACK}",
-                f"--temp-dir={c.ray_temp}",
+                f"--temp-dir={self._node_temp(c)}",
                 f"--node-manager-port={procs.free_port()}",
                 f"--dashboard-agent-listen-port={procs.free_port()}",
                 *self._ray_params_argv(
@@ -1202,6 +1208,15 @@ class LocalKubeRay:
                     labels[key.strip()] = value.strip()
         argv.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
         return argv
+
+    @staticmethod
+    def _node_temp(c: _Cluster) -> Path:
+        """A Ray temp dir per node, as each pod has its own /tmp: nodes sharing one race for
+        socket names when they start together. Short, for Ray's Unix socket paths."""
+        c.node_count += 1
+        path = c.ray_temp / str(c.node_count)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     @staticmethod
     def _grace(template: dict[str, Any]) -> float:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -426,8 +427,12 @@ def test_deleting_the_raycluster_stops_everything(
     rc: dict[str, Any],
     local_kuberay: kuberay.LocalKubeRay,
 ) -> None:
-    wait_for(lambda: local_kuberay.gcs_address(kuberay_namespace, NAME), timeout_s=90, what="head")
-    assert local_kuberay.leftover_pids()
+    wait_for(lambda: ready_workers(kube, kuberay_namespace, 1), timeout_s=90, what="1 ready worker")
+    ray_temp = local_kuberay.ray_temp_dir(kuberay_namespace, NAME)
+    assert ray_temp is not None
+    ray_pids = pids_mentioning(str(ray_temp))  # raylets, GCS, agents, workers of this cluster
+    assert ray_pids, "no Ray process names the cluster's temp dir"
+    assert set(ray_pids) <= set(local_kuberay.leftover_pids()), "an untagged Ray process"
     kube.delete(rc_path(kuberay_namespace))
 
     def all_gone() -> bool:
@@ -438,3 +443,20 @@ def test_deleting_the_raycluster_stops_everything(
 
     wait_for(all_gone, timeout_s=60, what="no pod and no process of the deleted cluster")
     assert procs.tagged_pids(procs.OWNER_ENV, local_kuberay.owner) == []
+    assert pids_mentioning(str(ray_temp)) == []
+    assert not ray_temp.exists()
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in cmdline:
+            found.append(int(entry))
+    return found
