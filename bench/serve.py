@@ -179,7 +179,8 @@ def main() -> None:
                     f" {pct(timings.itl, 99) * 1e3:>6.0f}ms {step_times[0] * 1e3:>6.1f}ms {load_s:>7.1f}"
                     + (f"  ({timings.errors} errors)" if timings.errors else "")
                 )
-                print(header if len(rows) == 1 else "", end="\n" if len(rows) == 1 else "")
+                if len(rows) == 1:
+                    print(header)
                 print(rows[-1], flush=True)
                 if dp == args.dp[-1]:
                     overhead = step_overhead(
