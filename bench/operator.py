@@ -13,6 +13,7 @@ import argparse
 import concurrent.futures
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -185,6 +186,7 @@ def run(count: int) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         plane.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -73,6 +74,7 @@ class ControlPlane:
     pids: dict[str, int]
     etcd_data_dir: pathlib.Path
     owned: bool = True  # False when attached to one started by another process
+    remove_state_dir: bool = False  # True when start() made a temporary one
 
     def env(self) -> dict[str, str]:
         """The environment for a process that should talk to this control plane."""
@@ -113,6 +115,8 @@ class ControlPlane:
         shutil.rmtree(self.etcd_data_dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / STATE_FILE).unlink()
+        if self.remove_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def save(self) -> None:
         state = {
@@ -299,26 +303,53 @@ def _cleanup_on_error(pids: dict[str, int], data_dir: pathlib.Path) -> Iterator[
 # --- start -------------------------------------------------------------------------------------
 
 
-def _spawn(cmd: Sequence[str], *, log: pathlib.Path) -> int:
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when the process that started us exits (Linux), so a killed
+    pytest does not leave etcd and kube-apiserver behind (SIGTERM is not enough: without etcd,
+    kube-apiserver's graceful shutdown never ends)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _remove_stale_etcd_dirs(parent: pathlib.Path) -> None:
+    """Remove etcd data dirs left in ``parent`` by killed runs (no etcd process uses them)."""
+    in_use: set[str] = set()
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            for arg in cmdline.read_bytes().split(b"\0"):
+                if arg.startswith(b"--data-dir="):
+                    in_use.add(arg.split(b"=", 1)[1].decode(errors="replace"))
+    for stale in parent.glob("elastic-moe-etcd-*"):
+        if str(stale) not in in_use and time.time() - stale.stat().st_mtime > 60:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _spawn(cmd: Sequence[str], *, log: pathlib.Path, die_with_parent: bool) -> int:
     with log.open("ab") as out:
         proc = subprocess.Popen(  # noqa: S603 - our own binaries
             list(cmd),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # survives the shell of `make cluster-up`; no stray signals
+            start_new_session=True,  # no stray terminal signals (Ctrl-C goes to pytest only)
+            preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509
         )
     return proc.pid
 
 
 def _start_once(
-    *, state_dir: pathlib.Path, timeout: float
+    *, state_dir: pathlib.Path, timeout: float, die_with_parent: bool
 ) -> tuple[str, dict[str, int], pathlib.Path]:
     bins = binaries()
     pki = state_dir / "pki"
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     shm = pathlib.Path("/dev/shm")
+    if shm.is_dir():
+        _remove_stale_etcd_dirs(shm)
     data_dir = pathlib.Path(
         tempfile.mkdtemp(prefix="elastic-moe-etcd-", dir=shm if shm.is_dir() else state_dir)
     )
@@ -339,6 +370,7 @@ def _start_once(
                 "--snapshot-count=100000",
             ],
             log=logs / "etcd.log",
+            die_with_parent=die_with_parent,
         )
         server = f"https://127.0.0.1:{secure}"
         pids["kube-apiserver"] = _spawn(
@@ -363,6 +395,7 @@ def _start_once(
                 "--allow-privileged=false",
             ],
             log=logs / "kube-apiserver.log",
+            die_with_parent=die_with_parent,
         )
         ca_file = pki / "ca.crt"
         deadline = time.monotonic() + timeout
@@ -420,13 +453,17 @@ def start(
     crds: Sequence[pathlib.Path] | None = None,
     timeout: float = 90.0,
     attempts: int = 3,
+    die_with_parent: bool = True,
 ) -> ControlPlane:
     """Build if needed, start etcd + kube-apiserver, write the kubeconfig, install CRDs.
 
     ``state_dir`` holds certificates, logs, the token file and the kubeconfig (a fresh temporary
-    directory when omitted). ``crds`` defaults to :func:`crd_files`.
+    directory when omitted, removed again by ``stop()``). ``crds`` defaults to
+    :func:`crd_files`. ``die_with_parent``: etcd and kube-apiserver exit with the calling
+    process (off for ``up``, whose control plane outlives the command).
     """
     ensure_built()
+    temporary = state_dir is None
     state_dir = pathlib.Path(state_dir or tempfile.mkdtemp(prefix="elastic-moe-cp-"))
     state_dir.mkdir(parents=True, exist_ok=True)
     pki = state_dir / "pki"
@@ -438,7 +475,9 @@ def start(
     last: ControlPlaneError | None = None
     for _ in range(attempts):  # a picked port can be taken by someone else meanwhile
         try:
-            server, pids, data_dir = _start_once(state_dir=state_dir, timeout=timeout)
+            server, pids, data_dir = _start_once(
+                state_dir=state_dir, timeout=timeout, die_with_parent=die_with_parent
+            )
         except ControlPlaneError as error:
             last = error
             continue
@@ -455,6 +494,7 @@ def start(
         ca_file=pki / "ca.crt",
         pids=pids,
         etcd_data_dir=data_dir,
+        remove_state_dir=temporary,
     )
     plane.save()
     try:
@@ -492,7 +532,7 @@ def up(state_dir: pathlib.Path) -> ControlPlane:
             install_crds(plane, crd_files())  # cheap; picks up regenerated CRDs
             return plane
         plane.stop()
-    plane = start(state_dir=state_dir)
+    plane = start(state_dir=state_dir, die_with_parent=False)
     plane.owned = False
     return plane
 
