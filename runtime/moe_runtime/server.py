@@ -7,6 +7,7 @@ the OpenAI error shape `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -27,8 +28,9 @@ from moe_runtime.engine import request as req
 
 log = logging.getLogger(__name__)
 
-#: Upper bound of `max_tokens` before the context check (clear message for absurd values).
 MAX_STOP_STRINGS = 16
+#: How often a non-streamed request checks whether its client is still there.
+DISCONNECT_POLL_SECONDS = 0.5
 OWNER = "elastic-moe"
 
 
@@ -355,10 +357,13 @@ class _Api:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            outputs = await self._collect(handle)
+            outputs = await self._collect_unless_gone(handle, request)
         finally:
             if not handle.finished:
+                log.info("request %s: client went away, aborting", handle.request_id)
                 self.engine.abort(handle.request_id)
+        if outputs is None:
+            return responses.Response(status_code=499)  # nobody reads it: the client is gone
         done = req.collect(engine_request, outputs)
         if done.error is not None:
             raise ApiError(
@@ -385,6 +390,21 @@ class _Api:
                 "usage": _usage(done.num_prompt_tokens, len(done.token_ids)),
             }
         )
+
+    async def _collect_unless_gone(
+        self, handle: req.RequestHandle, request: fastapi.Request
+    ) -> list[req.RequestOutput] | None:
+        """The request's outputs, or None when the client disconnects first."""
+        collect = asyncio.ensure_future(self._collect(handle))
+        watch = asyncio.ensure_future(_wait_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if collect in done:
+            return collect.result()
+        collect.cancel()
+        return None
 
     async def _collect(self, handle: req.RequestHandle) -> list[req.RequestOutput]:
         outputs: list[req.RequestOutput] = []
@@ -457,6 +477,11 @@ class _Api:
             if not handle.finished:
                 log.info("request %s: client went away, aborting", handle.request_id)
                 self.engine.abort(handle.request_id)
+
+
+async def _wait_disconnected(request: fastapi.Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
 
 
 def _sse(payload: dict[str, Any]) -> str:

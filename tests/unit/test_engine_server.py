@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from moe_runtime import server
-from moe_runtime.engine import core
+from moe_runtime.engine import core, request
 from tests.unit import test_engine as fakes
 
 MODEL = "letters"
@@ -256,3 +256,30 @@ def test_health_and_queueing_while_a_boundary_call_holds_the_loop(app: fastapi.F
     held.result(30)
     assert health == 200
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "bc"
+
+
+def test_non_streamed_request_is_aborted_when_the_client_goes(app: fastapi.FastAPI) -> None:
+    api: server._Api = app.state.api
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    async def go() -> tuple[object, request.RequestHandle]:
+        endless = request.Request(
+            request_id="gone", prompt_token_ids=[0], max_tokens=MAX_LEN - 1, ignore_eos=True
+        )
+        handle = api.engine.add_request(endless)
+        outputs = await api._collect_unless_gone(handle, Gone())  # type: ignore[arg-type]
+        api.engine.abort(handle.request_id)
+        return outputs, handle
+
+    release = threading.Event()
+    held = api.engine.call_at_boundary(lambda: release.wait(30))  # no step can finish it first
+    try:
+        outputs, handle = run(go())
+    finally:
+        release.set()
+    held.result(30)
+    assert outputs is None
+    assert handle.result(30).finish_reason is request.FinishReason.ABORT
