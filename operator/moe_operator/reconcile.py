@@ -7,23 +7,35 @@ handlers stay thin and this can be driven by any caller (kopf handlers, a timer,
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, Final, Union
 
+import httpx
 import pydantic
 
+from moe_operator import runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
 from moe_operator.plan import builders, diff, observe, resize
 from moe_operator.plan import status as plan_status
 
-#: ``events(reason, message)``: posts a Kubernetes event on the MoEDeployment.
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
+#: ``events(reason, message)``: posts a Kubernetes event on the MoEDeployment.
 EventSink = Callable[[str, str], None]
+#: ``factory(base_url, admin_token)``: a client of one runtime (tests pass a fake transport).
+RuntimeFactory = Callable[[str, Union[str, None]], runtime_client.RuntimeClient]
+
+RUNTIME_TIMEOUT_SECONDS: Final = 3.0
+
+
+def default_runtime_factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
+    return runtime_client.RuntimeClient(url, token=token, timeout=RUNTIME_TIMEOUT_SECONDS)
 
 
 class InvalidSpec(ValueError):
@@ -61,7 +73,18 @@ class Children:
 
     raycluster: dict[str, Any] | None
     service: dict[str, Any] | None
+    secret: dict[str, Any] | None
     observed: observe.Observed
+
+    def admin_token(self) -> str | None:
+        """The runtime's admin token from the Secret (``None`` when missing or unreadable)."""
+        encoded = ((self.secret or {}).get("data") or {}).get(builders.SECRET_TOKEN_KEY)
+        if not encoded:
+            return None
+        try:
+            return base64.b64decode(encoded).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
 
 
 async def observe_children(*, api: k8s_api.Api, owner: builders.Owner) -> Children:
@@ -90,7 +113,29 @@ async def observe_children(*, api: k8s_api.Api, owner: builders.Owner) -> Childr
         secret_exists=secret is not None,
         service_exists=service is not None,
     )
-    return Children(raycluster=ray, service=service, observed=observed)
+    return Children(raycluster=ray, service=service, secret=secret, observed=observed)
+
+
+async def observe_runtime(
+    *,
+    url: str,
+    token: str | None,
+    factory: RuntimeFactory,
+    logger: Logger,
+) -> observe.RuntimeObservation | None:
+    """The runtime's own view, or ``None`` when it does not answer (yet)."""
+    async with factory(url, token) as client:
+        try:
+            status = await client.status()
+        except (httpx.HTTPError, runtime_client.RuntimeApiError, pydantic.ValidationError) as error:
+            logger.debug("runtime at %s not observed: %s", url, error)
+            return None
+    return observe.RuntimeObservation(
+        data_parallel_size=status.data_parallel_size,
+        target_data_parallel_size=status.target_data_parallel_size or status.data_parallel_size,
+        stage=status.stage,
+        balancedness=(status.eplb or {}).get("balancedness"),
+    )
 
 
 async def _apply_unless_current(
@@ -133,8 +178,14 @@ async def reconcile(
     events: EventSink,
     logger: Logger,
     now: str | None = None,
+    runtime_factory: RuntimeFactory = default_runtime_factory,
 ) -> Outcome:
-    """Bring the children in line with the spec and write the status if it changed."""
+    """Bring the children in line with the spec and write the status if it changed.
+
+    The runtime is asked for its view only once Ray reports the head ready; its URL comes
+    from :func:`runtime_client.runtime_url` (annotation, ``$MOE_RUNTIME_URL_TEMPLATE``, or the
+    Service).
+    """
     meta = body["metadata"]
     owner = builders.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     generation = int(meta.get("generation") or 1)
@@ -143,6 +194,14 @@ async def reconcile(
     current = parse_status(raw_status, logger=logger)
     children = await observe_children(api=api, owner=owner)
     observed = children.observed
+    if observed.raycluster is not None and observed.raycluster.head_ready:
+        url = runtime_client.runtime_url(
+            name=owner.name, namespace=owner.namespace, annotations=meta.get("annotations")
+        )
+        runtime = await observe_runtime(
+            url=url, token=children.admin_token(), factory=runtime_factory, logger=logger
+        )
+        observed = dataclasses.replace(observed, runtime=runtime)
     actions = resize.plan_resize(spec, current, observed)
     created: list[str] = []
     phase: resize.SetPhase | None = None

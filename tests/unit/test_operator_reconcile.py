@@ -1,0 +1,204 @@
+"""One reconcile end to end against an in-memory API and a fake runtime (no cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import itertools
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from moe_operator import reconcile, runtime_client
+from moe_operator.k8s import api as k8s_api
+
+LOG = logging.getLogger("test")
+NOW = "2026-01-01T00:00:00Z"
+LATER = "2026-01-01T00:01:00Z"
+
+
+class FakeApi:
+    """The four calls of ``k8s_api.Api`` over a dict; counts writes."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.writes: list[str] = []
+        self._rv = itertools.count(1)
+
+    def _key(self, kind: str, namespace: str, name: str) -> tuple[str, str, str]:
+        return (kind, namespace, name)
+
+    async def get(
+        self, *, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        obj = self.objects.get(self._key(kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def _store(self, obj: dict[str, Any]) -> k8s_api.ApplyResult:
+        meta = obj["metadata"]
+        key = self._key(obj["kind"], meta["namespace"], meta["name"])
+        created = key not in self.objects
+        stored = copy.deepcopy(obj)
+        if "stringData" in stored:  # as the API server does
+            stored["data"] = {
+                k: base64.b64encode(v.encode()).decode()
+                for k, v in stored.pop("stringData").items()
+            }
+        stored["metadata"]["resourceVersion"] = str(next(self._rv))
+        self.objects[key] = stored
+        self.writes.append(f"{obj['kind']}/{meta['name']}")
+        return k8s_api.ApplyResult(obj=copy.deepcopy(stored), created=created)
+
+    async def apply(self, obj: dict[str, Any]) -> k8s_api.ApplyResult:
+        return self._store(obj)
+
+    async def create(self, obj: dict[str, Any]) -> k8s_api.ApplyResult:
+        meta = obj["metadata"]
+        existing = self.objects.get(self._key(obj["kind"], meta["namespace"], meta["name"]))
+        if existing is not None:
+            return k8s_api.ApplyResult(obj=copy.deepcopy(existing), created=False)
+        return self._store(obj)
+
+    async def patch_status(
+        self, *, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        self.writes.append(f"status/{name}")
+        self.status = {k: v for k, v in patch.items() if v is not None}
+        return {"status": self.status}
+
+
+def body(*, status: dict[str, Any] | None = None, dp: int = 2) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "tiny", "namespace": "ml", "uid": "u1", "generation": 1},
+        "spec": {
+            "model": {"source": "synthetic://tiny?seed=0"},
+            "dataParallelSize": dp,
+            "maxDataParallelSize": 4,
+        },
+        "status": status or {},
+    }
+
+
+def runtime_answering(payload: dict[str, Any] | None, seen: list[httpx.Request]) -> Any:
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if payload is None:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json=payload)
+
+    def factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
+        return runtime_client.RuntimeClient(
+            url, token=token, transport=httpx.MockTransport(handler)
+        )
+
+    return factory
+
+
+def run(
+    api: FakeApi,
+    obj: dict[str, Any],
+    *,
+    events: list[tuple[str, str]],
+    now: str = NOW,
+    factory: Any = None,
+) -> reconcile.Outcome:
+    kwargs = {"runtime_factory": factory} if factory else {}
+    return asyncio.run(
+        reconcile.reconcile(
+            api=api,  # type: ignore[arg-type]
+            body=obj,
+            events=lambda reason, message: events.append((reason, message)),
+            logger=LOG,
+            now=now,
+            **kwargs,
+        )
+    )
+
+
+def test_first_reconcile_creates_children_and_writes_status() -> None:
+    api, events = FakeApi(), []
+    outcome = run(api, body(), events=events)
+    assert sorted(outcome.created) == ["RayCluster/tiny", "Secret/tiny-admin", "Service/tiny-api"]
+    assert sorted(m for _, m in events) == [
+        "Created RayCluster tiny",
+        "Created Secret tiny-admin",
+        "Created Service tiny-api",
+    ]
+    assert outcome.status_written and api.status["phase"] == "Provisioning"
+
+
+def test_second_reconcile_writes_nothing() -> None:
+    api, events = FakeApi(), []
+    run(api, body(), events=events)
+    api.writes.clear()
+    outcome = run(api, body(status=api.status), events=events, now=LATER)
+    assert api.writes == []
+    assert outcome.created == () and not outcome.status_written
+
+
+def test_the_token_is_never_rotated() -> None:
+    api, events = FakeApi(), []
+    run(api, body(), events=events)
+    token = api.objects[("Secret", "ml", "tiny-admin")]["data"]["token"]
+    run(api, body(status=api.status, dp=3), events=events)
+    assert api.objects[("Secret", "ml", "tiny-admin")]["data"]["token"] == token
+    assert api.objects[("RayCluster", "ml", "tiny")]["spec"]["workerGroupSpecs"][0]["replicas"] == 3
+
+
+def make_ready(api: FakeApi, ready_workers: int) -> None:
+    api.objects[("RayCluster", "ml", "tiny")]["status"] = {
+        "readyWorkerReplicas": ready_workers,
+        "conditions": [{"type": "HeadPodReady", "status": "True"}],
+    }
+
+
+def test_ready_raycluster_and_runtime_make_it_serving() -> None:
+    api, events, seen = FakeApi(), [], []
+    run(api, body(), events=events)
+    make_ready(api, 2)
+    factory = runtime_answering(
+        {"data_parallel_size": 2, "target_data_parallel_size": 2, "eplb": {"balancedness": 0.9}},
+        seen,
+    )
+    run(api, body(status=api.status), events=events, factory=factory, now=LATER)
+    assert api.status["phase"] == "Serving"
+    assert api.status["dataParallelSize"] == 2
+    assert api.status["experts"] == {"balancedness": 0.9}
+    ready = {c["type"]: c for c in api.status["conditions"]}["Ready"]
+    assert (ready["status"], ready["lastTransitionTime"]) == ("True", LATER)
+    (request,) = seen
+    assert str(request.url) == "http://tiny-api.ml.svc:8000/elastic_ep/status"
+    token = base64.b64decode(api.objects[("Secret", "ml", "tiny-admin")]["data"]["token"])
+    assert request.headers["Authorization"] == f"Bearer {token.decode()}"
+
+
+def test_runtime_url_annotation_is_used() -> None:
+    api, events, seen = FakeApi(), [], []
+    run(api, body(), events=events)
+    make_ready(api, 2)
+    obj = body(status=api.status)
+    obj["metadata"]["annotations"] = {"elasticmoe.io/runtime-url": "http://127.0.0.1:18000"}
+    run(api, obj, events=events, factory=runtime_answering({"data_parallel_size": 2}, seen))
+    assert str(seen[0].url) == "http://127.0.0.1:18000/elastic_ep/status"
+
+
+@pytest.mark.parametrize("ready_workers", [2, 1], ids=["all-ranks", "one-missing"])
+def test_unreachable_runtime_falls_back_to_ray(ready_workers: int) -> None:
+    api, events, seen = FakeApi(), [], []
+    run(api, body(), events=events)
+    make_ready(api, ready_workers)
+    run(api, body(status=api.status), events=events, factory=runtime_answering(None, seen))
+    assert seen  # it was asked
+    assert api.status["dataParallelSize"] == ready_workers
+    expected = "Serving" if ready_workers == 2 else "Provisioning"
+    assert api.status["phase"] == expected
+
+
+def test_invalid_spec_is_reported() -> None:
+    obj = body()
+    obj["spec"]["dataParallelSize"] = 9
+    with pytest.raises(reconcile.InvalidSpec, match="dataParallelSize"):
+        run(FakeApi(), obj, events=[])
