@@ -1,0 +1,65 @@
+"""`moe-runtime` argument handling and the expert-slot arithmetic of `serve`."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_runtime import cli
+
+
+@pytest.mark.parametrize(
+    ("experts", "redundant", "ranks", "physical"),
+    [
+        pytest.param(8, 0, 1, 8, id="dp1"),
+        pytest.param(8, 0, 2, 8, id="divides"),
+        pytest.param(8, 0, 3, 9, id="padded-to-fill-ranks"),
+        pytest.param(8, 2, 3, 12, id="redundant-then-padded"),
+        pytest.param(32, 4, 4, 36, id="redundant-fits"),
+    ],
+)
+def test_num_physical_experts(experts: int, redundant: int, ranks: int, physical: int) -> None:
+    assert cli.num_physical_experts(experts, redundant, ranks) == physical
+
+
+def test_serve_defaults() -> None:
+    args = cli.build_parser().parse_args(
+        ["serve", "--model", "synthetic://tiny?seed=0", "--data-parallel-size", "2"]
+    )
+    assert (args.host, args.port, args.executor, args.num_redundant_experts) == (
+        "127.0.0.1",
+        8000,
+        "ray",
+        0,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["serve", "--data-parallel-size", "2"], id="no-model"),
+        pytest.param(["serve", "--model", "m", "--data-parallel-size", "0"], id="dp-0"),
+        pytest.param(
+            ["serve", "--model", "m", "--data-parallel-size", "1", "--executor", "mpi"],
+            id="bad-executor",
+        ),
+        pytest.param(
+            ["serve", "--model", "m", "--data-parallel-size", "1", "--num-redundant-experts", "-1"],
+            id="negative-redundant",
+        ),
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(argv)
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        pytest.param("synthetic://tiny?seed=0", "tiny", id="synthetic"),
+        pytest.param("/models/Mixtral-8x7B/", "Mixtral-8x7B", id="directory"),
+    ],
+)
+def test_default_served_model_name(model: str, name: str) -> None:
+    assert cli._default_name(model) == name
