@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 
 from e2e.controlplane import cluster
@@ -49,3 +52,18 @@ def test_operator_service_account_cannot_delete(control_plane: cluster.ControlPl
     assert can("update", "secrets") == "no"
     assert can("list", "secrets") == "no"
     assert can("create", "pods") == "no"
+
+
+@pytest.mark.skipif(shutil.which("helm") is None, reason="helm is not installed")
+def test_helm_chart_dry_run(control_plane: cluster.ControlPlane) -> None:
+    rendered = subprocess.run(
+        ["helm", "template", "moe", str(ops.REPO / "charts" / "elastic-moe"),
+         "--namespace", ops.OPERATOR_NAMESPACE, "--include-crds"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    control_plane.kubectl(
+        "apply", "--server-side", "-f", str(ops.REPO / "manifests/namespace.yaml")
+    )
+    control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-", input=rendered
+    )
