@@ -522,6 +522,45 @@ def test_persistent_rank_error_fails_only_its_requests() -> None:
     assert rb.error is not None and "rank is gone" in rb.error
 
 
+def test_failure_callback_can_repair_before_the_retry() -> None:
+    engine, executor = make_engine(2, max_step_retries=1)
+    executor.fail_rank = lambda step_id, rank: "rank 1 is gone" if rank == 1 else None
+    failures: list[core.StepFailure] = []
+
+    def repair(failure: core.StepFailure) -> None:  # a fault handler: drop the dead rank
+        failures.append(failure)
+        engine.set_active_ranks([0])  # on the engine thread: applied before the retry
+
+    engine.on_step_failure(repair)
+    with engine:
+        a = engine.add_request(req("a", max_tokens=3))
+        b = engine.add_request(req("b", max_tokens=3))
+        ra, rb = a.result(DEADLINE), b.result(DEADLINE)
+    assert (ra.text, ra.error, rb.text, rb.error) == ("bcd", None, "bcd", None)
+    assert [f.ranks for f in failures] == [(1,)]
+    assert failures[0].exception is None and "rank 1 is gone" in failures[0].message
+
+
+def test_executor_exception_names_its_ranks() -> None:
+    class RankDied(RuntimeError):
+        ranks = [0]
+
+    engine, executor = make_engine(1)
+    failures: list[core.StepFailure] = []
+    engine.on_step_failure(failures.append)
+
+    def execute_step(step: step_types.StepInput) -> list[step_types.StepOutput]:
+        if step.step_id == 2:
+            raise RankDied("rank 0 died")
+        return FakeExecutor.execute_step(executor, step)
+
+    executor.execute_step = execute_step  # type: ignore[method-assign]
+    with engine:
+        assert engine.add_request(req("r", max_tokens=3)).result(DEADLINE).text == "bcd"
+    assert [(f.step_id, f.ranks) for f in failures] == [(2, (0,))]
+    assert isinstance(failures[0].exception, RankDied)
+
+
 def test_stop_ends_unfinished_requests_with_an_error() -> None:
     engine, _ = make_engine(1)
     engine.start()

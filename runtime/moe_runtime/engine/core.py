@@ -116,6 +116,23 @@ class EngineStats:
     last_token_time: float | None
 
 
+@dataclasses.dataclass(frozen=True)
+class StepFailure:
+    """A step that failed on some ranks (its sequences there will be re-prefilled).
+
+    ranks: the ranks that failed (every stepped rank when `execute_step` raised without naming
+    any); exception: what `execute_step` raised, None when ranks reported StepOutput.error.
+    """
+
+    step_id: int
+    ranks: tuple[int, ...]
+    message: str
+    exception: BaseException | None = None
+
+
+FailureCallback = Callable[[StepFailure], None]
+
+
 @dataclasses.dataclass(eq=False)
 class _Seq:
     handle: req.RequestHandle
@@ -172,6 +189,7 @@ class Engine:
         self._controls: dict[str, Any] = {}
         self._control_futures: list[concurrent.futures.Future[list[step_types.StepOutput]]] = []
         self._callbacks: list[StepCallback] = []
+        self._failure_callbacks: list[FailureCallback] = []
         self._events = 0
         self._stopping = False
         self._stats = EngineStats(
@@ -327,6 +345,14 @@ class Engine:
         with self._cond:
             self._callbacks.append(callback)
 
+    def on_step_failure(self, callback: FailureCallback) -> None:
+        """Registers `callback(StepFailure)`, called on the engine thread after a failed step,
+        before it is retried: a fault handler can repair the ranks there (directly, or with
+        `call_at_boundary`, which runs before the retry), so the requests survive.
+        """
+        with self._cond:
+            self._failure_callbacks.append(callback)
+
     def set_observer(self, observer: StepObserver | None) -> None:
         """Replaces the receiver of step and finish figures (metrics); call before start()."""
         self._observer = observer
@@ -429,14 +455,23 @@ class Engine:
                     self._pending_free.setdefault(rank, []).extend(batch.free)
             for cf in control_futures:
                 cf.set_exception(exc)
+            message = f"{type(exc).__name__}: {exc}"
             for w in work:
-                self._step_failed(w, f"{type(exc).__name__}: {exc}")
-            self._backoff()
+                self._step_failed(w, message)
+            named = tuple(getattr(exc, "ranks", None) or ())
+            self._failed(
+                StepFailure(
+                    step_id=self._step_id,
+                    ranks=named or tuple(sorted(batches)),
+                    message=message,
+                    exception=exc,
+                )
+            )
             return
         elapsed = time.monotonic() - started
         self._last_step_seconds = elapsed
         by_rank = {out.rank: out for out in outputs}
-        produced = self._apply_outputs(work, by_rank, batches)
+        produced, errors = self._apply_outputs(work, by_rank, batches)
         if produced:
             self._last_token_time = time.monotonic()
         for cf in control_futures:
@@ -455,6 +490,26 @@ class Engine:
                 cb(outputs)
             except Exception:
                 log.exception("engine: step callback %r failed at step %d", cb, self._step_id)
+        if errors:
+            self._failed(
+                StepFailure(
+                    step_id=self._step_id,
+                    ranks=tuple(sorted(errors)),
+                    message="; ".join(errors[r] for r in sorted(errors)),
+                )
+            )
+
+    def _failed(self, failure: StepFailure) -> None:
+        with self._cond:
+            callbacks = list(self._failure_callbacks)
+        for cb in callbacks:
+            try:
+                cb(failure)
+            except Exception:
+                log.exception(
+                    "engine: step-failure callback %r failed at step %d", cb, failure.step_id
+                )
+        self._backoff()
 
     def _schedule(self) -> tuple[dict[int, step_types.RankBatch], list[_Work]]:
         batches = {rank: step_types.RankBatch() for rank in self._active}
@@ -490,7 +545,8 @@ class Engine:
         work: list[_Work],
         by_rank: dict[int, step_types.StepOutput],
         batches: dict[int, step_types.RankBatch],
-    ) -> bool:
+    ) -> tuple[bool, dict[int, str]]:
+        """Appends the sampled tokens; returns (any token produced, {failed rank: message})."""
         errors: dict[int, str] = {}
         for rank in batches:
             out = by_rank.get(rank)
@@ -519,7 +575,7 @@ class Engine:
             seq.failures = 0
             produced = True
             self._append_token(seq, token)
-        return produced
+        return produced, errors
 
     def _append_token(self, seq: _Seq, token: int) -> None:
         request = seq.handle.request
@@ -576,8 +632,8 @@ class Engine:
 
     def _backoff(self) -> None:
         delay = min(0.05 * 2 ** max(0, self._consecutive_failures()), 1.0)
-        with self._cond:
-            self._cond.wait_for(lambda: self._stopping, delay)
+        with self._cond:  # a boundary call (a repair) or a stop ends the wait early
+            self._cond.wait_for(lambda: self._stopping or bool(self._boundary), delay)
 
     def _consecutive_failures(self) -> int:
         return max((s.failures for s in self._running.values()), default=0)
