@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 RANK_RESOURCE = "moe_rank"
 CTL_LANE = "ctl"
+STEP_COMPILED = "compiled"
+STEP_REMOTE = "remote"
 HEALTH_LANE = "health"
 
 
@@ -107,6 +109,11 @@ class RayExecutor(base.Executor):
     weight moves then never run NCCL kernels next to the step's NCCL collectives (two
     communicators whose kernels interleave in different orders on different ranks can
     deadlock), at the cost of staging weights through host memory. "nccl" is faster.
+    step_mode: "compiled" (a Ray compiled graph per step; the default) or "remote" (plain actor
+    calls). Measured on Ray 2.60: while a compiled graph is live, each idle actor busy-waits
+    on its input channel (~0.45 of a core, sched_yield loop), so on hosts with fewer cores
+    than ranks (laptops, CI, the local demo) "remote" keeps the CPUs for the work; per-step
+    latency is similar there. Default: env MOE_STEP_MODE, else "compiled".
     """
 
     def __init__(
@@ -120,7 +127,14 @@ class RayExecutor(base.Executor):
         group_dir: str | None = None,
         rendezvous: str = "auto",
         transfer_backend: group_mod.Backend = "gloo",
+        step_mode: str | None = None,
     ) -> None:
+        mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
+        if mode not in (STEP_COMPILED, STEP_REMOTE):
+            raise ValueError(
+                f"step_mode must be {STEP_COMPILED!r} or {STEP_REMOTE!r}, got {mode!r}"
+            )
+        self.step_mode = mode
         if rendezvous not in ("auto", "tcp", "file"):
             raise ValueError(f"rendezvous must be 'auto', 'tcp' or 'file', got {rendezvous!r}")
         self._rendezvous = rendezvous
@@ -143,7 +157,9 @@ class RayExecutor(base.Executor):
         self._ranks: dict[int, _Rank] = {}
         self._active: list[int] = []
         self._graph: Any = None
-        self._graph_ranks: list[int] = []
+        #: Ranks the step path runs over (the compiled graph's, or the remote calls'); None
+        #: after a teardown until the next switch.
+        self._step_ranks: list[int] | None = None
         self._compiled_once = False
         self._closed = False
         #: Seconds of the last switch's phases: teardown, activate, compile.
@@ -258,16 +274,18 @@ class RayExecutor(base.Executor):
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         with self._lock:
-            if self._graph is None and not self._compiled_once:
+            if self._step_ranks is None and not self._compiled_once:
                 self._compile()  # the first step, when no switch compiled a graph yet
-            graph, ranks = self._graph, list(self._graph_ranks)
-        if graph is None:
-            raise base.ExecutorError("no step graph: switch to a set of ranks first")
+            graph, ranks = self._graph, self._step_ranks
+        if ranks is None:
+            raise base.ExecutorError("no step path: switch to a set of ranks first")
         try:
+            if graph is None:
+                return self._remote_step(step, ranks)
             outs: list[step_mod.StepOutput] = ray.get(
                 graph.execute(step), timeout=self._step_timeout
             )
-        except Exception as exc:  # noqa: BLE001 - any graph failure is reported with the dead ranks
+        except Exception as exc:  # noqa: BLE001 - any step failure is reported with the dead ranks
             health = self.check_health(timeout=5.0)
             bad = [r for r in ranks if health.get(r) != "ok"]
             log.error("step %d failed (ranks %s not ok): %s", step.step_id, bad, exc)
@@ -277,33 +295,40 @@ class RayExecutor(base.Executor):
         return outs
 
     def execute_step_remote(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
-        """The same step through plain actor calls, without the compiled graph (benchmarks)."""
+        """The same step through plain actor calls, whatever the step mode (benchmarks)."""
+        return self._remote_step(step, self.ranks)
+
+    def _remote_step(
+        self, step: step_mod.StepInput, ranks: Sequence[int]
+    ) -> list[step_mod.StepOutput]:
         with self._lock:
-            targets = list(self._active)
-            actors = [self._ranks[r].actor for r in targets]
+            actors = [self._ranks[r].actor for r in ranks]
         refs = [a.execute_step.remote(step) for a in actors]
         outs: list[step_mod.StepOutput] = _get_all(
-            refs, targets, what="execute_step", timeout=self._step_timeout
+            refs, list(ranks), what="execute_step", timeout=self._step_timeout
         )
         return outs
 
-    # -- the step graph ------------------------------------------------------------------
+    # -- the step path -------------------------------------------------------------------
     def _compile(self) -> None:
+        """Set up the step path over the active ranks (compile the graph in compiled mode)."""
         with self._lock:
-            if self._graph is not None:
-                raise RuntimeError("a step graph is live: tear it down before compiling another")
+            if self._step_ranks is not None:
+                raise RuntimeError("a step path is live: tear it down before compiling another")
             ranks = list(self._active)
             actors = [self._ranks[r].actor for r in ranks]
-        with ray.dag.InputNode() as inp:
-            dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
-        graph = dag.experimental_compile()
+        graph = None
+        if self.step_mode == STEP_COMPILED:
+            with ray.dag.InputNode() as inp:
+                dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
+            graph = dag.experimental_compile()
         with self._lock:
-            self._graph, self._graph_ranks = graph, ranks
+            self._graph, self._step_ranks = graph, ranks
             self._compiled_once = True
 
     def _teardown(self) -> None:
         with self._lock:
-            graph, self._graph, self._graph_ranks = self._graph, None, []
+            graph, self._graph, self._step_ranks = self._graph, None, None
         if graph is not None:
             try:
                 graph.teardown()
@@ -414,7 +439,7 @@ class RayExecutor(base.Executor):
             unknown = [r for r in ranks if r not in self._ranks]
             if unknown:
                 raise ValueError(f"remove_ranks: no worker for ranks {unknown}")
-            in_graph = any(r in self._graph_ranks for r in ranks)
+            in_graph = any(r in (self._step_ranks or []) for r in ranks)
         if in_graph:
             self._teardown()
         with self._lock:
