@@ -196,7 +196,12 @@ async def reconcile(
     observed = children.observed
     if observed.raycluster is not None and observed.raycluster.head_ready:
         url = runtime_client.runtime_url(
-            name=owner.name, namespace=owner.namespace, annotations=meta.get("annotations")
+            name=owner.name,
+            namespace=owner.namespace,
+            annotations=meta.get("annotations"),
+            raycluster_annotations=((children.raycluster or {}).get("metadata") or {}).get(
+                "annotations"
+            ),
         )
         runtime = await observe_runtime(
             url=url, token=children.admin_token(), factory=runtime_factory, logger=logger

@@ -4,9 +4,12 @@ Used by the operator to observe a deployment (``GET /elastic_ep/status``, ``GET 
 from the resize driver, to ask for a live resize (``POST /scale_elastic_ep``). Tests pass an
 ``httpx.MockTransport``.
 
-Where the runtime is reached: the ``elasticmoe.io/runtime-url`` annotation of the
-MoEDeployment, else ``$MOE_RUNTIME_URL_TEMPLATE`` (``{name}``, ``{namespace}`` and
-``{service}`` are filled in; local runs point it at loopback), else the in-cluster Service.
+Where the runtime is reached, first match wins: the ``elasticmoe.io/runtime-url`` annotation of
+the MoEDeployment; with ``MOE_RUNTIME_URL_FROM_RAYCLUSTER=1`` (local runs only: whoever may
+annotate RayClusters could otherwise redirect the admin token), the
+``elasticmoe.io/local-endpoint`` annotation a local KubeRay stand-in puts on the RayCluster;
+``$MOE_RUNTIME_URL_TEMPLATE`` (``{name}``, ``{namespace}`` and ``{service}`` filled in); else
+the in-cluster Service.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from moe_operator.api import group
 from moe_operator.plan import builders
 
 URL_TEMPLATE_ENV: Final = "MOE_RUNTIME_URL_TEMPLATE"
+FROM_RAYCLUSTER_ENV: Final = "MOE_RUNTIME_URL_FROM_RAYCLUSTER"
 
 
 def runtime_url(
@@ -29,13 +33,18 @@ def runtime_url(
     name: str,
     namespace: str,
     annotations: Mapping[str, str] | None = None,
+    raycluster_annotations: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> str:
     """The base URL of a deployment's runtime API."""
+    env = os.environ if environ is None else environ
     override = (annotations or {}).get(group.ANNOTATION_RUNTIME_URL)
     if override:
         return override.rstrip("/")
-    template = (os.environ if environ is None else environ).get(URL_TEMPLATE_ENV)
+    local = (raycluster_annotations or {}).get(group.ANNOTATION_LOCAL_ENDPOINT)
+    if local and env.get(FROM_RAYCLUSTER_ENV) == "1":
+        return local.rstrip("/")
+    template = env.get(URL_TEMPLATE_ENV)
     if template:
         return template.format(
             name=name, namespace=namespace, service=builders.service_name(name)

@@ -149,9 +149,28 @@ def test_health_is_false_when_unreachable() -> None:
     ids=["service", "env-template", "annotation-wins"],
 )  # fmt: skip
 def test_runtime_url(annotations: dict[str, str], environ: dict[str, str], url: str) -> None:
+    local = {"elasticmoe.io/local-endpoint": "http://127.0.0.1:7777"}
     assert (
         runtime_client.runtime_url(
-            name="tiny", namespace="ml", annotations=annotations, environ=environ
+            name="tiny",
+            namespace="ml",
+            annotations=annotations,
+            raycluster_annotations=local,
+            environ=environ,
         )
         == url
     )
+
+
+@pytest.mark.parametrize(
+    ("environ", "url"),
+    [({}, "http://tiny-api.ml.svc:8000"),
+     ({"MOE_RUNTIME_URL_FROM_RAYCLUSTER": "1"}, "http://127.0.0.1:7777")],
+    ids=["ignored-by-default", "trusted-when-enabled"],
+)  # fmt: skip
+def test_runtime_url_from_the_local_stand_in(environ: dict[str, str], url: str) -> None:
+    local = {"elasticmoe.io/local-endpoint": "http://127.0.0.1:7777/"}
+    got = runtime_client.runtime_url(
+        name="tiny", namespace="ml", raycluster_annotations=local, environ=environ
+    )
+    assert got == url

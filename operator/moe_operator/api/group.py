@@ -22,3 +22,5 @@ MANAGED_BY: Final = "elastic-moe"
 
 #: Annotation overriding the URL the operator uses to reach the runtime's admin API.
 ANNOTATION_RUNTIME_URL: Final = f"{GROUP}/runtime-url"
+#: Annotation a local KubeRay stand-in puts on a RayCluster: where its runtime listens.
+ANNOTATION_LOCAL_ENDPOINT: Final = f"{GROUP}/local-endpoint"
