@@ -89,7 +89,7 @@ class CompletionRequest(pydantic.BaseModel):
 
     model: str
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, pydantic.Field(ge=1)] = 16
+    max_tokens: Annotated[int, pydantic.Field(ge=1)] | None = 16  # None: the rest of the context
     temperature: Annotated[float, pydantic.Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, pydantic.Field(gt=0.0, le=1.0)] = 1.0
     seed: int | None = None
@@ -284,12 +284,13 @@ class _Api:
                 )
         prompt_ids = self._prompt_ids(body.prompt)
         limit = self.engine.config.max_model_len
-        if len(prompt_ids) + body.max_tokens > limit:
+        max_tokens = body.max_tokens if body.max_tokens is not None else limit - len(prompt_ids)
+        if len(prompt_ids) >= limit or len(prompt_ids) + max_tokens > limit:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt_ids) + body.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                f"{body.max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
                 param="max_tokens" if len(prompt_ids) < limit else "prompt",
                 code="context_length_exceeded",
             )
@@ -306,7 +307,7 @@ class _Api:
             sampling=step_types.SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, seed=seed
             ),
-            max_tokens=body.max_tokens,
+            max_tokens=max_tokens,
             stop=tuple(stop),
             ignore_eos=body.ignore_eos,
         )

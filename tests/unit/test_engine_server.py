@@ -79,6 +79,13 @@ def test_completion(app: fastapi.FastAPI) -> None:
     assert body["object"] == "text_completion" and body["model"] == MODEL
 
 
+def test_null_max_tokens_fills_the_context(app: fastapi.FastAPI) -> None:
+    body = {"model": MODEL, "prompt": "a" * 60, "max_tokens": None, "ignore_eos": True}
+    resp = run(post(app, body))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == MAX_LEN - 60
+
+
 def test_token_id_prompt_and_stop(app: fastapi.FastAPI) -> None:
     resp = run(
         post(app, {"model": MODEL, "prompt": [0], "max_tokens": 10, "temperature": 0, "stop": "e"})
