@@ -125,7 +125,11 @@ def serve(args: argparse.Namespace) -> int:
     # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
     signal.signal(signal.SIGTERM, _raise_exit)
     started = time.monotonic()
-    src = source_mod.open_source(args.model)
+    try:
+        src = source_mod.open_source(args.model)
+    except (OSError, ValueError) as exc:
+        log.error("serve: cannot open model %r: %s", args.model, exc)
+        return 1
     cfg = src.config
     num_ranks = args.data_parallel_size
     num_physical = num_physical_experts(cfg.num_experts, args.num_redundant_experts, num_ranks)
@@ -140,6 +144,7 @@ def serve(args: argparse.Namespace) -> int:
     placement = policy.identity(cfg.num_layers, cfg.num_experts, num_physical, num_ranks)
     name = args.served_model_name or _default_name(args.model)
 
+    status = 0
     owns_ray = False
     executor: Any = None
     engine: core.Engine | None = None
@@ -218,10 +223,18 @@ def serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         log.info("serve: interrupted")
     except SystemExit as exc:
+        # A stop signal arrives as SystemExit (ours: 128 + signum; Ray's driver handler:
+        # signum); anything else (uvicorn could not bind the port: 1) is a failure.
+        stops = {None, 0, *(n for sig in (signal.SIGTERM, signal.SIGINT) for n in (sig, 128 + sig))}
+        if exc.code not in stops:
+            status = exc.code if isinstance(exc.code, int) else 1
         log.info("serve: exiting (%s)", exc.code)
+    except Exception:
+        log.exception("serve: failed (model %s, %d ranks)", args.model, num_ranks)
+        status = 1
     finally:
         _shutdown(engine, executor, cluster, owns_ray=owns_ray)
-    return 0
+    return status
 
 
 def _shutdown(engine: core.Engine | None, executor: Any, cluster: Any, *, owns_ray: bool) -> None:
