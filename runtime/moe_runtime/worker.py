@@ -628,7 +628,8 @@ class RankWorker:
         An idle rank (no batch) still runs the forward pass with no tokens, so it joins the
         expert collectives. When the control fails, or the batch is bad, the rank runs an empty
         batch instead (its peers must not hang in a collective) and reports the problem in
-        StepOutput.error, as it does any exception.
+        StepOutput.error, as it does any exception. A failed forward pass leaves each sequence's
+        KV cache as it was before the step, so the step can be retried as it was.
         """
         rank = -1 if self.rank is None else self.rank
         out = step_mod.StepOutput(rank=rank, step_id=step.step_id)
@@ -664,8 +665,12 @@ class RankWorker:
             try:
                 logits = model.forward(fwd, kv, self._backend, expert_load=load)
             except Exception:
+                # Back to the KV state before this step, so the same step can be sent again.
                 for s in seqs:
-                    kv.free(s.seq_id)
+                    if s.start_pos == 0:
+                        kv.free(s.seq_id)
+                    else:
+                        kv.reserve(s.seq_id, s.start_pos, 0)
                 raise
             logits = logits.to("cpu")
             for i, s in enumerate(seqs):

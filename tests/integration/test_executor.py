@@ -235,10 +235,14 @@ def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
     assert [got[str(i)] for i in range(len(PROMPTS))] == reference
 
 
-def test_killed_actor_is_reported_dead_and_survivors_recover(ray_executor_mod: Any) -> None:
+@pytest.mark.parametrize("step_mode", ["compiled", "remote"])
+def test_killed_actor_is_reported_dead_and_survivors_recover(
+    ray_executor_mod: Any, step_mode: str
+) -> None:
     import ray
 
-    ex = ray_executor_mod.RayExecutor(2, rendezvous="tcp")  # groups over TCPStore, as on k8s
+    # groups over TCPStore, as on Kubernetes
+    ex = ray_executor_mod.RayExecutor(2, rendezvous="tcp", step_mode=step_mode)
     try:
         ex.start(SOURCE, placement=lockstep.identity(2))
         run = lockstep.Lockstep(ex)

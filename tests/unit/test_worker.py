@@ -345,3 +345,27 @@ def test_failed_commit_on_one_rank_is_reported_without_hanging(
     outs = ex.execute_step(step)
     assert outs[0].error is None and "a" in outs[0].tokens
     assert outs[1].error is not None and "stage 9" in outs[1].error
+
+
+def test_failed_forward_leaves_kv_as_before_so_the_step_can_be_retried(
+    reference: list[list[int]], executor_factory: type[local.LocalExecutor]
+) -> None:
+    ex = executor_factory(1)
+    ex.start(SOURCE, placement=identity(1))
+    worker = ex.worker(0)
+    run = Lockstep(ex)
+    run.add("0", PROMPTS[0], rank=0, max_tokens=4)
+    run.step()
+    backend = worker._backend
+    assert backend is not None
+
+    def broken(layer: int, *args: torch.Tensor) -> torch.Tensor:
+        if layer == 2:
+            raise RuntimeError("peer lost")
+        return backend(layer, *args)
+
+    worker._backend = broken
+    with pytest.raises(AssertionError, match="peer lost"):
+        run.step()
+    worker._backend = backend
+    assert run.run()["0"] == reference[0][:4]
