@@ -293,15 +293,27 @@ class RankWorker:
         return self.config, self.model
 
     # -- groups --------------------------------------------------------------------------
-    def join_group(self, spec: group_mod.GroupSpec, rank: int, *, role: str = STEP_ROLE) -> None:
+    def join_group(
+        self,
+        spec: group_mod.GroupSpec,
+        rank: int,
+        *,
+        role: str = STEP_ROLE,
+        group_timeout: float | None = None,
+    ) -> None:
         """Build the `role` group of `spec.epoch` as member `rank` (blocks until all joined).
 
-        Runs in the background while this rank serves steps on its active group.
+        Runs in the background while this rank serves steps on its active group. group_timeout:
+        seconds the rendezvous and each later collective of the group may take (None: the
+        group's default), so a member that never comes does not hold this rank for long.
         """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         started = time.monotonic()
-        built = group_mod.StatelessGroup(spec, rank)
+        if group_timeout is None:
+            built = group_mod.StatelessGroup(spec, rank)
+        else:
+            built = group_mod.StatelessGroup(spec, rank, timeout=group_timeout)
         key = (spec.epoch, role)
         with self._lock:
             old = self._groups.pop(key, None)

@@ -5,6 +5,7 @@ elastic primitives (add, groups, transfers, staging, switch, commit) work withou
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from moe_runtime import step as step_mod
 from moe_runtime import worker as worker_mod
+from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base, local
@@ -369,3 +371,19 @@ def test_failed_forward_leaves_kv_as_before_so_the_step_can_be_retried(
         run.step()
     worker._backend = backend
     assert run.run()["0"] == reference[0][:4]
+
+
+def test_group_whose_member_never_comes_fails_within_its_timeout(
+    executor_factory: type[local.LocalExecutor],
+) -> None:
+    ex = executor_factory(2)
+    ex.start(SOURCE, placement=identity(2))
+    spec = group_mod.GroupSpec.local(3, epoch=1)  # a third member never joins
+    started = time.monotonic()
+    with pytest.raises(base.ExecutorError):
+        ex.collective_rpc(
+            "join_group", spec, per_rank={0: {"rank": 0}, 1: {"rank": 1}}, group_timeout=1.0
+        )
+    assert time.monotonic() - started < 30
+    assert ex.collective_rpc("groups") == [[(0, "step"), (0, "transfer")]] * 2
+    assert all(o.error is None for o in ex.execute_step(step_mod.StepInput(0, {})))

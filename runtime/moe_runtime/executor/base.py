@@ -91,6 +91,8 @@ class Executor(abc.ABC):
         background: run in the workers' control lane, so the call overlaps running steps
         (group building, weight transfers). Control calls run one at a time per worker.
         per_rank: extra keyword arguments for some ranks (e.g. each one's rank in a new group).
+        The names ranks, timeout, background and per_rank are this call's own: a worker
+        method cannot take keyword arguments of those names through it.
         A worker's exception is raised as ExecutorError naming the rank (RankDied if it died).
         """
 
@@ -135,7 +137,8 @@ class Executor(abc.ABC):
     ) -> None:
         """Workers `ranks` (labels, in group order) join epoch's step and transfer groups.
 
-        In the background: the active step group keeps serving meanwhile.
+        In the background: the active step group keeps serving meanwhile. timeout also bounds
+        the rendezvous inside the workers and the new groups' collectives.
         """
 
     @abc.abstractmethod

@@ -141,6 +141,7 @@ class LocalExecutor(base.Executor):
                 background=True,
                 per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
                 role=role,
+                group_timeout=timeout,
             )
 
     def switch(

@@ -379,6 +379,7 @@ class RayExecutor(base.Executor):
                 background=True,
                 per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
                 role=role,
+                group_timeout=timeout,
             )
             log.info(
                 "epoch %d %s group over ranks %s built in %.2fs (%s)",
