@@ -421,6 +421,21 @@ def test_scale_down_without_names_deletes_some_pod(
     assert set(after) < set(before)
 
 
+def test_a_deleted_worker_pod_is_replaced_by_a_new_one(
+    kube: kubeapi.Kube, kuberay_namespace: str, rc: dict[str, Any]
+) -> None:
+    (before,) = wait_for(
+        lambda: ready_workers(kube, kuberay_namespace, 1), timeout_s=90, what="1 ready worker"
+    )
+    kube.delete(f"/api/v1/namespaces/{kuberay_namespace}/pods/{before}")
+    after = wait_for(
+        lambda: (pods := ready_workers(kube, kuberay_namespace, 1)) and before not in pods and pods,
+        timeout_s=60,
+        what="a new ready worker",
+    )
+    assert before not in after
+
+
 def test_deleting_the_raycluster_stops_everything(
     kube: kubeapi.Kube,
     kuberay_namespace: str,
@@ -432,19 +447,31 @@ def test_deleting_the_raycluster_stops_everything(
     assert ray_temp is not None
     ray_pids = pids_mentioning(str(ray_temp))  # raylets, GCS, agents, workers of this cluster
     assert ray_pids, "no Ray process names the cluster's temp dir"
-    assert set(ray_pids) <= set(local_kuberay.leftover_pids()), "an untagged Ray process"
+    untagged = [p for p in set(ray_pids) - set(local_kuberay.leftover_pids()) if alive(p)]
+    assert not untagged, f"untagged Ray processes: {[cmdline(p) for p in untagged]}"
     kube.delete(rc_path(kuberay_namespace))
 
     def all_gone() -> bool:
         pods = kube.list(
             f"/api/v1/namespaces/{kuberay_namespace}/pods", label_selector=f"ray.io/cluster={NAME}"
         )
-        return not pods and not local_kuberay.leftover_pids()
+        return not pods and not local_kuberay.leftover_pids() and not ray_temp.exists()
 
     wait_for(all_gone, timeout_s=60, what="no pod and no process of the deleted cluster")
     assert procs.tagged_pids(procs.OWNER_ENV, local_kuberay.owner) == []
-    assert pids_mentioning(str(ray_temp)) == []
-    assert not ray_temp.exists()
+    left = pids_mentioning(str(ray_temp))
+    assert left == [], [cmdline(p) for p in left]
+
+
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:300]
+    except OSError:
+        return f"{pid} (gone)"
 
 
 def pids_mentioning(text: str) -> list[int]:
