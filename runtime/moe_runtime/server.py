@@ -321,7 +321,7 @@ class _Api:
                     param="prompt",
                     code="unsupported_parameter",
                 )
-            prompt = prompt[0]  # type: ignore[assignment]
+            prompt = prompt[0]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:

@@ -195,15 +195,15 @@ def test_openai_client_completion_and_stream(server: Server) -> None:
     done = client.completions.create(model=NAME, prompt="Hello", max_tokens=10, temperature=0)
     choice = done.choices[0]
     assert choice.finish_reason in ("stop", "length")
-    assert done.usage is not None and done.usage.completion_tokens == len(choice.token_ids)  # type: ignore[attr-defined]
+    assert done.usage is not None and done.usage.completion_tokens == len(choice.token_ids)
     chunks = list(
         client.completions.create(
             model=NAME, prompt="Hello", max_tokens=10, temperature=0, stream=True
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == choice.text
-    streamed_ids = [t for c in chunks for t in c.choices[0].token_ids]  # type: ignore[attr-defined]
-    assert streamed_ids == choice.token_ids  # type: ignore[attr-defined]
+    streamed_ids = [t for c in chunks for t in c.choices[0].token_ids]
+    assert streamed_ids == choice.token_ids
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
     seeded = [
         client.completions.create(
@@ -211,7 +211,7 @@ def test_openai_client_completion_and_stream(server: Server) -> None:
         ).choices[0]
         for _ in range(2)
     ]
-    assert seeded[0].token_ids == seeded[1].token_ids  # type: ignore[attr-defined]
+    assert seeded[0].token_ids == seeded[1].token_ids
 
 
 @pytest.mark.parametrize(
