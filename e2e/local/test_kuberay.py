@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -485,5 +486,55 @@ def pids_mentioning(text: str) -> list[int]:
         except OSError:
             continue
         if text.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_cli_runs_a_head_only_cluster_and_stops_everything_on_sigterm(
+    control_plane: cluster.ControlPlane, kube: kubeapi.Kube, tmp_path: Path
+) -> None:
+    namespace = "e2e-kuberay-cli"
+    if kube.get(f"/api/v1/namespaces/{namespace}") is None:
+        kube.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
+    head_only = raycluster(namespace, replicas=0)
+    head_only["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].pop("command")
+    head_only["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].pop("args")
+    kube.create(f"/apis/ray.io/v1/namespaces/{namespace}/rayclusters", head_only)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "e2e.local.kuberay", "--kubeconfig", str(control_plane.kubeconfig)]
+        + ["--namespace", namespace, "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    owner = f"{procs.OWNER_ENV}=lkr-{cli.pid}-".encode()
+    try:
+
+        def head_ready() -> bool:
+            status = (kube.get(rc_path(namespace)) or {}).get("status") or {}
+            return status.get("state") == "ready" and status.get("desiredWorkerReplicas") == 0
+
+        wait_for(head_ready, timeout_s=90, what="the head-only cluster ready")
+        assert pids_with_env_prefix(owner), "the CLI's Ray head is not tagged"
+    finally:
+        cli.send_signal(signal.SIGTERM)
+        output, _ = cli.communicate(timeout=60)
+    assert cli.returncode == 0, output[-3000:]
+    assert pids_with_env_prefix(owner) == []
+    heads = kube.list(f"/api/v1/namespaces/{namespace}/pods")
+    assert heads == [], "stop() deletes the pods it made"
+    kube.delete(rc_path(namespace))
+
+
+def pids_with_env_prefix(prefix: bytes) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if any(item.startswith(prefix) for item in environ.split(b"\0")):
             found.append(int(entry))
     return found
