@@ -52,6 +52,7 @@ class LocalExecutor(base.Executor):
         for label in range(num_ranks):
             self._workers[label] = self._new_worker(label)
         self._active = list(range(num_ranks))
+        self._needs_switch = False  # an active rank was removed: steps wait for a switch
         self._closed = False
 
     def _new_worker(self, label: int) -> worker_mod.RankWorker:
@@ -105,8 +106,8 @@ class LocalExecutor(base.Executor):
         with self._lock:
             active = list(self._active)
             workers = [self._workers[r] for r in active]
-        if not workers:
-            raise base.ExecutorError("no active ranks: switch first")
+        if not workers or self._needs_switch:
+            raise base.ExecutorError("no step path: switch to a set of ranks first")
         futures = [self._pool.submit(w.execute_step, step) for w in workers]
         outs: list[step_mod.StepOutput] = _gather(
             futures, active, what="execute_step", timeout=self._step_timeout
@@ -168,6 +169,7 @@ class LocalExecutor(base.Executor):
         with self._lock:
             self._workers = {mapping[old]: w for old, w in self._workers.items()}
             self._active = list(range(len(ranks)))
+            self._needs_switch = False
             for label, w in self._workers.items():
                 w.label = label
         log.info("switched to %d ranks (old labels %s)", len(ranks), ranks)
@@ -179,6 +181,8 @@ class LocalExecutor(base.Executor):
             if unknown:
                 raise ValueError(f"remove_ranks: no worker for ranks {unknown}")
             removed = [(r, self._workers.pop(r)) for r in ranks]
+            if any(r in self._active for r in ranks):
+                self._needs_switch = True
             self._active = [r for r in self._active if r not in ranks]
         for label, w in removed:
             info = w.info()
