@@ -110,12 +110,6 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def num_physical_experts(num_experts: int, redundant: int, num_ranks: int) -> int:
-    """The fewest slots >= num_experts + redundant that every rank holds equally many of."""
-    total = num_experts + redundant
-    return -(-total // num_ranks) * num_ranks
-
-
 def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -132,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     cfg = src.config
     num_ranks = args.data_parallel_size
-    num_physical = num_physical_experts(cfg.num_experts, args.num_redundant_experts, num_ranks)
+    num_physical = policy.num_physical_for(cfg.num_experts, num_ranks, args.num_redundant_experts)
     if num_physical != cfg.num_experts + args.num_redundant_experts:
         log.info(
             "serve: %d redundant experts (asked %d) so %d ranks hold %d slots each",

@@ -1,24 +1,10 @@
-"""`moe-runtime` argument handling and the expert-slot arithmetic of `serve`."""
+"""`moe-runtime` argument handling."""
 
 from __future__ import annotations
 
 import pytest
 
 from moe_runtime import cli
-
-
-@pytest.mark.parametrize(
-    ("experts", "redundant", "ranks", "physical"),
-    [
-        pytest.param(8, 0, 1, 8, id="dp1"),
-        pytest.param(8, 0, 2, 8, id="divides"),
-        pytest.param(8, 0, 3, 9, id="padded-to-fill-ranks"),
-        pytest.param(8, 2, 3, 12, id="redundant-then-padded"),
-        pytest.param(32, 4, 4, 36, id="redundant-fits"),
-    ],
-)
-def test_num_physical_experts(experts: int, redundant: int, ranks: int, physical: int) -> None:
-    assert cli.num_physical_experts(experts, redundant, ranks) == physical
 
 
 def test_serve_defaults() -> None:
