@@ -5,6 +5,11 @@ operator manages, and a periodic resync all run the same idempotent reconcile; o
 deployment keeps them from racing. No timers or daemons: those make kopf put a finalizer on
 every object, so deleting a deployment would hang whenever the operator is down. kopf keeps its
 own bookkeeping in ``elasticmoe.io/*`` annotations, never in ``status`` (whose schema is closed).
+
+While a resize runs, a reconcile asks to be run again (``Outcome.requeue_after``, ~1 s): one
+plain asyncio task per deployment sleeps and reconciles the fresh object (no kopf retry, which
+would write progress annotations every second). A restarted operator picks the resize up from
+``status.resize`` in its resume handler and requeues from there.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import logging
 import os
 from typing import Any, Final, Union, cast
 
+import httpx
 import kopf
 
 from moe_operator import reconcile
 from moe_operator.api import group
+from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
@@ -44,6 +51,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     memo.api = k8s_api.Api.from_environment()
     memo.locks = {}  # Key -> asyncio.Lock, shared by every per-object memo (shallow copies)
     memo.known = set()  # Keys of the MoEDeployments seen, for the periodic resync
+    memo.requeues = {}  # Key -> asyncio.Task of the next reconcile a running resize asked for
     memo.resync = asyncio.get_running_loop().create_task(_resync_forever(memo))
 
 
@@ -54,6 +62,11 @@ async def close(memo: Any, **_: Any) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    requeues: dict[Key, asyncio.Task[None]] = memo.get("requeues") or {}
+    for pending in list(requeues.values()):
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
     api = memo.get("api")
     if api is not None:
         await api.close()
@@ -68,13 +81,39 @@ async def _reconcile(body: dict[str, Any], memo: Any, log: Logger) -> None:
     target = kopf.Body(cast(kopf.RawBody, body))
 
     def events(reason: str, message: str) -> None:
-        kopf.info(target, reason=reason, message=message)
+        post = kopf.warn if reason in status_.WARNING_REASONS else kopf.info
+        post(target, reason=reason, message=message[:1000])
 
+    meta = body["metadata"]
+    key = (meta.get("namespace") or "", meta["name"])
     try:
-        await reconcile.reconcile(api=memo.api, body=body, events=events, logger=log)
+        outcome = await reconcile.reconcile(api=memo.api, body=body, events=events, logger=log)
     except reconcile.InvalidSpec as error:
         kopf.warn(target, reason="InvalidSpec", message=str(error)[:1000])
         raise kopf.PermanentError(str(error)) from error
+    if outcome.requeue_after is not None:
+        _requeue(memo, key, outcome.requeue_after)
+
+
+def _requeue(memo: Any, key: Key, delay: float) -> None:
+    """Reconcile ``key`` again in ``delay`` seconds (once: a pending requeue is kept)."""
+    requeues: dict[Key, asyncio.Task[None]] = memo.requeues
+    pending = requeues.get(key)
+    if pending is not None and not pending.done() and pending is not asyncio.current_task():
+        return
+    requeues[key] = asyncio.get_running_loop().create_task(
+        _reconcile_later(memo, key, delay), name=f"requeue {key[0]}/{key[1]}"
+    )
+
+
+async def _reconcile_later(memo: Any, key: Key, delay: float) -> None:
+    await asyncio.sleep(delay)
+    try:
+        await _reconcile_fresh(key, memo, logger)
+    except (k8s_api.ApiError, kopf.PermanentError, OSError, httpx.HTTPError) as error:
+        logger.warning("requeued reconcile of %s/%s failed: %s; again soon", key[0], key[1], error)
+        if key in memo.known:
+            _requeue(memo, key, RETRY_BACKOFF_SECONDS)
 
 
 async def _reconcile_fresh(key: Key, memo: Any, log: Logger) -> None:
@@ -94,8 +133,9 @@ async def _reconcile_fresh(key: Key, memo: Any, log: Logger) -> None:
 async def reconcile_on_change(
     body: kopf.Body, namespace: str | None, name: str, memo: Any, logger: Logger, **_: Any
 ) -> None:
-    async with _lock(memo, (namespace or "", name)):
-        await _reconcile(dict(body), memo, logger)
+    # The object is read again under the lock: kopf's body may predate a status another
+    # reconcile just wrote (a stale status.resize would lose its resizeId).
+    await _reconcile_fresh((namespace or "", name), memo, logger)
 
 
 @kopf.on.event(*RESOURCE)
@@ -111,6 +151,9 @@ async def track(
     if type == "DELETED":
         memo.known.discard(key)
         memo.locks.pop(key, None)
+        pending = memo.requeues.pop(key, None)
+        if pending is not None and pending is not asyncio.current_task():
+            pending.cancel()
     else:
         memo.known.add(key)
 

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import datetime
 import logging
 import secrets
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from moe_operator import runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import builders, diff, observe, resize
+from moe_operator.plan import builders, clock, diff, observe, resize
 from moe_operator.plan import status as plan_status
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
@@ -32,6 +33,9 @@ EventSink = Callable[[str, str], None]
 RuntimeFactory = Callable[[str, Union[str, None]], runtime_client.RuntimeClient]
 
 RUNTIME_TIMEOUT_SECONDS: Final = 3.0
+#: Labels KubeRay puts on the worker pods of a RayCluster.
+RAY_CLUSTER_LABEL: Final = "ray.io/cluster"
+RAY_NODE_TYPE_LABEL: Final = "ray.io/node-type"
 
 
 def default_runtime_factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
@@ -49,6 +53,8 @@ class Outcome:
     phase: status_.Phase
     created: tuple[str, ...]
     status_written: bool
+    #: Reconcile again after this many seconds (a resize is being driven); ``None``: no need.
+    requeue_after: float | None = None
 
 
 def parse_spec(raw: Any) -> spec_.MoEDeploymentSpec:
@@ -87,8 +93,28 @@ class Children:
             return None
 
 
-async def observe_children(*, api: k8s_api.Api, owner: builders.Owner) -> Children:
-    ray, service, secret = await asyncio.gather(
+async def _worker_pods(
+    *, api: k8s_api.Api, owner: builders.Owner, logger: Logger
+) -> tuple[str, ...] | None:
+    """The RayCluster's worker pods (``None`` when they cannot be listed)."""
+    selector = (
+        f"{RAY_CLUSTER_LABEL}={builders.raycluster_name(owner.name)},{RAY_NODE_TYPE_LABEL}=worker"
+    )
+    try:
+        pods = await api.list(
+            api_version="v1", kind="Pod", namespace=owner.namespace, label_selector=selector
+        )
+    except k8s_api.ApiError as error:
+        logger.warning("%s/%s: worker pods not listed: %s", owner.namespace, owner.name, error)
+        return None
+    return observe.worker_pods(pods)
+
+
+async def observe_children(
+    *, api: k8s_api.Api, owner: builders.Owner, logger: Logger | None = None
+) -> Children:
+    log = logger or logging.getLogger(__name__)
+    ray, service, secret, pods = await asyncio.gather(
         api.get(
             api_version="ray.io/v1",
             kind="RayCluster",
@@ -107,11 +133,13 @@ async def observe_children(*, api: k8s_api.Api, owner: builders.Owner) -> Childr
             namespace=owner.namespace,
             name=builders.secret_name(owner.name),
         ),
+        _worker_pods(api=api, owner=owner, logger=log),
     )
     observed = observe.Observed(
         raycluster=observe.raycluster(ray),
         secret_exists=secret is not None,
         service_exists=service is not None,
+        worker_pods=pods if ray is not None else (),
     )
     return Children(raycluster=ray, service=service, secret=secret, observed=observed)
 
@@ -126,16 +154,39 @@ async def observe_runtime(
     """The runtime's own view, or ``None`` when it does not answer (yet)."""
     async with factory(url, token) as client:
         try:
-            status = await client.status()
-        except (httpx.HTTPError, runtime_client.RuntimeApiError, pydantic.ValidationError) as error:
+            payload = await client.status_json()
+        except (httpx.HTTPError, runtime_client.RuntimeApiError, ValueError) as error:
             logger.debug("runtime at %s not observed: %s", url, error)
             return None
-    return observe.RuntimeObservation(
-        data_parallel_size=status.data_parallel_size,
-        target_data_parallel_size=status.target_data_parallel_size or status.data_parallel_size,
-        stage=status.stage,
-        balancedness=(status.eplb or {}).get("balancedness"),
-    )
+    try:
+        return observe.runtime(payload)
+    except (KeyError, TypeError, ValueError) as error:
+        logger.warning("runtime at %s sent a status this operator cannot read: %s", url, error)
+        return None
+
+
+async def scale_runtime(
+    *,
+    url: str,
+    token: str | None,
+    new_size: int,
+    factory: RuntimeFactory,
+) -> resize.ScaleOutcome:
+    """``POST /scale_elastic_ep`` (no wait), its answer as the planner sees it."""
+    async with factory(url, token) as client:
+        try:
+            accepted = await client.scale(new_size)
+        except runtime_client.ResizeConflict as error:
+            return resize.ScaleDeferred(f"the runtime is busy (409): {error.message}")
+        except runtime_client.RuntimeApiError as error:
+            if error.status in (400, 422):
+                return resize.ScaleRefused(error.message)
+            return resize.ScaleDeferred(f"HTTP {error.status}: {error.message}")
+        except (httpx.HTTPError, ValueError) as error:
+            return resize.ScaleDeferred(f"the runtime did not answer: {error!r}")
+    if not accepted.resize_id:
+        return resize.ScaleDeferred("the runtime's answer has no resize_id")
+    return resize.ScaleAccepted(resize_id=accepted.resize_id, stage=accepted.stage)
 
 
 async def _apply_unless_current(
@@ -154,20 +205,23 @@ async def _execute(
     spec: spec_.MoEDeploymentSpec,
     children: Children,
 ) -> k8s_api.ApplyResult | None:
+    """Run one child action (``ScaleRuntime`` is run by :func:`reconcile` itself)."""
     if isinstance(action, resize.EnsureSecret):
         token = secrets.token_urlsafe(32)
         return await api.create(builders.build_secret(owner=owner, token=token))
     if isinstance(action, resize.ApplyRayCluster):
         desired = builders.build_raycluster(
-            owner=owner, spec=spec, worker_replicas=action.worker_replicas
+            owner=owner,
+            spec=spec,
+            worker_replicas=action.worker_replicas,
+            workers_to_delete=action.workers_to_delete,
+            head_size=action.head_size,
         )
         return await _apply_unless_current(api, desired, children.raycluster)
     if isinstance(action, resize.ApplyService):
         return await _apply_unless_current(
             api, builders.build_service(owner=owner), children.service
         )
-    if isinstance(action, resize.ScaleRuntime):
-        raise NotImplementedError("live resizes are driven by the resize driver")
     return None
 
 
@@ -180,7 +234,8 @@ async def reconcile(
     now: str | None = None,
     runtime_factory: RuntimeFactory = default_runtime_factory,
 ) -> Outcome:
-    """Bring the children in line with the spec and write the status if it changed.
+    """Bring the children in line with the spec, drive a live resize one step, and write the
+    status if it changed.
 
     The runtime is asked for its view only once Ray reports the head ready; its URL comes
     from :func:`runtime_client.runtime_url` (annotation, ``$MOE_RUNTIME_URL_TEMPLATE``, or the
@@ -188,21 +243,23 @@ async def reconcile(
     """
     meta = body["metadata"]
     owner = builders.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    where = f"{owner.namespace}/{owner.name}"
     generation = int(meta.get("generation") or 1)
+    moment = clock.parse(now) or datetime.datetime.now(datetime.timezone.utc)
     spec = parse_spec(body.get("spec"))
     raw_status = body.get("status") or {}
     current = parse_status(raw_status, logger=logger)
-    children = await observe_children(api=api, owner=owner)
-    observed = children.observed
+    children = await observe_children(api=api, owner=owner, logger=logger)
+    observed = dataclasses.replace(children.observed, generation=generation, now=moment)
+    url = runtime_client.runtime_url(
+        name=owner.name,
+        namespace=owner.namespace,
+        annotations=meta.get("annotations"),
+        raycluster_annotations=((children.raycluster or {}).get("metadata") or {}).get(
+            "annotations"
+        ),
+    )
     if observed.raycluster is not None and observed.raycluster.head_ready:
-        url = runtime_client.runtime_url(
-            name=owner.name,
-            namespace=owner.namespace,
-            annotations=meta.get("annotations"),
-            raycluster_annotations=((children.raycluster or {}).get("metadata") or {}).get(
-                "annotations"
-            ),
-        )
         runtime = await observe_runtime(
             url=url, token=children.admin_token(), factory=runtime_factory, logger=logger
         )
@@ -210,18 +267,48 @@ async def reconcile(
     actions = resize.plan_resize(spec, current, observed)
     created: list[str] = []
     phase: resize.SetPhase | None = None
+    planned: status_.ResizeStatus | None | resize.Keep = resize.KEEP
+    outcome: resize.ScaleOutcome | None = None
+    requeue: float | None = None
     for action in actions:
         if isinstance(action, resize.SetPhase):
             phase = action
-            continue
-        result = await _execute(action, api=api, owner=owner, spec=spec, children=children)
-        if result is not None and result.created:
-            kind, name = result.obj["kind"], result.obj["metadata"]["name"]
-            created.append(f"{kind}/{name}")
-            logger.info("created %s %s/%s", kind, owner.namespace, name)
-            events("Created", f"Created {kind} {name}")
+        elif isinstance(action, resize.SetResize):
+            planned = action.resize
+        elif isinstance(action, resize.Event):
+            events(action.reason, action.message)
+        elif isinstance(action, resize.Requeue):
+            requeue = action.seconds
+        elif isinstance(action, resize.ScaleRuntime):
+            outcome = await scale_runtime(
+                url=url,
+                token=children.admin_token(),
+                new_size=action.new_size,
+                factory=runtime_factory,
+            )
+            logger.info("%s: asked the runtime for size %d: %s", where, action.new_size, outcome)
+        else:
+            result = await _execute(action, api=api, owner=owner, spec=spec, children=children)
+            if isinstance(action, resize.ApplyRayCluster) and action.workers_to_delete:
+                logger.info(
+                    "%s: RayCluster replicas %d, workersToDelete %s",
+                    where,
+                    action.worker_replicas,
+                    list(action.workers_to_delete),
+                )
+            if result is not None and result.created:
+                kind, name = result.obj["kind"], result.obj["metadata"]["name"]
+                created.append(f"{kind}/{name}")
+                logger.info("created %s %s/%s", kind, owner.namespace, name)
+                events("Created", f"Created {kind} {name}")
     if phase is None:  # plan_resize always ends with one; keep the status honest regardless
         phase = resize.SetPhase(current.phase or status_.Phase.PENDING, "Unknown", "")
+    if outcome is not None and isinstance(planned, status_.ResizeStatus):
+        planned, more = resize.after_scale(planned, outcome, now=moment)
+        for event in more:
+            events(event.reason, event.message)
+        phase = resize.phase_after_scale(planned, phase)
+        requeue = resize.REQUEUE_SECONDS
     new = plan_status.next_status(
         name=owner.name,
         namespace=owner.namespace,
@@ -230,7 +317,8 @@ async def reconcile(
         current=current,
         observed=observed,
         phase=phase,
-        now=now or plan_status.now_rfc3339(),
+        now=clock.rfc3339(moment),
+        resize_status=planned,
     )
     written = plan_status.needs_write(raw_status, new)
     if written:
@@ -240,17 +328,23 @@ async def reconcile(
             patch=plan_status.merge_patch(raw_status, new),
         )
         logger.info(
-            "status: phase=%s dp=%s target=%s",
+            "%s: status: phase=%s dp=%s target=%s stage=%s",
+            where,
             phase.phase.value,
             new.data_parallel_size,
             new.target_data_parallel_size,
+            new.resize.stage.value if new.resize else None,
         )
     logger.debug(
-        "reconciled %s/%s: phase=%s created=%s status %s",
-        owner.namespace,
-        owner.name,
+        "reconciled %s: phase=%s created=%s status %s",
+        where,
         phase.phase.value,
         created,
         "written" if written else "unchanged",
     )
-    return Outcome(phase=phase.phase, created=tuple(created), status_written=written)
+    return Outcome(
+        phase=phase.phase,
+        created=tuple(created),
+        status_written=written,
+        requeue_after=requeue,
+    )

@@ -14,6 +14,7 @@ the in-cluster Service.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any, Final
@@ -95,6 +96,22 @@ class RuntimeApiError(Exception):
         self.status = status
         self.detail = detail
 
+    @property
+    def message(self) -> str:
+        """The runtime's own words: ``error.message`` (OpenAI shape) or FastAPI's ``detail``,
+        else the body as sent."""
+        try:
+            body = json.loads(self.detail)
+        except ValueError:
+            return self.detail
+        if isinstance(body, dict):
+            error = body.get("error")
+            if isinstance(error, dict) and error.get("message"):
+                return str(error["message"])
+            if body.get("detail"):
+                return str(body["detail"])
+        return self.detail
+
 
 class ResizeConflict(RuntimeApiError):
     """409: a resize to another size is running."""
@@ -150,6 +167,15 @@ class RuntimeClient:
 
     async def status(self) -> ElasticStatus:
         return ElasticStatus.model_validate(await self._call("GET", "/elastic_ep/status"))
+
+    async def status_json(self) -> dict[str, Any]:
+        """``GET /elastic_ep/status`` as the runtime sent it (records included)."""
+        payload = await self._call("GET", "/elastic_ep/status")
+        if not isinstance(payload, dict):
+            raise RuntimeApiError(
+                method="GET", path="/elastic_ep/status", status=200, detail="not a JSON object"
+            )
+        return payload
 
     async def is_scaling(self) -> bool:
         payload = await self._call("POST", "/is_scaling_elastic_ep")

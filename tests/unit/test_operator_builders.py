@@ -88,6 +88,9 @@ def test_head_runs_the_runtime() -> None:
     assert shlex.split(command) == [
         "moe-runtime", "serve", "--model", "/models/mixtral", "--data-parallel-size", "2",
         "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000",
+        "--min-data-parallel-size", "1", "--max-data-parallel-size", "4",
+        "--num-redundant-experts", "0", "--eplb", "--eplb-window-size", "1000",
+        "--eplb-step-interval", "3000",
     ]  # fmt: skip
     env = {e["name"]: e for e in container["env"]}
     assert env["RAY_ADDRESS"]["value"] == "auto"

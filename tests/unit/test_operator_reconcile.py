@@ -21,7 +21,7 @@ LATER = "2026-01-01T00:01:00Z"
 
 
 class FakeApi:
-    """The four calls of ``k8s_api.Api`` over a dict; counts writes."""
+    """The five calls of ``k8s_api.Api`` over a dict; counts writes."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -51,6 +51,18 @@ class FakeApi:
         self.objects[key] = stored
         self.writes.append(f"{obj['kind']}/{meta['name']}")
         return k8s_api.ApplyResult(obj=copy.deepcopy(stored), created=created)
+
+    async def list(
+        self, *, api_version: str, kind: str, namespace: str, label_selector: str
+    ) -> list[dict[str, Any]]:
+        wanted = dict(term.split("=", 1) for term in label_selector.split(","))
+        return [
+            copy.deepcopy(obj)
+            for (k, ns, _), obj in self.objects.items()
+            if k == kind
+            and ns == namespace
+            and all(obj["metadata"].get("labels", {}).get(a) == b for a, b in wanted.items())
+        ]
 
     async def apply(self, obj: dict[str, Any]) -> k8s_api.ApplyResult:
         return self._store(obj)

@@ -24,3 +24,6 @@ MANAGED_BY: Final = "elastic-moe"
 ANNOTATION_RUNTIME_URL: Final = f"{GROUP}/runtime-url"
 #: Annotation a local KubeRay stand-in puts on a RayCluster: where its runtime listens.
 ANNOTATION_LOCAL_ENDPOINT: Final = f"{GROUP}/local-endpoint"
+#: Annotation on the RayCluster's head pod template: the ``--data-parallel-size`` the head's
+#: runtime starts at, kept from the RayCluster's creation on (a resize never rewrites the head).
+ANNOTATION_HEAD_SIZE: Final = f"{GROUP}/initial-data-parallel-size"

@@ -90,6 +90,15 @@ class ExpertParallelSpec(ApiModel):
         default=0, ge=0, le=4096, description="Extra physical expert slots for hot experts."
     )
     eplb: EplbSpec = defaulted(EplbSpec)
+    max_experts_per_rank: int | None = pydantic.Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Expert slots one rank can hold (memory). A size whose ranks would need more "
+            "(ceil((experts + redundant) / size)) is refused by the runtime."
+        ),
+    )
 
 
 class ElasticSpec(ApiModel):

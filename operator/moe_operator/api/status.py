@@ -59,6 +59,11 @@ REASON_RESIZE_IN_PROGRESS: Final = "ResizeInProgress"
 REASON_RESIZE_FAILED: Final = "ResizeFailed"
 REASON_HEALTHY: Final = "Healthy"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_SERVING: Final = "Serving"
+REASON_RUNTIME_BUSY: Final = "RuntimeBusy"
+REASON_RESIZE_COMPLETED: Final = "ResizeCompleted"
+#: Event reasons that are warnings (the others are Normal).
+WARNING_REASONS: Final = frozenset({"Failed", REASON_RESIZE_FAILED})
 
 DATE_TIME: Final[dict[str, pydantic.JsonValue]] = {"format": "date-time"}
 
@@ -83,6 +88,31 @@ class ResizeStatus(spec_.ApiModel):
     started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
     stage_started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
     message: str | None = None
+    # Additions to the DESIGN §2 contract (nothing above renamed):
+    resize_id: str | None = pydantic.Field(
+        default=None,
+        max_length=256,
+        description="The runtime's id of this resize, recorded right after it was asked for: "
+        "a restarted operator finds the resize by it and never asks twice.",
+    )
+    generation: int | None = pydantic.Field(
+        default=None,
+        ge=0,
+        description="metadata.generation of the spec this resize aims at; a Failed resize is "
+        "retried only once the generation changes.",
+    )
+    finished_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
+    stage_durations: dict[str, float] | None = pydantic.Field(
+        default=None, description="Seconds spent in each finished stage."
+    )
+    freed_pods: list[str] | None = pydantic.Field(
+        default=None,
+        description="Worker pods a scale-down released (RayCluster workersToDelete).",
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.stage not in (Stage.COMPLETED, Stage.FAILED)
 
 
 class ExpertsStatus(spec_.ApiModel):

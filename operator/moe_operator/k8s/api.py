@@ -1,4 +1,5 @@
-"""A small asynchronous Kubernetes API client: server-side apply, get, create, status patch.
+"""A small asynchronous Kubernetes API client: server-side apply, get, list, create, status
+patch.
 
 Connection settings (in-cluster service account, or a kubeconfig) are read by the official
 ``kubernetes`` package; requests go through one ``httpx.AsyncClient`` shared by every handler
@@ -29,6 +30,7 @@ MERGE_PATCH: Final = "application/merge-patch+json"
 _KINDS: Final[dict[tuple[str, str], tuple[str, str]]] = {
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "Secret"): ("/api/v1", "secrets"),
+    ("v1", "Pod"): ("/api/v1", "pods"),
     ("ray.io/v1", "RayCluster"): ("/apis/ray.io/v1", "rayclusters"),
     (group.API_VERSION, group.KIND): (f"/apis/{group.API_VERSION}", group.PLURAL),
 }
@@ -149,6 +151,15 @@ class Api:
             raise
         result: dict[str, Any] = response.json()
         return result
+
+    async def list(
+        self, *, api_version: str, kind: str, namespace: str, label_selector: str
+    ) -> list[dict[str, Any]]:
+        """The objects of a kind in a namespace that match ``label_selector``."""
+        url = path(api_version=api_version, kind=kind, namespace=namespace)
+        response = await self._request("GET", url, params={"labelSelector": label_selector})
+        items: list[dict[str, Any]] = response.json().get("items") or []
+        return items
 
     async def apply(self, obj: dict[str, Any]) -> ApplyResult:
         """Server-side apply ``obj`` as field manager ``elastic-moe`` (conflicts forced)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from collections.abc import Sequence
 from typing import Any, Final
 
 from moe_operator.api import group
@@ -97,22 +98,40 @@ def served_model_name(*, owner_name: str, spec: spec_.MoEDeploymentSpec) -> str:
     return spec.model.served_model_name or owner_name
 
 
-def serve_command(*, owner_name: str, spec: spec_.MoEDeploymentSpec) -> list[str]:
-    """The runtime command line the head runs (DESIGN §4)."""
-    return [
+def serve_command(
+    *, owner_name: str, spec: spec_.MoEDeploymentSpec, size: int | None = None
+) -> list[str]:
+    """The runtime command line the head runs (DESIGN §4); ``size``: the data-parallel size it
+    starts at (default ``spec.dataParallelSize``; live resizes change it from there)."""
+    experts = spec.expert_parallel
+    command = [
         "moe-runtime",
         "serve",
         "--model",
         spec.model.source,
         "--data-parallel-size",
-        str(spec.data_parallel_size),
+        str(spec.data_parallel_size if size is None else size),
         "--served-model-name",
         served_model_name(owner_name=owner_name, spec=spec),
         "--host",
         "0.0.0.0",  # inside the pod; the Service is the way in
         "--port",
         str(RUNTIME_PORT),
+        "--min-data-parallel-size",
+        str(spec.min_data_parallel_size),
+        "--max-data-parallel-size",
+        str(spec.max_data_parallel_size),
+        "--num-redundant-experts",
+        str(experts.num_redundant_experts),
+        "--eplb" if experts.eplb.enabled else "--no-eplb",
+        "--eplb-window-size",
+        str(experts.eplb.window_size),
+        "--eplb-step-interval",
+        str(experts.eplb.step_interval),
     ]
+    if experts.max_experts_per_rank is not None:
+        command += ["--max-experts-per-rank", str(experts.max_experts_per_rank)]
+    return command
 
 
 def _resources(requirements: spec_.ResourceRequirements | None, *, gpus: int = 0) -> dict[str, Any]:
@@ -155,8 +174,11 @@ def _health_probe(*, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _head_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
-    serve = shlex.join(serve_command(owner_name=owner.name, spec=spec))
+def _head_template(
+    *, owner: Owner, spec: spec_.MoEDeploymentSpec, size: int | None = None
+) -> dict[str, Any]:
+    size = spec.data_parallel_size if size is None else size
+    serve = shlex.join(serve_command(owner_name=owner.name, spec=spec, size=size))
     container = {
         "name": HEAD_CONTAINER,
         "image": spec.ray.image,
@@ -191,7 +213,10 @@ def _head_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str, 
     return {
         "metadata": {
             "labels": labels(owner.name, COMPONENT_HEAD),
-            "annotations": {OVERWRITE_CMD_ANNOTATION: "true"},
+            "annotations": {
+                OVERWRITE_CMD_ANNOTATION: "true",
+                group.ANNOTATION_HEAD_SIZE: str(size),
+            },
         },
         "spec": {
             "securityContext": _pod_security(),
@@ -227,17 +252,35 @@ def rank_resources_param() -> str:
 
 
 def build_raycluster(
-    *, owner: Owner, spec: spec_.MoEDeploymentSpec, worker_replicas: int | None = None
+    *,
+    owner: Owner,
+    spec: spec_.MoEDeploymentSpec,
+    worker_replicas: int | None = None,
+    workers_to_delete: Sequence[str] = (),
+    head_size: int | None = None,
 ) -> dict[str, Any]:
     """The ``ray.io/v1`` RayCluster: a head running the runtime and one worker per DP rank.
 
     ``worker_replicas`` overrides ``spec.dataParallelSize`` (a resize provisions workers before
-    the runtime uses them, and releases them after).
+    the runtime uses them, and releases them after); ``workers_to_delete`` names the pods a
+    shrink removes (``scaleStrategy.workersToDelete``: KubeRay deletes random ones otherwise);
+    ``head_size`` is the size the head's runtime starts at (default ``spec.dataParallelSize``;
+    it stays what the RayCluster was created with, so a resize never rewrites the head).
     """
     replicas = spec.data_parallel_size if worker_replicas is None else worker_replicas
     worker_params = {"resources": rank_resources_param()}
     if spec.wants_gpus:
         worker_params["num-gpus"] = str(spec.tensor_parallel_size)
+    worker_group: dict[str, Any] = {
+        "groupName": WORKER_GROUP,
+        "replicas": replicas,
+        "minReplicas": spec.min_data_parallel_size,
+        "maxReplicas": spec.max_data_parallel_size,
+        "rayStartParams": worker_params,
+        "template": _worker_template(owner=owner, spec=spec),
+    }
+    if workers_to_delete:
+        worker_group["scaleStrategy"] = {"workersToDelete": sorted(workers_to_delete)}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
@@ -249,18 +292,9 @@ def build_raycluster(
             "headGroupSpec": {
                 "serviceType": "ClusterIP",
                 "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-                "template": _head_template(owner=owner, spec=spec),
+                "template": _head_template(owner=owner, spec=spec, size=head_size),
             },
-            "workerGroupSpecs": [
-                {
-                    "groupName": WORKER_GROUP,
-                    "replicas": replicas,
-                    "minReplicas": spec.min_data_parallel_size,
-                    "maxReplicas": spec.max_data_parallel_size,
-                    "rayStartParams": worker_params,
-                    "template": _worker_template(owner=owner, spec=spec),
-                }
-            ],
+            "workerGroupSpecs": [worker_group],
         },
     }
 

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import datetime
+from typing import Any, Final
+
+from moe_operator.api import group
+
+#: Runtime stages after which a resize record no longer changes.
+RUNTIME_DONE: Final = frozenset({"Completed", "Failed", "Idle"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +20,37 @@ class RayClusterObservation:
     ready_workers: int
     head_ready: bool
     state: str | None = None
+    available_workers: int = 0
+    #: ``scaleStrategy.workersToDelete`` not yet honoured (KubeRay clears it once done).
+    workers_to_delete: tuple[str, ...] = ()
+    #: The runtime size in the head template (``None``: not ours or not set).
+    head_size: int | None = None
+
+    @property
+    def workers_up(self) -> int:
+        """Workers KubeRay reports ready (``readyWorkerReplicas`` or ``availableWorkerReplicas``)."""
+        return max(self.ready_workers, self.available_workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeResize:
+    """One resize record of the runtime (``resize`` / ``history`` of ``/elastic_ep/status``)."""
+
+    resize_id: str
+    from_size: int
+    to_size: int
+    stage: str
+    message: str = ""
+    started_at: float | None = None
+    stage_started_at: float | None = None
+    #: Stages entered, in order, with their duration in seconds (``None``: still running).
+    stages: tuple[tuple[str, float | None], ...] = ()
+    #: Worker pods the runtime released (a scale-down's ``freed`` entries).
+    freed_pods: tuple[str, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return self.stage in RUNTIME_DONE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +61,24 @@ class RuntimeObservation:
     target_data_parallel_size: int
     stage: str | None = None
     balancedness: float | None = None
+    #: The running resize, else the last one.
+    resize: RuntimeResize | None = None
+    history: tuple[RuntimeResize, ...] = ()
+    #: Pods of the ranks that serve (``None`` when a rank does not say which pod it is on).
+    active_pods: tuple[str, ...] | None = None
+
+    @property
+    def running(self) -> RuntimeResize | None:
+        """The resize the runtime is running now, if any."""
+        if self.resize is not None and not self.resize.done:
+            return self.resize
+        return None
+
+    def find(self, resize_id: str) -> RuntimeResize | None:
+        """The record of ``resize_id`` (running or in the history)."""
+        if self.resize is not None and self.resize.resize_id == resize_id:
+            return self.resize
+        return next((r for r in self.history if r.resize_id == resize_id), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +89,14 @@ class Observed:
     secret_exists: bool = False
     service_exists: bool = False
     runtime: RuntimeObservation | None = None
+    #: Worker pods of the RayCluster that are not being deleted (``None``: not listed).
+    worker_pods: tuple[str, ...] | None = None
+    #: ``metadata.generation`` of the MoEDeployment.
+    generation: int = 1
+    #: The moment of this reconcile (UTC); timeouts are measured against it.
+    now: datetime.datetime = dataclasses.field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc)
+    )
 
 
 def _condition_true(conditions: Any, type_: str) -> bool:
@@ -43,12 +106,29 @@ def _condition_true(conditions: Any, type_: str) -> bool:
     return False
 
 
+def _head_size(spec: dict[str, Any]) -> int | None:
+    template = (spec.get("headGroupSpec") or {}).get("template") or {}
+    value = ((template.get("metadata") or {}).get("annotations") or {}).get(
+        group.ANNOTATION_HEAD_SIZE
+    )
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 def raycluster(obj: dict[str, Any] | None) -> RayClusterObservation | None:
     """Parse a RayCluster object (``None`` when it does not exist)."""
     if obj is None:
         return None
-    groups = (obj.get("spec") or {}).get("workerGroupSpecs") or []
-    replicas = sum(int(g.get("replicas") or 0) for g in groups if isinstance(g, dict))
+    spec = obj.get("spec") or {}
+    groups = [g for g in spec.get("workerGroupSpecs") or [] if isinstance(g, dict)]
+    replicas = sum(int(g.get("replicas") or 0) for g in groups)
+    pending = tuple(
+        str(name)
+        for g in groups
+        for name in ((g.get("scaleStrategy") or {}).get("workersToDelete") or [])
+    )
     status = obj.get("status") or {}
     head_ready = _condition_true(status.get("conditions"), "HeadPodReady") or (
         status.get("state") == "ready"
@@ -58,19 +138,83 @@ def raycluster(obj: dict[str, Any] | None) -> RayClusterObservation | None:
         ready_workers=int(status.get("readyWorkerReplicas") or 0),
         head_ready=head_ready,
         state=status.get("state"),
+        available_workers=int(status.get("availableWorkerReplicas") or 0),
+        workers_to_delete=pending,
+        head_size=_head_size(spec),
     )
 
 
+def worker_pods(pods: list[dict[str, Any]] | None) -> tuple[str, ...] | None:
+    """Names of the worker pods that are not being deleted, sorted."""
+    if pods is None:
+        return None
+    names = [
+        p["metadata"]["name"]
+        for p in pods
+        if not (p.get("metadata") or {}).get("deletionTimestamp")
+        and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+    ]
+    return tuple(sorted(names))
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def runtime_resize(record: dict[str, Any]) -> RuntimeResize:
+    """Parse one resize record of the runtime (``records.ResizeRecord.to_json``)."""
+    stages = tuple(
+        (str(s["stage"]), _float(s.get("duration_s")))
+        for s in record.get("stages") or []
+        if isinstance(s, dict) and "stage" in s
+    )
+    freed = tuple(
+        str(f["pod"]) for f in record.get("freed") or [] if isinstance(f, dict) and f.get("pod")
+    )
+    return RuntimeResize(
+        resize_id=str(record["resize_id"]),
+        from_size=int(record["from"]),
+        to_size=int(record["to"]),
+        stage=str(record["stage"]),
+        message=str(record.get("message") or ""),
+        started_at=_float(record.get("started_at")),
+        stage_started_at=_float(record.get("stage_started_at")),
+        stages=stages,
+        freed_pods=freed,
+    )
+
+
+def _active_pods(ranks: Any) -> tuple[str, ...] | None:
+    if not ranks:
+        return None
+    pods: list[str] = []
+    for rank in ranks:
+        if not isinstance(rank, dict) or not rank.get("active", True):
+            continue
+        pod = rank.get("pod")
+        if not pod:
+            return None
+        pods.append(str(pod))
+    return tuple(sorted(pods))
+
+
 def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
-    """Parse the runtime's ``/elastic_ep/status`` answer."""
+    """Parse the runtime's ``/elastic_ep/status`` answer (``KeyError``/``ValueError``/
+    ``TypeError`` when it is malformed)."""
     if payload is None:
         return None
     eplb = payload.get("eplb") or {}
+    last = payload.get("resize")
     return RuntimeObservation(
         data_parallel_size=int(payload["data_parallel_size"]),
         target_data_parallel_size=int(
-            payload.get("target_data_parallel_size", payload["data_parallel_size"])
+            payload.get("target_data_parallel_size") or payload["data_parallel_size"]
         ),
         stage=payload.get("stage"),
         balancedness=eplb.get("balancedness"),
+        resize=runtime_resize(last) if isinstance(last, dict) else None,
+        history=tuple(
+            runtime_resize(r) for r in payload.get("history") or [] if isinstance(r, dict)
+        ),
+        active_pods=_active_pods(payload.get("ranks")),
     )

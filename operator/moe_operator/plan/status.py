@@ -8,14 +8,13 @@ import datetime
 from typing import Any
 
 from moe_operator.api import status as status_
-from moe_operator.plan import builders, observe, resize
+from moe_operator.plan import builders, clock, observe, resize
 
 C = status_.ConditionStatus
 
 
 def now_rfc3339(now: datetime.datetime | None = None) -> str:
-    moment = now or datetime.datetime.now(datetime.timezone.utc)
-    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return clock.rfc3339(now or datetime.datetime.now(datetime.timezone.utc))
 
 
 def set_condition(
@@ -40,10 +39,13 @@ def set_condition(
     return sorted(out, key=lambda c: (order.get(c.type, len(order)), c.type))
 
 
-def serving_size(*, observed: observe.Observed, target: int) -> int:
-    """Ranks serving now: the runtime's word when it answers, else what Ray reports ready."""
+def serving_size(*, observed: observe.Observed, target: int, previous: int | None = None) -> int:
+    """Ranks serving now: the runtime's word when it answers; else ``previous`` (the size it
+    last reported, for a deployment that served) or what Ray reports ready."""
     if observed.runtime is not None:
         return observed.runtime.data_parallel_size
+    if previous is not None:
+        return previous
     ray = observed.raycluster
     if ray is None or not ray.head_ready:
         return 0
@@ -60,8 +62,11 @@ def next_status(
     observed: observe.Observed,
     phase: resize.SetPhase,
     now: str,
+    resize_status: status_.ResizeStatus | None | resize.Keep = resize.KEEP,
 ) -> status_.MoEDeploymentStatus:
-    """The status the reconcile ends with."""
+    """The status the reconcile ends with (``resize_status``: ``status.resize`` as planned;
+    by default the current one is kept)."""
+    running = current.resize if isinstance(resize_status, resize.Keep) else resize_status
 
     def cond(type_: str, value: status_.ConditionStatus, reason: str, message: str) -> Any:
         return status_.Condition(
@@ -73,8 +78,9 @@ def next_status(
             observed_generation=generation,
         )
 
-    ready = phase.phase == status_.Phase.SERVING
+    ready = phase.ready if phase.ready is not None else phase.phase == status_.Phase.SERVING
     resizing = phase.phase == status_.Phase.RESIZING
+    active = running is not None and running.active
     degraded = phase.phase in (status_.Phase.DEGRADED, status_.Phase.FAILED)
     conditions = list(current.conditions or [])
     conditions = set_condition(
@@ -86,7 +92,13 @@ def next_status(
         cond(
             status_.CONDITION_RESIZING,
             C.TRUE if resizing else C.FALSE,
-            status_.REASON_RESIZE_IN_PROGRESS if resizing else status_.REASON_NO_RESIZE,
+            (
+                running.stage.value
+                if active and running is not None
+                else status_.REASON_RESIZE_IN_PROGRESS
+                if resizing
+                else status_.REASON_NO_RESIZE
+            ),
             phase.message if resizing else "",
         ),
     )
@@ -108,17 +120,21 @@ def next_status(
     return status_.MoEDeploymentStatus(
         observed_generation=generation,
         phase=phase.phase,
-        data_parallel_size=serving_size(observed=observed, target=target),
+        data_parallel_size=serving_size(
+            observed=observed,
+            target=target,
+            previous=current.data_parallel_size if resize.served(current) else None,
+        ),
         target_data_parallel_size=target,
         selector=builders.selector(name),
-        resize=current.resize,
+        resize=running,
         experts=experts,
         endpoint=builders.endpoint(owner_name=name, namespace=namespace),
         conditions=conditions,
     )
 
 
-_TIMESTAMP_KEYS = frozenset({"lastTransitionTime", "startedAt", "stageStartedAt"})
+_TIMESTAMP_KEYS = frozenset({"lastTransitionTime", "startedAt", "stageStartedAt", "finishedAt"})
 
 
 def _without_timestamps(value: Any) -> Any:
@@ -134,9 +150,17 @@ def needs_write(old: dict[str, Any] | None, new: status_.MoEDeploymentStatus) ->
     return bool(_without_timestamps(old or {}) != _without_timestamps(new.to_wire()))
 
 
+def _merge_patch(old: Any, new: Any) -> Any:
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        patch[key] = _merge_patch(old.get(key), value)
+    return patch
+
+
 def merge_patch(old: dict[str, Any] | None, new: status_.MoEDeploymentStatus) -> dict[str, Any]:
-    """A JSON merge patch turning the stored status into ``new`` (removed keys set to null)."""
-    wire = new.to_wire()
-    patch: dict[str, Any] = {key: None for key in (old or {}) if key not in wire}
-    patch.update(wire)
+    """A JSON merge patch turning the stored status into ``new``: keys removed at any depth
+    are set to null (a merge patch merges nested objects; lists are replaced whole)."""
+    patch: dict[str, Any] = _merge_patch(old or {}, new.to_wire())
     return patch
