@@ -66,15 +66,11 @@ Run it alone with ``python -m e2e.local.kuberay --kubeconfig PATH [--namespace N
 from __future__ import annotations
 
 import argparse
-import base64
 import copy
 import dataclasses
-import datetime
-import json
 import logging
 import os
 import random
-import re
 import shlex
 import shutil
 import signal
@@ -85,11 +81,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from e2e.local import kubeapi, procs
+from e2e.local import kubeapi, podenv, podspec, procs
 
 log = logging.getLogger(__name__)
 
@@ -97,19 +92,13 @@ GROUP = "ray.io"
 VERSION = "v1"
 PLURAL = "rayclusters"
 ENDPOINT_ANNOTATION = "elasticmoe.io/local-endpoint"
-NODE_POD_LABEL = "elasticmoe.io/pod"
+NODE_POD_LABEL = podspec.NODE_POD_LABEL
 HEAD_GROUP = "headgroup"
-LOOPBACK = "127.0.0.1"
-DEFAULT_RUNTIME_PORT = 8000
+LOOPBACK = podspec.LOOPBACK
+DEFAULT_RUNTIME_PORT = podspec.DEFAULT_RUNTIME_PORT
 DEFAULT_HEALTH_PATH = "/health"
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 
-# KubeRay's pod name suffix alphabet (k8s.io/apimachinery utilrand: no vowels, no 0/1/3).
-_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
-_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-_PORT_FLAG = re.compile(r"(--port(?:=|\s+))(\d+)")
-_HOST_FLAG = re.compile(r"(--host(?:=|\s+))(\S+)")
-_SHELLS = {"sh", "bash", "dash", "zsh", "ash"}
 
 # Condition types and reasons as KubeRay names them.
 COND_HEAD_READY = "HeadPodReady"
@@ -120,117 +109,6 @@ REASON_ALL_READY = "AllPodRunningAndReadyFirstTime"
 REASON_PROVISIONING = "RayClusterPodsProvisioning"
 STATE_READY = "ready"
 STATE_SUSPENDED = "suspended"
-
-
-class EnvNotReady(Exception):
-    """A container's env refers to a Secret/ConfigMap (key) that does not exist yet."""
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def random_suffix(rng: random.Random, n: int = 5) -> str:
-    return "".join(rng.choice(_SUFFIX_ALPHABET) for _ in range(n))
-
-
-def parse_resources(value: Any) -> dict[str, float]:
-    """``rayStartParams.resources`` as KubeRay takes it: ``'"{\\"moe_rank\\": 1}"'`` (a shell
-    word: outer quotes, escaped inner quotes) or plain JSON; a mapping passes through."""
-    if isinstance(value, Mapping):
-        return {str(k): float(v) for k, v in value.items()}
-    text = str(value).strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        text = text[1:-1].replace('\\"', '"')
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"rayStartParams.resources is not JSON: {value!r}") from exc
-    if not isinstance(parsed, dict):
-        raise ValueError(f"rayStartParams.resources must be a JSON object: {value!r}")
-    return {str(k): float(v) for k, v in parsed.items()}
-
-
-def expand_vars(text: str, env: Mapping[str, str]) -> str:
-    """Kubernetes' ``$(VAR)`` expansion: known names are replaced, ``$$`` escapes ``$``."""
-
-    def sub(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name = match.group(1)
-        return env.get(name, match.group(0))
-
-    return _VAR_REF.sub(sub, text)
-
-
-def rewrite_runtime_argv(argv: list[str], *, port: int) -> tuple[list[str], int]:
-    """Point the runtime at 127.0.0.1:``port`` (see the module docstring); returns the new argv
-    and the port it declared (8000 when it declared none)."""
-    out = list(argv)
-    declared: int | None = None
-    i = 0
-    while i < len(out):
-        item = out[i]
-        if item == "--port" and i + 1 < len(out):
-            declared = declared or _int_or_none(out[i + 1])
-            out[i + 1] = str(port)
-            i += 2
-            continue
-        if item == "--host" and i + 1 < len(out):
-            out[i + 1] = LOOPBACK
-            i += 2
-            continue
-        if item.startswith("--port="):
-            declared = declared or _int_or_none(item.split("=", 1)[1])
-            out[i] = f"--port={port}"
-        elif item.startswith("--host="):
-            out[i] = f"--host={LOOPBACK}"
-        elif " " in item and ("--port" in item or "--host" in item):  # a shell string
-            found = _PORT_FLAG.search(item)
-            if found:
-                declared = declared or int(found.group(2))
-            item = _PORT_FLAG.sub(lambda m: f"{m.group(1)}{port}", item)
-            out[i] = _HOST_FLAG.sub(lambda m: f"{m.group(1)}{LOOPBACK}", item)
-        i += 1
-    if declared is None and not any(_PORT_FLAG.search(x) or x == "--port" for x in out):
-        if _is_shell_c(out):  # sh -c "...": extend the script
-            out[-1] = f"{out[-1]} --host {LOOPBACK} --port {port}"
-        else:
-            out += ["--host", LOOPBACK, "--port", str(port)]
-    return out, declared or DEFAULT_RUNTIME_PORT
-
-
-def local_shell_argv(argv: list[str]) -> list[str]:
-    """Drop the login flag of a shell command (``bash -lc``): a login shell resets PATH from
-    /etc/profile, and the local processes need the stand-in's PATH (the venv's ``bin`` first)."""
-    if not argv or Path(argv[0]).name not in _SHELLS:
-        return list(argv)
-    out = [argv[0]]
-    options = True
-    for item in argv[1:]:
-        if options and item == "--login":
-            continue
-        if options and item.startswith("-") and item != "--" and not item.startswith("--"):
-            item = "-" + item[1:].replace("l", "")
-            if item == "-":
-                continue
-        elif options:
-            options = False
-        out.append(item)
-    return out
-
-
-def _is_shell_c(argv: list[str]) -> bool:
-    if not argv or Path(argv[0]).name not in _SHELLS:
-        return False
-    return any(a.startswith("-") and not a.startswith("--") and "c" in a for a in argv[1:3])
-
-
-def _int_or_none(text: str) -> int | None:
-    try:
-        return int(text)
-    except ValueError:
-        return None
 
 
 def _cluster_path(namespace: str, name: str = "") -> str:
@@ -323,6 +201,7 @@ class LocalKubeRay:
         seed: int | None = None,
     ) -> None:
         self.kube = kubeapi.Kube(kubeconfig)
+        self.env_resolver = podenv.EnvResolver(self.kube)
         self.kubeconfig = Path(kubeconfig)
         self.namespace = namespace
         self.workdir = Path(workdir)
@@ -330,7 +209,7 @@ class LocalKubeRay:
         self.object_store_memory = object_store_memory
         self.drain_timeout_s = drain_timeout_s
         self.node_start_timeout_s = node_start_timeout_s
-        self.owner = f"lkr-{os.getpid()}-{random_suffix(random.Random(), 8)}"
+        self.owner = f"lkr-{os.getpid()}-{podspec.random_suffix(random.Random(), 8)}"
         self._rng = random.Random(seed)
         self._clusters: dict[tuple[str, str], _Cluster] = {}
         self._service_accounts: set[tuple[str, str]] = set()
@@ -514,9 +393,9 @@ class LocalKubeRay:
 
     def _start_head(self, c: _Cluster, obj: dict[str, Any], head_spec: dict[str, Any]) -> None:
         template = head_spec.get("template") or {}
-        name = f"{c.name}-head-{random_suffix(self._rng)}"
+        name = f"{c.name}-head-{podspec.random_suffix(self._rng)}"
         pod = _Pod(name=name, group=HEAD_GROUP, kind="head")
-        pod.grace_s = self._grace(template)
+        pod.grace_s = podspec.grace_seconds(template)
         created = self._create_pod_object(c, obj, pod, template)
         pod.uid = created["metadata"]["uid"]
         c.gcs_port = procs.free_port()
@@ -535,7 +414,12 @@ class LocalKubeRay:
             "--disable-usage-stats",
             f"--ray-client-server-port={c.client_port}",
             f"--dashboard-agent-listen-port={procs.free_port()}",
-            *self._ray_params_argv(params, pod_name=name, default_cpus="1"),
+            *podspec.ray_params_argv(
+                params,
+                pod_name=name,
+                default_cpus="1",
+                object_store_memory=self.object_store_memory,
+            ),
         ]
         env = self._base_env(c, pod_name=name, group=HEAD_GROUP)
         pod.proc = procs.Proc(
@@ -545,7 +429,7 @@ class LocalKubeRay:
             owner=self.owner,
             name=f"{c.ctx} pod {name} (ray head)",
         )
-        pod.started_at = now_rfc3339()
+        pod.started_at = podspec.now_rfc3339()
         c.head = pod
         log.info("%s: head pod %s: ray head starting on port %d", c.ctx, name, c.gcs_port)
 
@@ -580,7 +464,7 @@ class LocalKubeRay:
 
     def _ensure_runtime(self, c: _Cluster, obj: dict[str, Any], head_spec: dict[str, Any]) -> None:
         assert c.head is not None
-        container = _first_container(head_spec.get("template") or {})
+        container = podspec.first_container(head_spec.get("template") or {})
         argv0 = list(container.get("command") or []) + list(container.get("args") or [])
         c.has_runtime = bool(argv0)
         if not argv0:
@@ -604,15 +488,17 @@ class LocalKubeRay:
         if time.monotonic() < c.runtime_next_start:
             return
         try:
-            env = self._container_env(c, obj, container, pod=c.head)
-        except EnvNotReady as exc:
+            env = self._container_env(c, container, pod=c.head)
+        except podenv.EnvNotReady as exc:
             c.say_once(f"pod {c.head.name} waits: {exc}")
             return
         env["RAY_ADDRESS"] = c.gcs_address
-        argv0 = [expand_vars(a, env) for a in argv0]
+        argv0 = [podspec.expand_vars(a, env) for a in argv0]
         if not c.runtime_port:
             c.runtime_port = procs.free_port()
-        argv, c.declared_port = rewrite_runtime_argv(local_shell_argv(argv0), port=c.runtime_port)
+        argv, c.declared_port = podspec.rewrite_runtime_argv(
+            podspec.local_shell_argv(argv0), port=c.runtime_port
+        )
         probe = (container.get("readinessProbe") or {}).get("httpGet") or {}
         c.health_path = probe.get("path") or DEFAULT_HEALTH_PATH
         c.runtime = procs.Proc(
@@ -717,14 +603,19 @@ class LocalKubeRay:
                         "%s: group %s: workersToDelete names unknown pod %s", c.ctx, name, pod_name
                     )
             self._clear_workers_to_delete(c, index, to_delete)
-        replicas = _group_replicas(group)
+        replicas = podspec.group_replicas(group)
         running = [wp for wp in c.workers.values() if wp.group == name]
         diff = replicas - len(running)
         if diff > 0:
             template = group.get("template") or {}
             for _ in range(diff):
-                pod_name = f"{c.name}-{name}-worker-{random_suffix(self._rng)}"
-                wp = _Pod(name=pod_name, group=name, kind="worker", grace_s=self._grace(template))
+                pod_name = f"{c.name}-{name}-worker-{podspec.random_suffix(self._rng)}"
+                wp = _Pod(
+                    name=pod_name,
+                    group=name,
+                    kind="worker",
+                    grace_s=podspec.grace_seconds(template),
+                )
                 created = self._create_pod_object(c, obj, wp, template)
                 wp.uid = created["metadata"]["uid"]
                 c.workers[pod_name] = wp
@@ -765,10 +656,10 @@ class LocalKubeRay:
             if wp.proc is not None:
                 continue
             group = groups.get(wp.group) or {}
-            container = _first_container(group.get("template") or {})
+            container = podspec.first_container(group.get("template") or {})
             try:
-                env = self._container_env(c, obj, container, pod=wp)
-            except EnvNotReady as exc:
+                env = self._container_env(c, container, pod=wp)
+            except podenv.EnvNotReady as exc:
                 c.say_once(f"pod {wp.name} waits: {exc}")
                 continue
             env["MOE_POD_NAME"] = wp.name
@@ -781,8 +672,11 @@ class LocalKubeRay:
                 f"--temp-dir={self._node_temp(c)}",
                 f"--node-manager-port={procs.free_port()}",
                 f"--dashboard-agent-listen-port={procs.free_port()}",
-                *self._ray_params_argv(
-                    group.get("rayStartParams") or {}, pod_name=wp.name, default_cpus="1"
+                *podspec.ray_params_argv(
+                    group.get("rayStartParams") or {},
+                    pod_name=wp.name,
+                    default_cpus="1",
+                    object_store_memory=self.object_store_memory,
                 ),
             ]
             wp.proc = procs.Proc(
@@ -792,7 +686,7 @@ class LocalKubeRay:
                 owner=self.owner,
                 name=f"{c.ctx} pod {wp.name} (ray worker)",
             )
-            wp.started_at = now_rfc3339()
+            wp.started_at = podspec.now_rfc3339()
             log.info("%s: pod %s: ray worker node starting", c.ctx, wp.name)
 
     def _check_workers_ready(self, c: _Cluster) -> None:
@@ -947,7 +841,13 @@ class LocalKubeRay:
             state = (running, pod.ready)
             if pod.reported == state:
                 continue
-            body = self._pod_status(c, pod, running=running)
+            body = podspec.pod_status(
+                kind=pod.kind,
+                ready=pod.ready,
+                running=running,
+                restarts=c.runtime_restarts if pod.kind == "head" else 0,
+                started_at=pod.started_at,
+            )
             try:
                 self.kube.patch(_pods_path(c.namespace, pod.name) + "/status", body, kind="merge")
             except kubeapi.ApiError as exc:
@@ -956,50 +856,12 @@ class LocalKubeRay:
                 raise
             pod.reported = state
 
-    def _pod_status(self, c: _Cluster, pod: _Pod, *, running: bool) -> dict[str, Any]:
-        ts = now_rfc3339()
-        ready = "True" if pod.ready else "False"
-        restarts = c.runtime_restarts if pod.kind == "head" else 0
-
-        def cond(kind: str, status: str) -> dict[str, Any]:
-            return {"type": kind, "status": status, "lastTransitionTime": ts, "lastProbeTime": None}
-
-        status: dict[str, Any] = {
-            "phase": "Running" if running else "Pending",
-            "hostIP": LOOPBACK,
-            "hostIPs": [{"ip": LOOPBACK}],
-            "conditions": [
-                cond("PodScheduled", "True"),
-                cond("Initialized", "True"),
-                cond("ContainersReady", ready),
-                cond("Ready", ready),
-            ],
-        }
-        if running:
-            status.update(
-                podIP=LOOPBACK,
-                podIPs=[{"ip": LOOPBACK}],
-                startTime=pod.started_at or ts,
-                containerStatuses=[
-                    {
-                        "name": "ray-head" if pod.kind == "head" else "ray-worker",
-                        "image": "local",
-                        "imageID": "",
-                        "ready": pod.ready,
-                        "started": True,
-                        "restartCount": restarts,
-                        "state": {"running": {"startedAt": pod.started_at or ts}},
-                    }
-                ],
-            )
-        return {"status": status}
-
     # --- RayCluster status ----------------------------------------------------------------------
 
     def _write_status(self, c: _Cluster, obj: dict[str, Any], *, suspended: bool) -> None:
         spec = obj.get("spec") or {}
         groups = spec.get("workerGroupSpecs") or []
-        desired = sum(_group_replicas(g) for g in groups)
+        desired = sum(podspec.group_replicas(g) for g in groups)
         workers = list(c.workers.values())
         ready_workers = sum(1 for w in workers if w.ready)
         available = sum(1 for w in workers if w.proc is not None and w.proc.alive())
@@ -1036,9 +898,9 @@ class LocalKubeRay:
             status["endpoints"] = self._endpoints(c, spec)
         if status == c.last_status:
             return
-        body = {"status": {**status, "lastUpdateTime": now_rfc3339()}}
+        body = {"status": {**status, "lastUpdateTime": podspec.now_rfc3339()}}
         if "state" in status and status.get("state") != c.last_status.get("state"):
-            body["status"]["stateTransitionTimes"] = {status["state"]: now_rfc3339()}
+            body["status"]["stateTransitionTimes"] = {status["state"]: podspec.now_rfc3339()}
         # Merge patch: fields absent here (e.g. state before provisioning) are removed explicitly.
         for key in ("state", "head", "endpoints"):
             if key not in status and key in c.last_status:
@@ -1052,7 +914,7 @@ class LocalKubeRay:
         ports: the runtime's, the GCS's and the Ray client's; others (the dashboard) are off."""
         endpoints = {"gcs-server": str(c.gcs_port)}
         head_spec = spec.get("headGroupSpec") or {}
-        for port in _first_container(head_spec.get("template") or {}).get("ports") or []:
+        for port in podspec.first_container(head_spec.get("template") or {}).get("ports") or []:
             name, number = port.get("name"), port.get("containerPort")
             if not name:
                 continue
@@ -1074,7 +936,7 @@ class LocalKubeRay:
             "status": status,
             "reason": reason,
             "message": "",
-            "lastTransitionTime": now_rfc3339(),
+            "lastTransitionTime": podspec.now_rfc3339(),
         }
 
     # --- env and Ray parameters -----------------------------------------------------------------
@@ -1102,112 +964,14 @@ class LocalKubeRay:
         return env
 
     def _container_env(
-        self, c: _Cluster, obj: dict[str, Any], container: dict[str, Any], *, pod: _Pod
+        self, c: _Cluster, container: dict[str, Any], *, pod: _Pod
     ) -> dict[str, str]:
-        """The process environment of ``pod``'s container, as a kubelet would build it."""
-        env = self._base_env(c, pod_name=pod.name, group=pod.group)
-        resolved: dict[str, str] = {}
-        for source in container.get("envFrom") or []:
-            prefix = source.get("prefix") or ""
-            if "secretRef" in source:
-                data = self._object_data(c.namespace, "secrets", source["secretRef"], decode=True)
-            else:
-                data = self._object_data(
-                    c.namespace, "configmaps", source.get("configMapRef") or {}, decode=False
-                )
-            resolved.update({f"{prefix}{k}": v for k, v in data.items()})
-        for item in container.get("env") or []:
-            name = item["name"]
-            if "valueFrom" not in item:
-                resolved[name] = expand_vars(str(item.get("value") or ""), {**env, **resolved})
-                continue
-            value = self._value_from(c, pod, item["valueFrom"], name=name)
-            if value is not None:
-                resolved[name] = value
-        env.update(resolved)
-        # The cluster's address as KubeRay's service DNS cannot be resolved here.
-        env["RAY_ADDRESS"] = c.gcs_address
+        """The environment of ``pod``'s container process (raises ``podenv.EnvNotReady``)."""
+        base = self._base_env(c, pod_name=pod.name, group=pod.group)
+        ref = podenv.PodRef(namespace=c.namespace, name=pod.name, uid=pod.uid)
+        env = self.env_resolver.container_env(base, container, pod=ref)
+        env["RAY_ADDRESS"] = c.gcs_address  # KubeRay's service DNS name does not resolve here
         return env
-
-    def _value_from(
-        self, c: _Cluster, pod: _Pod, source: dict[str, Any], *, name: str
-    ) -> str | None:
-        if "secretKeyRef" in source or "configMapKeyRef" in source:
-            secret = "secretKeyRef" in source
-            ref = source["secretKeyRef" if secret else "configMapKeyRef"]
-            kind = "secrets" if secret else "configmaps"
-            try:
-                data = self._object_data(c.namespace, kind, ref, decode=secret)
-            except EnvNotReady:
-                if ref.get("optional"):
-                    return None
-                raise
-            if ref["key"] not in data:
-                if ref.get("optional"):
-                    return None
-                raise EnvNotReady(f"env {name}: key {ref['key']!r} not in {kind} {ref.get('name')}")
-            return data[ref["key"]]
-        if "fieldRef" in source:
-            path = source["fieldRef"].get("fieldPath", "")
-            fields = {
-                "metadata.name": pod.name,
-                "metadata.namespace": c.namespace,
-                "metadata.uid": pod.uid,
-                "status.podIP": LOOPBACK,
-                "status.hostIP": LOOPBACK,
-                "status.podIPs": LOOPBACK,
-                "spec.nodeName": "localhost",
-                "spec.serviceAccountName": "default",
-            }
-            if path in fields:
-                return fields[path]
-            match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
-            if match:
-                pod_obj = self.kube.get(_pods_path(c.namespace, pod.name)) or {}
-                return str(
-                    (pod_obj.get("metadata", {}).get(match.group(1)) or {}).get(match.group(2), "")
-                )
-            log.warning(
-                "%s: pod %s: env %s: fieldPath %s not supported", c.ctx, pod.name, name, path
-            )
-            return ""
-        if "resourceFieldRef" in source:
-            return "0"
-        return None
-
-    def _object_data(
-        self, namespace: str, kind: str, ref: dict[str, Any], *, decode: bool
-    ) -> dict[str, str]:
-        name = ref.get("name", "")
-        obj = self.kube.get(f"/api/v1/namespaces/{namespace}/{kind}/{name}")
-        if obj is None:
-            if ref.get("optional"):
-                return {}
-            raise EnvNotReady(f"{kind} {namespace}/{name} not found")
-        data = dict(obj.get("data") or {})
-        if decode:
-            return {k: base64.b64decode(v).decode() for k, v in data.items()}
-        return {k: str(v) for k, v in data.items()}
-
-    def _ray_params_argv(
-        self, params: dict[str, Any], *, pod_name: str, default_cpus: str
-    ) -> list[str]:
-        argv = [f"--num-cpus={params.get('num-cpus', default_cpus)}"]
-        if "num-gpus" in params:
-            argv.append(f"--num-gpus={params['num-gpus']}")
-        if "resources" in params:
-            argv.append(f"--resources={json.dumps(parse_resources(params['resources']))}")
-        argv.append(
-            f"--object-store-memory={params.get('object-store-memory', self.object_store_memory)}"
-        )
-        labels = {NODE_POD_LABEL: pod_name}
-        if "labels" in params:
-            for part in str(params["labels"]).strip("'\"").split(","):
-                if "=" in part:
-                    key, value = part.split("=", 1)
-                    labels[key.strip()] = value.strip()
-        argv.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
-        return argv
 
     @staticmethod
     def _node_temp(c: _Cluster) -> Path:
@@ -1217,11 +981,6 @@ class LocalKubeRay:
         path = c.ray_temp / str(c.node_count)
         path.mkdir(parents=True, exist_ok=True)
         return path
-
-    @staticmethod
-    def _grace(template: dict[str, Any]) -> float:
-        value = (template.get("spec") or {}).get("terminationGracePeriodSeconds")
-        return float(value) if value is not None else 30.0
 
     # --- Ray GCS --------------------------------------------------------------------------------
 
@@ -1255,19 +1014,6 @@ class LocalKubeRay:
             c.say_once(f"GCS query failed: {exc}")
             return None
         return [dict(n.labels) for n in info.values() if n.state == 0]
-
-
-def _group_replicas(group: dict[str, Any]) -> int:
-    """Pods a worker group asks for: ``replicas`` (default 1) × ``numOfHosts``."""
-    replicas = group.get("replicas")
-    hosts = group.get("numOfHosts") or 1
-    return max(0, int(1 if replicas is None else replicas)) * max(1, int(hosts))
-
-
-def _first_container(template: dict[str, Any]) -> dict[str, Any]:
-    containers = (template.get("spec") or {}).get("containers") or [{}]
-    first: dict[str, Any] = containers[0]
-    return first
 
 
 def main(argv: list[str] | None = None) -> int:

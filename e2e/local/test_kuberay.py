@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from e2e.controlplane import cluster
-from e2e.local import kubeapi, kuberay, procs
+from e2e.local import kubeapi, kuberay, podspec, procs
 from e2e.local.conftest import wait_for
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.ray, pytest.mark.timeout(300)]
@@ -164,12 +164,12 @@ def raycluster(namespace: str, *, replicas: int) -> dict[str, Any]:
     ],
 )
 def test_parse_resources(value: Any, expected: dict[str, float]) -> None:
-    assert kuberay.parse_resources(value) == expected
+    assert podspec.parse_resources(value) == expected
 
 
 def test_parse_resources_refuses_non_json() -> None:
     with pytest.raises(ValueError, match="rayStartParams.resources"):
-        kuberay.parse_resources("moe_rank=1")
+        podspec.parse_resources("moe_rank=1")
 
 
 @pytest.mark.parametrize(
@@ -226,13 +226,13 @@ def test_parse_resources_refuses_non_json() -> None:
     ],
 )
 def test_rewrite_runtime_argv(argv: list[str], expected: list[str], declared: int) -> None:
-    local = kuberay.local_shell_argv(argv)
-    assert kuberay.rewrite_runtime_argv(local, port=9999) == (expected, declared)
+    local = podspec.local_shell_argv(argv)
+    assert podspec.rewrite_runtime_argv(local, port=9999) == (expected, declared)
 
 
 def test_expand_vars() -> None:
     env = {"A": "x"}
-    assert kuberay.expand_vars("$(A)-$(B)-$$(A)", env) == "x-$(B)-$(A)"
+    assert podspec.expand_vars("$(A)-$(B)-$$(A)", env) == "x-$(B)-$(A)"
 
 
 # --- against the control plane ------------------------------------------------------------------
