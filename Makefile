@@ -50,8 +50,12 @@ unit: setup
 demo: setup controlplane
 	$(PY) -m e2e.local.demo
 
-bench: setup
+## bench: every benchmark, one after the other (prints figures; asserts nothing)
+bench: setup controlplane
 	$(PY) bench/forward.py
+	$(PY) bench/serve.py
+	$(PY) bench/resize.py
+	$(PY) bench/operator.py
 
 clean: cluster-down
 	rm -rf .cluster .pytest_cache .mypy_cache .ruff_cache

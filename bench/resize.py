@@ -129,17 +129,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic://small?seed=0")
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--step-mode", choices=("compiled", "remote"), default="compiled")
     parser.add_argument("--json", action="store_true", help="also print the raw records")
     args = parser.parse_args()
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-resize-"))
     per_expert = bytes_per_expert(args.model)
     t0 = time.monotonic()
     srv = runtime_proc.start(
-        serve_args(args.model, 2) + ["--no-eplb"],
+        serve_args(args.model, 2) + ["--no-eplb", "--step-mode", args.step_mode],
         log=workdir / "serve.log",
         env={"MOE_ADMIN_TOKEN": TOKEN},
     )
-    print(f"server at DP=2 ready in {time.monotonic() - t0:.1f}s ({args.model})")
+    print(
+        f"server at DP=2 ready in {time.monotonic() - t0:.1f}s ({args.model}, "
+        f"{args.step_mode} step graph, {args.clients} streaming clients)"
+    )
     results = []
     try:
         with StreamingLoad(srv.url, args.model.split("//")[1].split("?")[0], args.clients) as load:
@@ -157,7 +161,7 @@ def main() -> None:
     print()
     header = (
         f"{'resize':>7} {'total s':>8} {'cold s':>7} {'ratio':>6} {'blackout ms':>12} "
-        f"{'client gap ms':>14} {'expert MB':>10} {'bound MB':>9} {'bal before':>10} "
+        f"{'client gap ms':>14} {'switch ms':>10} {'expert MB':>10} {'bound MB':>9} {'bal before':>10} "
         f"{'bal after':>9}"
     )
     print(header)
@@ -166,10 +170,11 @@ def main() -> None:
         bound = record["expert_moves_lower_bound"] * per_expert
         cold = colds[record["to"]]
         bal = record["balancedness"]
+        switch = next(s["duration_s"] for s in record["stages"] if s["stage"] == "Switching")
         print(
             f"{record['from']}->{record['to']:<4} {record['duration_s']:8.2f} {cold:7.1f} "
             f"{record['duration_s'] / cold:6.2f} {record['blackout_s'] * 1000:12.0f} "
-            f"{gap * 1000:14.0f} {moved / 1e6:10.1f} {bound / 1e6:9.1f} "
+            f"{gap * 1000:14.0f} {switch * 1000:10.0f} {moved / 1e6:10.1f} {bound / 1e6:9.1f} "
             f"{bal['before']:10.3f} {bal['after']:9.3f}"
         )
     for record, _ in results:

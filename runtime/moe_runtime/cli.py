@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one rank in one step (bounds prefill chunks)",
     )
     serve.add_argument("--dtype", default="float32")
+    serve.add_argument(
+        "--step-mode",
+        choices=("compiled", "remote"),
+        default=None,
+        help="how the ray executor runs a step: a Ray compiled graph (default; env "
+        "MOE_STEP_MODE) or plain actor calls (no idle polling: for more ranks than cores)",
+    )
     elastic = serve.add_argument_group("elastic expert parallelism")
     elastic.add_argument(
         "--min-data-parallel-size", type=_positive, default=1, help="smallest size a resize may ask"
@@ -151,7 +158,9 @@ def serve(args: argparse.Namespace) -> int:
             cluster = cluster_mod
             slots = max(8, num_ranks, args.max_data_parallel_size or 0)
             owns_ray = cluster.connect(num_rank_slots=slots)
-            executor = ray_executor.RayExecutor(num_ranks, dtype=args.dtype)
+            executor = ray_executor.RayExecutor(
+                num_ranks, dtype=args.dtype, step_mode=args.step_mode
+            )
         else:
             from moe_runtime.executor import local
 

@@ -26,6 +26,7 @@ from moe_runtime.elastic import records, stages
 log = logging.getLogger(__name__)
 
 HISTORY_LIMIT = 50
+SLOW_PROGRESS_SECONDS = 0.5  # a gap in progress longer than this during a resize is logged
 
 
 class ResizeError(Exception):
@@ -126,7 +127,10 @@ class ProgressTracker:
             if not self._active:
                 return
             if produced > 0:
-                self._max_gap = max(self._max_gap, now - self._last)
+                gap = now - self._last
+                if gap > SLOW_PROGRESS_SECONDS:
+                    log.warning("resize: no token produced for %.3fs while requests waited", gap)
+                self._max_gap = max(self._max_gap, gap)
                 self._last = now
             elif not busy:
                 self._last = now  # idle time with nothing to serve is no blackout
