@@ -191,9 +191,10 @@ async def scale_runtime(
 
 async def _apply_unless_current(
     api: k8s_api.Api, desired: dict[str, Any], stored: dict[str, Any] | None
-) -> k8s_api.ApplyResult:
+) -> k8s_api.ApplyResult | None:
+    """Server-side apply ``desired``; ``None`` when the stored object already holds it."""
     if stored is not None and diff.contains(stored, desired):
-        return k8s_api.ApplyResult(obj=stored, created=False)
+        return None
     return await api.apply(desired)
 
 
@@ -289,9 +290,9 @@ async def reconcile(
             logger.info("%s: asked the runtime for size %d: %s", where, action.new_size, outcome)
         else:
             result = await _execute(action, api=api, owner=owner, spec=spec, children=children)
-            if isinstance(action, resize.ApplyRayCluster) and action.workers_to_delete:
+            if isinstance(action, resize.ApplyRayCluster) and result is not None:
                 logger.info(
-                    "%s: RayCluster replicas %d, workersToDelete %s",
+                    "%s: applied RayCluster: worker replicas %d, workersToDelete %s",
                     where,
                     action.worker_replicas,
                     list(action.workers_to_delete),
