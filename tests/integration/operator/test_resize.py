@@ -101,7 +101,9 @@ class FakeRuntime:
         if following is stages.Stage.COMPLETED:
             if record.to_size < record.from_size:
                 record.freed = [
-                    {"rank": r, "pod": pod} for r, pod in enumerate(self.pods) if r >= record.to_size
+                    {"rank": r, "pod": pod}
+                    for r, pod in enumerate(self.pods)
+                    if r >= record.to_size
                 ]
                 self.pods = self.pods[: record.to_size]
             else:
@@ -343,7 +345,10 @@ def test_scale_up_then_down_mirrors_every_stage(deployment: Deployment) -> None:
         assert dep.runtime.posts == []  # the runtime waits for the workers
         ready = {c["type"]: c for c in dep.status()["conditions"]}
         assert ready["Ready"]["status"] == "True"
-        assert (ready["Resizing"]["status"], ready["Resizing"]["reason"]) == ("True", "Provisioning")
+        assert (ready["Resizing"]["status"], ready["Resizing"]["reason"]) == (
+            "True",
+            "Provisioning",
+        )
         dep.set_ready_workers(4)
         status = dep.wait_completed(4)
         assert status["resize"]["resizeId"] == dep.runtime.history[-1].resize_id
