@@ -34,11 +34,15 @@ namespace, or all) and does on this machine what KubeRay does on a cluster:
 - **Scaling as KubeRay does (autoscaling off).** Pods named in a group's
   ``scaleStrategy.workersToDelete`` are deleted whatever ``replicas`` says and the list is then
   cleared in the spec (a JSON patch that first tests the list, so a concurrent writer wins);
-  then pods are created up to ``replicas``, or RANDOM pods are deleted down to it. Deleting a
-  pod stops exactly its Ray node (SIGTERM to its ``ray start --block``: Ray drains and stops
-  that node's processes; SIGKILL past ``terminationGracePeriodSeconds``); the Pod object goes
-  once its processes are gone. A worker pod deleted by someone else, or whose node died, is
-  replaced. Pods with ``deletionTimestamp`` count as gone.
+  then pods are created up to ``replicas``, or RANDOM pods are deleted down to it. Pods are
+  bound to the node ``local-kuberay`` when created, so a deleted pod shows its
+  ``deletionTimestamp`` while it terminates, as on a cluster: the stand-in sends SIGTERM to
+  exactly that pod's ``ray start --block`` (Ray drains and stops that node's processes;
+  SIGKILL past ``terminationGracePeriodSeconds``) and removes the Pod object (grace 0, the
+  kubelet's part) once its processes are gone. A worker pod deleted by someone else is stopped
+  the same way and replaced. A Ray node that exits, or does not come up within
+  ``node_start_timeout_s``, is restarted in place after a back-off (``restartCount``), as a
+  kubelet restarts a container.
 - **Status** (status subresource, written only when something but a timestamp changed):
   ``state: ready`` once every pod was ready once (``RayClusterProvisioned``, latched),
   ``HeadPodReady``, ``desired/ready/availableWorkerReplicas``, ``min/maxWorkerReplicas``,
@@ -130,10 +134,13 @@ class _Pod:
     uid: str = ""
     proc: procs.Proc | None = None
     ready: bool = False
-    reported: tuple[bool, bool] | None = None  # (running, ready) last written to the API
+    reported: tuple[bool, bool, int] | None = None  # (running, ready, restarts) in the API
     terminating: bool = False
     grace_s: float = 30.0
     started_at: str = ""
+    restarts: int = 0  # container restarts, as a kubelet counts them
+    next_start: float = 0.0  # back-off before the next restart (monotonic time)
+    node_port: int = 0  # the Ray node's node-manager port: tells this start's node from older
 
 
 @dataclasses.dataclass
@@ -274,6 +281,17 @@ class LocalKubeRay:
         """The Ray temp dir of a cluster's nodes (every Ray process of it names it)."""
         cluster = self._clusters.get((namespace, name))
         return cluster.ray_temp if cluster is not None else None
+
+    def pod_pids(self, namespace: str, name: str, pod: str) -> list[int]:
+        """Live processes of one pod's container (its Ray node, or the head's too), for tests
+        that kill a part of a node."""
+        cluster = self._clusters.get((namespace, name))
+        if cluster is None:
+            return []
+        found = cluster.workers.get(pod) or (
+            cluster.head if cluster.head is not None and cluster.head.name == pod else None
+        )
+        return found.proc.leftovers() if found is not None and found.proc is not None else []
 
     # --- loop -----------------------------------------------------------------------------------
 
@@ -443,7 +461,7 @@ class LocalKubeRay:
             if c.gcs is None:
                 c.gcs = self._gcs_client(c.gcs_address)
             nodes = self._alive_nodes(c)
-        if nodes is not None and any(n.get(NODE_POD_LABEL) == c.head.name for n in nodes):
+        if nodes is not None and any(lb.get(NODE_POD_LABEL) == c.head.name for lb, _ in nodes):
             c.gcs_up = True
             log.info("%s: ray head up at %s", c.ctx, c.gcs_address)
         elif self._start_timed_out(c, c.head):  # as a liveness probe would: start again
@@ -563,16 +581,16 @@ class LocalKubeRay:
             api_pod = pods.get(name)
             if api_pod is None or api_pod["metadata"].get("deletionTimestamp"):
                 log.info("%s: pod %s deleted; stopping its ray node", c.ctx, name)
-                self._begin_stop(c, wp)
+                self._begin_stop(c, wp, api_delete=False)
             elif wp.proc is not None and not wp.proc.alive():
                 log.error(
-                    "%s: pod %s: ray node exited (%s); replacing the pod; log tail:\n%s",
+                    "%s: pod %s: ray node exited (%s); restarting it; log tail:\n%s",
                     c.ctx,
                     name,
                     wp.proc.poll(),
                     wp.proc.tail(),
                 )
-                self._begin_stop(c, wp)
+                self._restart_later(wp)
         groups = (obj.get("spec") or {}).get("workerGroupSpecs") or []
         for index, group in enumerate(groups):
             self._reconcile_group(c, obj, index, group)
@@ -653,7 +671,7 @@ class LocalKubeRay:
             g.get("groupName"): g for g in (obj.get("spec") or {}).get("workerGroupSpecs") or []
         }
         for wp in c.workers.values():
-            if wp.proc is not None:
+            if wp.proc is not None or time.monotonic() < wp.next_start:
                 continue
             group = groups.get(wp.group) or {}
             container = podspec.first_container(group.get("template") or {})
@@ -663,6 +681,7 @@ class LocalKubeRay:
                 c.say_once(f"pod {wp.name} waits: {exc}")
                 continue
             env["MOE_POD_NAME"] = wp.name
+            wp.node_port = procs.free_port()
             argv = [
                 RAY_BIN,
                 "start",
@@ -670,7 +689,7 @@ class LocalKubeRay:
                 f"--address={c.gcs_address}",
                 f"--node-ip-address={LOOPBACK}",
                 f"--temp-dir={self._node_temp(c)}",
-                f"--node-manager-port={procs.free_port()}",
+                f"--node-manager-port={wp.node_port}",
                 f"--dashboard-agent-listen-port={procs.free_port()}",
                 *podspec.ray_params_argv(
                     group.get("rayStartParams") or {},
@@ -696,19 +715,35 @@ class LocalKubeRay:
         nodes = self._alive_nodes(c)
         if nodes is None:
             return
-        alive = {n.get(NODE_POD_LABEL) for n in nodes}
+        alive = {(labels.get(NODE_POD_LABEL), port) for labels, port in nodes}
         for wp in waiting:
-            ready = wp.name in alive
+            ready = (wp.name, wp.node_port) in alive
             if ready != wp.ready:
                 log.info("%s: pod %s ready=%s", c.ctx, wp.name, ready)
+            if not ready and not wp.ready and self._start_timed_out(c, wp):
+                self._restart_later(wp)  # as a failing liveness probe would
             wp.ready = ready
-            if not ready and wp.reported != (True, True) and self._start_timed_out(c, wp):
-                self._begin_stop(c, wp)
+
+    def _restart_later(self, wp: _Pod) -> None:
+        """Restart a worker pod's Ray node in place after a back-off (restartPolicy Always)."""
+        if wp.proc is not None:
+            wp.proc.kill()
+        wp.proc = None
+        wp.ready = False
+        wp.restarts += 1
+        wp.next_start = time.monotonic() + min(30.0, 2.0 ** (wp.restarts - 1))
 
     # --- stopping -------------------------------------------------------------------------------
 
-    def _begin_stop(self, c: _Cluster, pod: _Pod) -> None:
-        """Stop a worker pod's node without blocking; its Pod object goes once it is gone."""
+    def _begin_stop(self, c: _Cluster, pod: _Pod, *, api_delete: bool = True) -> None:
+        """Delete a worker pod as KubeRay does: a graceful delete in the API (the pod shows its
+        ``deletionTimestamp``), then its node stops without blocking the loop, and the Pod object
+        goes (grace 0, the kubelet's part) once every process of it is gone."""
+        if api_delete:
+            try:
+                self.kube.delete(_pods_path(c.namespace, pod.name))
+            except kubeapi.ApiError as exc:
+                log.warning("%s: delete pod %s: %s %s", c.ctx, pod.name, exc.status, exc.reason)
         c.workers.pop(pod.name, None)
         pod.terminating = True
         pod.ready = False
@@ -807,7 +842,9 @@ class LocalKubeRay:
                     }
                 ],
             },
-            "spec": spec,
+            # Bound at once (no scheduler here): like a scheduled pod, it then shows a
+            # deletionTimestamp while it terminates instead of vanishing on delete.
+            "spec": {**spec, "nodeName": podspec.NODE_NAME},
         }
         return self.kube.create(_pods_path(c.namespace), body)
 
@@ -838,14 +875,15 @@ class LocalKubeRay:
         pods = [p for p in [c.head, *c.workers.values()] if p is not None]
         for pod in pods:
             running = pod.proc is not None and pod.proc.alive()
-            state = (running, pod.ready)
+            restarts = c.runtime_restarts if pod.kind == "head" else pod.restarts
+            state = (running, pod.ready, restarts)
             if pod.reported == state:
                 continue
             body = podspec.pod_status(
                 kind=pod.kind,
                 ready=pod.ready,
                 running=running,
-                restarts=c.runtime_restarts if pod.kind == "head" else 0,
+                restarts=restarts,
                 started_at=pod.started_at,
             )
             try:
@@ -1004,8 +1042,9 @@ class LocalKubeRay:
 
         return _raylet.GcsClient(address=address)  # type: ignore[attr-defined]
 
-    def _alive_nodes(self, c: _Cluster) -> list[dict[str, str]] | None:
-        """Labels of the ALIVE nodes of the cluster, or None when the GCS did not answer."""
+    def _alive_nodes(self, c: _Cluster) -> list[tuple[dict[str, str], int]] | None:
+        """(labels, node-manager port) of the ALIVE nodes of the cluster, or None when the GCS
+        did not answer."""
         if c.gcs is None:
             return None
         try:
@@ -1013,7 +1052,7 @@ class LocalKubeRay:
         except Exception as exc:  # noqa: BLE001 - Ray raises several RPC error types
             c.say_once(f"GCS query failed: {exc}")
             return None
-        return [dict(n.labels) for n in info.values() if n.state == 0]
+        return [(dict(n.labels), n.node_manager_port) for n in info.values() if n.state == 0]
 
 
 def main(argv: list[str] | None = None) -> int:

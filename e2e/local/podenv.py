@@ -90,7 +90,7 @@ class EnvResolver:
                 "status.podIP": podspec.LOOPBACK,
                 "status.hostIP": podspec.LOOPBACK,
                 "status.podIPs": podspec.LOOPBACK,
-                "spec.nodeName": "localhost",
+                "spec.nodeName": podspec.NODE_NAME,
                 "spec.serviceAccountName": "default",
             }
             if path in fields:

@@ -13,6 +13,8 @@ from typing import Any
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_RUNTIME_PORT = 8000
+#: The node every local pod is bound to (``spec.nodeName``).
+NODE_NAME = "local-kuberay"
 #: Ray node label naming the pod a local Ray node stands for.
 NODE_POD_LABEL = "elasticmoe.io/pod"
 

@@ -437,6 +437,32 @@ def test_a_deleted_worker_pod_is_replaced_by_a_new_one(
     assert before not in after
 
 
+def test_a_dead_ray_node_is_restarted_in_the_same_pod(
+    kube: kubeapi.Kube, kuberay_namespace: str, local_kuberay: kuberay.LocalKubeRay
+) -> None:
+    (name,) = wait_for(
+        lambda: ready_workers(kube, kuberay_namespace, 1), timeout_s=90, what="1 ready worker"
+    )
+    raylets = [
+        p
+        for p in local_kuberay.pod_pids(kuberay_namespace, NAME, name)
+        if "/raylet" in cmdline(p).split(" ")[0]
+    ]
+    assert len(raylets) == 1, [
+        cmdline(p) for p in local_kuberay.pod_pids(kuberay_namespace, NAME, name)
+    ]
+    os.kill(raylets[0], signal.SIGKILL)
+
+    def restarted() -> dict[str, Any] | None:
+        pods = ready_workers(kube, kuberay_namespace, 1)
+        if not pods or name not in pods:
+            return None
+        statuses = pods[name]["status"].get("containerStatuses") or [{}]
+        return pods[name] if statuses[0].get("restartCount") == 1 else None
+
+    wait_for(restarted, timeout_s=90, what=f"pod {name} ready again with restartCount 1")
+
+
 def test_deleting_the_raycluster_stops_everything(
     kube: kubeapi.Kube,
     kuberay_namespace: str,
