@@ -6,6 +6,7 @@ import asyncio
 import base64
 import copy
 import itertools
+import json
 import logging
 from typing import Any
 
@@ -214,3 +215,72 @@ def test_invalid_spec_is_reported() -> None:
     obj["spec"]["dataParallelSize"] = 9
     with pytest.raises(reconcile.InvalidSpec, match="dataParallelSize"):
         run(FakeApi(), obj, events=[])
+
+
+def scripted_runtime(
+    status: dict[str, Any], answer: tuple[int, dict[str, Any]], posts: list[Any]
+) -> Any:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            posts.append(json.loads(request.content))
+            return httpx.Response(answer[0], json=answer[1])
+        return httpx.Response(200, json=status)
+
+    def factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
+        return runtime_client.RuntimeClient(
+            url, token=token, transport=httpx.MockTransport(handler)
+        )
+
+    return factory
+
+
+def serving_at(api: FakeApi, events: list[tuple[str, str]], dp: int) -> dict[str, Any]:
+    run(api, body(dp=dp), events=events)
+    make_ready(api, dp)
+    factory = runtime_answering({"data_parallel_size": dp}, [])
+    run(api, body(status=api.status, dp=dp), events=events, factory=factory)
+    assert api.status["phase"] == "Serving"
+    return dict(api.status)
+
+
+def test_a_scale_down_is_asked_once_and_its_id_recorded() -> None:
+    api, events, posts = FakeApi(), [], []
+    status = serving_at(api, events, 4)
+    factory = scripted_runtime(
+        {"data_parallel_size": 4, "ranks": []},
+        (202, {"resize_id": "abc", "from": 4, "to": 2, "stage": "Reshuffling"}),
+        posts,
+    )
+    outcome = run(api, body(status=status, dp=2), events=events, factory=factory, now=LATER)
+    assert posts == [{"new_data_parallel_size": 2}]
+    resize = api.status["resize"]
+    assert (resize["resizeId"], resize["stage"], resize["fromSize"], resize["toSize"]) == (
+        "abc",
+        "Reshuffling",
+        4,
+        2,
+    )
+    assert api.status["phase"] == "Resizing"
+    assert outcome.requeue_after == 1.0
+    assert ("Reshuffling", "resize 4->2: Reshuffling") in events
+    replicas = api.objects[("RayCluster", "ml", "tiny")]["spec"]["workerGroupSpecs"][0]
+    assert replicas["replicas"] == 4  # the runtime goes first
+
+
+def test_a_refused_scale_fails_with_the_runtime_message() -> None:
+    api, events, posts = FakeApi(), [], []
+    status = serving_at(api, events, 2)
+    refusal = {"error": {"message": "new_data_parallel_size 1 is too small to hold every expert"}}
+    factory = scripted_runtime({"data_parallel_size": 2, "ranks": []}, (400, refusal), posts)
+    run(api, body(status=status, dp=1), events=events, factory=factory, now=LATER)
+    assert api.status["resize"]["stage"] == "Failed"
+    assert "too small to hold every expert" in api.status["resize"]["message"]
+    assert api.status["phase"] == "Degraded"
+    conditions = {c["type"]: c for c in api.status["conditions"]}
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == (
+        "True",
+        "ResizeFailed",
+    )
+    assert conditions["Ready"]["status"] == "True"
+    run(api, body(status=api.status, dp=1), events=events, factory=factory, now=LATER)
+    assert len(posts) == 1  # not retried for the same generation

@@ -538,3 +538,39 @@ def test_observe_parses_runtime_records() -> None:
     assert got.running.freed_pods == ("p3",)
     assert got.active_pods == ("p0",)
     assert got.find("r9") is got.resize and got.find("nope") is None
+
+
+def test_a_resize_not_yet_asked_for_waits_while_the_runtime_runs_another() -> None:
+    rec = record(2, 3, "Standby", rid="theirs")
+    p = plan(
+        4,
+        serving(2, active(2, 4, Stage.PROVISIONING)),
+        observed(raycluster=ray(4), rt=runtime(2, rec)),
+    )
+    assert p.scale is None and p.requeue
+    assert p.resize.resize_id is None and "theirs" in (p.resize.message or "")
+
+
+@pytest.mark.parametrize(
+    ("pods", "active_pods", "replicas", "delete"),
+    [
+        (PODS, PODS[:2], 2, PODS[2:]),
+        (None, PODS[:2], 4, ()),
+        (PODS, None, 4, ()),
+        ((), PODS[:2], 2, ()),
+    ],
+    ids=["named", "pods-unknown", "ranks-unknown", "no-pods-yet"],
+)
+def test_a_shrink_after_a_failure_never_leaves_kuberay_to_pick_pods(
+    pods: tuple[str, ...] | None,
+    active_pods: tuple[str, ...] | None,
+    replicas: int,
+    delete: tuple[str, ...],
+) -> None:
+    failed = active(2, 4, Stage.FAILED, message="boom")
+    rt = dataclasses.replace(runtime(2), active_pods=active_pods)
+    obs = dataclasses.replace(observed(raycluster=ray(4), rt=rt), worker_pods=pods)
+    p = plan(4, serving(2, failed), obs)
+    assert p.raycluster == resize.ApplyRayCluster(
+        worker_replicas=replicas, workers_to_delete=delete
+    )

@@ -258,11 +258,18 @@ def _hold(observed: observe.Observed, default: int) -> int:
 
 
 def _settle(observed: observe.Observed, *, size: int) -> tuple[int, tuple[str, ...]]:
-    """Worker replicas back to ``size`` serving ranks; when that shrinks the group, the pods
-    that do not serve are named, so KubeRay deletes those and no random serving one."""
-    if _hold(observed, size) <= size:
+    """Worker replicas back to ``size`` serving ranks. A shrink names the pods that do not
+    serve, so KubeRay deletes those and no random serving one; when they cannot all be named
+    (pods or the runtime's ranks unknown), the replicas stay as they are: idle pods are
+    cheaper than a killed rank."""
+    current = _hold(observed, size)
+    if current <= size:
         return size, _pending(observed)
-    return size, _merge(_pending(observed), _excess_pods(observed))
+    pods = observed.worker_pods
+    excess = _excess_pods(observed)
+    if pods is None or len(pods) - len(excess) > size:
+        return current, _pending(observed)
+    return size, _merge(_pending(observed), excess)
 
 
 def _elapsed(r: status_.ResizeStatus, now: datetime.datetime) -> float:
@@ -496,6 +503,23 @@ def _drive(
         if adopted is not None:
             r = r.model_copy(update={"resize_id": adopted})
             return _follow(r, previous=previous, spec=spec, observed=observed, timed_out=timed_out)
+        running = runtime.running
+        if running is not None and not timed_out:
+            # Another resize runs in the runtime (asking now would only get a 409): wait.
+            waiting = r.model_copy(
+                update={
+                    "message": f"waiting for the runtime's resize {running.resize_id} "
+                    f"{running.from_size}->{running.to_size} to end"
+                }
+            )
+            return _Decision(
+                replicas=max(_hold(observed, r.from_size), r.from_size),
+                workers_to_delete=_pending(observed),
+                resize=waiting,
+                events=[_stage_event(waiting, waiting.stage)] if previous is None else [],
+                requeue=REQUEUE_SECONDS,
+                phase=_resizing_phase(waiting, ready=True),
+            )
     if timed_out:
         ray = observed.raycluster
         detail = (
