@@ -296,12 +296,18 @@ class LocalKubeRay:
     # --- loop -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        failing = False
         while not self._stop.is_set():
             try:
                 with self._lock:
                     self.reconcile_all()
+                if failing:
+                    log.info("local kuberay %s: reconcile passes work again", self.owner)
+                failing = False
             except Exception:
-                log.exception("local kuberay %s: reconcile pass failed", self.owner)
+                if not failing:  # once per outage (e.g. the API server is down), not per pass
+                    log.exception("local kuberay %s: reconcile pass failed", self.owner)
+                failing = True
             self._stop.wait(self.poll_interval_s)
 
     def reconcile_all(self) -> None:
@@ -787,8 +793,8 @@ class LocalKubeRay:
                     names.add(pod["metadata"]["name"])
                 for name in names:
                     self._delete_pod_object(c, name)
-            except kubeapi.ApiError as exc:
-                log.warning("%s: could not delete pods: %s %s", c.ctx, exc.status, exc.reason)
+            except Exception:  # the API server may be gone already (stop() at shutdown)
+                log.exception("%s: could not delete its pods", c.ctx)
         if c.gcs is not None:
             c.gcs = None
         c.head = None
