@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e demo bench \
+.PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e demo demo-runtime bench \
         controlplane cluster-up cluster-down clean
 
 setup:
@@ -47,8 +47,13 @@ test: lint typecheck importlint crds-check controlplane
 unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
+## demo: the operator on a local control plane resizes a live deployment 2->4->2 under load
 demo: setup controlplane
 	$(PY) -m e2e.local.demo
+
+## demo-runtime: the runtime alone (no Kubernetes): moe-runtime serve at DP=2
+demo-runtime: setup
+	$(PY) -m e2e.local.demo_runtime
 
 ## bench: every benchmark, one after the other (prints figures; asserts nothing)
 bench: setup controlplane

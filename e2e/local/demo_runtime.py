@@ -1,9 +1,9 @@
-"""`make demo` (runtime only, for now): serve a synthetic MoE model at DP=2 and talk to it.
+"""`make demo-runtime`: serve a synthetic MoE model at DP=2 and talk to it.
 
 Starts `moe-runtime serve --model synthetic://tiny?seed=0 --data-parallel-size 2` (its own
 local Ray instance on 127.0.0.1), sends a few completions (one streamed), prints the answers
 and the throughput of a concurrent batch, then stops the server with SIGTERM, which also stops
-its Ray instance. A later version runs the same story through the operator on Kubernetes.
+its Ray instance. `make demo` runs the whole story through the operator on Kubernetes (e2e/local/demo.py).
 """
 
 from __future__ import annotations

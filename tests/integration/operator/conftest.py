@@ -3,48 +3,30 @@ least-privilege RBAC of ``manifests/``, a fresh namespace per test, and polling 
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import pytest
 
 from e2e.controlplane import cluster
+from e2e.local import operator_proc
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "manifests" / "samples" / "moedeployment.yaml"
-OPERATOR_NAMESPACE = "elastic-moe-system"
-OPERATOR_SA = "moe-operator"
+OPERATOR_NAMESPACE = operator_proc.OPERATOR_NAMESPACE
+OPERATOR_SA = operator_proc.OPERATOR_SA
 
 T = TypeVar("T")
 
 pytestmark = pytest.mark.controlplane
 
 
-def wait_for(
-    probe: Callable[[], T | None],
-    *,
-    timeout: float = 30.0,
-    interval: float = 0.1,
-    what: str = "condition",
-) -> T:
-    """Poll ``probe`` until it returns something truthy; fail with ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+wait_for = operator_proc.wait_for
+OperatorProcess = operator_proc.OperatorProcess
+operator_kubeconfig = operator_proc.operator_kubeconfig
 
 
 def get_json(
@@ -59,90 +41,6 @@ def get_json(
         raise AssertionError(done.stderr)
     result: dict[str, Any] = json.loads(done.stdout)
     return result
-
-
-@dataclasses.dataclass
-class OperatorProcess:
-    """``moe-operator run`` as a child process; restartable."""
-
-    plane: cluster.ControlPlane
-    kubeconfig: pathlib.Path
-    log_path: pathlib.Path
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-
-    def start(self) -> None:
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "MOE_RESYNC_SECONDS": "3600",
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.starts += 1
-        with self.log_path.open("ab") as log:
-            log.write(f"\n===== start {self.starts} =====\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moe_operator.cli", "run", "--verbose"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-            )
-        wait_for(self._watching, timeout=60, what="the operator to start watching")
-
-    def _watching(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"operator exited {self.proc.returncode}:\n{self.log_tail()}")
-        text = self.log_text()
-        # kopf logs this once its watch streams are up.
-        return "Starting the watch-stream for moedeployments" in text.rsplit("===== start", 1)[-1]
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def current_log(self) -> str:
-        """The log of the current run only."""
-        return self.log_text().rsplit("===== start", 1)[-1]
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-
-def operator_kubeconfig(plane: cluster.ControlPlane, directory: pathlib.Path) -> pathlib.Path:
-    """Install the manifests' namespace + RBAC and return a kubeconfig for the operator's own
-    service account, so the tests prove the ClusterRole is sufficient."""
-    plane.kubectl(
-        "apply",
-        "--server-side",
-        "-f",
-        str(REPO / "manifests" / "namespace.yaml"),
-        "-f",
-        str(REPO / "manifests" / "rbac.yaml"),
-    )
-    token = plane.kubectl(
-        "create", "token", OPERATOR_SA, "-n", OPERATOR_NAMESPACE, "--duration=2h"
-    ).stdout.strip()
-    return plane.write_kubeconfig(
-        directory / "operator.kubeconfig", token=token, user=f"{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
-    )
 
 
 @pytest.fixture(scope="session")
