@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -299,6 +299,22 @@ class EngineResizeOps:
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )
         plan.staged_on = list(members)
+        record.bytes_expert += self._stage_rpc(
+            epoch, moves, target, members=members, new_num_ranks=new_num_ranks, stage_id=stage_id
+        )
+
+    def _stage_rpc(
+        self,
+        epoch: int,
+        moves: list[moves_mod.ExpertMove],
+        target: policy.Placement,
+        *,
+        members: Sequence[int],
+        new_num_ranks: int,
+        stage_id: int | None,
+    ) -> int:
+        """Every member stages its slots of `target` (member i is rank i; i >= new_num_ranks
+        leaves and only sends) over epoch's transfer group; returns the bytes received."""
         received = self._rpc(
             "stage_experts",
             epoch,
@@ -312,7 +328,7 @@ class EngineResizeOps:
             new_num_ranks=new_num_ranks,
             stage=stage_id,
         )
-        record.bytes_expert += int(sum(int(b) for b in received))
+        return int(sum(int(b) for b in received))
 
     # -- scale up ------------------------------------------------------------------------
     def _up_standby(self, plan: Plan, record: records.ResizeRecord) -> None:
@@ -350,13 +366,7 @@ class EngineResizeOps:
             )
             record.bytes_non_expert += int(sum(int(b) for b in received))
         old = self.serving.placement
-        plan.target = moves_mod.rebalance_for_resize(
-            self.load.total(),
-            old,
-            old_num_ranks=plan.from_size,
-            new_num_ranks=plan.to_size,
-            num_physical=self.num_physical_for(plan.to_size),
-        )
+        plan.target = self._target_for(plan)
         self._stage_experts(
             plan,
             epoch=plan.epoch,
@@ -368,12 +378,20 @@ class EngineResizeOps:
             record=record,
         )
 
-    def _up_switch(self, plan: Plan, record: records.ResizeRecord) -> None:
+    def _switch(
+        self,
+        plan: Plan,
+        members: list[int],
+        *,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """At one step boundary: graph over `members` under the new epoch and placement."""
         assert plan.target is not None
-        members = self.executor.ranks + plan.new_labels
         target = plan.target
 
         def switch() -> None:
+            if before is not None:
+                before()
             self.executor.switch(members, epoch=plan.epoch, placement=target)
             plan.switched = True
             self.serving.placement = target
@@ -383,6 +401,19 @@ class EngineResizeOps:
 
         self._at_boundary(switch)
         plan.staged_on = []
+
+    def _target_for(self, plan: Plan) -> policy.Placement:
+        """The placement for the new size that keeps experts where they are when it can."""
+        return moves_mod.rebalance_for_resize(
+            self.load.total(),
+            self.serving.placement,
+            old_num_ranks=plan.from_size,
+            new_num_ranks=plan.to_size,
+            num_physical=self.num_physical_for(plan.to_size),
+        )
+
+    def _up_switch(self, plan: Plan, record: records.ResizeRecord) -> None:
+        self._switch(plan, self.executor.ranks + plan.new_labels)
 
     def _up_reshuffle(self, plan: Plan, record: records.ResizeRecord) -> None:
         self._rebalance(record=record, force=False)
@@ -394,13 +425,7 @@ class EngineResizeOps:
         plan.departing = members[plan.to_size :]
         survivors = members[: plan.to_size]
         old = self.serving.placement
-        plan.target = moves_mod.rebalance_for_resize(
-            self.load.total(),
-            old,
-            old_num_ranks=plan.from_size,
-            new_num_ranks=plan.to_size,
-            num_physical=self.num_physical_for(plan.to_size),
-        )
+        plan.target = self._target_for(plan)
         self._stage_experts(
             plan,
             epoch=self.serving.epoch,
@@ -428,24 +453,13 @@ class EngineResizeOps:
         )
 
     def _down_switch(self, plan: Plan, record: records.ResizeRecord) -> None:
-        assert plan.target is not None
-        survivors = self.executor.ranks[: plan.to_size]
-        target = plan.target
-
-        def switch() -> None:
+        def migrate_late() -> None:
             # Sequences still on departing ranks (none after Migrating, unless one arrived
             # between the two boundaries) move now, in the same pause.
             late = self.engine.migrate_from(plan.departing).result()
             record.sequences_migrated += len(late)
-            self.executor.switch(survivors, epoch=plan.epoch, placement=target)
-            plan.switched = True
-            self.serving.placement = target
-            self.serving.num_ranks = plan.to_size
-            self.serving.epoch = plan.epoch
-            self.engine.set_active_ranks(range(plan.to_size))
 
-        self._at_boundary(switch)
-        plan.staged_on = []
+        self._switch(plan, self.executor.ranks[: plan.to_size], before=migrate_late)
 
     def _down_release(self, plan: Plan, record: records.ResizeRecord) -> None:
         record.freed = self.executor.remove_ranks(plan.departing)
@@ -510,17 +524,13 @@ class EngineResizeOps:
             return result
         started = time.monotonic()
         stage_id = self.serving.take_stage()
-        members = self.executor.ranks
-        received = self._rpc(
-            "stage_experts",
+        nbytes = self._stage_rpc(
             self.serving.epoch,
             moves,
             target,
-            ranks=members,
-            background=True,
-            per_rank={r: {"new_rank": i} for i, r in enumerate(members)},
+            members=self.executor.ranks,
             new_num_ranks=n,
-            stage=stage_id,
+            stage_id=stage_id,
         )
         outputs = self.engine.add_step_control({CONTROL_EXPERT_EPOCH: stage_id}).result(
             timeout=self.config.boundary_timeout
@@ -529,7 +539,6 @@ class EngineResizeOps:
         if errors:
             raise RuntimeError(f"committing expert stage {stage_id} failed: {errors}")
         self.serving.placement = target
-        nbytes = int(sum(int(b) for b in received))
         self.rebalances += 1
         result.update(
             applied=True,
