@@ -366,13 +366,13 @@ class LocalKubeRay:
                 self._teardown(c, delete_pods=True)
             self._write_status(c, obj, suspended=True)
             return
+        self._progress_stopping(c)  # before listing: pods it deletes are not in the list
         pods = {
             p["metadata"]["name"]: p
             for p in self.kube.list(
                 _pods_path(c.namespace), label_selector=f"ray.io/cluster={c.name}"
             )
         }
-        self._progress_stopping(c)
         self._reconcile_head(c, obj, pods)
         self._reconcile_workers(c, obj, pods)
         self._report_pods(c)
