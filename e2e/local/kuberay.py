@@ -18,7 +18,11 @@ namespace, or all) and does on this machine what KubeRay does on a cluster:
   container's command/args (DESIGN §4's default 8000 when absent). The stand-in rewrites
   ``--port N``/``--port=N`` to a free loopback port and ``--host H``/``--host=H`` to 127.0.0.1,
   in argv items and inside shell strings (``sh -c "... --port 8000"``); when there is no
-  ``--port`` it appends ``--host 127.0.0.1 --port <free>``. The readiness path is the
+  ``--port`` it appends ``--host 127.0.0.1 --port <free>``. A shell's login flag is dropped
+  (``bash -lc`` → ``bash -c``: /etc/profile would reset PATH and lose the venv), and
+  ``$KUBERAY_GEN_RAY_START_CMD`` (KubeRay's ``ray start`` under the
+  ``ray.io/overwrite-container-cmd`` annotation) is ``true``: the node already runs. The
+  readiness path is the
   container's ``readinessProbe.httpGet.path``, else ``/health``. Where the runtime listens is
   published as the annotation ``elasticmoe.io/local-endpoint: http://127.0.0.1:<port>`` on the
   RayCluster (the operator run locally reaches the runtime through it) and in
@@ -30,7 +34,9 @@ namespace, or all) and does on this machine what KubeRay does on a cluster:
   (``resources`` as KubeRay takes it, e.g. ``'"{\\"moe_rank\\": 1}"'``), the worker container's
   env resolved and ``MOE_POD_NAME=<pod name>``, so actors on that node read their pod's name.
   The node carries the Ray node label ``elasticmoe.io/pod=<pod name>``. A worker pod is Ready
-  once its node is ALIVE in the GCS.
+  once its node (told apart by its node-manager port, fresh per start) is ALIVE in the GCS.
+  Every node has its own Ray temp dir, as every pod has its own /tmp (nodes sharing one raced
+  for socket names when started together, and one of them failed).
 - **Scaling as KubeRay does (autoscaling off).** Pods named in a group's
   ``scaleStrategy.workersToDelete`` are deleted whatever ``replicas`` says and the list is then
   cleared in the spec (a JSON patch that first tests the list, so a concurrent writer wins);
@@ -53,10 +59,10 @@ namespace, or all) and does on this machine what KubeRay does on a cluster:
   started and leaves no process behind (checked with the tags of ``e2e.local.procs``).
 
 What a real cluster has and this does not: Services (``status.head.serviceIP`` is 127.0.0.1),
-init containers, resource limits, image pulls, the autoscaler, GCS fault tolerance (a head that
-dies takes its workers with it and the cluster is started again), ``spec.nodeName`` (pods are
-never bound, so the API server deletes them at once). Pods this instance did not start (e.g.
-after a restart of the stand-in) are deleted and made again. Run one stand-in per control plane.
+init containers, resource limits, image pulls, liveness probes, the autoscaler, GCS fault
+tolerance (a head that dies, or whose pod is deleted, takes its workers with it and the cluster
+is started again). Pods this instance did not start (e.g. after a restart of the stand-in) are
+deleted and made again. Run one stand-in per namespace (two watching one namespace fight).
 
 Ray 2.60 on this host: ``--node-ip-address=127.0.0.1`` (and ``--address=127.0.0.1:port``) are
 resolved by Ray itself to the host's address, and Ray's gRPC servers listen on all interfaces;
