@@ -18,15 +18,29 @@ PROMPTS = [[(11 * i + 3 * j) % 250 + 1 for j in range(2 + (i * 7) % 19)] for i i
 LENGTHS = [4, 8, 16, 24]
 
 
-def reference_tokens(model: str) -> dict[tuple[int, int], list[int]]:
+def reference_tokens(
+    model: str, lengths: list[int] | None = None
+) -> dict[tuple[int, int], list[int]]:
     """Greedy tokens of every (prompt, length), computed in this process (all experts local)."""
     import torch
 
     from moe_runtime.model import mixtral
 
+    lengths = lengths or LENGTHS
     torch.set_num_threads(1)
-    longest = mixtral.generate_greedy(model, PROMPTS, max(LENGTHS))
-    return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in LENGTHS}
+    longest = mixtral.generate_greedy(model, PROMPTS, max(lengths))
+    return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in lengths}
+
+
+def completion_body(model_name: str, prompt: int, max_tokens: int) -> dict[str, Any]:
+    """A greedy completion of PROMPTS[prompt] that never stops early (ignore_eos)."""
+    return {
+        "model": model_name,
+        "prompt": PROMPTS[prompt],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 class Load:
@@ -65,13 +79,7 @@ class Load:
             return len(self.failures)
 
     def _one(self, client: httpx.Client, url: str, p: int, n: int) -> str | None:
-        body: dict[str, Any] = {
-            "model": self.model_name,
-            "prompt": PROMPTS[p],
-            "max_tokens": n,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+        body = completion_body(self.model_name, p, n)
         try:
             r = client.post(f"{url}/v1/completions", json=body, timeout=self.timeout_s)
         except httpx.HTTPError as exc:

@@ -126,6 +126,9 @@ class Deployment:
         ok = status.get("phase") == "Serving" and status.get("dataParallelSize") == size
         return status if ok and idle else None
 
+    def watch(self) -> StageWatch:
+        return StageWatch(self.stack.plane, self.name, self.namespace)
+
     def events(self) -> list[dict[str, Any]]:
         done = self.stack.kubectl(
             "get", "events", "-n", self.namespace, "--field-selector",
@@ -138,13 +141,12 @@ class Deployment:
 class StageWatch:
     """``kubectl get -w`` of a MoEDeployment's ``status.resize`` (stage/toSize): every write."""
 
-    def __init__(self, dep: Deployment) -> None:
+    def __init__(self, plane: cluster.ControlPlane, name: str, namespace: str) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            ["kubectl", "get", "moed", dep.name, "-n", dep.namespace, "-w", "-o",
+            ["kubectl", "get", "moed", name, "-n", namespace, "-w", "-o",
              'jsonpath={.status.resize.stage}/{.status.resize.toSize}{"\\n"}'],
-            env=dep.stack.plane.env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True,
+            env=plane.env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()

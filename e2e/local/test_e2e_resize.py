@@ -90,7 +90,7 @@ def wait_serving(dep: stack_mod.Deployment, size: int) -> dict[str, Any]:
 
 
 def test_patch_grows_through_every_stage(dep: stack_mod.Deployment, load: load_mod.Load) -> None:
-    watch = stack_mod.StageWatch(dep)
+    watch = dep.watch()
     try:
         patch_size(dep, 4)
         status = wait_serving(dep, 4)
@@ -113,7 +113,7 @@ def test_scale_shrinks_and_frees_exactly_the_named_pods(
     dep: stack_mod.Deployment, load: load_mod.Load
 ) -> None:
     before = set(dep.worker_pods())
-    watch = stack_mod.StageWatch(dep)
+    watch = dep.watch()
     try:
         dep.stack.kubectl("scale", "moed", NAME, "-n", NAMESPACE, "--replicas=2")
         status = wait_serving(dep, 2)

@@ -8,7 +8,6 @@ resize sequence 2→4→3→1→2 through POST /scale_elastic_ep completes with 
 from __future__ import annotations
 
 import pathlib
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -17,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from e2e.local import load as load_mod
 from moe_runtime.elastic import stages
-from moe_runtime.model import mixtral
 from tests.support import runtime_proc
 
 pytestmark = pytest.mark.ray
@@ -26,14 +25,12 @@ pytestmark = pytest.mark.ray
 MODEL = "synthetic://tiny?seed=0"
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-PROMPTS = [[(11 * i + 3 * j) % 250 + 1 for j in range(2 + (i * 7) % 23)] for i in range(16)]
-LENGTHS = [3, 8, 16, 32]
+LONG = 32
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[int, int], list[int]]:
-    longest = mixtral.generate_greedy(MODEL, PROMPTS, max(LENGTHS))
-    return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in LENGTHS}
+    return load_mod.reference_tokens(MODEL, [*load_mod.LENGTHS, LONG])
 
 
 @pytest.fixture(scope="module")
@@ -51,69 +48,34 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime_proc.Ru
 
 def complete(client: httpx.Client, prompt: int, n: int) -> httpx.Response:
     return client.post(
-        "/v1/completions",
-        json={
-            "model": "tiny",
-            "prompt": PROMPTS[prompt],
-            "max_tokens": n,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-        timeout=300,
+        "/v1/completions", json=load_mod.completion_body("tiny", prompt, n), timeout=300
     )
 
 
-class Traffic:
-    """8 completion clients plus a /health prober, until stopped; every outcome is recorded."""
+class HealthProbe:
+    """GET /health every 50 ms until stopped; every status code is kept."""
 
-    def __init__(self, url: str, ref: dict[tuple[int, int], list[int]], clients: int = 8) -> None:
-        self.url, self.ref = url, ref
-        self.ok = 0
-        self.failures: list[str] = []
-        self.health_codes: list[int] = []
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.codes: list[int] = []
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
-        self._threads.append(threading.Thread(target=self._prober))
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _client(self, index: int) -> None:
-        rng = random.Random(index)
-        with httpx.Client(base_url=self.url) as client:
-            while not self._stop.is_set():
-                p, n = rng.randrange(len(PROMPTS)), rng.choice(LENGTHS)
-                try:
-                    r = complete(client, p, n)
-                    if r.status_code != 200:
-                        problem: str | None = f"HTTP {r.status_code}: {r.text[:200]}"
-                    else:
-                        got = r.json()["choices"][0]["token_ids"]
-                        problem = None if got == self.ref[(p, n)] else f"tokens differ {(p, n)}"
-                except httpx.HTTPError as exc:
-                    problem = f"{type(exc).__name__}: {exc}"
-                with self._lock:
-                    if problem:
-                        self.failures.append(problem)
-                    else:
-                        self.ok += 1
-
-    def _prober(self) -> None:
+    def _run(self) -> None:
         with httpx.Client(base_url=self.url) as client:
             while not self._stop.wait(0.05):
                 try:
-                    code = client.get("/health", timeout=10).status_code
+                    self.codes.append(client.get("/health", timeout=10).status_code)
                 except httpx.HTTPError:
-                    code = -1
-                self.health_codes.append(code)
+                    self.codes.append(-1)
 
-    def __enter__(self) -> Traffic:
-        for t in self._threads:
-            t.start()
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(timeout=300)
+        self._thread.join(timeout=30)
 
 
 def scale(url: str, to: int) -> dict[str, Any]:
@@ -136,7 +98,8 @@ def status(url: str) -> dict[str, Any]:
 def test_resize_sequence_under_load(
     server: runtime_proc.RuntimeProcess, reference: dict[tuple[int, int], list[int]]
 ) -> None:
-    with Traffic(server.url, reference) as traffic:
+    traffic = load_mod.Load(lambda: server.url, model_name="tiny", reference=reference, clients=8)
+    with traffic, HealthProbe(server.url) as health:
         for to in (4, 3, 1, 2):
             assert scale(server.url, to)["stage"] == "Completed"
         deadline = time.monotonic() + 60
@@ -144,7 +107,7 @@ def test_resize_sequence_under_load(
             time.sleep(0.1)
     assert traffic.failures == [], server.tail()
     assert traffic.ok >= 50
-    assert traffic.health_codes and set(traffic.health_codes) == {200}
+    assert health.codes and set(health.codes) == {200}
     st = status(server.url)
     assert st["data_parallel_size"] == 2 and st["target_data_parallel_size"] == 2
     history = st["history"]
@@ -171,7 +134,7 @@ def test_shrink_with_long_generations_on_departing_ranks(
 
     def run(p: int) -> None:
         with httpx.Client(base_url=server.url) as client:
-            results[p] = complete(client, p, 32)
+            results[p] = complete(client, p, LONG)
 
     threads = [threading.Thread(target=run, args=(p,)) for p in range(8)]
     for t in threads:
@@ -185,7 +148,7 @@ def test_shrink_with_long_generations_on_departing_ranks(
     for t in threads:
         t.join(timeout=300)
     assert {p: r.json()["choices"][0]["token_ids"] for p, r in results.items()} == {
-        p: reference[(p, 32)] for p in range(8)
+        p: reference[(p, LONG)] for p in range(8)
     }
     last = status(server.url)["history"][-1]
     assert last["resize_id"] == done["resize_id"]

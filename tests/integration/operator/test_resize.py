@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import json
-import subprocess
 import threading
 import time
 import uuid
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from e2e.controlplane import cluster
+from e2e.local import stack
 from moe_runtime.elastic import records, stages
 from tests.integration.operator import conftest as ops
 
@@ -196,39 +196,6 @@ def _error(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "invalid_request_error", "param": None}}
 
 
-class StageWatch:
-    """``kubectl get -w`` of ``status.resize`` (stage, toSize): every status write is seen."""
-
-    def __init__(self, plane: cluster.ControlPlane, namespace: str) -> None:
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            ["kubectl", "get", "moed", NAME, "-n", namespace, "-w", "-o",
-             'jsonpath={.status.resize.stage}/{.status.resize.toSize}{"\\n"}'],
-            env=plane.env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
-
-    def stages(self, to_size: int) -> list[str]:
-        """Distinct consecutive stages seen for resizes to ``to_size``."""
-        out: list[str] = []
-        for line in list(self.lines):
-            stage, _, size = line.partition("/")
-            if stage and size == str(to_size) and (not out or out[-1] != stage):
-                out.append(stage)
-        return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        self.thread.join(timeout=5)
-
-
 @dataclasses.dataclass
 class Deployment:
     plane: cluster.ControlPlane
@@ -335,7 +302,7 @@ def test_scale_up_then_down_mirrors_every_stage(deployment: Deployment) -> None:
         "wait", "--for=condition=Ready", f"moed/{NAME}", "-n", dep.namespace, "--timeout=30s"
     )
     assert done.returncode == 0
-    watch = StageWatch(dep.plane, dep.namespace)
+    watch = stack.StageWatch(dep.plane, NAME, dep.namespace)
     try:
         dep.scale(4)
         ops.wait_for(
