@@ -12,9 +12,6 @@ import pytest
 from e2e.controlplane import cluster
 from e2e.local import kuberay
 
-# The session control plane lives in tests/conftest.py, which pytest does not show to e2e/.
-from tests.conftest import control_plane  # noqa: F401 - re-exported fixture
-
 T = TypeVar("T")
 
 
@@ -37,7 +34,7 @@ def wait_for(
 
 
 @pytest.fixture(scope="module")
-def kuberay_namespace(control_plane: cluster.ControlPlane) -> str:  # noqa: F811
+def kuberay_namespace(control_plane: cluster.ControlPlane) -> str:
     """A namespace of its own for each module that runs the stand-in."""
     name = "e2e-kuberay"
     done = control_plane.kubectl("get", "namespace", name, check=False)
@@ -48,7 +45,7 @@ def kuberay_namespace(control_plane: cluster.ControlPlane) -> str:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def local_kuberay(
-    control_plane: cluster.ControlPlane,  # noqa: F811
+    control_plane: cluster.ControlPlane,
     kuberay_namespace: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[kuberay.LocalKubeRay]:

@@ -1,5 +1,5 @@
-"""Fixtures shared by every test tier: one local control plane (etcd + kube-apiserver) per
-pytest session, started only when a test asks for it."""
+"""Fixtures shared by every test tier (tests/ and e2e/): one local control plane (etcd +
+kube-apiserver) per pytest session, started only when a test asks for it."""
 
 from __future__ import annotations
 
