@@ -38,7 +38,13 @@ def reference() -> dict[tuple[int, int], list[int]]:
 
 
 class Deployment:
-    def __init__(self, size: int, *, max_experts_per_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        *,
+        max_experts_per_rank: int | None = None,
+        weight_source: str = "peer",
+    ) -> None:
         src = source_mod.open_source(SOURCE)
         self.cfg = src.config
         physical = policy.num_physical_for(self.cfg.num_experts, size)
@@ -55,7 +61,12 @@ class Deployment:
             executor=self.executor,
             model_config=self.cfg,
             placement=placement,
-            config=ops.ElasticConfig(source=SOURCE, eplb_step_interval=40, eplb_window_size=40),
+            config=ops.ElasticConfig(
+                source=SOURCE,
+                eplb_step_interval=40,
+                eplb_window_size=40,
+                weight_source=weight_source,
+            ),
             limits=coordinator.Limits(
                 min_size=1,
                 max_size=4,
@@ -229,3 +240,17 @@ def test_dynamic_eplb_rebalances_while_serving(
     assert last["applied"] and last["after"] > last["before"] and last["moves"] > 0
     status = deployment.elastic.status()["eplb"]
     assert status["rebalances"] >= 1 and 0 < status["balancedness"] <= 1
+
+
+def test_new_ranks_can_read_non_expert_weights_from_storage(
+    reference: dict[tuple[int, int], list[int]],
+) -> None:
+    dep = Deployment(1, weight_source="storage")
+    try:
+        record = resize(dep, 3)
+        assert record.bytes_non_expert > 0  # read by the two new ranks from the source
+        outs = [dep.generate(p, 16, rid=f"storage-{p}") for p in range(6)]
+        assert [o.token_ids for o in outs] == [reference[(p, 16)] for p in range(6)]
+        assert set(dep.engine.stats().seqs_per_rank) <= {0, 1, 2}
+    finally:
+        dep.close()
