@@ -68,15 +68,14 @@ def main() -> int:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="elastic-moe-demo-"))
     say("starting the local control plane (kube-apiserver + etcd)")
     plane = cluster.start(state_dir=workdir / "cluster")
-    stack = stack_mod.LocalStack(plane=plane, workdir=workdir / "stack")
+    stack = stack_mod.LocalStack(plane=plane, workdir=workdir / "stack", namespace=NAMESPACE)
     lg: load_mod.Load | None = None
     try:
         say("starting the local KubeRay stand-in and the operator")
         stack.start()
-        stack.kubectl("create", "namespace", NAMESPACE)
         say(f"kubectl apply -f {stack_mod.SAMPLE.relative_to(stack_mod.REPO)}")
         stack.kubectl("apply", "-n", NAMESPACE, "-f", str(stack_mod.SAMPLE))
-        dep = stack.deployment(NAME, NAMESPACE)
+        dep = stack.deployment(NAME)
         follow(stack, dep, 2)
         source = yaml.safe_load(stack_mod.SAMPLE.read_text())["spec"]["model"]["source"]
         say(f"load: 4 clients, greedy completions checked against {source} in this process")

@@ -46,12 +46,14 @@ def wait_for(
 
 @dataclasses.dataclass
 class OperatorProcess:
-    """``moe-operator run`` as a child process; restartable. ``env`` adds to the environment."""
+    """``moe-operator run`` as a child process; restartable. ``env`` adds to the environment,
+    ``args`` to the command line (e.g. ``["--namespace", "demo"]``)."""
 
     plane: cluster.ControlPlane
     kubeconfig: pathlib.Path
     log_path: pathlib.Path
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    args: list[str] = dataclasses.field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -68,7 +70,7 @@ class OperatorProcess:
             log.write(f"\n===== start {self.starts} =====\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moe_operator.cli", "run", "--verbose"],
+                [sys.executable, "-m", "moe_operator.cli", "run", "--verbose", *self.args],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

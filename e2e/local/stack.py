@@ -43,6 +43,7 @@ class LocalStack:
             kubeconfig=operator_proc.operator_kubeconfig(self.plane, self.workdir),
             log_path=self.workdir / "operator.log",
             env={"MOE_RUNTIME_URL_FROM_RAYCLUSTER": "1"},
+            args=["--namespace", self.namespace],
         )
         self.operator.start()
         return self
@@ -56,8 +57,8 @@ class LocalStack:
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.plane.kubectl(*args, check=check)
 
-    def deployment(self, name: str, namespace: str) -> Deployment:
-        return Deployment(stack=self, name=name, namespace=namespace)
+    def deployment(self, name: str) -> Deployment:
+        return Deployment(stack=self, name=name, namespace=self.namespace)
 
 
 @dataclasses.dataclass

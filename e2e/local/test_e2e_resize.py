@@ -40,7 +40,9 @@ def stack(
     control_plane: cluster.ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[stack_mod.LocalStack]:
     s = stack_mod.LocalStack(
-        plane=control_plane, workdir=pathlib.Path(tmp_path_factory.mktemp("e2e-stack"))
+        plane=control_plane,
+        workdir=pathlib.Path(tmp_path_factory.mktemp("e2e-stack")),
+        namespace=NAMESPACE,
     ).start()
     try:
         yield s
@@ -51,14 +53,12 @@ def stack(
 
 @pytest.fixture(scope="module")
 def dep(stack: stack_mod.LocalStack) -> Iterator[stack_mod.Deployment]:
-    if stack.kubectl("get", "namespace", NAMESPACE, check=False).returncode != 0:
-        stack.kubectl("create", "namespace", NAMESPACE)
     sample = yaml.safe_load(stack_mod.SAMPLE.read_text())
     sample["spec"].setdefault("expertParallel", {})["maxExpertsPerRank"] = 4
     path = stack.workdir / "sample.yaml"
     path.write_text(yaml.safe_dump(sample))
     stack.kubectl("apply", "-n", NAMESPACE, "-f", str(path))
-    d = stack.deployment(NAME, NAMESPACE)
+    d = stack.deployment(NAME)
     try:
         wait_for(lambda: d.serving(2), timeout=RESIZE_TIMEOUT, interval=0.5, what="DP=2 serving")
         wait_for(d.endpoint, timeout=60, what="the runtime endpoint")

@@ -1,4 +1,4 @@
-"""Shared fixtures of the runtime integration tests: one local Ray instance per test session."""
+"""Shared fixtures of the runtime integration tests: one local Ray instance for the package (shut down before the e2e tier)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("RAY_CGRAPH_get_timeout", "60")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_session() -> Iterator[None]:
     """A local Ray instance on loopback with room for 8 rank actors; shut down at session end.
 

@@ -43,11 +43,12 @@ def get_json(
     return result
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator(
     control_plane: cluster.ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    """The operator, running as its service account, for the whole session."""
+    """The operator, running as its service account, for this package's tests (stopped before
+    other tiers start theirs: two cluster-wide operators would both reconcile)."""
     directory = pathlib.Path(tmp_path_factory.mktemp("operator"))
     process = OperatorProcess(
         plane=control_plane,
