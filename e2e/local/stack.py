@@ -29,14 +29,23 @@ SAMPLE = REPO / "manifests" / "samples" / "moedeployment.yaml"
 
 @dataclasses.dataclass
 class LocalStack:
+    """The stand-in and the operator watch only `namespace`: other tests of the same control
+    plane leave RayClusters and MoEDeployments behind (there is no garbage collector), which
+    must stay paper."""
+
     plane: cluster.ControlPlane
     workdir: pathlib.Path
+    namespace: str
     operator: operator_proc.OperatorProcess | None = None
     kuberay: kuberay.LocalKubeRay | None = None
 
     def start(self) -> LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.kuberay = kuberay.LocalKubeRay(self.plane.kubeconfig, workdir=self.workdir / "kuberay")
+        if self.kubectl("get", "namespace", self.namespace, check=False).returncode != 0:
+            self.kubectl("create", "namespace", self.namespace)
+        self.kuberay = kuberay.LocalKubeRay(
+            self.plane.kubeconfig, namespace=self.namespace, workdir=self.workdir / "kuberay"
+        )
         self.kuberay.start()
         self.operator = operator_proc.OperatorProcess(
             plane=self.plane,
