@@ -47,6 +47,12 @@ test: lint typecheck importlint crds-check controlplane
 unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
+integration: setup controlplane
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+e2e: setup controlplane
+	$(PY) -m pytest -q e2e/local $(PYTEST_ARGS)
+
 ## demo: the operator on a local control plane resizes a live deployment 2->4->2 under load
 demo: setup controlplane
 	$(PY) -m e2e.local.demo
