@@ -54,10 +54,16 @@ def test_operator_service_account_cannot_delete(control_plane: cluster.ControlPl
     assert can("create", "pods") == "no"
 
 
-@pytest.mark.skipif(shutil.which("helm") is None, reason="helm is not installed")
+HELM = shutil.which("helm") or shutil.which("helm", path=str(cluster.cache_dir() / "bin"))
+
+
+@pytest.mark.skipif(
+    HELM is None, reason="helm is not installed (e2e/controlplane/build.sh builds it)"
+)
 def test_helm_chart_dry_run(control_plane: cluster.ControlPlane) -> None:
+    assert HELM is not None
     rendered = subprocess.run(
-        ["helm", "template", "moe", str(ops.REPO / "charts" / "elastic-moe"),
+        [HELM, "template", "moe", str(ops.REPO / "charts" / "elastic-moe"),
          "--namespace", ops.OPERATOR_NAMESPACE, "--include-crds"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
