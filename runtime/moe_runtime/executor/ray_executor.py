@@ -82,6 +82,10 @@ class _RankActor:
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         return self.worker.execute_step(step)
 
+    def echo(self, value: Any) -> Any:
+        """Does nothing: the method of the throwaway graph that warms a new actor up."""
+        return value
+
 
 _RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
     num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
@@ -345,7 +349,31 @@ class RayExecutor(base.Executor):
         with self._lock:
             for r in started:
                 self._ranks[r.label] = r
+        if self.step_mode == STEP_COMPILED:
+            self._warm_up([r.actor for r in started])
         return [r.label for r in started]
+
+    def _warm_up(self, actors: Sequence[Any]) -> None:
+        """Compile, run once and tear down a throwaway graph over new actors.
+
+        An actor's first compiled graph costs seconds of one-time setup (measured here: a
+        switch onto 2 fresh actors compiled in 2.6-3.3 s, 0.17-0.21 s once they had been in a
+        graph before). Paying it now, while the old graph keeps serving on the other actors,
+        keeps it out of the Switching pause. Best effort: a failure only costs that time later.
+        """
+        started = time.monotonic()
+        try:
+            with ray.dag.InputNode() as inp:
+                dag = ray.dag.MultiOutputNode([a.echo.bind(inp) for a in actors])
+            graph = dag.experimental_compile()
+            try:
+                ray.get(graph.execute(0), timeout=self._ready_timeout)
+            finally:
+                graph.teardown()
+        except Exception:  # noqa: BLE001 - an optimisation; the switch compiles anyway
+            log.exception("warming up %d new actors failed; the switch will be slower", len(actors))
+            return
+        log.info("warmed up %d new actors in %.2fs", len(actors), time.monotonic() - started)
 
     def build_groups(
         self, ranks: Sequence[int], *, epoch: int, timeout: float | None = None
