@@ -399,6 +399,7 @@ class EngineResizeOps:
             self.serving.epoch = plan.epoch
             self.engine.set_active_ranks(range(plan.to_size))
 
+        self.executor.prepare_switch()  # outside the pause
         self._at_boundary(switch)
         plan.staged_on = []
 

@@ -157,6 +157,11 @@ class Executor(abc.ABC):
         caller has activated them. Afterwards worker `ranks[i]` is rank i.
         """
 
+    def prepare_switch(self) -> None:
+        """Finish background preparation of added workers (call before the step boundary of a
+        switch, so the pause does not include it). No-op unless an executor prepares any."""
+        return None
+
     @abc.abstractmethod
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
         """Stop those workers (shutdown, then kill); return their infos (pod, host, node_id)."""
