@@ -97,7 +97,10 @@ def main() -> int:
         say("kubectl scale moed tiny --replicas=2")
         stack.kubectl("scale", "moed", NAME, "-n", NAMESPACE, "--replicas=2")
         follow(stack, dep, 2)
-        time.sleep(2.0)  # a little more load at the final size
+        settled = lg.ok + 8  # a few more answers at the final size
+        deadline = time.monotonic() + 60
+        while lg.ok < settled and lg.failed == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
         lg.stop()
         say("resize timeline (from the runtime's /elastic_ep/status):")
         timeline(dep)
