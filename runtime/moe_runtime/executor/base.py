@@ -23,11 +23,13 @@ import abc
 import concurrent.futures
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from moe_runtime import step as step_mod
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Role of the group used only by `execute_step` collectives (expert dispatch/combine).
 STEP_GROUP = "step"
@@ -205,6 +207,29 @@ class Executor(abc.ABC):
         if self._async_pool is not None:
             self._async_pool.shutdown(wait=False, cancel_futures=True)
             self._async_pool = None
+
+
+def rpc_targets(
+    method: str,
+    ranks: Sequence[int] | None,
+    *,
+    active: Sequence[int],
+    members: Mapping[int, T],
+) -> tuple[list[int], list[T]]:
+    """The rank labels a `collective_rpc` calls (default: the active ones) and their members.
+
+    Raises ValueError naming the labels that have no worker.
+    """
+    targets = list(active if ranks is None else ranks)
+    unknown = [r for r in targets if r not in members]
+    if unknown:
+        raise ValueError(f"collective_rpc({method}): no worker for ranks {unknown}")
+    return targets, [members[r] for r in targets]
+
+
+def extra_kwargs(per_rank: Mapping[int, Mapping[str, Any]] | None, rank: int) -> dict[str, Any]:
+    """The keyword arguments `per_rank` adds for one rank's call."""
+    return dict(per_rank.get(rank, {})) if per_rank else {}
 
 
 def check_switch(ranks: Sequence[int], *, live: Sequence[int]) -> dict[int, int]:

@@ -91,14 +91,12 @@ class LocalExecutor(base.Executor):
         **kwargs: Any,
     ) -> list[Any]:
         with self._lock:
-            targets = list(self._active if ranks is None else ranks)
-            unknown = [r for r in targets if r not in self._workers]
-            if unknown:
-                raise ValueError(f"collective_rpc({method}): no worker for ranks {unknown}")
-            workers = [self._workers[r] for r in targets]
+            targets, workers = base.rpc_targets(
+                method, ranks, active=self._active, members=self._workers
+            )
         futures = []
         for label, w in zip(targets, workers, strict=True):
-            extra = dict(per_rank.get(label, {})) if per_rank else {}
+            extra = base.extra_kwargs(per_rank, label)
             futures.append(self._pool.submit(getattr(w, method), *args, **kwargs, **extra))
         return _gather(futures, targets, what=method, timeout=timeout)
 

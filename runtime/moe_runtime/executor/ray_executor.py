@@ -263,18 +263,16 @@ class RayExecutor(base.Executor):
         **kwargs: Any,
     ) -> list[Any]:
         with self._lock:
-            targets = list(self._active if ranks is None else ranks)
-            unknown = [r for r in targets if r not in self._ranks]
-            if unknown:
-                raise ValueError(f"collective_rpc({method}): no worker for ranks {unknown}")
-            actors = [self._ranks[r].actor for r in targets]
+            targets, rank_list = base.rpc_targets(
+                method, ranks, active=self._active, members=self._ranks
+            )
+            actors = [r.actor for r in rank_list]
         refs = []
         for label, actor in zip(targets, actors, strict=True):
             call = actor.execute_method
             if background:
                 call = call.options(concurrency_group=CTL_LANE)
-            extra = dict(per_rank.get(label, {})) if per_rank else {}
-            refs.append(call.remote(method, *args, **kwargs, **extra))
+            refs.append(call.remote(method, *args, **kwargs, **base.extra_kwargs(per_rank, label)))
         return _get_all(refs, targets, what=method, timeout=timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
