@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
-from moe_runtime.eplb import moves, policy, window
+from moe_runtime.eplb import moves, policy, reference, window
 
 
 def _uniform(layers: int, experts: int, seed: int) -> torch.Tensor:
@@ -81,6 +83,67 @@ def test_rebalance_is_at_least_as_balanced_as_identity(
     assert policy.balancedness(load, balanced, ranks) >= policy.balancedness(load, plain, ranks)
 
 
+def _random_load(kind: str, layers: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Loads that stress the greedy steps: ties (few distinct values), floats, cold layers."""
+    if kind == "ties":
+        return torch.randint(0, 3, (layers, experts), generator=gen)
+    if kind == "float":
+        return torch.rand(layers, experts, generator=gen, dtype=torch.float64) ** 4 * 1000
+    if kind == "cold-layer":
+        load = torch.randint(0, 1000, (layers, experts), generator=gen)
+        load[int(torch.randint(0, layers, (1,), generator=gen))] = 0
+        return load
+    ranks = torch.rand(layers, experts, generator=gen).argsort(-1) + 1
+    return (10_000 / ranks.to(torch.float64) ** 1.2).round().to(torch.int64)  # zipf
+
+
+# (layers, experts, physical, ranks, nodes, groups): every path of the policy, global and
+# hierarchical, with and without redundant slots, one pack per rank or several.
+REFERENCE_SHAPES = [
+    pytest.param(3, 16, 16, 4, 1, 1, id="global-no-redundant"),
+    pytest.param(3, 16, 24, 4, 1, 1, id="global-redundant"),
+    pytest.param(4, 32, 48, 8, 2, 4, id="hier-n2-g4"),
+    pytest.param(2, 32, 40, 8, 4, 8, id="hier-n4-g8"),
+    pytest.param(2, 16, 24, 4, 2, 2, id="hier-one-group-per-node"),
+    pytest.param(2, 24, 30, 6, 2, 3, id="global-fallback-g3-n2"),
+    pytest.param(2, 16, 17, 1, 1, 1, id="one-rank"),
+    pytest.param(2, 12, 16, 16, 1, 1, id="one-slot-per-rank"),
+]
+
+
+@pytest.mark.parametrize("kind", ["ties", "float", "cold-layer", "zipf"])
+@pytest.mark.parametrize(
+    ("layers", "experts", "phys", "ranks", "nodes", "groups"), REFERENCE_SHAPES
+)
+def test_rebalance_matches_loop_reference_on_random_loads(
+    kind, layers, experts, phys, ranks, nodes, groups
+):
+    """The vectorised policy gives the loop-by-loop reference's placement, ties included."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}-{layers}-{experts}-{phys}".encode()))
+    for _ in range(25):
+        load = _random_load(kind, layers, experts, gen)
+        got = policy.rebalance(load, phys, ranks, nodes, groups)
+        want = reference.rebalance(load, phys, ranks, nodes, groups)
+        assert torch.equal(got.phy2log, want.phy2log), load.tolist()
+
+
+@pytest.mark.parametrize(
+    ("phys", "ranks", "groups"),
+    [
+        pytest.param(320, 64, 1, id="P320-r64-global"),
+        pytest.param(320, 64, 8, id="P320-r64-g8-hier"),
+        pytest.param(288, 32, 8, id="P288-r32-g8-hier"),
+    ],
+)
+def test_rebalance_matches_loop_reference_at_deepseek_v3_shape(phys, ranks, groups):
+    """58 MoE layers x 256 experts over 8 nodes, as bench/eplb.py times it."""
+    load = _random_load("zipf", 58, 256, torch.Generator().manual_seed(phys + ranks + groups))
+    got = policy.rebalance(load, phys, ranks, 8, groups)
+    want = reference.rebalance(load, phys, ranks, 8, groups)
+    assert torch.equal(got.phy2log, want.phy2log)
+    assert policy.balancedness(load, got, ranks) == policy.balancedness(load, want, ranks)
+
+
 def test_identity_is_round_robin_with_redundant_copies_of_first_experts():
     placement = policy.identity(2, 6, 9, 3)
     assert placement.phy2log[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
@@ -151,6 +214,11 @@ def test_balancedness_splits_replicated_load_evenly():
         pytest.param(lambda: policy.rebalance(torch.ones(1, 8), 9, 2), "divisible", id="P%N"),
         pytest.param(lambda: policy.rebalance(torch.ones(8), 8, 2), r"\[L, E\]", id="load-1d"),
         pytest.param(lambda: policy.rebalance(-torch.ones(1, 8), 8, 2), ">= 0", id="negative"),
+        pytest.param(
+            lambda: policy.rebalance(torch.full((1, 8), float("nan")), 8, 2),
+            "finite",
+            id="nan",
+        ),
         pytest.param(lambda: policy.identity(1, 4, 4, 0), "num_ranks", id="zero-ranks"),
         pytest.param(
             lambda: policy.rebalance(torch.ones(1, 8), 8, 2, 1, 3), "num_groups", id="E%groups"

@@ -33,13 +33,23 @@ expert groups divide over the nodes (pack groups onto nodes, replicate inside ea
 slots onto ranks), global otherwise (one group, one node). The one deliberate difference: a
 layer whose load is all zero is balanced as if its load were uniform, so a cold start spreads
 redundant slots over experts 0, 1, ... instead of stacking them all on expert 0.
+
+The greedy steps are vectorised across layers (numpy; see the note above ``_balanced_packing``)
+and give exactly the placements of the loop-by-loop original, which ``eplb.reference`` keeps
+as the test oracle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
+import numpy as np
+import numpy.typing as npt
 import torch
+
+_F64: TypeAlias = npt.NDArray[np.float64]
+_I64: TypeAlias = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,25 +88,31 @@ class Placement:
         if phy2log.dim() != 2:
             raise ValueError(f"phy2log must be [L, P], got shape {tuple(phy2log.shape)}")
         phy2log = phy2log.to(torch.int64).cpu().contiguous()
-        num_layers, num_physical = phy2log.shape
-        if num_physical and (phy2log.min() < 0 or phy2log.max() >= num_experts):
+        p2l = phy2log.numpy()
+        num_layers, num_physical = p2l.shape
+        if num_physical and (p2l.min() < 0 or p2l.max() >= num_experts):
             raise ValueError(f"phy2log holds ids outside [0, {num_experts})")
-        logcnt = torch.zeros(num_layers, num_experts, dtype=torch.int64)
-        logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
-        if (logcnt == 0).any():
-            layer, expert = (logcnt == 0).nonzero()[0].tolist()
-            raise ValueError(f"logical expert {expert} of layer {layer} has no slot")
-        max_rep = int(logcnt.max().item())
-        # Replica index of each slot = how many earlier slots hold the same logical expert.
-        order = torch.argsort(phy2log, dim=1, stable=True)  # slots grouped by expert, ascending
-        sorted_log = phy2log.gather(1, order)
-        starts = torch.cumsum(logcnt, dim=1) - logcnt  # first position of each expert's run
-        rep_sorted = torch.arange(num_physical).expand(num_layers, -1) - starts.gather(
-            1, sorted_log
+        # numpy, not torch, for these small arrays: see the note on the EPLB steps below.
+        flat_ids = p2l + np.arange(num_layers, dtype=np.int64)[:, None] * num_experts
+        logcnt = np.bincount(flat_ids.ravel(), minlength=num_layers * num_experts).reshape(
+            num_layers, num_experts
         )
-        log2phy = torch.full((num_layers, num_experts * max_rep), -1, dtype=torch.int64)
-        log2phy.scatter_(1, sorted_log * max_rep + rep_sorted, order)
-        return cls(phy2log, log2phy.view(num_layers, num_experts, max_rep), logcnt)
+        if (logcnt == 0).any():
+            layer, expert = np.argwhere(logcnt == 0)[0].tolist()
+            raise ValueError(f"logical expert {expert} of layer {layer} has no slot")
+        max_rep = int(logcnt.max())
+        # Replica index of each slot = how many earlier slots hold the same logical expert.
+        order = np.argsort(p2l, axis=1, kind="stable")  # slots grouped by expert, ascending
+        sorted_log = np.take_along_axis(p2l, order, axis=1)
+        starts = np.cumsum(logcnt, axis=1) - logcnt  # first position of each expert's run
+        rep_sorted = np.arange(num_physical) - np.take_along_axis(starts, sorted_log, axis=1)
+        log2phy = np.full((num_layers, num_experts * max_rep), -1, dtype=np.int64)
+        np.put_along_axis(log2phy, sorted_log * max_rep + rep_sorted, order, axis=1)
+        return cls(
+            phy2log,
+            torch.from_numpy(log2phy.reshape(num_layers, num_experts, max_rep)),
+            torch.from_numpy(logcnt.astype(np.int64, copy=False)),
+        )
 
     @property
     def num_layers(self) -> int:
@@ -133,9 +149,10 @@ class Placement:
     def rank_slot_load(self, load: torch.Tensor, num_ranks: int) -> torch.Tensor:
         """[L, num_ranks] float64: load per rank, each expert's load split over its replicas."""
         _check_load(load, self.num_layers, self.num_logical)
-        per_replica = load.to(torch.float64).cpu() / self.logcnt.to(torch.float64)
-        slot_load = per_replica.gather(1, self.phy2log)  # [L, P]
-        return slot_load.view(self.num_layers, num_ranks, self.slots_per_rank(num_ranks)).sum(-1)
+        per_replica = _as_f64(load) / self.logcnt.cpu().numpy()
+        slot_load = np.take_along_axis(per_replica, self.phy2log.cpu().numpy(), axis=1)  # [L, P]
+        per_rank = slot_load.reshape(self.num_layers, num_ranks, self.slots_per_rank(num_ranks))
+        return torch.from_numpy(per_rank.sum(-1))
 
     def validate(self, num_ranks: int) -> None:
         """Raises ValueError unless the three tensors agree and P divides over num_ranks."""
@@ -195,122 +212,142 @@ def rebalance(
     _check_sizes(num_experts, num_physical, num_ranks)
     if num_nodes < 1 or num_groups < 1:
         raise ValueError(f"num_nodes and num_groups must be >= 1, got {num_nodes}, {num_groups}")
-    weight = load.to(torch.float64).cpu().clone()
-    if (weight < 0).any():
-        raise ValueError("load must be >= 0")
-    weight[weight.sum(-1) == 0] = 1.0  # cold layers: balance as if uniform
     if num_experts % num_groups != 0:
         raise ValueError(
             f"num_groups ({num_groups}) must divide num_experts ({num_experts}) evenly"
         )
     if num_ranks % num_nodes != 0:
         raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks}) evenly")
+    weight = _as_f64(load).copy()
+    if not np.isfinite(weight).all() or (weight < 0).any():
+        raise ValueError("load must be finite and >= 0")
+    weight[weight.sum(-1) == 0] = 1.0  # cold layers: balance as if uniform
     # As DeepSeek: hierarchical when the groups divide over the nodes (then P divides too,
     # since P divides over the ranks and the ranks over the nodes).
-    hierarchical = num_groups % num_nodes == 0
-    if hierarchical:
+    if num_groups % num_nodes == 0:
         phy2log = _hierarchical(weight, num_physical, num_groups, num_nodes, num_ranks)
     else:
         phy2log = _hierarchical(weight, num_physical, 1, 1, num_ranks)
-    return Placement.from_phy2log(phy2log, num_experts)
+    return Placement.from_phy2log(torch.from_numpy(phy2log), num_experts)
 
 
 def balancedness(load: torch.Tensor, placement: Placement, num_ranks: int) -> float:
     """Mean rank load / max rank load, summed over layers (vLLM's definition); 1.0 when idle."""
-    per_rank = placement.rank_slot_load(load, num_ranks)  # [L, N]
-    max_sum = float(per_rank.max(dim=-1).values.sum().item())
+    per_rank = placement.rank_slot_load(load, num_ranks).numpy()  # [L, N]
+    max_sum = float(per_rank.max(axis=-1).sum())
     if max_sum == 0.0:
         return 1.0
-    return float(per_rank.mean(dim=-1).sum().item()) / max_sum
+    return float(per_rank.mean(axis=-1).sum()) / max_sum
 
 
 # --- DeepSeek EPLB steps ----------------------------------------------------------------------
+#
+# Vectorised across rows (layers, or (layer, node) pairs): the greedy loops run once per item or
+# per redundant slot, each iteration a handful of numpy operations over all rows at once. Numpy,
+# not torch: these are tiny arrays, where torch's per-operation overhead (and its intra-op
+# threads fighting over a busy machine) cost more than the arithmetic. Every step does the same
+# float64 operations in the same order as the loop-by-loop original (``eplb.reference``), so the
+# placements are identical, ties included (argmin/argmax and stable argsort take the first).
 
 
-def _balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _balanced_packing(weight: _F64, num_packs: int) -> tuple[_I64, _I64]:
     """Packs the items of each row of weight [n, m] into num_packs packs of m / num_packs items.
 
-    Heaviest item first, into the lightest pack that still has room. Returns (pack [n, m],
-    position in pack [n, m]).
+    Heaviest item first (stable on ties), into the lightest pack that still has room (lowest
+    index on ties). Returns (pack [n, m], position in pack [n, m]).
     """
     rows, items = weight.shape
     per_pack = items // num_packs
     if per_pack == 1:
-        pack = torch.arange(items, dtype=torch.int64).expand(rows, -1).clone()
-        return pack, torch.zeros(rows, items, dtype=torch.int64)
-    order = torch.argsort(weight, dim=-1, descending=True, stable=True).tolist()
-    values = weight.tolist()
-    pack_list = [[-1] * items for _ in range(rows)]
-    rank_list = [[-1] * items for _ in range(rows)]
-    for i in range(rows):
-        pack_weight = [0.0] * num_packs
-        pack_items = [0] * num_packs
-        for item in order[i]:
-            dest = min(
-                (p for p in range(num_packs) if pack_items[p] < per_pack),
-                key=pack_weight.__getitem__,
-            )
-            pack_list[i][item] = dest
-            rank_list[i][item] = pack_items[dest]
-            pack_weight[dest] += values[i][item]
-            pack_items[dest] += 1
-    return torch.tensor(pack_list, dtype=torch.int64), torch.tensor(rank_list, dtype=torch.int64)
+        pack = np.broadcast_to(np.arange(items, dtype=np.int64), (rows, items)).copy()
+        return pack, np.zeros((rows, items), dtype=np.int64)
+    order = np.argsort(-weight, axis=1, kind="stable")
+    # Column j of these = the j-th heaviest item of every row (contiguous for the loop).
+    order_t = np.ascontiguousarray(order.T)
+    sorted_t = np.ascontiguousarray(np.take_along_axis(weight, order, axis=1).T)
+    row = np.arange(rows)
+    # Weight of each pack, +inf once it is full, so argmin picks the lightest with room.
+    open_weight = np.zeros((rows, num_packs), dtype=np.float64)
+    count = np.zeros((rows, num_packs), dtype=np.int64)
+    pack = np.empty((rows, items), dtype=np.int64)
+    position = np.empty((rows, items), dtype=np.int64)
+    for j in range(items):
+        item = order_t[j]
+        dest = open_weight.argmin(axis=1)
+        filled = count[row, dest]
+        pack[row, item] = dest
+        position[row, item] = filled
+        filled += 1
+        count[row, dest] = filled
+        added = open_weight[row, dest] + sorted_t[j]
+        open_weight[row, dest] = np.where(filled == per_pack, np.inf, added)
+    return pack, position
 
 
-def _replicate(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _replicate(weight: _F64, num_phy: int) -> tuple[_I64, _I64]:
     """Adds num_phy - m replicas per row of weight [n, m], each to the expert with the largest
-    load per replica. Returns (phy2log [n, num_phy], logcnt [n, m])."""
+    load per replica (lowest id on ties). Returns (phy2log [n, num_phy], logcnt [n, m])."""
     rows, num_log = weight.shape
-    phy2log = torch.arange(num_phy, dtype=torch.int64).repeat(rows, 1)
-    logcnt = torch.ones(rows, num_log, dtype=torch.int64)
-    arange_rows = torch.arange(rows, dtype=torch.int64)
+    phy2log = np.empty((rows, num_phy), dtype=np.int64)
+    phy2log[:, :num_log] = np.arange(num_log, dtype=np.int64)
+    logcnt = np.ones((rows, num_log), dtype=np.int64)
+    per_replica = weight.copy()  # weight / logcnt, updated where logcnt changes
+    row = np.arange(rows)
     for i in range(num_log, num_phy):
-        hottest = (weight / logcnt).max(dim=-1).indices
+        hottest = per_replica.argmax(axis=1)
         phy2log[:, i] = hottest
-        logcnt[arange_rows, hottest] += 1
+        count = logcnt[row, hottest] + 1
+        logcnt[row, hottest] = count
+        per_replica[row, hottest] = weight[row, hottest] / count
     return phy2log, logcnt
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv.scatter_(1, perm, torch.arange(perm.size(1), dtype=torch.int64).expand(perm.shape))
+def _inverse(perm: _I64) -> _I64:
+    """The inverse of each row's permutation: inv[i, perm[i, j]] = j."""
+    inv = np.empty_like(perm)
+    np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)
     return inv
 
 
 def _hierarchical(
-    weight: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int, num_ranks: int
-) -> torch.Tensor:
-    """DeepSeek's rebalance_experts_hierarchical; returns phy2log [L, P]."""
+    weight: _F64, num_physical: int, num_groups: int, num_nodes: int, num_ranks: int
+) -> _I64:
+    """DeepSeek's rebalance_experts_hierarchical on weight [L, E]; returns phy2log [L, P]."""
     num_layers, num_logical = weight.shape
     group_size = num_logical // num_groups
     groups_per_node = num_groups // num_nodes
     slots_per_rank = num_physical // num_ranks
     log_per_node = num_logical // num_nodes
 
-    # 1. pack expert groups onto nodes; mlog = logical ids renumbered node by node
-    tokens_per_group = weight.view(num_layers, num_groups, group_size).sum(-1)
+    # 1. pack expert groups onto nodes; mlog = logical ids renumbered node by node. The group
+    # sums use torch's reduction, as the reference does, so float loads sum bit for bit alike.
+    grouped = torch.from_numpy(weight).view(num_layers, num_groups, group_size)
+    tokens_per_group = grouped.sum(-1).numpy()
     group_pack, group_rank = _balanced_packing(tokens_per_group, num_nodes)
     log2mlog = (
-        ((group_pack * groups_per_node + group_rank) * group_size).unsqueeze(-1)
-        + torch.arange(group_size, dtype=torch.int64)
-    ).flatten(-2)
+        ((group_pack * groups_per_node + group_rank) * group_size)[:, :, None]
+        + np.arange(group_size, dtype=np.int64)
+    ).reshape(num_layers, num_logical)
     mlog2log = _inverse(log2mlog)
 
     # 2. replicate inside each node: rows are (layer, node) pairs
-    tokens_per_mlog = weight.gather(-1, mlog2log).view(-1, log_per_node)
+    tokens_per_mlog = np.take_along_axis(weight, mlog2log, axis=1).reshape(-1, log_per_node)
     phy2mlog, mlogcnt = _replicate(tokens_per_mlog, num_physical // num_nodes)
 
     # 3. pack the node's slots onto its ranks, P / N each
-    tokens_per_phy = (tokens_per_mlog / mlogcnt).gather(-1, phy2mlog)
+    tokens_per_phy = np.take_along_axis(tokens_per_mlog / mlogcnt, phy2mlog, axis=1)
     pack, rank_in_pack = _balanced_packing(tokens_per_phy, num_ranks // num_nodes)
-    phy2pphy = pack * slots_per_rank + rank_in_pack
-    pphy2phy = _inverse(phy2pphy)
-    pphy2mlog = phy2mlog.gather(-1, pphy2phy)
-    pphy2mlog = (
-        pphy2mlog.view(num_layers, num_nodes, -1)
-        + torch.arange(0, num_logical, log_per_node, dtype=torch.int64).view(1, -1, 1)
-    ).flatten(-2)
-    return mlog2log.gather(-1, pphy2mlog)
+    pphy2phy = _inverse(pack * slots_per_rank + rank_in_pack)
+    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)
+    node_offset = np.arange(0, num_logical, log_per_node, dtype=np.int64)[None, :, None]
+    pphy2mlog = (pphy2mlog.reshape(num_layers, num_nodes, -1) + node_offset).reshape(num_layers, -1)
+    return np.take_along_axis(mlog2log, pphy2mlog, axis=1)
+
+
+def _as_f64(load: torch.Tensor) -> _F64:
+    """load [L, E] as a float64 numpy array (a view when it already is one on the CPU)."""
+    array: _F64 = load.detach().to(torch.float64).cpu().numpy()
+    return array
 
 
 # --- input checks ---------------------------------------------------------------------------

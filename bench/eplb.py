@@ -1,0 +1,148 @@
+"""EPLB compute: ``policy.rebalance`` at DeepSeek-V3's shape, vectorised versus the loop original.
+
+DeepSeek-V3 has 58 MoE layers of 256 routed experts in 8 groups. The placements timed here,
+all over 8 nodes:
+
+- 64 ranks, 320 slots (5 per rank: 256 experts + 64 redundant; 288 slots do not divide over 64
+  ranks, and ``rebalance`` needs equal slots per rank);
+- 32 ranks, 288 slots (9 per rank: 256 + 32 redundant, DeepSeek's own count);
+
+each with num_groups=1 (global policy: one node's worth of packing over all ranks) and
+num_groups=8 (hierarchical, as DeepSeek runs it: groups packed onto nodes first). The load is a
+Zipf(0.5) skew per layer, shuffled over the experts (the hottest expert ~8x the mean, printed). For each case: the median of
+``--runs`` calls of ``policy.rebalance`` (vectorised across layers) and of
+``reference.rebalance`` (the loop-by-loop original it replaced), their ratio, whether the
+placements are identical, and the balancedness (mean / max rank load; 1.0 is perfect) of the
+result and of the identity placement. Then the periodic path, ``moves.rebalance_for_resize`` at
+an unchanged size after a 30% load drift, which calls ``rebalance`` and then relabels ranks to
+keep experts in place. Both tables are printed with torch's default thread count and with one
+thread: on a busy machine torch's intra-op threads make every tiny op of the original cost
+milliseconds, so the one-thread table is the fairer comparison of the algorithms.
+
+    .venv/bin/python bench/eplb.py              # ~30 s on 2 busy cores
+    .venv/bin/python bench/eplb.py --runs 21 --no-reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from moe_runtime.eplb import moves, policy, reference
+
+LAYERS, EXPERTS, NODES = 58, 256, 8
+CASES = [(64, 320, 1), (64, 320, 8), (32, 288, 1), (32, 288, 8)]  # (ranks, slots, groups)
+
+
+def zipf_load(layers: int, experts: int, seed: int) -> torch.Tensor:
+    """[L, E] int64: a random permutation of a Zipf(0.5) profile per layer, ~1M tokens a layer."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.rand(layers, experts, generator=gen).argsort(-1) + 1
+    profile = 1.0 / order.to(torch.float64) ** 0.5
+    noise = 1.0 + 0.1 * torch.rand(layers, experts, generator=gen, dtype=torch.float64)
+    return (1e6 * profile * noise / profile.sum(-1, keepdim=True)).round().to(torch.int64)
+
+
+def median_ms(fn: Callable[[], object], runs: int) -> float:
+    fn()  # warm-up (first-call allocations, imports)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def rebalance_table(load: torch.Tensor, args: argparse.Namespace) -> None:
+    header = (
+        f"{'ranks':>5} {'slots':>5} {'groups':>6} {'mode':>6} | {'new ms':>8} {'old ms':>8} "
+        f"{'speedup':>7} {'same':>5} | {'balanced':>8} {'identity':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for ranks, slots, groups in CASES:
+        mode = "hier" if groups % NODES == 0 else "global"
+
+        def new_fn(r: int = ranks, s: int = slots, g: int = groups) -> policy.Placement:
+            return policy.rebalance(load, s, r, NODES, g)
+
+        def old_fn(r: int = ranks, s: int = slots, g: int = groups) -> policy.Placement:
+            return reference.rebalance(load, s, r, NODES, g)
+
+        new = new_fn()
+        new_ms = median_ms(new_fn, args.runs)
+        old_text = speed_text = same_text = "-"
+        if not args.no_reference:
+            old_ms = median_ms(old_fn, max(3, args.runs // 2))
+            old_text, speed_text = f"{old_ms:8.1f}", f"{old_ms / new_ms:6.1f}x"
+            same_text = "yes" if new.equals(old_fn()) else "NO"
+        plain = policy.identity(LAYERS, EXPERTS, slots, ranks)
+        print(
+            f"{ranks:>5} {slots:>5} {groups:>6} {mode:>6} | {new_ms:8.2f} {old_text:>8} "
+            f"{speed_text:>7} {same_text:>5} | {policy.balancedness(load, new, ranks):8.4f} "
+            f"{policy.balancedness(load, plain, ranks):8.4f}"
+        )
+
+
+def periodic_table(load: torch.Tensor, args: argparse.Namespace) -> None:
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    drift = 1.0 + 0.3 * torch.randn(LAYERS, EXPERTS, generator=gen, dtype=torch.float64)
+    drifted = (load.to(torch.float64) * drift).clamp(min=0)
+    print("periodic rebalance (moves.rebalance_for_resize, same size, after a 30% drift):")
+    for ranks, slots, groups in CASES:
+        old = policy.rebalance(load, slots, ranks, NODES, groups)
+
+        def periodic(
+            r: int = ranks, s: int = slots, g: int = groups, o: policy.Placement = old
+        ) -> policy.Placement:
+            return moves.rebalance_for_resize(
+                drifted,
+                o,
+                old_num_ranks=r,
+                new_num_ranks=r,
+                num_physical=s,
+                num_nodes=NODES,
+                num_groups=g,
+            )
+
+        kept = periodic()
+        plan = moves.plan_moves(old, kept, old_num_ranks=ranks, new_num_ranks=ranks)
+        print(
+            f"  ranks {ranks:>2} slots {slots} groups {groups}: "
+            f"{median_ms(periodic, max(3, args.runs // 2)):7.1f} ms, balancedness "
+            f"{policy.balancedness(drifted, old, ranks):.4f} -> "
+            f"{policy.balancedness(drifted, kept, ranks):.4f}, {len(plan)} expert moves"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=7, help="timed calls per case (median)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip the slow loop-by-loop original"
+    )
+    args = parser.parse_args()
+    load = zipf_load(LAYERS, EXPERTS, args.seed)
+    hot = float((load.max(-1).values / load.to(torch.float64).mean(-1)).mean())
+    print(
+        f"load [L, E] = [{LAYERS}, {EXPERTS}], {NODES} nodes, median of {args.runs} runs; "
+        f"hottest expert {hot:.1f}x the mean"
+    )
+    default_threads = torch.get_num_threads()
+    for threads in sorted({default_threads, 1}, reverse=True):
+        # torch's intra-op threads cost milliseconds per tiny op on a busy machine, which is
+        # most of the original's time there: show both so the gain is not only that.
+        torch.set_num_threads(threads)
+        print(f"\n== torch threads {threads} ==")
+        rebalance_table(load, args)
+        periodic_table(load, args)
+    torch.set_num_threads(default_threads)
+
+
+if __name__ == "__main__":
+    main()
