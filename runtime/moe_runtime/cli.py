@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--dtype", default="float32")
     serve.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where ranks run: cuda (one GPU per rank; waits for GPU nodes to join), cpu, or "
+        "auto (cuda when the Ray cluster has GPUs at start; the operator always says which)",
+    )
+    serve.add_argument(
         "--step-mode",
         choices=("compiled", "remote"),
         default=None,
@@ -158,8 +165,9 @@ def serve(args: argparse.Namespace) -> int:
             cluster = cluster_mod
             slots = max(8, num_ranks, args.max_data_parallel_size or 0)
             owns_ray = cluster.connect(num_rank_slots=slots)
+            use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
             executor = ray_executor.RayExecutor(
-                num_ranks, dtype=args.dtype, step_mode=args.step_mode
+                num_ranks, dtype=args.dtype, step_mode=args.step_mode, use_gpu=use_gpu
             )
         else:
             from moe_runtime.executor import local
