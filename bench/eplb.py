@@ -15,7 +15,7 @@ Zipf(0.5) skew per layer, shuffled over the experts (the hottest expert ~8x the 
 placements are identical, and the balancedness (mean / max rank load; 1.0 is perfect) of the
 result and of the identity placement. Then the periodic path, ``moves.rebalance_for_resize`` at
 an unchanged size after a 30% load drift, which calls ``rebalance`` and then relabels ranks to
-keep experts in place. Both tables are printed with torch's default thread count and with one
+keep experts in place (vectorised too; before = ``reference.rebalance_for_resize``). Both tables are printed with torch's default thread count and with one
 thread: on a busy machine torch's intra-op threads make every tiny op of the original cost
 milliseconds, so the one-thread table is the fairer comparison of the algorithms.
 
@@ -29,6 +29,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -92,29 +93,33 @@ def periodic_table(load: torch.Tensor, args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(args.seed + 1)
     drift = 1.0 + 0.3 * torch.randn(LAYERS, EXPERTS, generator=gen, dtype=torch.float64)
     drifted = (load.to(torch.float64) * drift).clamp(min=0)
-    print("periodic rebalance (moves.rebalance_for_resize, same size, after a 30% drift):")
+    print("periodic rebalance (rebalance_for_resize at the same size after a 30% drift):")
     for ranks, slots, groups in CASES:
         old = policy.rebalance(load, slots, ranks, NODES, groups)
+        kw: dict[str, Any] = {
+            "old_num_ranks": ranks,
+            "new_num_ranks": ranks,
+            "num_physical": slots,
+            "num_nodes": NODES,
+            "num_groups": groups,
+        }
 
-        def periodic(
-            r: int = ranks, s: int = slots, g: int = groups, o: policy.Placement = old
-        ) -> policy.Placement:
-            return moves.rebalance_for_resize(
-                drifted,
-                o,
-                old_num_ranks=r,
-                new_num_ranks=r,
-                num_physical=s,
-                num_nodes=NODES,
-                num_groups=g,
-            )
+        def new_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
+            return moves.rebalance_for_resize(drifted, o, **kw)
 
-        kept = periodic()
+        def old_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
+            return reference.rebalance_for_resize(drifted, o, **kw)
+
+        kept = new_fn()
+        runs = max(3, args.runs // 2)
+        old_text = "-"
+        if not args.no_reference:
+            same = "same" if kept.equals(old_fn()) else "DIFFERENT"
+            old_text = f"{median_ms(old_fn, runs):6.1f} ms before ({same})"
         plan = moves.plan_moves(old, kept, old_num_ranks=ranks, new_num_ranks=ranks)
         print(
-            f"  ranks {ranks:>2} slots {slots} groups {groups}: "
-            f"{median_ms(periodic, max(3, args.runs // 2)):7.1f} ms, balancedness "
-            f"{policy.balancedness(drifted, old, ranks):.4f} -> "
+            f"  ranks {ranks:>2} slots {slots} groups {groups}: {median_ms(new_fn, runs):6.1f} "
+            f"ms, {old_text}; balancedness {policy.balancedness(drifted, old, ranks):.4f} -> "
             f"{policy.balancedness(drifted, kept, ranks):.4f}, {len(plan)} expert moves"
         )
 

@@ -400,6 +400,45 @@ def test_rebalance_for_resize_keeps_balance_with_no_more_moves(
     assert len(moves.plan_moves(old, kept, **kw)) <= len(moves.plan_moves(old, plain, **kw))
 
 
+@pytest.mark.parametrize(
+    ("old_ranks", "new_ranks", "experts", "redundant", "nodes", "groups", "tolerance"),
+    [
+        pytest.param(4, 8, 16, 4, 1, 1, 0.0, id="grow-4-to-8"),
+        pytest.param(6, 3, 24, 3, 1, 1, 0.0, id="shrink-6-to-3"),
+        pytest.param(4, 4, 16, 4, 1, 1, 0.0, id="same-size"),
+        pytest.param(4, 4, 16, 4, 1, 1, 0.05, id="same-size-tolerance"),
+        pytest.param(4, 8, 32, 8, 2, 4, 0.0, id="grow-hier-n2"),
+        pytest.param(8, 8, 32, 8, 2, 4, 0.02, id="same-size-hier-n2-tolerance"),
+        pytest.param(2, 4, 8, 8, 1, 1, 0.0, id="many-replicas-per-rank"),
+    ],
+)
+def test_rebalance_for_resize_matches_loop_reference(
+    old_ranks, new_ranks, experts, redundant, nodes, groups, tolerance
+):
+    """The vectorised relabelling (overlap, matching, alignment) gives the per-layer loop's
+    placement, with replicas of one expert on one rank and on departing ranks included."""
+    gen = torch.Generator().manual_seed(old_ranks * 100 + new_ranks * 10 + redundant)
+    old_phys = policy.num_physical_for(experts, old_ranks, redundant)
+    new_phys = policy.num_physical_for(experts, new_ranks, redundant)
+    kw = {
+        "old_num_ranks": old_ranks,
+        "new_num_ranks": new_ranks,
+        "num_physical": new_phys,
+        "num_nodes": nodes,
+        "num_groups": groups,
+        "tolerance": tolerance,
+    }
+    for trial in range(20):
+        kind = ["ties", "zipf", "float", "cold-layer"][trial % 4]
+        old = policy.rebalance(
+            _random_load(kind, 3, experts, gen), old_phys, old_ranks, nodes, groups
+        )
+        load = _random_load(kind, 3, experts, gen)
+        got = moves.rebalance_for_resize(load, old, **kw)
+        want = reference.rebalance_for_resize(load, old, **kw)
+        assert torch.equal(got.phy2log, want.phy2log), (kind, load.tolist())
+
+
 def test_rebalance_for_resize_to_same_load_and_size_moves_nothing():
     load = _zipf(3, 16, 8)
     old = policy.rebalance(load, 20, 4)

@@ -26,10 +26,15 @@ Shapes: placements carry phy2log [L, P], log2phy [L, E, R], logcnt [L, E] (int64
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from moe_runtime.eplb import policy
+
+_I64: TypeAlias = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -152,91 +157,139 @@ def rebalance_for_resize(
     outright if its busiest rank would not be more than ``tolerance`` (a fraction) busier than
     under the new placement: balanced packing is chaotic, and a 1% drift in load would
     otherwise move most experts for no gain.
+
+    Vectorised across layers and packs except for the greedy matching (one short loop per
+    layer); the placements equal those of the per-layer loops kept in ``eplb.reference``.
     """
     new = policy.rebalance(load, num_physical, new_num_ranks, num_nodes, num_groups)
     _check_pair(old, new, old_num_ranks, new_num_ranks)
     old_per = old.slots_per_rank(old_num_ranks)
     new_per = new.slots_per_rank(new_num_ranks)
     nodes = num_nodes if num_nodes >= 1 and new_num_ranks % num_nodes == 0 else 1
-    ranks_per_node = new_num_ranks // nodes
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
-    old_rows = old.phy2log.tolist()
-    keep = [False] * new.num_layers
+    num_layers = new.num_layers
+    keep = np.zeros(num_layers, dtype=bool)
     if old_num_ranks == new_num_ranks and old.num_physical == new.num_physical:
-        old_max = old.rank_slot_load(load, old_num_ranks).max(dim=-1).values
-        new_max = new.rank_slot_load(load, new_num_ranks).max(dim=-1).values
-        keep = (old_max <= new_max * (1.0 + tolerance) + 1e-9).tolist()
-    out_rows: list[list[int]] = []
-    for layer, row in enumerate(new.phy2log.tolist()):
-        old_row = old_rows[layer]
-        if keep[layer]:
-            out_rows.append(list(old_row))
-            continue
-        old_slots = [
-            old_row[r * old_per : (r + 1) * old_per] if r < old_num_ranks else []
-            for r in range(new_num_ranks)
-        ]
-        packs = [row[r * new_per : (r + 1) * new_per] for r in range(new_num_ranks)]
-        gain = [
-            [
-                len(set(pack) & set(held)) if j // ranks_per_node == i // ranks_per_node else -1
-                for j, held in enumerate(old_slots)
-            ]
-            for i, pack in enumerate(packs)
-        ]
-        label = _match(gain)
-        out = [0] * len(row)
-        for i, pack in enumerate(packs):
-            out[label[i] * new_per : (label[i] + 1) * new_per] = _align(pack, old_slots[label[i]])
-        out_rows.append(out)
-    return policy.Placement.from_phy2log(torch.tensor(out_rows, dtype=torch.int64), new.num_logical)
+        old_max = old.rank_slot_load(load, old_num_ranks).numpy().max(axis=-1)
+        new_max = new.rank_slot_load(load, new_num_ranks).numpy().max(axis=-1)
+        keep = old_max <= new_max * (1.0 + tolerance) + 1e-9
+    # packs [L, N, S]: the new placement's slots of each rank; held [L, N, S_old]: what new
+    # rank label j held before (-1 for labels that are new ranks).
+    old_rows = old.phy2log.cpu().numpy()
+    packs = new.phy2log.cpu().numpy().reshape(num_layers, new_num_ranks, new_per)
+    held = np.full((num_layers, new_num_ranks, old_per), -1, dtype=np.int64)
+    kept_ranks = min(old_num_ranks, new_num_ranks)
+    held[:, :kept_ranks] = old_rows.reshape(num_layers, old_num_ranks, old_per)[:, :kept_ranks]
+    gain = _overlap(packs, held, num_experts=new.num_logical)
+    node = np.arange(new_num_ranks) // (new_num_ranks // nodes)
+    gain[:, node[:, None] != node[None, :]] = -1  # a pack stays on its node
+    label = np.stack([_match(layer_gain) for layer_gain in gain])  # [L, N]
+    aligned = _align(packs, np.take_along_axis(held, label[:, :, None], axis=1))
+    out = np.empty_like(packs)
+    np.put_along_axis(out, label[:, :, None], aligned, axis=1)
+    out_rows = out.reshape(num_layers, -1)
+    if keep.any():  # only when P is unchanged
+        out_rows[keep] = old_rows[keep]
+    return policy.Placement.from_phy2log(torch.from_numpy(out_rows), new.num_logical)
 
 
-def _match(gain: list[list[int]]) -> list[int]:
-    """Rank label of each pack maximising the summed gain[pack][label] (-1 = forbidden).
+def _overlap(packs: _I64, held: _I64, *, num_experts: int) -> _I64:
+    """gain [L, N, N]: distinct experts of pack i (packs [L, N, S]) that label j already holds
+    (held [L, N, S_old], -1 = nothing)."""
+    num_layers, num_ranks, _ = packs.shape
+    layer = np.arange(num_layers)[:, None, None]
+    rank = np.arange(num_ranks)[None, :, None]
+    in_pack = np.zeros((num_layers, num_ranks, num_experts), dtype=np.float32)
+    in_pack[layer, rank, packs] = 1.0
+    in_held = np.zeros((num_layers, num_ranks, num_experts + 1), dtype=np.float32)
+    in_held[layer, rank, held] = 1.0  # -1 lands in the spare last column
+    # Exact: sums of at most num_experts ones in float32.
+    return (in_pack @ in_held[:, :, :num_experts].transpose(0, 2, 1)).astype(np.int64)
 
-    Greedy on the largest gains, then pairwise swaps while they help; never worse than the
-    identity labelling (which plain ``rebalance`` uses).
+
+def _match(gain: _I64) -> _I64:
+    """Rank label of each pack maximising the summed gain[pack, label] (gain [N, N], -1 =
+    forbidden). Returns label [N].
+
+    Greedy on the largest gains (ties: lowest pack, then lowest label), then passes of
+    pairwise swaps in (a, b) order while they help; never worse than the identity labelling
+    (which plain ``rebalance`` uses). The swap passes are found with whole-matrix tests, one
+    per swap, instead of visiting every pair.
     """
-    n = len(gain)
-    label = [-1] * n
-    used: set[int] = set()
-    for _, i, j in sorted((-gain[i][j], i, j) for i in range(n) for j in range(n)):
-        if gain[i][j] >= 0 and label[i] == -1 and j not in used:
-            label[i] = j
-            used.add(j)
+    n = gain.shape[0]
+    greedy = [-1] * n
+    used = [False] * n
+    flat = gain.ravel()
+    order = np.argsort(-flat, kind="stable")  # gain descending, then (i, j) ascending
+    order = order[flat[order] >= 0]
+    assigned = 0
+    for i, j in zip((order // n).tolist(), (order % n).tolist(), strict=True):
+        if greedy[i] == -1 and not used[j]:
+            greedy[i] = j
+            used[j] = True
+            assigned += 1
+            if assigned == n:
+                break
+    label = np.array(greedy, dtype=np.int64)
+    later = np.triu(np.ones((n, n), dtype=bool), k=1)  # pairs (a, b) with b > a
+    pair_index = np.arange(n * n).reshape(n, n)
     for _ in range(4):
+        position = -1  # the pass visits pairs in row-major (a, b) order
         improved = False
-        for a in range(n):
-            for b in range(a + 1, n):
-                la, lb = label[a], label[b]
-                if gain[a][lb] < 0 or gain[b][la] < 0:
-                    continue
-                if gain[a][lb] + gain[b][la] > gain[a][la] + gain[b][lb]:
-                    label[a], label[b] = lb, la
-                    improved = True
+        while True:
+            cross = gain[:, label]  # cross[a, b] = gain[a, label[b]]
+            own = np.diagonal(cross)
+            better = (
+                later
+                & (cross >= 0)
+                & (cross.T >= 0)
+                & (cross + cross.T > own[:, None] + own[None, :])
+                & (pair_index > position)
+            )
+            hits = np.flatnonzero(better)
+            if hits.size == 0:
+                break
+            position = int(hits[0])
+            a, b = divmod(position, n)
+            label[a], label[b] = label[b], label[a]
+            improved = True
         if not improved:
             break
-    if sum(gain[i][label[i]] for i in range(n)) < sum(gain[i][i] for i in range(n)):
-        return list(range(n))
+    if gain[np.arange(n), label].sum() < np.trace(gain):
+        return np.arange(n, dtype=np.int64)
     return label
 
 
-def _align(pack: list[int], old_local: list[int]) -> list[int]:
-    """Orders ``pack`` so that experts sit at the local offset they had in ``old_local``."""
-    out: list[int | None] = [None] * len(pack)
-    rest: list[int] = []
-    for expert in pack:
-        spot = next(
-            (o for o, e in enumerate(old_local[: len(pack)]) if e == expert and out[o] is None),
-            None,
-        )
-        if spot is None:
-            rest.append(expert)
-        else:
-            out[spot] = expert
-    free = iter(o for o in range(len(pack)) if out[o] is None)
-    for expert in rest:
-        out[next(free)] = expert
-    return [e for e in out if e is not None]
+def _align(packs: _I64, old_local: _I64) -> _I64:
+    """Orders each pack (packs [L, N, S]) so that its experts sit at the local offset they had
+    in old_local [L, N, S_old] (-1 = empty): the k-th copy of an expert in a pack takes the
+    offset of its k-th copy among old_local's first S offsets; the other experts fill the
+    remaining offsets in ascending order, in pack order. Returns [L, N, S]."""
+    size = packs.shape[-1]
+    old = np.full(packs.shape, -1, dtype=np.int64)
+    width = min(size, old_local.shape[-1])
+    old[..., :width] = old_local[..., :width]
+    before = np.tril(np.ones((size, size), dtype=bool), k=-1)  # [s, s'] with s' < s
+
+    def copy_index(x: _I64) -> _I64:
+        """How many earlier entries of the same pack hold the same expert, per entry."""
+        count: _I64 = ((x[..., :, None] == x[..., None, :]) & before).sum(-1)
+        return count
+
+    match = (packs[..., :, None] == old[..., None, :]) & (
+        copy_index(packs)[..., :, None] == copy_index(old)[..., None, :]
+    )  # [L, N, s, o]: pack entry s goes to offset o; at most one o per s and one s per o
+    matched = match.any(-1)
+    free = ~match.any(-2)
+    # The r-th unmatched entry goes to the r-th free offset.
+    free_offsets = np.argsort(~free, axis=-1, kind="stable")
+    rest_rank = np.cumsum(~matched, axis=-1) - 1
+    target = np.where(
+        matched,
+        match.argmax(-1),
+        np.take_along_axis(free_offsets, np.clip(rest_rank, 0, None), axis=-1),
+    )
+    out = np.empty_like(packs)
+    np.put_along_axis(out, target, packs, axis=-1)
+    return out

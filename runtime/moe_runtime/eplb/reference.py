@@ -1,9 +1,10 @@
 """The loop-by-loop DeepSeek EPLB, kept as the oracle for ``policy.rebalance``.
 
 This is the transcription of github.com/deepseek-ai/EPLB that ``policy`` used before it was
-vectorised across layers: one Python loop per row in balanced packing. It is not used at run
-time; the unit tests check that ``policy.rebalance`` gives the same placement on many random
-loads, and ``bench/eplb.py`` times both.
+vectorised across layers (one Python loop per row in balanced packing), and the per-layer,
+per-pack relabelling that ``moves.rebalance_for_resize`` used. Neither is used at run time;
+the unit tests check that ``policy.rebalance`` and ``moves.rebalance_for_resize`` give the same
+placements on many random loads, and ``bench/eplb.py`` times both.
 
 Shapes as in ``policy``: load [L, E], phy2log [L, P], logcnt [L, E] (int64).
 """
@@ -117,3 +118,118 @@ def _hierarchical(
         + torch.arange(0, num_logical, log_per_node, dtype=torch.int64).view(1, -1, 1)
     ).flatten(-2)
     return mlog2log.gather(-1, pphy2mlog)
+
+
+def rebalance_for_resize(
+    load: torch.Tensor,
+    old: policy.Placement,
+    *,
+    old_num_ranks: int,
+    new_num_ranks: int,
+    num_physical: int,
+    num_nodes: int = 1,
+    num_groups: int = 1,
+    tolerance: float = 0.0,
+) -> policy.Placement:
+    """``moves.rebalance_for_resize`` as it was: one Python loop per layer and per pack.
+
+    ``policy.rebalance`` for new_num_ranks, relabelled to keep experts where they are.
+
+    The rank loads of a placement do not change when, within one layer, the packs of slots
+    are given to different ranks, nor when slots are reordered inside a rank. So per layer this
+    gives each new pack the rank (within the same node) that already holds most of its experts
+    (greedy matching on the overlap), then puts each expert back at its old local offset when
+    it can. Same balancedness as plain ``rebalance``, never more moves in practice, usually far
+    fewer. Old ranks >= new_num_ranks (departing on a shrink) keep nothing.
+
+    When the rank count and P are unchanged (a periodic rebalance), a layer keeps its old slots
+    outright if its busiest rank would not be more than ``tolerance`` (a fraction) busier than
+    under the new placement: balanced packing is chaotic, and a 1% drift in load would
+    otherwise move most experts for no gain.
+    """
+    new = rebalance(load, num_physical, new_num_ranks, num_nodes, num_groups)
+    old_per = old.slots_per_rank(old_num_ranks)
+    new_per = new.slots_per_rank(new_num_ranks)
+    nodes = num_nodes if num_nodes >= 1 and new_num_ranks % num_nodes == 0 else 1
+    ranks_per_node = new_num_ranks // nodes
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    old_rows = old.phy2log.tolist()
+    keep = [False] * new.num_layers
+    if old_num_ranks == new_num_ranks and old.num_physical == new.num_physical:
+        old_max = old.rank_slot_load(load, old_num_ranks).max(dim=-1).values
+        new_max = new.rank_slot_load(load, new_num_ranks).max(dim=-1).values
+        keep = (old_max <= new_max * (1.0 + tolerance) + 1e-9).tolist()
+    out_rows: list[list[int]] = []
+    for layer, row in enumerate(new.phy2log.tolist()):
+        old_row = old_rows[layer]
+        if keep[layer]:
+            out_rows.append(list(old_row))
+            continue
+        old_slots = [
+            old_row[r * old_per : (r + 1) * old_per] if r < old_num_ranks else []
+            for r in range(new_num_ranks)
+        ]
+        packs = [row[r * new_per : (r + 1) * new_per] for r in range(new_num_ranks)]
+        gain = [
+            [
+                len(set(pack) & set(held)) if j // ranks_per_node == i // ranks_per_node else -1
+                for j, held in enumerate(old_slots)
+            ]
+            for i, pack in enumerate(packs)
+        ]
+        label = _match(gain)
+        out = [0] * len(row)
+        for i, pack in enumerate(packs):
+            out[label[i] * new_per : (label[i] + 1) * new_per] = _align(pack, old_slots[label[i]])
+        out_rows.append(out)
+    return policy.Placement.from_phy2log(torch.tensor(out_rows, dtype=torch.int64), new.num_logical)
+
+
+def _match(gain: list[list[int]]) -> list[int]:
+    """Rank label of each pack maximising the summed gain[pack][label] (-1 = forbidden).
+
+    Greedy on the largest gains, then pairwise swaps while they help; never worse than the
+    identity labelling (which plain ``rebalance`` uses).
+    """
+    n = len(gain)
+    label = [-1] * n
+    used: set[int] = set()
+    for _, i, j in sorted((-gain[i][j], i, j) for i in range(n) for j in range(n)):
+        if gain[i][j] >= 0 and label[i] == -1 and j not in used:
+            label[i] = j
+            used.add(j)
+    for _ in range(4):
+        improved = False
+        for a in range(n):
+            for b in range(a + 1, n):
+                la, lb = label[a], label[b]
+                if gain[a][lb] < 0 or gain[b][la] < 0:
+                    continue
+                if gain[a][lb] + gain[b][la] > gain[a][la] + gain[b][lb]:
+                    label[a], label[b] = lb, la
+                    improved = True
+        if not improved:
+            break
+    if sum(gain[i][label[i]] for i in range(n)) < sum(gain[i][i] for i in range(n)):
+        return list(range(n))
+    return label
+
+
+def _align(pack: list[int], old_local: list[int]) -> list[int]:
+    """Orders ``pack`` so that experts sit at the local offset they had in ``old_local``."""
+    out: list[int | None] = [None] * len(pack)
+    rest: list[int] = []
+    for expert in pack:
+        spot = next(
+            (o for o, e in enumerate(old_local[: len(pack)]) if e == expert and out[o] is None),
+            None,
+        )
+        if spot is None:
+            rest.append(expert)
+        else:
+            out[spot] = expert
+    free = iter(o for o in range(len(pack)) if out[o] is None)
+    for expert in rest:
+        out[next(free)] = expert
+    return [e for e in out if e is not None]
