@@ -3,14 +3,36 @@
 A delta never contains text that could still turn out to be the start of a stop string, nor a
 trailing U+FFFD (an incomplete multi-byte character that the next token may complete), so a
 streamed answer is exactly the final answer cut into pieces.
+
+Each token costs a decode of a few tokens, not of the whole output (vLLM's and Hugging Face's
+"prefix offset / read offset" scheme): the text of ``ids[:read]`` is kept, and a new token's
+text is what ``decode(ids[prefix:])`` adds to ``decode(ids[prefix:read])``, where ``prefix`` is
+an earlier read offset at least ``_CONTEXT`` tokens back, so the window holds the context
+that decoders look at (the leading space SentencePiece strips from a first token, "##" word
+pieces, byte-fallback runs). The offsets move on only when the window's text grew and does not
+end in U+FFFD: then ``read`` is a character boundary.
+
+The text is ``decode(ids)`` at every token for the byte tokenizer (UTF-8 decoding restarts
+cleanly after a complete character, so a window starting there decodes to the same suffix) and
+for decoders whose output depends on a bounded context of earlier tokens (Hugging Face
+ByteLevel, Metaspace, ByteFallback + Fuse, WordPiece). When the window's text does not start
+with the text it had before (a decoder that rewrote earlier characters, e.g. byte-fallback
+bytes that became invalid UTF-8 together), that token falls back to one full decode, and the
+offsets move on from there as usual.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
+# Fewest tokens the window keeps before the read offset. One is not enough: byte-fallback
+# decoders decode a run of <0xNN> tokens as one group, so a byte that makes the run invalid
+# UTF-8 turns the characters before it into U+FFFD, and a one-token window whose text is empty
+# (a space stripped as the first token's) cannot see that its earlier text changed.
+_CONTEXT = 4
 
 
 class Decoder(Protocol):
@@ -34,10 +56,16 @@ class IncrementalText:
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._skip = skip_token_id
         self._ids: list[int] = []
-        self._text = ""
+        self._text = ""  # decode(self._ids), see the module docstring
         self._emitted = 0
         self._searched = 0
         self.stopped = False
+        # decode(ids[:read]) for read = the last of _reads (past read offsets, all character
+        # boundaries); the window ids[prefix:] and decode(ids[prefix:read])
+        self._committed = ""
+        self._reads: collections.deque[int] = collections.deque([0])
+        self._prefix = 0
+        self._prefix_text = ""
 
     @property
     def text(self) -> str:
@@ -50,7 +78,7 @@ class IncrementalText:
             return ""
         if token_id != self._skip:
             self._ids.append(token_id)
-        self._text = self._decoder.decode(self._ids)
+            self._text = self._decode_next()
         if self._stop:
             start = max(0, self._searched - self._max_stop + 1)
             hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
@@ -64,6 +92,26 @@ class IncrementalText:
     def flush(self) -> str:
         """Releases everything held back (the sequence finished for another reason)."""
         return self._release(len(self._text))
+
+    def _decode_next(self) -> str:
+        """decode(self._ids) after one more id, from the window ids[prefix:]."""
+        window = self._decoder.decode(self._ids[self._prefix :])
+        if window.startswith(self._prefix_text):
+            text = self._committed + window[len(self._prefix_text) :]
+        else:
+            text = self._decoder.decode(self._ids)  # the decoder rewrote earlier text
+        if len(window) > len(self._prefix_text) and not window.endswith(_REPLACEMENT):
+            self._committed = text
+            self._reads.append(len(self._ids))
+            # The window starts at the last read offset at least _CONTEXT tokens back.
+            while len(self._reads) > 2 and self._reads[1] <= len(self._ids) - _CONTEXT:
+                self._reads.popleft()
+            if self._reads[0] == self._prefix:
+                self._prefix_text = window
+            else:
+                self._prefix = self._reads[0]
+                self._prefix_text = self._decoder.decode(self._ids[self._prefix :])
+        return text
 
     def _safe_end(self) -> int:
         end = len(self._text)
