@@ -104,14 +104,14 @@ class ControlPlane:
         return path
 
     def ready(self) -> bool:
-        return _readyz(self.server, self.ca_file)
+        return readyz(self.server, self.ca_file)
 
     def alive(self) -> bool:
-        return all(_pid_alive(pid) for pid in self.pids.values())
+        return all(pid_alive(pid) for pid in self.pids.values())
 
     def stop(self) -> None:
         """Stop etcd and kube-apiserver and remove etcd's data."""
-        _stop_pids(self.pids)
+        stop_pids(self.pids)
         shutil.rmtree(self.etcd_data_dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / STATE_FILE).unlink()
@@ -155,7 +155,7 @@ def free_port() -> int:
         return port
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -172,26 +172,35 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _is_ours(pid: int) -> bool:
+def _is_ours(pid: int, markers: Sequence[bytes] = (b"etcd", b"kube-apiserver")) -> bool:
     """Whether ``pid`` still runs one of our binaries (pids can be reused)."""
     try:
         cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return b"etcd" in cmdline or b"kube-apiserver" in cmdline
+    return any(marker in cmdline for marker in markers)
 
 
-def _stop_pids(pids: dict[str, int], *, grace: float = 10.0) -> None:
-    # The API server first, so it does not spin on a vanished etcd.
-    order = sorted(pids.items(), key=lambda item: item[0] != "kube-apiserver")
-    for _name, pid in order:
-        if _pid_alive(pid) and _is_ours(pid):
+def stop_pids(
+    pids: dict[str, int],
+    *,
+    grace: float = 10.0,
+    markers: Sequence[bytes] = (b"etcd", b"kube-apiserver"),
+    order: Sequence[str] = ("kube-apiserver",),
+) -> None:
+    """SIGTERM (then SIGKILL after ``grace``) each pid that still runs one of ``markers``;
+    the names in ``order`` first (the API server before etcd, so it does not spin on a
+    vanished etcd), then the rest in reverse start order."""
+    rest = [name for name in reversed(list(pids)) if name not in order]
+    for name in [*(n for n in order if n in pids), *rest]:
+        pid = pids[name]
+        if pid_alive(pid) and _is_ours(pid, markers):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while _pid_alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _pid_alive(pid) and _is_ours(pid):
+        if pid_alive(pid) and _is_ours(pid, markers):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError, OSError):
@@ -204,8 +213,9 @@ def _openssl(*args: str, cwd: pathlib.Path) -> None:
         raise ControlPlaneError(f"openssl {' '.join(args)} failed: {done.stderr}")
 
 
-def generate_pki(pki: pathlib.Path) -> None:
-    """A CA, the API server's serving certificate (127.0.0.1) and service-account keys."""
+def generate_pki(pki: pathlib.Path, *, sans: Sequence[str] = ()) -> None:
+    """A CA, the API server's serving certificate (127.0.0.1 and ``sans``, e.g.
+    ``IP:10.243.0.2``) and service-account keys."""
     pki.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl(
@@ -223,7 +233,8 @@ def generate_pki(pki: pathlib.Path) -> None:
         "subjectKeyIdentifier=hash\n"
         "authorityKeyIdentifier=keyid\n"
         f"subjectAltName=IP:127.0.0.1,IP:{SERVICE_IP},DNS:localhost,DNS:kubernetes,"
-        "DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
+        "DNS:kubernetes.default,DNS:kubernetes.default.svc,"
+        "DNS:kubernetes.default.svc.cluster.local" + "".join(f",{san}" for san in sans) + "\n"
     )
     _openssl(
         "req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=kube-apiserver",
@@ -239,6 +250,24 @@ def generate_pki(pki: pathlib.Path) -> None:
         cwd=pki,
     )  # fmt: skip
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+
+
+def client_certificate(pki: pathlib.Path, name: str, *, cn: str, org: str | None = None) -> None:
+    """``name.crt`` / ``name.key``: a client certificate signed by the CA (``O=org``, ``CN=cn``),
+    e.g. the one the API server shows the kubelet for ``kubectl logs/exec/port-forward``."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    (pki / "client.ext").write_text(
+        "basicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=clientAuth\n"
+    )
+    subject = (f"/O={org}" if org else "") + f"/CN={cn}"
+    _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=pki)
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", f"{name}.crt", "-days", "3650", "-extfile", "client.ext",
+        cwd=pki,
+    )  # fmt: skip
 
 
 def write_kubeconfig(
@@ -271,7 +300,7 @@ def write_kubeconfig(
     tmp.replace(path)
 
 
-def _readyz(server: str, ca_file: pathlib.Path, *, token: str | None = None) -> bool:
+def readyz(server: str, ca_file: pathlib.Path, *, token: str | None = None) -> bool:
     context = ssl.create_default_context(cafile=str(ca_file))
     request = urllib.request.Request(f"{server}/readyz")
     if token:
@@ -283,7 +312,7 @@ def _readyz(server: str, ca_file: pathlib.Path, *, token: str | None = None) -> 
         return False
 
 
-def _log_tail(path: pathlib.Path, lines: int = 30) -> str:
+def log_tail(path: pathlib.Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -295,7 +324,7 @@ def _cleanup_on_error(pids: dict[str, int], data_dir: pathlib.Path) -> Iterator[
     try:
         yield
     except BaseException:
-        _stop_pids(pids, grace=3.0)
+        stop_pids(pids, grace=3.0)
         shutil.rmtree(data_dir, ignore_errors=True)
         raise
 
@@ -327,7 +356,14 @@ def _remove_stale_etcd_dirs(parent: pathlib.Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def _spawn(cmd: Sequence[str], *, log: pathlib.Path, die_with_parent: bool) -> int:
+def spawn(
+    cmd: Sequence[str],
+    *,
+    log: pathlib.Path,
+    die_with_parent: bool,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Start ``cmd`` in its own session, output appended to ``log``; its pid."""
     with log.open("ab") as out:
         proc = subprocess.Popen(  # noqa: S603 - our own binaries
             list(cmd),
@@ -336,6 +372,7 @@ def _spawn(cmd: Sequence[str], *, log: pathlib.Path, die_with_parent: bool) -> i
             stderr=subprocess.STDOUT,
             start_new_session=True,  # no stray terminal signals (Ctrl-C goes to pytest only)
             preexec_fn=_die_with_parent if die_with_parent else None,  # noqa: PLW1509
+            env=env,
         )
     return proc.pid
 
@@ -356,7 +393,7 @@ def _start_once(
     client, peer, secure = free_port(), free_port(), free_port()
     pids: dict[str, int] = {}
     with _cleanup_on_error(pids, data_dir):
-        pids["etcd"] = _spawn(
+        pids["etcd"] = spawn(
             [
                 str(bins["etcd"]),
                 "--name=local",
@@ -373,7 +410,7 @@ def _start_once(
             die_with_parent=die_with_parent,
         )
         server = f"https://127.0.0.1:{secure}"
-        pids["kube-apiserver"] = _spawn(
+        pids["kube-apiserver"] = spawn(
             [
                 str(bins["kube-apiserver"]),
                 f"--etcd-servers=http://127.0.0.1:{client}",
@@ -399,16 +436,16 @@ def _start_once(
         )
         ca_file = pki / "ca.crt"
         deadline = time.monotonic() + timeout
-        while not _readyz(server, ca_file):
+        while not readyz(server, ca_file):
             for name, pid in pids.items():
-                if not _pid_alive(pid):
+                if not pid_alive(pid):
                     raise ControlPlaneError(
-                        f"{name} exited during start-up:\n{_log_tail(logs / f'{name}.log')}"
+                        f"{name} exited during start-up:\n{log_tail(logs / f'{name}.log')}"
                     )
             if time.monotonic() > deadline:
                 raise ControlPlaneError(
                     f"kube-apiserver not ready after {timeout:.0f}s:\n"
-                    f"{_log_tail(logs / 'kube-apiserver.log')}"
+                    f"{log_tail(logs / 'kube-apiserver.log')}"
                 )
             time.sleep(0.1)
     return server, pids, data_dir
@@ -436,12 +473,25 @@ def wait_established(plane: ControlPlane, names: Sequence[str], *, timeout: floa
     """Poll until every named CRD is Established (``kubectl wait`` errors out while a new CRD
     has no conditions yet)."""
     deadline = time.monotonic() + timeout
-    path = '{range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Established")].status}{"\\n"}{end}'
+    states: dict[str, str] = {}
     while True:
-        done = plane.kubectl("get", "crd", *names, "-o", f"jsonpath={path}", check=False)
-        states = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
-        if done.returncode == 0 and all(states.get(name) == "True" for name in names):
-            return
+        done = plane.kubectl("get", "crd", *names, "-o", "json", check=False)
+        if done.returncode == 0:
+            body = json.loads(done.stdout)
+            items = body.get("items", [body]) if body.get("kind") == "List" else [body]
+            states = {
+                item["metadata"]["name"]: next(
+                    (
+                        c.get("status", "")
+                        for c in (item.get("status") or {}).get("conditions") or []
+                        if c.get("type") == "Established"
+                    ),
+                    "",
+                )
+                for item in items
+            }
+            if all(states.get(name) == "True" for name in names):
+                return
         if time.monotonic() > deadline:
             raise ControlPlaneError(f"CRDs not established after {timeout:.0f}s: {states}")
         time.sleep(0.1)
