@@ -33,9 +33,6 @@ EventSink = Callable[[str, str], None]
 RuntimeFactory = Callable[[str, Union[str, None]], runtime_client.RuntimeClient]
 
 RUNTIME_TIMEOUT_SECONDS: Final = 3.0
-#: Labels KubeRay puts on the worker pods of a RayCluster.
-RAY_CLUSTER_LABEL: Final = "ray.io/cluster"
-RAY_NODE_TYPE_LABEL: Final = "ray.io/node-type"
 
 
 def default_runtime_factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
@@ -93,21 +90,20 @@ class Children:
             return None
 
 
-async def _worker_pods(
+async def _ray_pods(
     *, api: k8s_api.Api, owner: builders.Owner, logger: Logger
-) -> tuple[str, ...] | None:
-    """The RayCluster's worker pods (``None`` when they cannot be listed)."""
-    selector = (
-        f"{RAY_CLUSTER_LABEL}={builders.raycluster_name(owner.name)},{RAY_NODE_TYPE_LABEL}=worker"
-    )
+) -> observe.PodsObservation | None:
+    """The RayCluster's head and worker pods, terminating ones included (``None`` when they
+    cannot be listed)."""
+    selector = f"{observe.CLUSTER_LABEL}={builders.raycluster_name(owner.name)}"
     try:
         pods = await api.list(
             api_version="v1", kind="Pod", namespace=owner.namespace, label_selector=selector
         )
     except k8s_api.ApiError as error:
-        logger.warning("%s/%s: worker pods not listed: %s", owner.namespace, owner.name, error)
+        logger.warning("%s/%s: Ray pods not listed: %s", owner.namespace, owner.name, error)
         return None
-    return observe.worker_pods(pods)
+    return observe.pods(pods)
 
 
 async def observe_children(
@@ -133,13 +129,14 @@ async def observe_children(
             namespace=owner.namespace,
             name=builders.secret_name(owner.name),
         ),
-        _worker_pods(api=api, owner=owner, logger=log),
+        _ray_pods(api=api, owner=owner, logger=log),
     )
     observed = observe.Observed(
-        raycluster=observe.raycluster(ray),
+        raycluster=observe.raycluster(ray, pods=pods),
         secret_exists=secret is not None,
         service_exists=service is not None,
-        worker_pods=pods if ray is not None else (),
+        worker_pods=(pods.workers if pods is not None else None) if ray is not None else (),
+        leaving_pods=pods.leaving if pods is not None and ray is not None else (),
     )
     return Children(raycluster=ray, service=service, secret=secret, observed=observed)
 

@@ -90,17 +90,57 @@ def test_head_runs_the_runtime() -> None:
         "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000",
         "--min-data-parallel-size", "1", "--max-data-parallel-size", "4",
         "--num-redundant-experts", "0", "--eplb", "--eplb-window-size", "1000",
-        "--eplb-step-interval", "3000",
+        "--eplb-step-interval", "3000", "--device", "cpu",
     ]  # fmt: skip
     env = {e["name"]: e for e in container["env"]}
-    assert env["RAY_ADDRESS"]["value"] == "auto"
+    # KubeRay sets RAY_ADDRESS=127.0.0.1:6379 on the head when the template has none.
+    assert "RAY_ADDRESS" not in env
     assert env["MOE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "tiny-admin",
         "key": "token",
     }
     assert env["MOE_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    # `bash -c`: a login shell (-l) resets PATH on Debian-based images and loses the venv.
+    assert container["command"] == ["/bin/bash", "-c", "--"]
+
+
+@pytest.mark.parametrize(("load_timeout", "failures"), [(1800, 180), (45, 5)])
+def test_head_probes_allow_model_loading_then_watch_readiness(
+    load_timeout: int, failures: int
+) -> None:
+    spec = make_spec(model={"source": "/m", "loadTimeoutSeconds": load_timeout})
+    container = head_container(builders.build_raycluster(owner=OWNER, spec=spec))
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/health", "port": 8000}
+    # the head may fail its startup probe for the whole load timeout, never longer
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= load_timeout
+    assert startup["periodSeconds"] * (startup["failureThreshold"] - 1) < load_timeout
+    assert startup["failureThreshold"] == failures
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8000}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert "initialDelaySeconds" not in container["livenessProbe"]
+
+
+@pytest.mark.parametrize(("accelerator", "device"), [("cpu", "cpu"), ("nvidia.com/gpu", "cuda")])
+def test_the_runtime_is_told_its_device(accelerator: str, device: str) -> None:
+    spec = make_spec(ray={"accelerator": accelerator})
+    args = head_container(builders.build_raycluster(owner=OWNER, spec=spec))["args"][0]
+    command = shlex.split(args.split("exec ", 1)[1])
+    assert command[command.index("--device") + 1] == device
+
+
+def test_extra_env_and_shared_memory_reach_head_and_workers() -> None:
+    spec = make_spec(
+        ray={"env": [{"name": "MOE_STEP_MODE", "value": "remote"}], "sharedMemorySize": "2Gi"}
+    )
+    obj = builders.build_raycluster(owner=OWNER, spec=spec)
+    for pod in (obj["spec"]["headGroupSpec"]["template"], worker_group(obj)["template"]):
+        container = pod["spec"]["containers"][0]
+        assert {"name": "MOE_STEP_MODE", "value": "remote"} in container["env"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod[
+            "spec"
+        ]["volumes"]
 
 
 def test_served_model_name_defaults_to_the_deployment_name() -> None:
@@ -140,13 +180,27 @@ def test_ray_placement_and_resources_come_from_the_spec() -> None:
     assert obj["spec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"] == {"pool": "moe"}
 
 
-def test_pods_run_as_non_root() -> None:
+def test_ray_pods_meet_pod_security_restricted() -> None:
+    """What the `restricted` profile checks (KubeRay copies the Ray container's security
+    context into the `wait-gcs-ready` init container it injects)."""
     obj = builders.build_raycluster(owner=OWNER, spec=make_spec())
     pods = [obj["spec"]["headGroupSpec"]["template"], worker_group(obj)["template"]]
     for pod in pods:
-        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        security = pod["spec"]["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] != 0
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
         container = pod["spec"]["containers"][0]
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert "hostNetwork" not in pod["spec"] and "hostPath" not in str(pod)
+
+
+def test_workers_to_delete_is_always_written() -> None:
+    """An empty list is written explicitly: KubeRay never clears it, the operator does."""
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec())
+    assert worker_group(obj)["scaleStrategy"] == {"workersToDelete": []}
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec(), workers_to_delete=["b", "a"])
+    assert worker_group(obj)["scaleStrategy"] == {"workersToDelete": ["a", "b"]}
 
 
 def test_service_selects_the_head_on_port_8000() -> None:

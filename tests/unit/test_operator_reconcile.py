@@ -161,11 +161,38 @@ def test_the_token_is_never_rotated() -> None:
     assert api.objects[("RayCluster", "ml", "tiny")]["spec"]["workerGroupSpecs"][0]["replicas"] == 3
 
 
-def make_ready(api: FakeApi, ready_workers: int) -> None:
+def add_pod(
+    api: FakeApi, name: str, *, node_type: str, ready: bool = True, terminating: bool = False
+) -> None:
+    """A pod as KubeRay makes it (its labels) and the kubelet reports it."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": "ml",
+        "labels": {"ray.io/cluster": "tiny", "ray.io/node-type": node_type},
+    }
+    if terminating:
+        meta["deletionTimestamp"] = NOW
+    api.objects[("Pod", "ml", name)] = {
+        "kind": "Pod",
+        "metadata": meta,
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def make_ready(api: FakeApi, ready_workers: int, *, kuberay_says: int | None = None) -> None:
+    """A Ready head pod and ``ready_workers`` Ready worker pods; KubeRay's own status counts
+    ``kuberay_says`` (it counts terminating pods too)."""
     api.objects[("RayCluster", "ml", "tiny")]["status"] = {
-        "readyWorkerReplicas": ready_workers,
+        "readyWorkerReplicas": ready_workers if kuberay_says is None else kuberay_says,
+        "state": "ready",
         "conditions": [{"type": "HeadPodReady", "status": "True"}],
     }
+    add_pod(api, "tiny-head-x", node_type="head")
+    for i in range(ready_workers):
+        add_pod(api, f"tiny-ranks-worker-{i}", node_type="worker")
 
 
 def test_ready_raycluster_and_runtime_make_it_serving() -> None:
@@ -208,6 +235,27 @@ def test_unreachable_runtime_falls_back_to_ray(ready_workers: int) -> None:
     assert api.status["dataParallelSize"] == ready_workers
     expected = "Serving" if ready_workers == 2 else "Provisioning"
     assert api.status["phase"] == expected
+
+
+def test_ranks_are_counted_from_the_pods_not_from_kuberay_status() -> None:
+    # KubeRay v1.5 counts a terminating pod as ready and keeps `state: ready` for good.
+    api, events, seen = FakeApi(), [], []
+    run(api, body(), events=events)
+    make_ready(api, 1, kuberay_says=2)
+    add_pod(api, "tiny-ranks-worker-gone", node_type="worker", terminating=True)
+    run(api, body(status=api.status), events=events, factory=runtime_answering(None, seen))
+    assert api.status["phase"] == "Provisioning"
+    assert api.status["dataParallelSize"] == 1
+
+
+def test_a_head_pod_that_is_not_ready_is_not_asked() -> None:
+    api, events, seen = FakeApi(), [], []
+    run(api, body(), events=events)
+    make_ready(api, 2)
+    add_pod(api, "tiny-head-x", node_type="head", ready=False)  # HeadPodReady is stale
+    run(api, body(status=api.status), events=events, factory=runtime_answering(None, seen))
+    assert seen == []
+    assert api.status["phase"] == "Provisioning"
 
 
 def test_invalid_spec_is_reported() -> None:

@@ -189,21 +189,30 @@ def test_up_starts_by_provisioning_workers() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ready", "pending", "asks"),
-    [(3, (), False), (4, (), True), (4, ("old-pod",), False)],
-    ids=["three-of-four", "all-ready", "deletion-pending"],
+    ("ready", "pending", "leaving", "asks"),
+    [
+        (3, (), (), False),
+        (4, (), (), True),
+        # KubeRay never clears workersToDelete: a name whose pod is gone blocks nothing.
+        (4, ("old-pod",), (), True),
+        # ... but while that pod still terminates, it does.
+        (4, ("old-pod",), ("old-pod",), False),
+    ],
+    ids=["three-of-four", "all-ready", "stale-name", "deleted-pod-still-terminating"],
 )
 def test_up_asks_the_runtime_once_every_worker_is_ready(
-    ready: int, pending: tuple[str, ...], asks: bool
+    ready: int, pending: tuple[str, ...], leaving: tuple[str, ...], asks: bool
 ) -> None:
-    p = plan(
-        4,
-        serving(2, active(2, 4, Stage.PROVISIONING)),
-        observed(raycluster=ray(4, ready, delete=pending), rt=runtime(2)),
+    obs = dataclasses.replace(
+        observed(raycluster=ray(4, ready, delete=pending), rt=runtime(2)), leaving_pods=leaving
     )
+    p = plan(4, serving(2, active(2, 4, Stage.PROVISIONING)), obs)
     assert p.scale == (4 if asks else None)
     assert p.raycluster.worker_replicas == 4
-    assert p.resize.message == f"{ready} of 4 workers ready"
+    # the operator keeps a name only while its pod exists, and writes the list explicitly
+    assert p.raycluster.workers_to_delete == tuple(n for n in pending if n in leaving)
+    suffix = f"; {len(leaving)} leaving" if leaving else ""
+    assert p.resize.message == f"{ready} of 4 workers ready{suffix}"
     assert p.events == []
 
 
@@ -260,9 +269,26 @@ def test_down_completes_by_deleting_exactly_the_freed_pods() -> None:
     assert p.resize.freed_pods == list(freed)
 
 
-def test_pending_workers_to_delete_are_kept_until_kuberay_clears_them() -> None:
-    p = plan(2, serving(2), observed(raycluster=ray(2, delete=("gone",)), rt=runtime(2)))
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=2, workers_to_delete=("gone",))
+@pytest.mark.parametrize(
+    ("worker_pods", "leaving", "kept"),
+    [
+        (PODS[:2], (PODS[2],), (PODS[2],)),  # KubeRay deleted it; it still terminates
+        (PODS[:3], (), (PODS[2],)),  # KubeRay has not acted yet
+        (PODS[:2], (), ()),  # gone: the operator drops the name (KubeRay never would)
+        (None, (), (PODS[2],)),  # pods not listed: keep every name
+    ],
+    ids=["terminating", "not-yet-deleted", "gone", "pods-unknown"],
+)
+def test_workers_to_delete_keeps_a_name_exactly_while_its_pod_exists(
+    worker_pods: tuple[str, ...] | None, leaving: tuple[str, ...], kept: tuple[str, ...]
+) -> None:
+    obs = dataclasses.replace(
+        observed(raycluster=ray(2, delete=(PODS[2],)), rt=runtime(2)),
+        worker_pods=worker_pods,
+        leaving_pods=leaving,
+    )
+    p = plan(2, serving(2), obs)
+    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=2, workers_to_delete=kept)
 
 
 # -- restarts ------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from pydantic import alias_generators
 #: Largest data-parallel size the schema accepts (bounds CEL cost estimates too).
 MAX_DATA_PARALLEL_SIZE = 1024
 MAX_TENSOR_PARALLEL_SIZE = 64
-DEFAULT_IMAGE = "ghcr.io/elastic-moe/elastic-moe:0.1.0"
+#: The runtime image `make images` builds (images/runtime/Dockerfile).
+DEFAULT_IMAGE = "ghcr.io/elastic-moe/runtime:0.1.0"
 
 Accelerator = Literal["cpu", "nvidia.com/gpu"]
 ACCELERATOR_CPU: Final = "cpu"
@@ -68,6 +69,15 @@ class ModelSpec(ApiModel):
         min_length=1,
         max_length=253,
         description="Name of the model in the OpenAI-compatible API (default: the deployment name).",
+    )
+    load_timeout_seconds: int = pydantic.Field(
+        default=1800,
+        ge=30,
+        le=86_400,
+        description=(
+            "How long the head may take to load the model and start serving before Kubernetes "
+            "restarts it (the head's startupProbe)."
+        ),
     )
 
 
@@ -133,6 +143,15 @@ class Toleration(ApiModel):
     toleration_seconds: int | None = None
 
 
+class EnvVar(ApiModel):
+    """An environment variable of the Ray containers (head and workers)."""
+
+    name: str = pydantic.Field(
+        min_length=1, max_length=253, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+    )
+    value: str = pydantic.Field(default="", max_length=32_768)
+
+
 class RaySpec(ApiModel):
     """The RayCluster the deployment runs on."""
 
@@ -147,6 +166,21 @@ class RaySpec(ApiModel):
     node_selector: dict[str, str] | None = None
     tolerations: list[Toleration] | None = None
     service_account_name: str | None = pydantic.Field(default=None, max_length=253)
+    shared_memory_size: Quantity = pydantic.Field(
+        default="1Gi",
+        description=(
+            "Size of /dev/shm in the Ray pods (Ray's object store; NCCL on GPUs): a memory-backed "
+            "emptyDir, since a container's own /dev/shm is 64 MiB."
+        ),
+    )
+    env: list[EnvVar] | None = pydantic.Field(
+        default=None,
+        max_length=64,
+        description=(
+            "Extra environment of the head and worker containers (e.g. NCCL settings, "
+            "MOE_STEP_MODE=remote where ranks outnumber CPU cores)."
+        ),
+    )
 
 
 _SPEC_RULES: list[pydantic.JsonValue] = [

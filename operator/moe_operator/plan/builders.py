@@ -17,6 +17,9 @@ from moe_operator.api import group
 from moe_operator.api import spec as spec_
 
 RUNTIME_PORT: Final = 8000
+#: The runtime's liveness route (DESIGN §4) and its readiness route (a step path serves).
+HEALTH_PATH: Final = "/health"
+READY_PATH: Final = "/ready"
 HEAD_CONTAINER: Final = "ray-head"
 WORKER_CONTAINER: Final = "ray-worker"
 WORKER_GROUP: Final = "ranks"
@@ -24,6 +27,14 @@ WORKER_GROUP: Final = "ranks"
 RANK_RESOURCE: Final = "moe_rank"
 SECRET_TOKEN_KEY: Final = "token"
 RUN_AS_USER: Final = 1000
+#: The runtime image's user ``ray`` (uid 1000, gid 100 ``users``), as in rayproject/ray.
+RUN_AS_GROUP: Final = 100
+SHM_VOLUME: Final = "dshm"
+#: Seconds a worker pod gets to stop: its rank was released (or lost) before the pod is
+#: deleted, and KubeRay creates no new worker while a deleted one still terminates.
+WORKER_GRACE_SECONDS: Final = 10
+#: Period of the head's startup probe; ``model.loadTimeoutSeconds`` sets how many it may fail.
+STARTUP_PERIOD_SECONDS: Final = 10
 #: KubeRay annotation: run our command after KubeRay's generated ``ray start`` (head only).
 OVERWRITE_CMD_ANNOTATION: Final = "ray.io/overwrite-container-cmd"
 #: Environment variable in which KubeRay passes its generated ``ray start`` command.
@@ -131,6 +142,8 @@ def serve_command(
     ]
     if experts.max_experts_per_rank is not None:
         command += ["--max-experts-per-rank", str(experts.max_experts_per_rank)]
+    # Said, not guessed: at start the head may not see the GPU workers yet.
+    command += ["--device", "cuda" if spec.wants_gpus else "cpu"]
     return command
 
 
@@ -143,11 +156,38 @@ def _resources(requirements: spec_.ResourceRequirements | None, *, gpus: int = 0
 
 
 def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "fsGroup": RUN_AS_USER}
+    """Pod Security ``restricted``: non-root, the runtime's default seccomp profile (KubeRay's
+    injected ``wait-gcs-ready`` init container copies the Ray container's settings)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_GROUP,
+        "fsGroup": RUN_AS_GROUP,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _env(spec: spec_.MoEDeploymentSpec) -> list[dict[str, Any]]:
+    return [e.to_wire() for e in spec.ray.env or ()]
+
+
+def _shm_volume(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
+    return {
+        "name": SHM_VOLUME,
+        "emptyDir": {"medium": "Memory", "sizeLimit": spec.ray.shared_memory_size},
+    }
+
+
+_SHM_MOUNT: Final = {"name": SHM_VOLUME, "mountPath": "/dev/shm"}
 
 
 def _pod_placement(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
@@ -165,12 +205,25 @@ def _pod_name_env() -> dict[str, Any]:
     return {"name": "MOE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
 
 
-def _health_probe(*, period: int, failures: int) -> dict[str, Any]:
+def _http_probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     return {
-        "httpGet": {"path": "/health", "port": RUNTIME_PORT},
+        "httpGet": {"path": path, "port": RUNTIME_PORT},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
+    }
+
+
+def _head_probes(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
+    """Startup allows ``model.loadTimeoutSeconds`` to load the model (the server answers only
+    once it serves); then liveness is the process and its loop, readiness that it serves."""
+    startup_failures = -(-spec.model.load_timeout_seconds // STARTUP_PERIOD_SECONDS)
+    return {
+        "startupProbe": _http_probe(
+            HEALTH_PATH, period=STARTUP_PERIOD_SECONDS, failures=startup_failures
+        ),
+        "readinessProbe": _http_probe(READY_PATH, period=5, failures=3),
+        "livenessProbe": _http_probe(HEALTH_PATH, period=10, failures=6),
     }
 
 
@@ -186,9 +239,14 @@ def _head_template(
         # With the overwrite annotation KubeRay leaves our command alone and hands us its
         # generated `ray start --head ... --block` in $KUBERAY_GEN_RAY_START_CMD. Without
         # --block it returns once Ray is up; the runtime then becomes the container's main
-        # process and joins that Ray instance (RAY_ADDRESS=auto).
-        "command": ["/bin/bash", "-lc", "--"],
-        "args": [f'ulimit -n 65536; eval "${{{RAY_START_ENV}/--block/}}" && exec {serve}'],
+        # process and joins that Ray instance ($RAY_ADDRESS, which KubeRay sets to
+        # 127.0.0.1:6379). `bash -c`, not `-l`: a login shell resets PATH on Debian images.
+        # `ulimit` needs CAP_SYS_RESOURCE, which restricted pods lack: best effort.
+        "command": ["/bin/bash", "-c", "--"],
+        "args": [
+            f'ulimit -n 65536 2>/dev/null || true; eval "${{{RAY_START_ENV}/--block/}}" '
+            f"&& exec {serve}"
+        ],
         "ports": [
             {"name": "gcs", "containerPort": 6379},
             {"name": "dashboard", "containerPort": 8265},
@@ -196,7 +254,6 @@ def _head_template(
             {"name": "http", "containerPort": RUNTIME_PORT},
         ],
         "env": [
-            {"name": "RAY_ADDRESS", "value": "auto"},
             {
                 "name": "MOE_ADMIN_TOKEN",
                 "valueFrom": {
@@ -204,11 +261,12 @@ def _head_template(
                 },
             },
             _pod_name_env(),
+            *_env(spec),
         ],
-        "readinessProbe": _health_probe(period=5, failures=3),
-        "livenessProbe": {**_health_probe(period=10, failures=6), "initialDelaySeconds": 30},
+        **_head_probes(spec),
         "resources": _resources(spec.ray.head_resources),
         "securityContext": _container_security(),
+        "volumeMounts": [dict(_SHM_MOUNT)],
     }
     return {
         "metadata": {
@@ -222,6 +280,7 @@ def _head_template(
             "securityContext": _pod_security(),
             **_pod_placement(spec),
             "containers": [container],
+            "volumes": [_shm_volume(spec)],
         },
     }
 
@@ -232,16 +291,19 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         "name": WORKER_CONTAINER,
         "image": spec.ray.image,
         "imagePullPolicy": spec.ray.image_pull_policy,
-        "env": [_pod_name_env()],
+        "env": [_pod_name_env(), *_env(spec)],
         "resources": _resources(spec.ray.worker_resources, gpus=gpus),
         "securityContext": _container_security(),
+        "volumeMounts": [dict(_SHM_MOUNT)],
     }
     return {
         "metadata": {"labels": labels(owner.name, COMPONENT_WORKER)},
         "spec": {
             "securityContext": _pod_security(),
             **_pod_placement(spec),
+            "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
             "containers": [container],
+            "volumes": [_shm_volume(spec)],
         },
     }
 
@@ -278,9 +340,11 @@ def build_raycluster(
         "maxReplicas": spec.max_data_parallel_size,
         "rayStartParams": worker_params,
         "template": _worker_template(owner=owner, spec=spec),
+        # Ours to keep: KubeRay deletes the named pods but never clears the list (only its
+        # autoscaler would), so the operator drops each name once its pod is gone and writes
+        # an empty list explicitly.
+        "scaleStrategy": {"workersToDelete": sorted(workers_to_delete)},
     }
-    if workers_to_delete:
-        worker_group["scaleStrategy"] = {"workersToDelete": sorted(workers_to_delete)}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
@@ -291,7 +355,9 @@ def build_raycluster(
             "enableInTreeAutoscaling": False,
             "headGroupSpec": {
                 "serviceType": "ClusterIP",
-                "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+                # The dashboard stays inside the pod (KubeRay would bind 0.0.0.0); the head
+                # runs no Ray tasks of its own (num-cpus 0): ranks live on the workers.
+                "rayStartParams": {"dashboard-host": "127.0.0.1", "num-cpus": "0"},
                 "template": _head_template(owner=owner, spec=spec, size=head_size),
             },
             "workerGroupSpecs": [worker_group],

@@ -8,28 +8,45 @@ from typing import Any, Final
 
 from moe_operator.api import group
 
+#: KubeRay's pod labels.
+CLUSTER_LABEL: Final = "ray.io/cluster"
+NODE_TYPE_LABEL: Final = "ray.io/node-type"
 #: Runtime stages after which a resize record no longer changes.
 RUNTIME_DONE: Final = frozenset({"Completed", "Failed", "Idle"})
 
 
 @dataclasses.dataclass(frozen=True)
 class RayClusterObservation:
-    """The parts of a RayCluster's spec and status the operator decides on."""
+    """The parts of a RayCluster the operator decides on.
+
+    ``ready_workers`` and ``head_ready`` come from the pods the operator lists itself
+    (:func:`pods`): KubeRay v1.5's ``readyWorkerReplicas`` counts terminating pods and its
+    ``state`` turns ``ready`` once and never back. Without a pod listing they fall back to
+    KubeRay's ``readyWorkerReplicas`` and ``HeadPodReady`` condition.
+    """
 
     worker_replicas: int
     ready_workers: int
     head_ready: bool
     state: str | None = None
-    available_workers: int = 0
-    #: ``scaleStrategy.workersToDelete`` not yet honoured (KubeRay clears it once done).
+    #: ``scaleStrategy.workersToDelete`` as written (KubeRay never clears it: we do).
     workers_to_delete: tuple[str, ...] = ()
     #: The runtime size in the head template (``None``: not ours or not set).
     head_size: int | None = None
 
-    @property
-    def workers_up(self) -> int:
-        """Workers KubeRay reports ready (``readyWorkerReplicas`` or ``availableWorkerReplicas``)."""
-        return max(self.ready_workers, self.available_workers)
+
+@dataclasses.dataclass(frozen=True)
+class PodsObservation:
+    """The RayCluster's pods, as listed (``ray.io/cluster=NAME``)."""
+
+    #: Worker pods that are neither terminating nor finished, sorted.
+    workers: tuple[str, ...] = ()
+    #: Of those, the Running ones whose ``Ready`` condition is True.
+    ready_workers: tuple[str, ...] = ()
+    #: Worker pods that still exist but are on their way out (deleted, or finished).
+    leaving: tuple[str, ...] = ()
+    #: A head pod is Running, Ready and not terminating (``None``: no head pod listed).
+    head_ready: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +108,9 @@ class Observed:
     runtime: RuntimeObservation | None = None
     #: Worker pods of the RayCluster that are not being deleted (``None``: not listed).
     worker_pods: tuple[str, ...] | None = None
+    #: Worker pods that still exist but are terminating or finished: KubeRay creates no new
+    #: worker while one it deleted is still there.
+    leaving_pods: tuple[str, ...] = ()
     #: ``metadata.generation`` of the MoEDeployment.
     generation: int = 1
     #: The moment of this reconcile (UTC); timeouts are measured against it.
@@ -117,8 +137,11 @@ def _head_size(spec: dict[str, Any]) -> int | None:
         return None
 
 
-def raycluster(obj: dict[str, Any] | None) -> RayClusterObservation | None:
-    """Parse a RayCluster object (``None`` when it does not exist)."""
+def raycluster(
+    obj: dict[str, Any] | None, *, pods: PodsObservation | None = None
+) -> RayClusterObservation | None:
+    """Parse a RayCluster object (``None`` when it does not exist); readiness from ``pods``
+    when they were listed."""
     if obj is None:
         return None
     spec = obj.get("spec") or {}
@@ -130,31 +153,57 @@ def raycluster(obj: dict[str, Any] | None) -> RayClusterObservation | None:
         for name in ((g.get("scaleStrategy") or {}).get("workersToDelete") or [])
     )
     status = obj.get("status") or {}
-    head_ready = _condition_true(status.get("conditions"), "HeadPodReady") or (
-        status.get("state") == "ready"
-    )
+    head_ready = _condition_true(status.get("conditions"), "HeadPodReady")
+    ready_workers = int(status.get("readyWorkerReplicas") or 0)
+    if pods is not None:
+        ready_workers = len(pods.ready_workers)
+        if pods.head_ready is not None:
+            head_ready = pods.head_ready
     return RayClusterObservation(
         worker_replicas=replicas,
-        ready_workers=int(status.get("readyWorkerReplicas") or 0),
+        ready_workers=ready_workers,
         head_ready=head_ready,
         state=status.get("state"),
-        available_workers=int(status.get("availableWorkerReplicas") or 0),
         workers_to_delete=pending,
         head_size=_head_size(spec),
     )
 
 
-def worker_pods(pods: list[dict[str, Any]] | None) -> tuple[str, ...] | None:
-    """Names of the worker pods that are not being deleted, sorted."""
-    if pods is None:
-        return None
-    names = [
-        p["metadata"]["name"]
-        for p in pods
-        if not (p.get("metadata") or {}).get("deletionTimestamp")
-        and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")
-    ]
-    return tuple(sorted(names))
+def _leaving(pod: dict[str, Any]) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp")) or (
+        (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    )
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return status.get("phase") == "Running" and _condition_true(status.get("conditions"), "Ready")
+
+
+def pods(listed: list[dict[str, Any]]) -> PodsObservation:
+    """The RayCluster's pods (head and workers, by KubeRay's ``ray.io/node-type`` label)."""
+    workers, ready, leaving = [], [], []
+    head_ready: bool | None = None
+    for pod in listed:
+        meta = pod.get("metadata") or {}
+        kind = (meta.get("labels") or {}).get(NODE_TYPE_LABEL)
+        if kind == "head":
+            now = _ready(pod) and not _leaving(pod)
+            head_ready = now or bool(head_ready)
+        elif kind == "worker":
+            name = str(meta["name"])
+            if _leaving(pod):
+                leaving.append(name)
+            else:
+                workers.append(name)
+                if _ready(pod):
+                    ready.append(name)
+    return PodsObservation(
+        workers=tuple(sorted(workers)),
+        ready_workers=tuple(sorted(ready)),
+        leaving=tuple(sorted(leaving)),
+        head_ready=head_ready,
+    )
 
 
 def _float(value: Any) -> float | None:

@@ -232,10 +232,21 @@ def _stage_event(r: status_.ResizeStatus, stage: Stage, message: str = "") -> Ev
 
 
 def _pending(observed: observe.Observed) -> tuple[str, ...]:
-    """``workersToDelete`` KubeRay has not honoured yet: kept in every apply, so a write of
-    ours never drops them before KubeRay acts (it would then delete random pods)."""
+    """The ``workersToDelete`` names whose pod still exists (terminating ones included).
+
+    KubeRay deletes the named pods but never clears the list (``reconcilePods`` empties only
+    its loop copy; raycluster_controller.go): the operator owns it. A name stays in every
+    apply while its pod exists, so a write of ours never drops it before KubeRay acted (it
+    would then delete random pods); it goes once the pod is gone. When the pods could not be
+    listed, every name stays.
+    """
     ray = observed.raycluster
-    return ray.workers_to_delete if ray is not None else ()
+    if ray is None:
+        return ()
+    if observed.worker_pods is None:
+        return ray.workers_to_delete
+    existing = {*observed.worker_pods, *observed.leaving_pods}
+    return tuple(name for name in ray.workers_to_delete if name in existing)
 
 
 def _merge(*groups: tuple[str, ...]) -> tuple[str, ...]:
@@ -523,7 +534,7 @@ def _drive(
     if timed_out:
         ray = observed.raycluster
         detail = (
-            f"{ray.workers_up if ray else 0} of {r.to_size} workers ready"
+            f"{ray.ready_workers if ray else 0} of {r.to_size} workers ready"
             if r.stage is Stage.PROVISIONING
             else "the runtime was never asked"
         )
@@ -582,9 +593,12 @@ def _drive(
     if r.to_size > r.from_size:
         decision.replicas = r.to_size
         decision.workers_to_delete = _pending(observed)
-        ready = ray.workers_up if ray is not None else 0
+        ready = ray.ready_workers if ray is not None else 0
         message = f"{min(ready, r.to_size)} of {r.to_size} workers ready"
-        if ray is not None and ready >= r.to_size and not ray.workers_to_delete:
+        if observed.leaving_pods:
+            # KubeRay creates no worker while a pod it deleted still terminates.
+            message += f"; {len(observed.leaving_pods)} leaving"
+        if ray is not None and ready >= r.to_size and not _pending(observed):
             if runtime is not None:
                 decision.scale = r.to_size
             else:
