@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e demo demo-runtime bench \
-        controlplane cluster-up cluster-down clean
+.PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e e2e-local demo \
+        demo-local demo-runtime bench controlplane node-build images cluster-up cluster-down clean
 
 setup:
 	@bash scripts/venv.sh
@@ -34,14 +34,24 @@ crds-check: setup
 controlplane: setup
 	@bash e2e/controlplane/build.sh
 
-cluster-up: controlplane
-	@bash e2e/controlplane/up.sh
+## node-build: also kube-controller-manager, kube-scheduler, kubelet, kube-proxy, CoreDNS
+node-build: setup
+	@bash e2e/controlplane/build.sh --node
 
+## images: the runtime, operator, KubeRay and pause images (Docker, offline; cached)
+images: setup node-build
+	@bash images/build.sh
+
+## cluster-up: a real single-node cluster (KubeRay and our operator as pods); .cluster/kubeconfig
+cluster-up: images
+	$(PY) -m e2e.node up
+
+## cluster-down: stop everything cluster-up started; no container, no host state left
 cluster-down:
-	@bash e2e/controlplane/down.sh
+	@if [ -x $(PY) ]; then $(PY) -m e2e.node down; else python3 -m e2e.node down; fi
 
-## test: lint, types, layers, CRDs, then every test tier (unit, integration, e2e/local)
-test: lint typecheck importlint crds-check controlplane
+## test: lint, types, layers, CRDs, then every test tier (unit, integration, e2e/cluster)
+test: lint typecheck importlint crds-check controlplane images
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 unit: setup
@@ -50,11 +60,20 @@ unit: setup
 integration: setup controlplane
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
-e2e: setup controlplane
+## e2e: the real-node tier (starts the node, or reuses the one cluster-up started)
+e2e: setup images
+	$(PY) -m pytest -q e2e/cluster $(PYTEST_ARGS)
+
+## e2e-local: the KubeRay stand-in tier (a fast inner loop; proves no Kubernetes behaviour)
+e2e-local: setup controlplane
 	$(PY) -m pytest -q e2e/local $(PYTEST_ARGS)
 
-## demo: the operator on a local control plane resizes a live deployment 2->4->2 under load
-demo: setup controlplane
+## demo: on the real node, a live deployment resized 2->4->2 under checked load
+demo: setup images
+	$(PY) -m e2e.cluster.demo
+
+## demo-local: the same story on the KubeRay stand-in (no kubelet)
+demo-local: setup controlplane
 	$(PY) -m e2e.local.demo
 
 ## demo-runtime: the runtime alone (no Kubernetes): moe-runtime serve at DP=2

@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
 from e2e.controlplane import cluster
 from e2e.local import kuberay
-
-T = TypeVar("T")
-
-
-def wait_for(
-    check: Callable[[], T | None],
-    *,
-    timeout_s: float,
-    what: str,
-    interval_s: float = 0.2,
-) -> T:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` past the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval_s)  # poll interval; the deadline above bounds the wait
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture(scope="module")

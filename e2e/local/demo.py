@@ -18,8 +18,9 @@ import time
 
 import yaml
 
+from e2e import kube
+from e2e import load as load_mod
 from e2e.controlplane import cluster
-from e2e.local import load as load_mod
 from e2e.local import stack as stack_mod
 
 NAMESPACE = "demo"
@@ -35,7 +36,7 @@ def get_moed(stack: stack_mod.LocalStack) -> str:
     return stack.kubectl("get", "moed", "-n", NAMESPACE).stdout.rstrip()
 
 
-def follow(stack: stack_mod.LocalStack, dep: stack_mod.Deployment, size: int) -> None:
+def follow(stack: stack_mod.LocalStack, dep: kube.Deployment, size: int) -> None:
     """Print `kubectl get moed` whenever its row changes, until DP=size is served."""
     last_key = None
     deadline = time.monotonic() + TIMEOUT_S
@@ -53,7 +54,7 @@ def follow(stack: stack_mod.LocalStack, dep: stack_mod.Deployment, size: int) ->
     raise TimeoutError(f"DP={size} was not reached within {TIMEOUT_S:.0f}s")
 
 
-def timeline(dep: stack_mod.Deployment) -> None:
+def timeline(dep: kube.Deployment) -> None:
     for record in dep.runtime_status()["history"]:
         stages = "  ".join(f"{s['stage']} {s['duration_s']:.2f}s" for s in record["stages"])
         print(

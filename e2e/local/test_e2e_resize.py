@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e import kube
+from e2e import load as load_mod
 from e2e.controlplane import cluster
-from e2e.local import load as load_mod
 from e2e.local import stack as stack_mod
 from e2e.local.operator_proc import wait_for
 
@@ -52,7 +53,7 @@ def stack(
 
 
 @pytest.fixture(scope="module")
-def dep(stack: stack_mod.LocalStack) -> Iterator[stack_mod.Deployment]:
+def dep(stack: stack_mod.LocalStack) -> Iterator[kube.Deployment]:
     sample = yaml.safe_load(stack_mod.SAMPLE.read_text())
     sample["spec"].setdefault("expertParallel", {})["maxExpertsPerRank"] = 4
     path = stack.workdir / "sample.yaml"
@@ -69,7 +70,7 @@ def dep(stack: stack_mod.LocalStack) -> Iterator[stack_mod.Deployment]:
 
 
 @pytest.fixture(scope="module")
-def load(dep: stack_mod.Deployment) -> Iterator[load_mod.Load]:
+def load(dep: kube.Deployment) -> Iterator[load_mod.Load]:
     reference = load_mod.reference_tokens(
         yaml.safe_load(stack_mod.SAMPLE.read_text())["spec"]["model"]["source"]
     )
@@ -78,18 +79,18 @@ def load(dep: stack_mod.Deployment) -> Iterator[load_mod.Load]:
         yield lg
 
 
-def patch_size(dep: stack_mod.Deployment, size: int) -> None:
+def patch_size(dep: kube.Deployment, size: int) -> None:
     body = json.dumps({"spec": {"dataParallelSize": size}})
     dep.stack.kubectl("patch", "moed", NAME, "-n", NAMESPACE, "--type=merge", "-p", body)
 
 
-def wait_serving(dep: stack_mod.Deployment, size: int) -> dict[str, Any]:
+def wait_serving(dep: kube.Deployment, size: int) -> dict[str, Any]:
     return wait_for(
         lambda: dep.serving(size), timeout=RESIZE_TIMEOUT, interval=0.3, what=f"DP={size}"
     )
 
 
-def test_patch_grows_through_every_stage(dep: stack_mod.Deployment, load: load_mod.Load) -> None:
+def test_patch_grows_through_every_stage(dep: kube.Deployment, load: load_mod.Load) -> None:
     watch = dep.watch()
     try:
         patch_size(dep, 4)
@@ -110,7 +111,7 @@ def test_patch_grows_through_every_stage(dep: stack_mod.Deployment, load: load_m
 
 
 def test_scale_shrinks_and_frees_exactly_the_named_pods(
-    dep: stack_mod.Deployment, load: load_mod.Load
+    dep: kube.Deployment, load: load_mod.Load
 ) -> None:
     before = set(dep.worker_pods())
     watch = dep.watch()
@@ -136,7 +137,7 @@ def test_scale_shrinks_and_frees_exactly_the_named_pods(
 
 
 def test_new_target_during_a_resize_converges_on_the_latest(
-    dep: stack_mod.Deployment, load: load_mod.Load
+    dep: kube.Deployment, load: load_mod.Load
 ) -> None:
     patch_size(dep, 4)
     wait_for(
@@ -154,7 +155,7 @@ def test_new_target_during_a_resize_converges_on_the_latest(
 
 
 def test_operator_killed_mid_resize_resumes_without_asking_twice(
-    dep: stack_mod.Deployment, load: load_mod.Load
+    dep: kube.Deployment, load: load_mod.Load
 ) -> None:
     assert dep.stack.operator is not None
     patch_size(dep, 2)
@@ -173,7 +174,7 @@ def test_operator_killed_mid_resize_resumes_without_asking_twice(
 
 
 def test_a_size_the_runtime_refuses_fails_and_keeps_serving(
-    dep: stack_mod.Deployment, load: load_mod.Load
+    dep: kube.Deployment, load: load_mod.Load
 ) -> None:
     ok_before = load.ok
     patch_size(dep, 1)

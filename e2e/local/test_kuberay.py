@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from e2e.controlplane import cluster
+from e2e.kube import wait_for
 from e2e.local import kubeapi, kuberay, podspec, procs
-from e2e.local.conftest import wait_for
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -1,0 +1,229 @@
+"""Handles on a MoEDeployment for end-to-end runs, through the real kubectl: its status and
+events, its pods, the runtime's admin API, a ``kubectl get -w`` of its resize stages, and a
+``kubectl port-forward`` that follows the Service. Shared by the e2e tiers and the demo."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+
+
+class Kubectl(Protocol):
+    """What a cluster handle offers (``e2e.controlplane.cluster.ControlPlane``, ``e2e.node``)."""
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]: ...
+
+    def env(self) -> dict[str, str]: ...
+
+
+def wait_for(
+    check: Callable[[], T | None],
+    *,
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.2,
+) -> T:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval_s)  # poll interval; the deadline above bounds the wait
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
+
+
+@dataclasses.dataclass
+class Deployment:
+    """A MoEDeployment seen through kubectl; ``endpoint()`` is where its runtime answers
+    from here (``None`` while it does not)."""
+
+    cluster: Kubectl
+    name: str
+    namespace: str
+    endpoint: Callable[[], str | None] = lambda: None
+
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl(*args, check=check)
+
+    def get(self, kind: str = "moed", name: str | None = None) -> dict[str, Any]:
+        done = self.kubectl("get", kind, name or self.name, "-n", self.namespace, "-o", "json")
+        obj: dict[str, Any] = json.loads(done.stdout)
+        return obj
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self.get().get("status") or {}
+        return status
+
+    def resize(self) -> dict[str, Any]:
+        resize: dict[str, Any] = self.status().get("resize") or {}
+        return resize
+
+    def raycluster(self) -> dict[str, Any]:
+        return self.get("raycluster")
+
+    def pods(self, node_type: str = "worker") -> list[dict[str, Any]]:
+        """The RayCluster's pods of one kind, terminating ones included."""
+        done = self.kubectl(
+            "get", "pods", "-n", self.namespace, "-l",
+            f"ray.io/cluster={self.name},ray.io/node-type={node_type}", "-o", "json",
+        )  # fmt: skip
+        items: list[dict[str, Any]] = json.loads(done.stdout)["items"]
+        return items
+
+    def worker_pods(self) -> list[str]:
+        """Names of the worker pods that are not terminating."""
+        return sorted(
+            p["metadata"]["name"] for p in self.pods() if not p["metadata"].get("deletionTimestamp")
+        )
+
+    def ready_worker_pods(self) -> list[str]:
+        def ready(pod: dict[str, Any]) -> bool:
+            conditions = (pod.get("status") or {}).get("conditions") or []
+            return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+        return sorted(
+            p["metadata"]["name"]
+            for p in self.pods()
+            if not p["metadata"].get("deletionTimestamp") and ready(p)
+        )
+
+    def admin_token(self) -> str:
+        secret = self.get("secret", f"{self.name}-admin")
+        return base64.b64decode(secret["data"]["token"]).decode()
+
+    def runtime_status(self) -> dict[str, Any]:
+        url = self.endpoint()
+        assert url is not None, "the runtime has no endpoint yet"
+        r = httpx.get(
+            f"{url}/elastic_ep/status",
+            headers={"Authorization": f"Bearer {self.admin_token()}"},
+            timeout=30,
+        )
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    def serving(self, size: int) -> dict[str, Any] | None:
+        """The status once the deployment serves ``size`` ranks with nothing in flight."""
+        status = self.status()
+        resize = status.get("resize") or {}
+        if resize.get("stage") == "Failed" and resize.get("toSize") == size:
+            raise AssertionError(f"resize to {size} failed: {resize.get('message')}")
+        idle = not resize or resize.get("stage") in ("Completed", "Failed")
+        ok = status.get("phase") == "Serving" and status.get("dataParallelSize") == size
+        return status if ok and idle else None
+
+    def watch(self) -> StageWatch:
+        return StageWatch(self.cluster, self.name, self.namespace)
+
+    def events(self) -> list[dict[str, Any]]:
+        done = self.kubectl(
+            "get", "events", "-n", self.namespace, "--field-selector",
+            f"involvedObject.name={self.name},involvedObject.kind=MoEDeployment", "-o", "json",
+        )  # fmt: skip
+        items: list[dict[str, Any]] = json.loads(done.stdout)["items"]
+        return sorted(items, key=lambda e: e["metadata"]["creationTimestamp"])
+
+
+class StageWatch:
+    """``kubectl get -w`` of a MoEDeployment's ``status.resize`` (stage/toSize): every write."""
+
+    def __init__(self, cluster: Kubectl, name: str, namespace: str) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(
+            ["kubectl", "get", "moed", name, "-n", namespace, "-w", "-o",
+             'jsonpath={.status.resize.stage}/{.status.resize.toSize}{"\\n"}'],
+            env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.strip()))
+
+    def stages(self, to_size: int) -> list[str]:
+        """Distinct consecutive stages seen for resizes to ``to_size``."""
+        out: list[str] = []
+        for _, line in list(self.lines):
+            stage, _, size = line.partition("/")
+            if stage and size == str(to_size) and (not out or out[-1] != stage):
+                out.append(stage)
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.thread.join(timeout=5)
+
+
+class PortForward:
+    """``kubectl port-forward svc/NAME :PORT`` on 127.0.0.1, restarted when it exits (the pod
+    behind it restarted); ``url()`` is the current local URL or ``None`` while it is down."""
+
+    _FORWARDING = re.compile(r"Forwarding from 127\.0\.0\.1:(\d+)")
+
+    def __init__(self, cluster: Kubectl, *, namespace: str, target: str, port: int) -> None:
+        self.cluster, self.namespace, self.target, self.port = cluster, namespace, target, port
+        self._proc: subprocess.Popen[str] | None = None
+        self._url: str | None = None
+        self._lock = threading.Lock()
+        self.restarts = 0
+
+    def _start(self) -> None:
+        proc = subprocess.Popen(
+            ["kubectl", "port-forward", "-n", self.namespace, "--address", "127.0.0.1",
+             self.target, f":{self.port}"],
+            env=self.cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 30
+        url = None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            match = self._FORWARDING.search(line)
+            if match:
+                url = f"http://127.0.0.1:{match.group(1)}"
+                break
+        if url is None:
+            proc.kill()
+            proc.wait()
+            return
+        # keep draining its output (it logs every connection) so it never blocks on a pipe
+        threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
+        self._proc, self._url = proc, url
+
+    def url(self) -> str | None:
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is not None:
+                self._proc, self._url = None, None
+                self.restarts += 1
+            if self._proc is None:
+                self._start()
+            return self._url
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                self._proc, self._url = None, None
