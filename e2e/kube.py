@@ -22,7 +22,13 @@ T = TypeVar("T")
 class Kubectl(Protocol):
     """What a cluster handle offers (``e2e.controlplane.cluster.ControlPlane``, ``e2e.node``)."""
 
-    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]: ...
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,  # noqa: A002 - mirrors subprocess.run
+        check: bool = True,
+        timeout: float = 120.0,
+    ) -> subprocess.CompletedProcess[str]: ...
 
     def env(self) -> dict[str, str]: ...
 
@@ -227,3 +233,31 @@ class PortForward:
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
                 self._proc, self._url = None, None
+
+
+@dataclasses.dataclass
+class ExternalCluster:
+    """A cluster given by a kubeconfig (e.g. kind, ``MOE_E2E_KUBECONFIG``): the e2e tier runs
+    against it instead of starting the local node."""
+
+    kubeconfig: str
+
+    def env(self) -> dict[str, str]:
+        import os
+
+        return {**os.environ, "KUBECONFIG": self.kubeconfig}
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,  # noqa: A002 - mirrors subprocess.run
+        check: bool = True,
+        timeout: float = 120.0,
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = ["kubectl", "--kubeconfig", self.kubeconfig, *args]
+        done = subprocess.run(
+            cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if check and done.returncode != 0:
+            raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
+        return done

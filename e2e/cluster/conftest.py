@@ -26,8 +26,17 @@ RESTRICTED = {
 pytestmark = pytest.mark.cluster
 
 
+#: Run the tier against another cluster (e.g. kind, see e2e/kind) instead of the local node.
+EXTERNAL_KUBECONFIG = os.environ.get("MOE_E2E_KUBECONFIG")
+
+
 @pytest.fixture(scope="session")
-def node() -> Iterator[stack.Node]:
+def node() -> Iterator[kube.Kubectl]:
+    """The cluster the tier runs on: the local node (started or reused), or the cluster of
+    ``$MOE_E2E_KUBECONFIG`` (its KubeRay and our operator installed beforehand)."""
+    if EXTERNAL_KUBECONFIG:
+        yield kube.ExternalCluster(EXTERNAL_KUBECONFIG)
+        return
     if os.geteuid() != 0:
         pytest.skip("the real-node tier needs root (network namespace, kubelet, containerd)")
     state = REPO / ".cluster"
@@ -45,7 +54,7 @@ def node() -> Iterator[stack.Node]:
 
 
 @pytest.fixture(scope="module")
-def namespace(node: stack.Node) -> Iterator[str]:
+def namespace(node: kube.Kubectl) -> Iterator[str]:
     """A fresh namespace enforcing Pod Security `restricted` for each test module."""
     node.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", timeout=180)
     install.ensure_namespace(node, NAMESPACE, labels=RESTRICTED)
@@ -72,7 +81,7 @@ def reference() -> dict[tuple[int, int, int | None], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def port_forward(node: stack.Node, namespace: str) -> Iterator[kube.PortForward]:
+def port_forward(node: kube.Kubectl, namespace: str) -> Iterator[kube.PortForward]:
     name = str(sample()["metadata"]["name"])  # type: ignore[index]
     forward = kube.PortForward(node, namespace=namespace, target=f"svc/{name}-api", port=8000)
     yield forward

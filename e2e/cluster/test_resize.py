@@ -24,7 +24,7 @@ import pytest
 from e2e import kube
 from e2e import load as load_mod
 from e2e.cluster import conftest
-from e2e.node import config, stack
+from e2e.node import config
 
 pytestmark = pytest.mark.cluster
 
@@ -34,7 +34,7 @@ RESIZE_TIMEOUT_S = 420.0
 
 
 @pytest.fixture(scope="module")
-def dep(node: stack.Node, namespace: str, port_forward: kube.PortForward) -> kube.Deployment:
+def dep(node: kube.Kubectl, namespace: str, port_forward: kube.PortForward) -> kube.Deployment:
     started = time.monotonic()
     node.kubectl("apply", "-n", namespace, "-f", str(conftest.SAMPLE))
     d = kube.Deployment(cluster=node, name=NAME, namespace=namespace, endpoint=port_forward.url)
@@ -89,7 +89,9 @@ def _workers_to_delete(dep: kube.Deployment) -> list[str]:
     return names
 
 
-def test_the_node_runs_the_real_stack(node: stack.Node) -> None:
+def test_the_node_runs_the_real_stack(node: kube.Kubectl) -> None:
+    if conftest.EXTERNAL_KUBECONFIG:
+        pytest.skip("checks the local node (e2e/node); another cluster is in use")
     nodes = json.loads(node.kubectl("get", "nodes", "-o", "json").stdout)["items"]
     (only,) = nodes
     assert only["metadata"]["name"] == config.NODE_NAME
@@ -142,7 +144,7 @@ def test_shrink_to_one_deletes_exactly_the_freed_pod(
 
 
 def test_grow_to_three_after_a_shrink_survives_the_operator_pod_being_deleted(
-    node: stack.Node, dep: kube.Deployment, load: load_mod.Load, watch: kube.StageWatch
+    node: kube.Kubectl, dep: kube.Deployment, load: load_mod.Load, watch: kube.StageWatch
 ) -> None:
     asked_before = len(_history(dep))
     _resize(dep, 3, how="patch")

@@ -611,9 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "down":
         print("control plane stopped" if down(state_dir) else "no control plane recorded")
         return 0
-    plane = attach(state_dir)
-    healthy = plane is not None and plane.alive() and plane.ready()
-    print(f"control plane {'up at ' + plane.server if plane and healthy else 'down'}")
+    found = attach(state_dir)
+    healthy = found is not None and found.alive() and found.ready()
+    print(f"control plane {'up at ' + found.server if found and healthy else 'down'}")
     return 0 if healthy else 1
 
 

@@ -21,6 +21,7 @@ import time
 from typing import Any, Final
 
 from e2e.controlplane import cluster
+from e2e.kube import Kubectl
 from e2e.node import config, stack
 
 #: Images the node imports (tarballs made by images/build.sh), by image name.
@@ -238,7 +239,7 @@ def wait_available(
         time.sleep(0.5)
 
 
-def ensure_namespace(node: stack.Node, name: str, *, labels: dict[str, str] | None = None) -> None:
+def ensure_namespace(node: Kubectl, name: str, *, labels: dict[str, str] | None = None) -> None:
     manifest = {
         "apiVersion": "v1",
         "kind": "Namespace",

@@ -1,0 +1,127 @@
+"""`make demo`: a live MoE deployment on the real node, resized while it serves.
+
+Starts (or reuses) the real single-node cluster of `make cluster-up` — kubelet, containerd,
+the real KubeRay operator and our operator as pods — then, as a user would: `kubectl apply`
+of `manifests/samples/moedeployment.yaml` into a namespace enforcing Pod Security
+`restricted`; a load generator through `kubectl port-forward` whose every answer (greedy,
+seeded, streamed) is checked token for token; `kubectl patch` 2→4 and `kubectl scale` 4→2,
+printing `kubectl get moed` as the stages pass. It ends with the figures (apply → Ready, each
+resize and its stages, the stack's memory and idle CPU) and `requests: ok=N failed=M`, and
+stops what it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from e2e import kube
+from e2e import load as load_mod
+from e2e.cluster import conftest
+from e2e.node import config, install, lifecycle, measure, stack
+
+NAMESPACE = "demo"
+NAME = "tiny"
+TIMEOUT_S = 600.0
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def follow(dep: kube.Deployment, size: int) -> None:
+    """Print `kubectl get moed` whenever its row changes, until DP=size is served."""
+    last_key = None
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        lines = dep.kubectl("get", "moed", "-n", NAMESPACE).stdout.rstrip().splitlines()
+        if len(lines) >= 2:
+            header, row = lines[:2]
+            key = row.rsplit(None, 1)[0]  # the row without AGE
+            if key != last_key:
+                if last_key is None:
+                    print("    " + header)
+                print("    " + row, flush=True)
+                last_key = key
+        if dep.serving(size) and len(dep.worker_pods()) == size:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"DP={size} was not reached within {TIMEOUT_S:.0f}s")
+
+
+def timeline(dep: kube.Deployment) -> None:
+    for record in dep.runtime_status()["history"]:
+        stages = "  ".join(f"{s['stage']} {s['duration_s']:.2f}s" for s in record["stages"])
+        print(
+            f"    {record['from']}->{record['to']}: {record['duration_s']:.2f}s "
+            f"(blackout {record['blackout_s'] * 1000:.0f} ms): {stages}"
+        )
+        if record.get("freed"):
+            print(f"      freed pods: {', '.join(f['pod'] for f in record['freed'])}")
+
+
+def main() -> int:
+    state = conftest.REPO / ".cluster"
+    already = stack.attach(config.Paths(state=state.resolve()))
+    reused = already is not None and stack.healthy(already)
+    say("the real node: " + ("reusing the running one" if reused else "starting it (cluster-up)"))
+    node = lifecycle.up(state)
+    forward: kube.PortForward | None = None
+    lg: load_mod.Load | None = None
+    try:
+        node.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true")
+        install.ensure_namespace(node, NAMESPACE, labels=conftest.RESTRICTED)
+        say(f"kubectl apply -n {NAMESPACE} -f manifests/samples/moedeployment.yaml")
+        applied = time.monotonic()
+        node.kubectl("apply", "-n", NAMESPACE, "-f", str(conftest.SAMPLE))
+        forward = kube.PortForward(node, namespace=NAMESPACE, target=f"svc/{NAME}-api", port=8000)
+        dep = kube.Deployment(cluster=node, name=NAME, namespace=NAMESPACE, endpoint=forward.url)
+        follow(dep, 2)
+        ready_s = time.monotonic() - applied
+        say(f"Serving at DP=2, {ready_s:.1f}s after kubectl apply")
+        source = conftest.sample_model()
+        say(f"load: 4 clients (greedy, seeded, streamed; up to 96 tokens) checked against {source}")
+        lg = load_mod.Load(
+            forward.url, model_name=NAME, reference=load_mod.reference_tokens(source), clients=4
+        ).start()
+        kube.wait_for(lambda: lg is not None and lg.ok >= 8, timeout_s=180, what="8 answers")
+        say(f"serving: {lg.summary()}")
+        say('kubectl patch moed tiny --type=merge -p \'{"spec":{"dataParallelSize":4}}\'')
+        body = json.dumps({"spec": {"dataParallelSize": 4}})
+        dep.kubectl("patch", "moed", NAME, "-n", NAMESPACE, "--type=merge", "-p", body)
+        follow(dep, 4)
+        say(f"grown to 4: {lg.summary()}")
+        say("kubectl scale moed tiny --replicas=2")
+        dep.kubectl("scale", "moed", NAME, "-n", NAMESPACE, "--replicas=2")
+        follow(dep, 2)
+        settled = lg.ok + 8  # a few more answers at the final size
+        kube.wait_for(
+            lambda: lg is not None and (lg.ok >= settled or lg.failed > 0),
+            timeout_s=120,
+            what="answers at the final size",
+        )
+        lg.stop()
+        say("resize timeline (the runtime's /elastic_ep/status):")
+        timeline(dep)
+        say(f"figures: kubectl apply -> Ready {ready_s:.1f}s; the node's cost now:")
+        print(measure.table(node, window=5.0))
+        for line in lg.failures[:10]:
+            print(f"    failure: {line}")
+        print(lg.summary(), flush=True)
+        return 0 if lg.failed == 0 else 1
+    finally:
+        if lg is not None:
+            lg.stop()
+        if forward is not None:
+            forward.stop()
+        say("cleaning up")
+        node.kubectl("delete", "namespace", NAMESPACE, "--wait=true", check=False, timeout=180)
+        if not reused and os.environ.get("MOE_KEEP_CLUSTER") != "1":
+            say("stopping the node (cluster-down)")
+            lifecycle.down(state)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
