@@ -20,7 +20,6 @@ import logging
 import os
 from typing import Any, Final, Union, cast
 
-import httpx
 import kopf
 
 from moe_operator import reconcile
@@ -110,8 +109,13 @@ async def _reconcile_later(memo: Any, key: Key, delay: float) -> None:
     await asyncio.sleep(delay)
     try:
         await _reconcile_fresh(key, memo, logger)
-    except (k8s_api.ApiError, kopf.PermanentError, OSError, httpx.HTTPError) as error:
-        logger.warning("requeued reconcile of %s/%s failed: %s; again soon", key[0], key[1], error)
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a requeued resize must be driven again
+        logger.warning(
+            "requeued reconcile of %s/%s failed (%s: %s); again in %.0fs",
+            key[0], key[1], type(error).__name__, error, RETRY_BACKOFF_SECONDS,
+        )  # fmt: skip
         if key in memo.known:
             _requeue(memo, key, RETRY_BACKOFF_SECONDS)
 
@@ -182,11 +186,20 @@ async def raycluster_changed(
 
 
 async def _resync_forever(memo: Any) -> None:
-    """Level-triggered safety net: every ``MOE_RESYNC_SECONDS`` reconcile every deployment."""
+    """Level-triggered safety net: every ``MOE_RESYNC_SECONDS`` reconcile every deployment.
+
+    It must outlive anything one reconcile meets (an API server or a runtime that is away,
+    a bug): a failure is logged with its deployment and the loop goes on with the next one.
+    """
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
         for key in sorted(memo.known):
             try:
                 await _reconcile_fresh(key, memo, logger)
-            except (k8s_api.ApiError, kopf.PermanentError, OSError) as error:
-                logger.warning("resync of %s/%s failed: %s", key[0], key[1], error)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the loop must survive every reconcile
+                logger.warning(
+                    "resync of %s/%s failed (%s: %s); next resync in %.0fs",
+                    key[0], key[1], type(error).__name__, error, RESYNC_SECONDS,
+                )  # fmt: skip

@@ -1,0 +1,72 @@
+"""The operator's own loops survive what a reconcile meets (kopf's handlers are thin)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any
+
+import httpx
+import pytest
+
+from moe_operator import handlers
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        httpx.ConnectError("connection refused"),  # the runtime away (not an OSError)
+        OSError("network unreachable"),  # the API server away
+        RuntimeError("a bug in one reconcile"),
+    ],
+    ids=["runtime-unreachable", "apiserver-unreachable", "bug"],
+)
+def test_resync_goes_on_after_a_failed_reconcile(
+    monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    calls: list[tuple[str, str]] = []
+
+    async def reconcile_fresh(key: tuple[str, str], memo: Any, log: Any) -> None:
+        calls.append(key)
+        if len(calls) <= 2:
+            raise error
+
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 0.01)
+    monkeypatch.setattr(handlers, "_reconcile_fresh", reconcile_fresh)
+    memo = types.SimpleNamespace(known={("ml", "a"), ("ml", "b")})
+
+    async def run() -> None:
+        task = asyncio.get_running_loop().create_task(handlers._resync_forever(memo))
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(calls) < 6 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert not task.done(), "the resync loop died"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    # both deployments are reconciled again after the failures
+    assert calls.count(("ml", "a")) >= 2 and calls.count(("ml", "b")) >= 2
+
+
+def test_a_failed_requeued_reconcile_is_requeued(monkeypatch: pytest.MonkeyPatch) -> None:
+    attempts: list[int] = []
+
+    async def reconcile_fresh(key: tuple[str, str], memo: Any, log: Any) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise httpx.ConnectError("refused")
+
+    monkeypatch.setattr(handlers, "RETRY_BACKOFF_SECONDS", 0.01)
+    monkeypatch.setattr(handlers, "_reconcile_fresh", reconcile_fresh)
+
+    async def run() -> None:
+        memo = types.SimpleNamespace(known={("ml", "a")}, requeues={})
+        handlers._requeue(memo, ("ml", "a"), 0.0)
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(attempts) < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert len(attempts) == 2
