@@ -20,8 +20,8 @@ import uvicorn
 from moe_runtime import metrics as metrics_mod
 from moe_runtime import server
 from moe_runtime.elastic import coordinator as elastic_coordinator
-from moe_runtime.elastic import ops as elastic_ops
 from moe_runtime.elastic import service as elastic_service
+from moe_runtime.elastic import serving as elastic_serving
 from moe_runtime.engine import core
 from moe_runtime.eplb import policy
 from moe_runtime.model import source as source_mod
@@ -102,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--eplb-window-size", type=_positive, default=1000)
     elastic.add_argument("--eplb-step-interval", type=_positive, default=3000)
     elastic.add_argument(
+        "--auto-recover",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after a rank was lost and the runtime shrank around it, grow back to the size "
+        "before the failure when rank capacity returns (MoEDeployment faultTolerance.autoRecover)",
+    )
+    elastic.add_argument(
+        "--rank-hang-timeout",
+        type=_positive_float,
+        default=3.0,
+        help="seconds without a heartbeat answer before a rank counts as hung and is fenced",
+    )
+    elastic.add_argument(
         "--admin-token",
         default=None,
         help="bearer token of the admin routes (default: $MOE_ADMIN_TOKEN; none = open)",
@@ -114,6 +127,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
@@ -156,6 +176,7 @@ def serve(args: argparse.Namespace) -> int:
     owns_ray = False
     executor: Any = None
     engine: core.Engine | None = None
+    elastic: elastic_service.ElasticService | None = None
     cluster: Any = None
     try:
         if args.executor == "ray":
@@ -194,13 +215,15 @@ def serve(args: argparse.Namespace) -> int:
             executor=executor,
             model_config=cfg,
             placement=placement,
-            config=elastic_ops.ElasticConfig(
+            config=elastic_serving.ElasticConfig(
                 source=args.model,
                 num_redundant_experts=args.num_redundant_experts,
                 weight_source=args.weight_source,
                 eplb_enabled=args.eplb,
                 eplb_window_size=args.eplb_window_size,
                 eplb_step_interval=args.eplb_step_interval,
+                auto_recover=args.auto_recover,
+                hang_timeout=args.rank_hang_timeout,
             ),
             limits=elastic_coordinator.Limits(
                 min_size=args.min_data_parallel_size,
@@ -217,6 +240,7 @@ def serve(args: argparse.Namespace) -> int:
             metrics=metrics,
             vocab_size=cfg.vocab_size,
             admin_router=elastic.router(token=args.admin_token),
+            readiness=elastic.readiness,
         )
         engine.start()
         log.info(
@@ -244,6 +268,8 @@ def serve(args: argparse.Namespace) -> int:
         log.exception("serve: failed (model %s, %d ranks)", args.model, num_ranks)
         status = 1
     finally:
+        if elastic is not None:
+            elastic.close()
         _shutdown(engine, executor, cluster, owns_ray=owns_ray)
     return status
 

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal, Protocol
 
 import fastapi
@@ -115,8 +115,12 @@ def create_app(
     admin_router: fastapi.APIRouter | None = None,
     metrics: metrics_mod.RuntimeMetrics | None = None,
     vocab_size: int | None = None,
+    readiness: Callable[[], tuple[bool, str]] | None = None,
 ) -> fastapi.FastAPI:
     """The HTTP app serving `engine` (already started or started by the caller).
+
+    readiness: what GET /ready answers, (ready, reason); default: the engine loop runs. /health
+    stays the liveness of the process and its loop.
 
     metrics: shared with the engine (it must be the engine's observer); by default one is
     created with its own registry and installed as the engine's observer, which must then
@@ -177,6 +181,17 @@ def create_app(
         return ApiError(
             503, "the engine loop is not running", type_="server_error", code="engine_dead"
         ).response()
+
+    @app.get("/ready")
+    async def ready() -> responses.JSONResponse:
+        ok, reason = (
+            readiness() if readiness is not None else (engine.is_alive(), "engine loop state")
+        )
+        if ok:
+            return responses.JSONResponse({"status": "ready", "reason": reason})
+        return responses.JSONResponse(
+            status_code=503, content={"status": "not_ready", "reason": reason}
+        )
 
     @app.get("/metrics")
     async def prometheus() -> responses.Response:

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: StepInput.control key: every rank commits the experts staged under this staging id at the
+#: start of that step, all or none (a vote over the step group; see `moe_runtime.slots`).
+CONTROL_EXPERT_EPOCH = "expert_epoch"
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -63,6 +67,8 @@ class StepOutput:
     """A rank's result: the sampled token of each of its sequences, and its expert load.
 
     expert_load: tokens routed to each logical expert by this rank's sequences, int64 [L, E].
+    committed: the staging id whose experts this rank committed at the start of this step
+    (`CONTROL_EXPERT_EPOCH`); None when the step carried no commit or the vote refused it.
     """
 
     rank: int
@@ -70,3 +76,4 @@ class StepOutput:
     tokens: dict[str, int] = field(default_factory=dict)
     expert_load: Any = None
     error: str | None = None
+    committed: int | None = None

@@ -13,7 +13,14 @@ What a rank holds
   collectives (expert dispatch/combine); the *transfer* group only by background weight moves,
   so a transfer never interleaves with step collectives on one gloo group;
 - an optional *staged* expert set (from `stage_experts`) that becomes live at a step boundary
-  (`StepInput.control["expert_epoch"]`) or at `activate`.
+  (`StepInput.control["expert_epoch"]`) or at `activate`;
+- the *previous* live state (slots, placement, epoch, backend) that the last `activate` or
+  commit replaced, kept until `retire_previous` so that a switch or an EPLB commit can be
+  undone (`revert`); the older epochs' groups stay until then too.
+
+Every change of the live slots is all-or-nothing across ranks: `activate` runs on every rank
+between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
+is voted on first (a min all-reduce over the step group: every rank commits, or none does).
 
 Threads: the executor calls `execute_step` from one thread and control methods
 (`join_group`, `transfer_non_expert`, `stage_experts`) from another (Ray's "ctl" concurrency
@@ -23,8 +30,6 @@ uses the active step group.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import os
 import socket
@@ -35,11 +40,11 @@ from typing import Any
 
 import torch
 
+from moe_runtime import sampling
+from moe_runtime import slots as slots_mod
+from moe_runtime import staging as staging_mod
 from moe_runtime import step as step_mod
-from moe_runtime.comm import ep as ep_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.comm import transfer as transfer_mod
-from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import mixtral, names
@@ -47,12 +52,7 @@ from moe_runtime.model import source as source_mod
 
 log = logging.getLogger(__name__)
 
-STEP_ROLE = "step"
-TRANSFER_ROLE = "transfer"
-ROLES = (STEP_ROLE, TRANSFER_ROLE)
-
-#: StepInput.control key: commit the experts staged under this stage id at this step.
-CONTROL_EXPERT_EPOCH = "expert_epoch"
+ROLES = (slots_mod.STEP_ROLE, slots_mod.TRANSFER_ROLE)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,73 +61,7 @@ class InjectedFailure(RuntimeError):
     """Raised by an operation armed with `RankWorker.fail_next` (tests of Failed resizes)."""
 
 
-@dataclasses.dataclass
-class _Staged:
-    """Expert slots prepared for a future placement; the live slots keep serving meanwhile."""
-
-    stage: int
-    placement: policy.Placement
-    rank: int
-    num_ranks: int
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
-
-
-def sample_token(logits: torch.Tensor, params: step_mod.SamplingParams, num_generated: int) -> int:
-    """Next token from logits [V] (float32).
-
-    temperature == 0: argmax. Otherwise softmax(logits / temperature), restricted to the
-    smallest set of most likely tokens whose mass reaches top_p, sampled by inverse CDF with a
-    uniform draw from a generator seeded by (seed, num_generated) alone, so any rank draws the
-    same token for the same sequence position. seed None: a fresh random draw.
-    """
-    if params.temperature <= 0.0:
-        return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.to(torch.float64) / params.temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-    cdf = torch.cumsum(sorted_probs, dim=0)
-    if params.top_p < 1.0:
-        keep = int(torch.searchsorted(cdf, torch.tensor([params.top_p], dtype=cdf.dtype)).item())
-        keep = min(max(keep + 1, 1), cdf.numel())
-    else:
-        keep = cdf.numel()
-    total = float(cdf[keep - 1].item())
-    generator = torch.Generator(device="cpu")
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(sampling_seed(params.seed, num_generated))
-    u = float(torch.rand((), generator=generator, dtype=torch.float64).item()) * total
-    index = int(torch.searchsorted(cdf[:keep], torch.tensor([u], dtype=cdf.dtype)).item())
-    return int(order[min(index, keep - 1)].item())
-
-
-def sampling_seed(seed: int, num_generated: int) -> int:
-    """A 63-bit generator seed from (request seed, tokens generated so far), process-stable."""
-    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    if not tensors:
-        return torch.empty(0)
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def senders_for(src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> dict[int, int]:
-    """{receiver: sender}: receivers split over senders in order, the first
-    ``len(dst) % len(src)`` senders taking one extra (as vLLM's elastic EP does)."""
-    if not src_ranks:
-        raise ValueError("non-expert transfer needs at least one sender")
-    base, extra = divmod(len(dst_ranks), len(src_ranks))
-    out: dict[int, int] = {}
-    it = iter(dst_ranks)
-    for i, src in enumerate(src_ranks):
-        for _ in range(base + (1 if i < extra else 0)):
-            out[next(it)] = src
-    return out
-
-
-class RankWorker:
+class RankWorker(slots_mod.ExpertSlots):
     """One DP rank. See the module docstring; methods are called through an Executor."""
 
     def __init__(
@@ -157,7 +91,9 @@ class RankWorker:
         self._backend: mixtral.ExpertBackend | None = None
         self._groups: dict[tuple[int, str], group_mod.StatelessGroup] = {}
         self._group_ranks: dict[tuple[int, str], int] = {}
-        self._staged: _Staged | None = None
+        self._staged: slots_mod.Staged | None = None
+        self._previous: slots_mod.Live | None = None
+        self._origin: int | None = None
         self._fail: dict[str, str] = {}
         self._lock = threading.RLock()
         self.steps = 0
@@ -248,7 +184,9 @@ class RankWorker:
             for layer in range(cfg.num_layers):
                 for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
                     if placeholder:
-                        experts[(layer, slot)] = self._zero_expert(cfg)
+                        experts[(layer, slot)] = staging_mod.zero_expert(
+                            cfg, dtype=self.dtype, device=self.device
+                        )
                     else:
                         experts[(layer, slot)] = mixtral.load_expert(
                             src, layer, logical, dtype=self.dtype, device=self.device
@@ -276,17 +214,6 @@ class RankWorker:
         )
         return nbytes
 
-    def _zero_expert(
-        self, cfg: config_mod.ModelConfig, *, device: str | torch.device | None = None
-    ) -> mixtral.ExpertWeights:
-        i, h = cfg.intermediate_size, cfg.hidden_size
-        where = self.device if device is None else device
-        return mixtral.ExpertWeights(
-            w1=torch.zeros(i, h, dtype=self.dtype, device=where),
-            w2=torch.zeros(h, i, dtype=self.dtype, device=where),
-            w3=torch.zeros(i, h, dtype=self.dtype, device=where),
-        )
-
     def _require_model(self) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
         if self.config is None or self.model is None:
             raise RuntimeError(f"no weights loaded yet ({self._ctx()})")
@@ -298,7 +225,7 @@ class RankWorker:
         spec: group_mod.GroupSpec,
         rank: int,
         *,
-        role: str = STEP_ROLE,
+        role: str = slots_mod.STEP_ROLE,
         group_timeout: float | None = None,
     ) -> None:
         """Build the `role` group of `spec.epoch` as member `rank` (blocks until all joined).
@@ -361,277 +288,28 @@ class RankWorker:
     ) -> int:
         """Copy the non-expert weights from src_ranks to dst_ranks over epoch's transfer group.
 
-        Peer to peer: receivers are spread over senders (`senders_for`: the first
+        Peer to peer: receivers are spread over senders (`staging.senders_for`: the first
         ``len(dst) % len(src)`` senders get one extra), each sender sends its whole state as one
         flat buffer to each of its receivers at once. Ranks are ranks of that group; members
         that neither send nor receive return at once. Returns the bytes this rank received.
         """
-        cfg, model = self._require_model()
-        grp, me = self._group(epoch, TRANSFER_ROLE)
-        sender_of = senders_for(list(src_ranks), list(dst_ranks))
-        tensor_names = names.non_expert_tensor_names(cfg)
-        shapes = [names.tensor_shape(cfg, n) for n in tensor_names]
-        numel = sum(_numel(s) for s in shapes)
+        _, model = self._require_model()
+        grp, me = self._group(epoch, slots_mod.TRANSFER_ROLE)
         started = time.monotonic()
         tag = 1_000_000 + epoch  # apart from expert-move tags (move indices)
-        mine = sorted(dst for dst, src in sender_of.items() if src == me)
-        works = []
-        sent = 0
-        if mine:
-            state = model.non_expert_state()
-            flat = _flatten([state[n] for n in tensor_names]).to(grp.device)
-            for dst in mine:
-                works.append(grp.isend(flat, dst, tag))
-                sent += flat.numel() * flat.element_size()
-        recv: torch.Tensor | None = None
-        if me in sender_of:
-            recv = torch.empty(numel, dtype=self.dtype, device=grp.device)
-            works.append(grp.irecv(recv, sender_of[me], tag))
-        for work in works:
-            work.wait()
-        received = 0
-        if recv is not None:
-            tensors: dict[str, torch.Tensor] = {}
-            offset = 0
-            for name, shape in zip(tensor_names, shapes, strict=True):
-                n = _numel(shape)
-                tensors[name] = recv[offset : offset + n].view(shape)
-                offset += n
-            model.load_non_expert(tensors)
-            received = recv.numel() * recv.element_size()
+        sent_to, received = staging_mod.exchange_non_expert(
+            grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self.dtype
+        )
         log.info(
-            "non-expert transfer epoch %d: sent %d B to %s, received %d B in %.2fs (%s)",
+            "non-expert transfer epoch %d: sent to %s, received %d B in %.2fs (%s)",
             epoch,
-            sent,
-            mine,
+            sent_to,
             received,
             time.monotonic() - started,
             self._ctx(),
         )
         self._check_fail("transfer_non_expert")
         return received
-
-    # -- expert staging ------------------------------------------------------------------
-    def stage_experts(
-        self,
-        epoch: int,
-        moves: Sequence[moves_mod.ExpertMove],
-        new_placement: policy.Placement,
-        *,
-        new_rank: int | None,
-        new_num_ranks: int,
-        stage: int | None = None,
-        from_source: bool = False,
-    ) -> int:
-        """Prepare this rank's slots of `new_placement` in a staging area; returns bytes received.
-
-        from_source: experts that neither this rank holds nor a move brings are read from the
-        model source (recovery after a rank died with the only copy); otherwise that is an error.
-
-        new_rank None: this rank leaves (scale-down); it only sends and stages nothing.
-
-        Every member of epoch's transfer group calls it with the same `moves` (a move's
-        src_rank / dst_rank are ranks of that group, which are the old and the new ranks since
-        survivors keep their rank); moves run peer to peer (`comm.transfer.execute_moves`).
-        Slots whose expert this rank already holds are filled locally (shared tensors, no
-        copy). The live slots keep serving until the stage is committed: by
-        `StepInput.control["expert_epoch"] == stage` (same ranks) or by `activate` (new group).
-        stage defaults to epoch.
-        """
-        cfg, _ = self._require_model()
-        grp, _me = self._group(epoch, TRANSFER_ROLE)
-        new_placement.validate(new_num_ranks)
-        started = time.monotonic()
-        held = self._held_experts()
-        received: dict[tuple[int, int], mixtral.ExpertWeights] = {}
-
-        def read_expert(layer: int, logical: int) -> mixtral.ExpertWeights:
-            weights = held.get((layer, logical))
-            if weights is None:
-                raise RuntimeError(
-                    f"a move names this rank as source of expert {logical} of layer {layer}, "
-                    f"which it does not hold ({self._ctx()})"
-                )
-            return weights
-
-        def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
-            received[(move.layer, move.logical)] = weights.to(dtype=self.dtype, device=self.device)
-
-        stats = transfer_mod.execute_moves(
-            grp,
-            list(moves),
-            read_expert=read_expert,
-            write_expert=write_expert,
-            like=self._zero_expert(cfg, device=grp.device),
-        )
-        self._check_fail("stage_experts")
-        if new_rank is None:
-            log.info(
-                "sent %d experts for a placement without this rank in %.2fs (%s)",
-                stats.sent,
-                time.monotonic() - started,
-                self._ctx(),
-            )
-            return stats.bytes_received
-        available = {**held, **received}
-        staged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
-        missing: list[tuple[int, int]] = []
-        loaded = 0
-        src = (
-            source_mod.open_source(self.source_name)
-            if from_source and self.source_name is not None
-            else None
-        )
-        for layer in range(cfg.num_layers):
-            for slot, logical in enumerate(
-                new_placement.experts_on_rank(layer, new_rank, new_num_ranks)
-            ):
-                weights = available.get((layer, logical))
-                if weights is None and src is not None:
-                    weights = mixtral.load_expert(
-                        src,
-                        layer,
-                        logical,
-                        dtype=self.dtype,
-                        device=self.device,
-                    )
-                    available[(layer, logical)] = weights
-                    loaded += 1
-                if weights is None:
-                    missing.append((layer, logical))
-                else:
-                    staged[(layer, slot)] = weights
-        if loaded:
-            log.info("read %d experts from %s (%s)", loaded, self.source_name, self._ctx())
-        if missing:
-            raise RuntimeError(
-                f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
-                f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx()})"
-            )
-        stage_id = epoch if stage is None else stage
-        with self._lock:
-            self._staged = _Staged(
-                stage=stage_id,
-                placement=new_placement,
-                rank=new_rank,
-                num_ranks=new_num_ranks,
-                experts=staged,
-            )
-        log.info(
-            "staged %d slots for stage %d (new rank %d/%d): sent %d, received %d experts "
-            "(%d B) in %.2fs (%s)",
-            len(staged),
-            stage_id,
-            new_rank,
-            new_num_ranks,
-            stats.sent,
-            stats.received,
-            stats.bytes_received,
-            time.monotonic() - started,
-            self._ctx(),
-        )
-        return stats.bytes_received
-
-    def _held_experts(self) -> dict[tuple[int, int], mixtral.ExpertWeights]:
-        """{(layer, logical): weights} of the live slots."""
-        with self._lock:
-            placement, rank, num_ranks = self.placement, self.rank, self.num_ranks
-            experts = dict(self.experts)
-        if placement is None or rank is None or num_ranks is None:
-            return {}
-        out: dict[tuple[int, int], mixtral.ExpertWeights] = {}
-        for layer in range(placement.num_layers):
-            for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
-                if (layer, slot) in experts:
-                    out.setdefault((layer, logical), experts[(layer, slot)])
-        return out
-
-    def discard_staged(self) -> None:
-        """Forget staged experts (a resize that failed)."""
-        with self._lock:
-            self._staged = None
-
-    def _commit_staged(self, stage: int | None, *, num_ranks: int) -> None:
-        with self._lock:
-            staged = self._staged
-            if staged is None or (stage is not None and staged.stage != stage):
-                have = None if staged is None else staged.stage
-                raise RuntimeError(f"no experts staged for stage {stage} (have {have})")
-            if staged.num_ranks != num_ranks:
-                raise RuntimeError(
-                    f"experts of stage {staged.stage} were staged for {staged.num_ranks} ranks, "
-                    f"not {num_ranks}"
-                )
-            self.experts = staged.experts
-            self.placement = staged.placement
-            self.rank = staged.rank
-            self.num_ranks = staged.num_ranks
-            self._staged = None
-
-    # -- activation ----------------------------------------------------------------------
-    def activate(
-        self, epoch: int, *, rank: int, num_ranks: int, placement: policy.Placement
-    ) -> None:
-        """Serve with epoch's step group as `rank` of `num_ranks` under `placement`.
-
-        Called while no step runs. Staged experts (if any) become live; without them the live
-        slots must already match `placement`. Groups of older epochs are destroyed.
-        """
-        self._check_fail("activate")
-        cfg, _ = self._require_model()
-        grp, group_rank = self._group(epoch, STEP_ROLE)
-        if grp.world_size != num_ranks or group_rank != rank:
-            raise ValueError(
-                f"activate: epoch {epoch}'s step group has this worker as {group_rank}/"
-                f"{grp.world_size}, not {rank}/{num_ranks} ({self._ctx()})"
-            )
-        placement.validate(num_ranks)
-        with self._lock:
-            staged = self._staged
-        if staged is not None:
-            if staged.rank != rank or not staged.placement.equals(placement):
-                raise ValueError(
-                    f"activate: the staged experts (stage {staged.stage}) are for rank "
-                    f"{staged.rank}/{staged.num_ranks} under another placement ({self._ctx()})"
-                )
-            self._commit_staged(None, num_ranks=num_ranks)
-        else:
-            wanted = [
-                placement.experts_on_rank(layer, rank, num_ranks) for layer in range(cfg.num_layers)
-            ]
-            current = (
-                None
-                if self.placement is None or self.rank is None or self.num_ranks is None
-                else [
-                    self.placement.experts_on_rank(layer, self.rank, self.num_ranks)
-                    for layer in range(cfg.num_layers)
-                ]
-            )
-            if current != wanted:
-                raise ValueError(
-                    f"activate: this rank's slots do not hold the experts rank {rank}/{num_ranks} "
-                    f"needs under the new placement: stage them first ({self._ctx()})"
-                )
-            with self._lock:
-                self.placement = placement
-                self.rank = rank
-                self.num_ranks = num_ranks
-        with self._lock:
-            old_keys = [key for key in self._groups if key[0] < epoch]
-            self.epoch = epoch
-            self._backend = self._make_backend(grp)
-        for key in old_keys:
-            self._drop_group(key)
-        log.info("activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._ctx())
-
-    def _make_backend(self, grp: group_mod.StatelessGroup) -> mixtral.ExpertBackend:
-        """The expert-parallel backend over the step group (it keys slots by global index)."""
-        placement, rank, num_ranks = self.placement, self.rank, self.num_ranks
-        if placement is None or rank is None or num_ranks is None:
-            raise RuntimeError(f"no placement to serve ({self._ctx()})")
-        base = placement.slots_of_rank(rank, num_ranks).start
-        slots = {(layer, base + slot): w for (layer, slot), w in self.experts.items()}
-        return ep_mod.ExpertParallelBackend(grp, placement, slots, rank=rank)
 
     # -- the step ------------------------------------------------------------------------
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
@@ -641,7 +319,9 @@ class RankWorker:
         expert collectives. When the control fails, or the batch is bad, the rank runs an empty
         batch instead (its peers must not hang in a collective) and reports the problem in
         StepOutput.error, as it does any exception. A failed forward pass leaves each sequence's
-        KV cache as it was before the step, so the step can be retried as it was.
+        KV cache as it was before the step, so the step can be retried as it was. An EPLB
+        commit in the control is voted on by every rank (`StepOutput.committed` says whether
+        this step committed it), whatever else fails on this rank.
         """
         rank = -1 if self.rank is None else self.rank
         out = step_mod.StepOutput(rank=rank, step_id=step.step_id)
@@ -650,12 +330,21 @@ class RankWorker:
         run_batch = True
         try:
             self._check_fail("execute_step")
-            if step.control:
-                self._apply_control(step.control)
         except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
-            log.exception("step %d: control failed, running empty (%s)", step.step_id, self._ctx())
+            log.exception(
+                "step %d: failing as armed, running empty (%s)", step.step_id, self._ctx()
+            )
             errors.append(f"{type(exc).__name__}: {exc}")
             run_batch = False
+        if step.control:
+            try:
+                out.committed = self._apply_control(step.control)
+            except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
+                log.exception(
+                    "step %d: control failed, running empty (%s)", step.step_id, self._ctx()
+                )
+                errors.append(f"{type(exc).__name__}: {exc}")
+                run_batch = False
         try:
             cfg, model = self._require_model()
             if self._backend is None or self.kv is None:
@@ -686,7 +375,7 @@ class RankWorker:
                 raise
             logits = logits.to("cpu")
             for i, s in enumerate(seqs):
-                out.tokens[s.seq_id] = sample_token(logits[i], s.sampling, s.num_generated)
+                out.tokens[s.seq_id] = sampling.sample_token(logits[i], s.sampling, s.num_generated)
             out.expert_load = load
             if self.total_load is not None:
                 self.total_load += load
@@ -724,18 +413,16 @@ class RankWorker:
                 bad.append(f"{s.seq_id}: {problem}")
         return bad
 
-    def _apply_control(self, control: Mapping[str, Any]) -> None:
+    def _apply_control(self, control: Mapping[str, Any]) -> int | None:
+        """Apply a step's control; returns the staging id committed in this step, if any."""
+        committed = None
         for key, value in control.items():
-            if key == CONTROL_EXPERT_EPOCH:
-                if self.num_ranks is None:
-                    raise RuntimeError("expert_epoch control before any placement")
-                self._commit_staged(int(value), num_ranks=self.num_ranks)
-                grp, _ = self._group(self._require_epoch(), STEP_ROLE)
-                with self._lock:
-                    self._backend = self._make_backend(grp)
-                log.info("committed staged experts of stage %s (%s)", value, self._ctx())
+            if key == step_mod.CONTROL_EXPERT_EPOCH:
+                if self._commit_vote(int(value)):
+                    committed = int(value)
             else:
                 log.debug("ignoring unknown control %r (%s)", key, self._ctx())
+        return committed
 
     def _require_epoch(self) -> int:
         if self.epoch is None:
@@ -757,6 +444,9 @@ class RankWorker:
         """
         if epoch == self.epoch:
             raise ValueError(f"epoch {epoch} is the active one ({self._ctx()})")
+        with self._lock:
+            if self._previous is not None and self._previous.epoch == epoch:
+                self._previous = None  # nothing to go back to without its groups
         for role in ROLES:
             self._drop_group((epoch, role))
 
@@ -769,14 +459,8 @@ class RankWorker:
         with self._lock:
             self._backend = None
             self._staged = None
+            self._previous = None
         log.info("shut down (%s)", self._ctx())
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _host_ip() -> str:

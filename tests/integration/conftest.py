@@ -18,6 +18,8 @@ def ray_session() -> Iterator[None]:
     Rank actors take no CPU (num_cpus=0) and one `moe_rank` each, so 8 ranks fit on 2 cores.
     """
     ray = pytest.importorskip("ray")
+    from moe_runtime.executor import cluster
+
     if ray.is_initialized():
         yield
         return
@@ -29,6 +31,7 @@ def ray_session() -> Iterator[None]:
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,
+        _system_config={"kill_worker_timeout_milliseconds": cluster.KILL_WORKER_TIMEOUT_MS},
     )
     try:
         yield

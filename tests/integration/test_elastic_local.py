@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moe_runtime import step as step_mod
-from moe_runtime.elastic import coordinator, ops, service, stages
+from moe_runtime.elastic import coordinator, service, serving, stages
 from moe_runtime.engine import core
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
@@ -61,7 +61,7 @@ class Deployment:
             executor=self.executor,
             model_config=self.cfg,
             placement=placement,
-            config=ops.ElasticConfig(
+            config=serving.ElasticConfig(
                 source=SOURCE,
                 eplb_step_interval=40,
                 eplb_window_size=40,
@@ -77,6 +77,7 @@ class Deployment:
         self.engine.start()
 
     def close(self) -> None:
+        self.elastic.close()
         self.engine.stop()
         self.executor.shutdown()
 
@@ -227,7 +228,7 @@ def test_injected_failure_leaves_old_size_serving_and_next_resize_works(
 def test_dynamic_eplb_rebalances_while_serving(
     deployment: Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
-    ops_ = deployment.elastic.ops
+    ops_ = deployment.elastic.rebalancer
     identity = ops_.serving.placement
     with Load(deployment, reference, clients=4) as load:
         deadline = time.monotonic() + 120

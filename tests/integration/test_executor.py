@@ -190,6 +190,11 @@ def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
     for _ in range(3):
         outs = run.step()
         assert outs[2].tokens and outs[3].tokens  # the new ranks serve sequences
+    # The old epoch's groups stay until the switch is confirmed (it could be undone till then).
+    assert ex.collective_rpc("groups", ranks=[0]) == [
+        [(0, "step"), (0, "transfer"), (1, "step"), (1, "transfer")]
+    ]
+    ex.collective_rpc("retire_previous", ranks=[0, 1, 2, 3])
     assert ex.collective_rpc("groups", ranks=[0]) == [[(1, "step"), (1, "transfer")]]
 
     mark("Shrink")

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from moe_runtime import sampling
 from moe_runtime import step as step_mod
-from moe_runtime import worker as worker_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -172,12 +172,12 @@ def test_seeded_sampling_is_the_same_on_rank_0_and_rank_1(
 def test_sample_token_depends_only_on_seed_and_position() -> None:
     logits = torch.randn(512, generator=torch.Generator().manual_seed(0))
     params = step_mod.SamplingParams(temperature=1.0, seed=7)
-    first = [worker_mod.sample_token(logits, params, n) for n in range(20)]
-    again = [worker_mod.sample_token(logits.clone(), params, n) for n in range(20)]
+    first = [sampling.sample_token(logits, params, n) for n in range(20)]
+    again = [sampling.sample_token(logits.clone(), params, n) for n in range(20)]
     assert first == again
     assert len(set(first)) > 5
     narrow = step_mod.SamplingParams(temperature=1.0, top_p=1e-6, seed=7)
-    assert worker_mod.sample_token(logits, narrow, 3) == int(torch.argmax(logits))
+    assert sampling.sample_token(logits, narrow, 3) == int(torch.argmax(logits))
 
 
 def test_bad_sequence_is_reported_and_peers_keep_stepping(
@@ -324,29 +324,85 @@ def test_rebalance_commits_at_a_step_boundary(
         per_rank={0: {"new_rank": 0}, 1: {"new_rank": 1}},
         new_num_ranks=2,
     )
-    run.step(control={worker_mod.CONTROL_EXPERT_EPOCH: 5})
+    run.step(control={step_mod.CONTROL_EXPERT_EPOCH: 5})
     assert ex.worker(0).placement is not None and ex.worker(0).placement.equals(new)
     got = run.run()
     assert [got[str(i)] for i in range(len(PROMPTS))] == reference
 
 
-def test_failed_commit_on_one_rank_is_reported_without_hanging(
-    executor_factory: type[local.LocalExecutor],
+@pytest.mark.parametrize(
+    "failure",
+    [
+        pytest.param("nothing-staged", id="one-rank-staged-nothing"),
+        pytest.param("vote-no", id="one-rank-fails-to-commit"),
+    ],
+)
+def test_a_commit_one_rank_cannot_make_is_made_by_none(
+    failure: str, executor_factory: type[local.LocalExecutor]
 ) -> None:
-    """Rank 1 has nothing staged: it reports the error and still joins the step's collectives."""
+    """The EPLB commit is voted on: when rank 1 cannot commit, rank 0 keeps the old placement
+    too, both discard what they staged, and the step's batch still runs (no hang)."""
+    cfg = _config()
     ex = executor_factory(2)
-    placement = identity(2)
-    ex.start(SOURCE, placement=placement)
+    old = identity(2, cfg.num_experts + 2)
+    ex.start(SOURCE, placement=old)
+    new = policy.Placement.from_phy2log(old.phy2log.flip(1), cfg.num_experts)
+    plan = moves_mod.plan_moves(old, new, old_num_ranks=2, new_num_ranks=2)
+    ranks = [0] if failure == "nothing-staged" else [0, 1]
+    if failure == "vote-no":
+        ex.collective_rpc("fail_next", "commit_staged", ranks=[1])
     ex.collective_rpc(
-        "stage_experts", 0, [], placement, ranks=[0], new_rank=0, new_num_ranks=2, stage=9
+        "stage_experts",
+        0,
+        plan if len(ranks) == 2 else [],
+        new if len(ranks) == 2 else old,
+        ranks=ranks,
+        background=True,
+        per_rank={0: {"new_rank": 0}, 1: {"new_rank": 1}},
+        new_num_ranks=2,
+        stage=9,
     )
     work = step_mod.SeqWork("a", PROMPTS[0], 0, GREEDY)
     step = step_mod.StepInput(
-        0, {0: step_mod.RankBatch(seqs=[work])}, {worker_mod.CONTROL_EXPERT_EPOCH: 9}
+        0, {0: step_mod.RankBatch(seqs=[work])}, {step_mod.CONTROL_EXPERT_EPOCH: 9}
     )
     outs = ex.execute_step(step)
+    assert [o.committed for o in outs] == [None, None]
     assert outs[0].error is None and "a" in outs[0].tokens
-    assert outs[1].error is not None and "stage 9" in outs[1].error
+    for r in (0, 1):
+        w = ex.worker(r)
+        assert w.placement is not None and w.placement.equals(old) and w._staged is None
+
+
+def test_a_commit_every_rank_makes_can_be_reverted_until_retired(
+    reference: list[list[int]], executor_factory: type[local.LocalExecutor]
+) -> None:
+    cfg = _config()
+    ex = executor_factory(2)
+    old = identity(2, cfg.num_experts + 2)
+    ex.start(SOURCE, placement=old)
+    new = policy.Placement.from_phy2log(old.phy2log.flip(1), cfg.num_experts)
+    plan = moves_mod.plan_moves(old, new, old_num_ranks=2, new_num_ranks=2)
+    ex.collective_rpc(
+        "stage_experts",
+        0,
+        plan,
+        new,
+        background=True,
+        per_rank={0: {"new_rank": 0}, 1: {"new_rank": 1}},
+        new_num_ranks=2,
+        stage=7,
+    )
+    outs = ex.execute_step(step_mod.StepInput(0, {}, {step_mod.CONTROL_EXPERT_EPOCH: 7}))
+    assert [o.committed for o in outs] == [7, 7]
+    assert ex.collective_rpc("revert", 7) == [True, True]
+    assert all(ex.worker(r).placement.equals(old) for r in (0, 1))  # type: ignore[union-attr]
+    assert ex.collective_rpc("revert", 7) == [False, False]  # nothing left to undo
+    run = Lockstep(ex)
+    for i, prompt in enumerate(PROMPTS):
+        run.add(str(i), prompt, rank=i % 2, max_tokens=8)
+    got = run.run()
+    assert [got[str(i)] for i in range(len(PROMPTS))] == reference
 
 
 def test_failed_forward_leaves_kv_as_before_so_the_step_can_be_retried(

@@ -33,9 +33,23 @@ class ScaleRequest(pydantic.BaseModel):
 
 
 class InjectFailureRequest(pydantic.BaseModel):
+    """Test hook body: make the next resize fail in `stage` (after its work ran), and/or make
+    the next `operation` (a RankWorker method, e.g. "activate", "stage_experts",
+    "commit_staged") of rank `rank` fail."""
+
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    stage: stages.Stage
+    stage: stages.Stage | None = None
+    rank: pydantic.NonNegativeInt | None = None
+    operation: str | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _one_target(self) -> InjectFailureRequest:
+        if self.stage is None and self.rank is None:
+            raise ValueError("give a stage, or a rank and an operation")
+        if (self.rank is None) != (self.operation is None):
+            raise ValueError("rank and operation go together")
+        return self
 
 
 def error_response(status: int, message: str, *, type_: str, code: str | None = None) -> Any:
@@ -68,11 +82,13 @@ def build_router(
     status_fn: Callable[[], dict[str, Any]],
     token: str | None = None,
     test_hooks: bool | None = None,
+    fail_rank: Callable[[int, str], None] | None = None,
 ) -> fastapi.APIRouter:
     """Routes for /scale_elastic_ep, /elastic_ep/status and /is_scaling_elastic_ep.
 
     token: the admin bearer token (default: $MOE_ADMIN_TOKEN; empty = no auth, for laptops).
-    test_hooks: also serve POST /elastic_ep/inject_failure (default: $MOE_ENABLE_TEST_HOOKS=1).
+    test_hooks: also serve POST /elastic_ep/inject_failure (default: $MOE_ENABLE_TEST_HOOKS=1);
+    fail_rank(rank, operation) arms a rank's failure for it.
     """
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
@@ -113,7 +129,8 @@ def build_router(
         )
 
     @router.get("/elastic_ep/status")
-    async def elastic_ep_status() -> dict[str, Any]:
+    def elastic_ep_status() -> dict[str, Any]:
+        # A plain def: FastAPI runs it in its thread pool, never in the event loop.
         return status_fn()
 
     @router.post("/is_scaling_elastic_ep")
@@ -123,8 +140,16 @@ def build_router(
     if test_hooks:
 
         @router.post("/elastic_ep/inject_failure")
-        async def inject_failure(body: InjectFailureRequest) -> dict[str, str]:
-            coordinator.inject_failure(body.stage)
-            return {"armed": body.stage.value}
+        def inject_failure(body: InjectFailureRequest) -> dict[str, Any]:
+            armed: dict[str, Any] = {}
+            if body.stage is not None:
+                coordinator.inject_failure(body.stage)
+                armed["armed"] = body.stage.value
+            if body.rank is not None and body.operation is not None:
+                if fail_rank is None:
+                    raise fastapi.HTTPException(404, "this server cannot arm rank failures")
+                fail_rank(body.rank, body.operation)
+                armed.update(rank=body.rank, operation=body.operation)
+            return armed
 
     return router

@@ -8,6 +8,11 @@ executor), so the rules are unit-tested without ranks.
 
 A failure in any stage ends the resize in `Failed` with a message; the ops' `rollback` releases
 what the stages before it allocated, and the deployment keeps serving at its last good size.
+
+Recoveries (`begin_recovery` / `end_recovery`, driven by `moe_runtime.elastic.recovery`) are
+recorded here too, as records of kind "recovery" in stage `Recovering`: while one runs it is
+the current record (a request for its target returns it, any other target is a conflict), and
+it joins the same history.
 """
 
 from __future__ import annotations
@@ -159,6 +164,7 @@ class Coordinator:
         self._busy = busy or (lambda: False)
         self._lock = threading.Lock()
         self._current: records.ResizeRecord | None = None
+        self._recovery: records.ResizeRecord | None = None
         self._thread: threading.Thread | None = None
         self._history: deque[records.ResizeRecord] = deque(maxlen=HISTORY_LIMIT)
         self._fail_stage: stages.Stage | None = None
@@ -168,10 +174,20 @@ class Coordinator:
     # -- queries -------------------------------------------------------------------------
     @property
     def current(self) -> records.ResizeRecord | None:
-        """The running resize, or None."""
+        """The running recovery, else the running resize, or None."""
         with self._lock:
-            cur = self._current
-            return cur if cur is not None and not cur.done else None
+            return self._running_locked()
+
+    def _running_locked(self) -> records.ResizeRecord | None:
+        if self._recovery is not None:
+            return self._recovery
+        cur = self._current
+        return cur if cur is not None and not cur.done else None
+
+    @property
+    def recovering(self) -> bool:
+        with self._lock:
+            return self._recovery is not None
 
     @property
     def is_scaling(self) -> bool:
@@ -179,6 +195,8 @@ class Coordinator:
 
     def last(self) -> records.ResizeRecord | None:
         with self._lock:
+            if self._recovery is not None:
+                return self._recovery
             if self._current is not None:
                 return self._current
             return self._history[-1] if self._history else None
@@ -203,27 +221,30 @@ class Coordinator:
         with self._lock:
             self._fail_stage = stage
 
-    def request(self, new_size: int) -> records.ResizeRecord:
+    def request(self, new_size: int, *, trigger: str = records.TRIGGER_API) -> records.ResizeRecord:
         """Start a resize to `new_size` ranks, or return the running one with the same target.
 
         Raises InvalidResize (400) for a size the deployment cannot take and ResizeConflict
-        (409) when another target is being resized to.
+        (409) when another target is being resized to (or a recovery runs toward another).
         """
         if not isinstance(new_size, int) or isinstance(new_size, bool):
             raise InvalidResize(f"new_data_parallel_size must be an integer, got {new_size!r}")
         with self._lock:
-            running = self._current if self._current and not self._current.done else None
+            running = self._running_locked()
             if running is not None:
                 if running.to_size == new_size:
                     return running
                 raise ResizeConflict(
-                    f"a resize {running.from_size}->{running.to_size} ({running.resize_id}) is "
-                    f"in stage {running.stage.value}; retry when it ends"
+                    f"a {running.kind} {running.from_size}->{running.to_size} "
+                    f"({running.resize_id}) is in stage {running.stage.value}; retry when it ends"
                 )
             self.limits.check(new_size)
             from_size = self._ops.current_size()
             record = records.ResizeRecord(
-                resize_id=uuid.uuid4().hex[:12], from_size=from_size, to_size=new_size
+                resize_id=uuid.uuid4().hex[:12],
+                from_size=from_size,
+                to_size=new_size,
+                trigger=trigger,
             )
             if from_size == new_size:
                 record.message = f"already serving at data parallel size {new_size}"
@@ -237,6 +258,38 @@ class Coordinator:
             )
             self._thread.start()
             return record
+
+    def begin_recovery(
+        self, *, from_size: int, to_size: int, info: records.RecoveryInfo
+    ) -> records.ResizeRecord:
+        """Record a recovery that starts now (stage Recovering); end it with `end_recovery`."""
+        record = records.ResizeRecord(
+            resize_id=uuid.uuid4().hex[:12],
+            from_size=from_size,
+            to_size=to_size,
+            kind=records.KIND_RECOVERY,
+            trigger=records.TRIGGER_RANK_LOST,
+            recovery=info,
+        )
+        record.enter(stages.Stage.RECOVERING)
+        with self._lock:
+            self._recovery = record
+        self._notify(record)
+        return record
+
+    def end_recovery(self, record: records.ResizeRecord, *, error: str | None = None) -> None:
+        """The recovery is over: Completed, or Failed with `error`; it joins the history."""
+        if error is None:
+            record.message = record.message or f"serving at data parallel size {record.to_size}"
+            record.enter(stages.Stage.COMPLETED)
+        else:
+            record.message = f"Recovering failed: {error}"
+            record.enter(stages.Stage.FAILED)
+        with self._lock:
+            if self._recovery is record:
+                self._recovery = None
+            self._history.append(record)
+        self._notify(record)
 
     def wait(self, record: records.ResizeRecord, timeout: float | None = None) -> bool:
         """Block until `record` is done (or `timeout` seconds); True when it is done."""

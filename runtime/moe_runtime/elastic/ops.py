@@ -21,117 +21,61 @@ Scale down M→N (the highest ranks leave):
   re-prefilled there with prompt + tokens generated so far (none is aborted).
 - Switching: at one boundary the graph is rebuilt over the N survivors under the new epoch.
 - Releasing: the departing workers stop; the record names their pods (`freed`).
+
+Failures (`rollback`, every path ends serving): before the switch, what the stages allocated is
+released (standby ranks, groups, staged experts) and the old size never stopped serving. A
+failed switch goes back to the old step path inside `Executor.switch`. A failure after a
+completed switch but before it is confirmed (the Switching stage itself, e.g. an injected
+failure) switches back to the old ranks, epoch and placement at a boundary: workers kept their
+previous state for that (`RankWorker.revert`). The stage after Switching first confirms the
+switch (`retire_previous`); a failure from then on leaves the new size serving, which is then
+the last good size. Boundary calls have deadlines and are cancelled when they pass them, so
+nothing queued by a failed resize runs after its rollback. A recovery that runs during a resize
+(`Serving.generation` changed) wins: the rollback only releases what the resize allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
-from moe_runtime import step as step_mod
-from moe_runtime.elastic import records, stages
+from moe_runtime.elastic import rebalance, records, stages
+from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
-from moe_runtime.eplb import window as window_mod
 from moe_runtime.executor import base as executor_base
 from moe_runtime.model import config as config_mod
 
 log = logging.getLogger(__name__)
 
-CONTROL_EXPERT_EPOCH = "expert_epoch"  # the worker's StepInput.control key
-
-
-@dataclasses.dataclass(frozen=True)
-class ElasticConfig:
-    """How the runtime resizes and rebalances.
-
-    weight_source: "peer" (new ranks get non-expert weights from serving ranks) or "storage"
-    (new ranks read them from the model source). eplb_*: dynamic EPLB while serving (every
-    `eplb_step_interval` steps, from the load of the last `eplb_window_size` steps; applied only
-    when balancedness improves by at least `eplb_min_gain`). rpc_timeout: seconds for one
-    collective call; boundary_timeout: seconds to wait for a step boundary.
-    """
-
-    source: str
-    num_redundant_experts: int = 0
-    weight_source: str = "peer"
-    eplb_enabled: bool = True
-    eplb_window_size: int = 1000
-    eplb_step_interval: int = 3000
-    eplb_min_gain: float = 0.02
-    rpc_timeout: float = 300.0
-    boundary_timeout: float = 120.0
-
-    def __post_init__(self) -> None:
-        if self.weight_source not in ("peer", "storage"):
-            raise ValueError(
-                f"weight_source must be 'peer' or 'storage', got {self.weight_source!r}"
-            )
-
-
-@dataclasses.dataclass
-class Serving:
-    """What serves now: the placement over `num_ranks` ranks, and the group epoch."""
-
-    placement: policy.Placement
-    num_ranks: int
-    epoch: int
-    next_epoch: int = 1
-    next_stage: int = 1_000
-
-    def take_epoch(self) -> int:
-        epoch = self.next_epoch
-        self.next_epoch += 1
-        return epoch
-
-    def take_stage(self) -> int:
-        stage = self.next_stage
-        self.next_stage += 1
-        return stage
-
 
 @dataclasses.dataclass
 class Plan:
-    """One resize in progress (what `rollback` must undo)."""
+    """One resize in progress (what `rollback` must undo).
+
+    old_*: what served when it began (the switch-back target); generation: the serving
+    generation then (a recovery since makes the plan stale); confirmed: the switch was
+    confirmed (workers retired their previous state) and cannot be undone any more.
+    """
 
     from_size: int
     to_size: int
     epoch: int
+    old_epoch: int
+    old_placement: policy.Placement
+    old_ranks: list[int]
+    generation: int
     new_labels: list[int] = dataclasses.field(default_factory=list)
     departing: list[int] = dataclasses.field(default_factory=list)
     target: policy.Placement | None = None
     staged_on: list[int] = dataclasses.field(default_factory=list)
     groups_on: list[int] = dataclasses.field(default_factory=list)
     switched: bool = False
+    confirmed: bool = False
     migrated: bool = False
-
-
-class LoadTracker:
-    """Expert load per step (summed over ranks) into a window, for EPLB and balancedness."""
-
-    def __init__(self, config: config_mod.ModelConfig, window_size: int) -> None:
-        self._lock = threading.Lock()
-        self.window = window_mod.LoadWindow(config.num_layers, config.num_experts, window_size)
-        self.steps = 0
-
-    def observe(self, outputs: Sequence[step_mod.StepOutput]) -> None:
-        loads = [o.expert_load for o in outputs if isinstance(o.expert_load, torch.Tensor)]
-        if not loads:
-            return
-        with self._lock:
-            self.window.record(torch.stack(loads).sum(0))
-            self.steps += 1
-
-    def total(self) -> torch.Tensor:
-        with self._lock:
-            return self.window.total()
 
 
 class EngineResizeOps:
@@ -143,28 +87,20 @@ class EngineResizeOps:
         engine: engine_core.Engine,
         executor: executor_base.Executor,
         model_config: config_mod.ModelConfig,
-        serving: Serving,
-        config: ElasticConfig,
+        serving: serving_mod.Serving,
+        config: serving_mod.ElasticConfig,
+        rebalancer: rebalance.Rebalancer,
     ) -> None:
         self.engine = engine
         self.executor = executor
         self.model_config = model_config
         self.serving = serving
         self.config = config
-        self.load = LoadTracker(model_config, config.eplb_window_size)
-        # One mechanism at a time: a resize and a dynamic rebalance never overlap.
-        self.mechanics = threading.Lock()
-        self.rebalances = 0
-        self.last_rebalance: dict[str, Any] = {}
-        self._eplb_thread: threading.Thread | None = None
-        engine.on_step(self._on_step)
+        self.rebalancer = rebalancer
+        self.load = rebalancer.load
+        self.mechanics = rebalancer.mechanics
 
     # -- figures -------------------------------------------------------------------------
-    @property
-    def bytes_per_expert(self) -> int:
-        cfg = self.model_config
-        return 3 * cfg.hidden_size * cfg.intermediate_size * 4
-
     def num_physical_for(self, size: int) -> int:
         return policy.num_physical_for(
             self.model_config.num_experts, size, self.config.num_redundant_experts
@@ -190,14 +126,24 @@ class EngineResizeOps:
             from_size=record.from_size,
             to_size=record.to_size,
             epoch=self.serving.take_epoch(),
+            old_epoch=self.serving.epoch,
+            old_placement=self.serving.placement,
+            old_ranks=self.executor.ranks,
+            generation=self.serving.generation,
         )
 
     def end(self, plan: Any) -> None:
         """The resize is over (completed or rolled back): let dynamic EPLB run again."""
-        self.mechanics.release()
+        try:
+            if isinstance(plan, Plan) and plan.switched and not plan.confirmed:
+                self._confirm(plan)
+        finally:
+            self.mechanics.release()
 
     def run_stage(self, stage: stages.Stage, plan: Any, record: records.ResizeRecord) -> None:
         assert isinstance(plan, Plan)
+        if plan.generation != self.serving.generation:
+            raise RuntimeError("a rank was lost and the runtime recovered meanwhile")
         up = plan.to_size > plan.from_size
         handlers = {
             (True, stages.Stage.STANDBY): self._up_standby,
@@ -212,47 +158,93 @@ class EngineResizeOps:
         handler = handlers.get((up, stage))
         if handler is None:
             raise ValueError(f"no {stage.value} stage in a resize {plan.from_size}->{plan.to_size}")
+        if plan.switched and not plan.confirmed:
+            self._confirm(plan)  # the stage after Switching: the new size is the good one now
         handler(plan, record)
 
     def rollback(self, plan: Any, record: records.ResizeRecord, failed: stages.Stage) -> str:
         if not isinstance(plan, Plan):
-            return f"serving at data parallel size {self.executor.num_ranks}"
-        if plan.switched:
-            if plan.departing and any(r in self.executor.pending_ranks for r in plan.departing):
-                record.freed = self.executor.remove_ranks(
-                    [r for r in plan.departing if r in self.executor.pending_ranks]
-                )
-            if plan.staged_on:
-                self._rpc("discard_staged", ranks=self.executor.ranks)
-            return f"serving at data parallel size {self.executor.num_ranks}"
+            return self._where()
         problems: list[str] = []
+        stale = plan.generation != self.serving.generation
+        if plan.switched and not plan.confirmed and not stale:
+            try:
+                self._switch_back(plan)
+            except Exception as exc:  # noqa: BLE001 - reported; the rest is still released
+                log.exception("resize %s: switching back failed", record.resize_id)
+                problems.append(f"switch back: {exc}")
+        if plan.switched and not stale:
+            if plan.confirmed and plan.departing:
+                problems += self._release(plan.departing, record)
+            if plan.staged_on:
+                rebalance.discard_everywhere(
+                    self.executor, self.executor.ranks, timeout=self.config.rpc_timeout
+                )
+            return self._where(problems)
         live = set(self.executor.ranks) | set(self.executor.pending_ranks)
         if plan.staged_on:
-            try:
-                self._rpc("discard_staged", ranks=[r for r in plan.staged_on if r in live])
-            except Exception as exc:  # noqa: BLE001 - go on releasing the rest
-                problems.append(f"discard_staged: {exc}")
+            rebalance.discard_everywhere(
+                self.executor,
+                [r for r in plan.staged_on if r in live],
+                timeout=self.config.rpc_timeout,
+            )
         old = [r for r in plan.groups_on if r in set(self.executor.ranks)]
-        if old:
+        if old and not stale:
             try:
                 self._rpc("drop_epoch", plan.epoch, ranks=old, background=True)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - go on releasing the rest
                 problems.append(f"drop_epoch: {exc}")
-        new = [r for r in plan.new_labels if r in live]
+        new = [r for r in plan.new_labels if r in set(self.executor.pending_ranks)]
         if new:
+            problems += self._release(new, record)
+        if plan.migrated and not stale:
             try:
-                self.executor.remove_ranks(new)
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"remove_ranks: {exc}")
-        if plan.migrated:
-            try:
-                self.engine.set_active_ranks(self.executor.ranks).result(
-                    timeout=self.config.boundary_timeout
-                )
+                self._at_boundary(lambda: self.engine.set_active_ranks(self.executor.ranks))
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"set_active_ranks: {exc}")
+        if stale:
+            problems.append("a recovery ran during the resize; it set the serving size")
+        return self._where(problems)
+
+    def _where(self, problems: Sequence[str] = ()) -> str:
         where = f"serving at data parallel size {self.executor.num_ranks}"
         return where + (f" (cleanup problems: {'; '.join(problems)})" if problems else "")
+
+    def _release(self, labels: list[int], record: records.ResizeRecord) -> list[str]:
+        pending = [r for r in labels if r in self.executor.pending_ranks]
+        if not pending:
+            return []
+        try:
+            record.freed = self.executor.remove_ranks(pending)
+        except Exception as exc:  # noqa: BLE001 - reported in the record's message
+            return [f"remove_ranks: {exc}"]
+        return []
+
+    def _switch_back(self, plan: Plan) -> None:
+        """At a boundary: the old ranks, epoch and placement serve again (module docstring)."""
+        old = list(range(len(plan.old_ranks)))
+
+        def back() -> None:
+            self.executor.switch(
+                old,
+                epoch=plan.old_epoch,
+                placement=plan.old_placement,
+                timeout=self.config.switch_timeout,
+            )
+            self.serving.placement = plan.old_placement
+            self.serving.num_ranks = len(old)
+            self.serving.epoch = plan.old_epoch
+            self.engine.set_active_ranks(old)  # sequences on the new ranks re-run on the old
+            plan.switched = False
+
+        self._at_boundary(back)
+        log.warning("switched back to data parallel size %d (epoch %d)", len(old), plan.old_epoch)
+        self._rpc("drop_epoch", plan.epoch, ranks=old, background=True)
+
+    def _confirm(self, plan: Plan) -> None:
+        """The switch stands: workers forget their previous state and the old groups."""
+        self._rpc("retire_previous", ranks=self.executor.ranks, background=True)
+        plan.confirmed = True
 
     # -- helpers -------------------------------------------------------------------------
     def _rpc(
@@ -274,8 +266,8 @@ class EngineResizeOps:
             **kwargs,
         )
 
-    def _at_boundary(self, fn: Any) -> Any:
-        return self.engine.call_at_boundary(fn).result(timeout=self.config.boundary_timeout)
+    def _at_boundary(self, fn: Callable[[], Any]) -> Any:
+        return self.engine.run_at_boundary(fn, timeout=self.config.boundary_timeout)
 
     def _stage_experts(
         self,
@@ -288,7 +280,6 @@ class EngineResizeOps:
         target: policy.Placement,
         new_num_ranks: int,
         record: records.ResizeRecord,
-        stage_id: int | None = None,
     ) -> None:
         """Stage `target` on the members of epoch's transfer group (member i = rank i)."""
         moves = moves_mod.plan_moves(
@@ -299,36 +290,16 @@ class EngineResizeOps:
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )
         plan.staged_on = list(members)
-        record.bytes_expert += self._stage_rpc(
-            epoch, moves, target, members=members, new_num_ranks=new_num_ranks, stage_id=stage_id
-        )
-
-    def _stage_rpc(
-        self,
-        epoch: int,
-        moves: list[moves_mod.ExpertMove],
-        target: policy.Placement,
-        *,
-        members: Sequence[int],
-        new_num_ranks: int,
-        stage_id: int | None,
-    ) -> int:
-        """Every member stages its slots of `target` (member i is rank i; i >= new_num_ranks
-        leaves and only sends) over epoch's transfer group; returns the bytes received."""
-        received = self._rpc(
-            "stage_experts",
-            epoch,
-            moves,
-            target,
-            ranks=members,
-            background=True,
-            per_rank={
-                r: {"new_rank": (i if i < new_num_ranks else None)} for i, r in enumerate(members)
-            },
+        record.bytes_expert += rebalance.stage_experts(
+            self.executor,
+            epoch=epoch,
+            moves=moves,
+            target=target,
+            members=members,
             new_num_ranks=new_num_ranks,
-            stage=stage_id,
+            staging_id=None,
+            timeout=self.config.rpc_timeout,
         )
-        return int(sum(int(b) for b in received))
 
     # -- scale up ------------------------------------------------------------------------
     def _up_standby(self, plan: Plan, record: records.ResizeRecord) -> None:
@@ -392,7 +363,9 @@ class EngineResizeOps:
         def switch() -> None:
             if before is not None:
                 before()
-            self.executor.switch(members, epoch=plan.epoch, placement=target)
+            self.executor.switch(
+                members, epoch=plan.epoch, placement=target, timeout=self.config.switch_timeout
+            )
             plan.switched = True
             self.serving.placement = target
             self.serving.num_ranks = plan.to_size
@@ -417,7 +390,7 @@ class EngineResizeOps:
         self._switch(plan, self.executor.ranks + plan.new_labels)
 
     def _up_reshuffle(self, plan: Plan, record: records.ResizeRecord) -> None:
-        self._rebalance(record=record, force=False)
+        self.rebalancer.rebalance(record=record, force=False)
         record.balancedness_after = self.balancedness()
 
     # -- scale down ----------------------------------------------------------------------
@@ -442,9 +415,7 @@ class EngineResizeOps:
 
     def _down_migrate(self, plan: Plan, record: records.ResizeRecord) -> None:
         plan.migrated = True
-        moved = self.engine.migrate_from(plan.departing).result(
-            timeout=self.config.boundary_timeout
-        )
+        moved = self._at_boundary(lambda: self.engine.migrate_from(plan.departing).result())
         record.sequences_migrated += len(moved)
         log.info(
             "resize %s: migrated %d sequences off ranks %s",
@@ -465,99 +436,3 @@ class EngineResizeOps:
     def _down_release(self, plan: Plan, record: records.ResizeRecord) -> None:
         record.freed = self.executor.remove_ranks(plan.departing)
         record.balancedness_after = self.balancedness()
-
-    # -- dynamic EPLB --------------------------------------------------------------------
-    def _on_step(self, outputs: list[step_mod.StepOutput]) -> None:
-        """Engine-thread callback: count load; every step_interval steps, rebalance."""
-        self.load.observe(outputs)
-        if not self.config.eplb_enabled or self.load.steps == 0:
-            return
-        if self.load.steps % self.config.eplb_step_interval != 0:
-            return
-        if self._eplb_thread is not None and self._eplb_thread.is_alive():
-            return
-        self._eplb_thread = threading.Thread(
-            target=self._rebalance_in_background, name="eplb-rebalance", daemon=True
-        )
-        self._eplb_thread.start()
-
-    def _rebalance_in_background(self) -> None:
-        if not self.mechanics.acquire(blocking=False):
-            return  # a resize is running; it rebalances itself
-        try:
-            self._rebalance(record=None, force=False)
-        except Exception:  # noqa: BLE001 - a failed rebalance keeps the old placement
-            log.exception("dynamic EPLB rebalance failed; keeping the current placement")
-            try:
-                self._rpc("discard_staged", ranks=self.executor.ranks)
-            except Exception:  # noqa: BLE001
-                log.exception("discarding staged experts after a failed rebalance failed")
-        finally:
-            self.mechanics.release()
-
-    def rebalance_now(self) -> dict[str, Any]:
-        """Rebalance at once (admin/test use); returns the figures of the attempt."""
-        with self.mechanics:
-            return self._rebalance(record=None, force=True)
-
-    def _rebalance(self, *, record: records.ResizeRecord | None, force: bool) -> dict[str, Any]:
-        """Recompute the placement for the serving size; stage and swap it when it helps."""
-        load = self.load.total()
-        n = self.serving.num_ranks
-        old = self.serving.placement
-        before = policy.balancedness(load, old, n)
-        target = moves_mod.rebalance_for_resize(
-            load,
-            old,
-            old_num_ranks=n,
-            new_num_ranks=n,
-            num_physical=old.num_physical,
-            tolerance=0.0 if force else self.config.eplb_min_gain,
-        )
-        after = policy.balancedness(load, target, n)
-        result: dict[str, Any] = {"before": before, "after": after, "applied": False}
-        if not force and after - before < self.config.eplb_min_gain:
-            self.last_rebalance = result
-            return result
-        moves = moves_mod.plan_moves(old, target, old_num_ranks=n, new_num_ranks=n)
-        if not moves and target.equals(old):
-            self.last_rebalance = result
-            return result
-        started = time.monotonic()
-        stage_id = self.serving.take_stage()
-        nbytes = self._stage_rpc(
-            self.serving.epoch,
-            moves,
-            target,
-            members=self.executor.ranks,
-            new_num_ranks=n,
-            stage_id=stage_id,
-        )
-        outputs = self.engine.add_step_control({CONTROL_EXPERT_EPOCH: stage_id}).result(
-            timeout=self.config.boundary_timeout
-        )
-        errors = [o.error for o in outputs if o.error]
-        if errors:
-            raise RuntimeError(f"committing expert stage {stage_id} failed: {errors}")
-        self.serving.placement = target
-        self.rebalances += 1
-        result.update(
-            applied=True,
-            moves=len(moves),
-            bytes=nbytes,
-            seconds=time.monotonic() - started,
-            at=time.time(),
-        )
-        self.last_rebalance = result
-        if record is not None:
-            record.bytes_expert += nbytes
-            record.expert_moves += len(moves)
-        log.info(
-            "EPLB: balancedness %.3f -> %.3f, %d expert moves (%d B) in %.2fs",
-            before,
-            after,
-            len(moves),
-            nbytes,
-            result["seconds"],
-        )
-        return result

@@ -31,13 +31,63 @@ class StageRecord:
         }
 
 
+KIND_RESIZE = "resize"
+KIND_RECOVERY = "recovery"
+TRIGGER_API = "api"  # POST /scale_elastic_ep
+TRIGGER_AUTO_RECOVER = "auto_recover"  # the grow back after a recovery (autoRecover)
+TRIGGER_RANK_LOST = "rank_lost"  # a recovery
+
+
+@dataclasses.dataclass
+class RecoveryInfo:
+    """What a recovery (kind "recovery") did; wall-clock times (time.time()).
+
+    last_heartbeat_at: the lost ranks' last answered heartbeat (the loss happened after it);
+    detected_at: when the runtime knew; recovered_at: when the survivors served again.
+    ranks_lost: {"rank", "pod", "node_id", "pid", "reason"} of each lost rank (labels before
+    the recovery). experts_restored: lost experts that survivors also held (from_replicas) and
+    those read from the model source (from_source). requests_rerun: sequences that were on the
+    lost ranks and re-ran on survivors from prompt + generated tokens.
+    """
+
+    detected_at: float
+    last_heartbeat_at: float | None = None
+    recovered_at: float | None = None
+    ranks_lost: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    experts_from_replicas: int = 0
+    experts_from_source: int = 0
+    requests_rerun: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        last, detected, recovered = self.last_heartbeat_at, self.detected_at, self.recovered_at
+        return {
+            "last_heartbeat_at": last,
+            "detected_at": detected,
+            "recovered_at": recovered,
+            "detection_s": None if last is None else max(0.0, detected - last),
+            "recovery_s": None if recovered is None else recovered - detected,
+            "ranks_lost": [dict(r) for r in self.ranks_lost],
+            "experts_restored": {
+                "from_replicas": self.experts_from_replicas,
+                "from_source": self.experts_from_source,
+            },
+            "requests_rerun": self.requests_rerun,
+        }
+
+
 @dataclasses.dataclass
 class ResizeRecord:
-    """One resize from `from_size` to `to_size` ranks."""
+    """One resize from `from_size` to `to_size` ranks, or one recovery (kind "recovery").
+
+    trigger: what started it (TRIGGER_*); recovery: set for kind "recovery".
+    """
 
     resize_id: str
     from_size: int
     to_size: int
+    kind: str = KIND_RESIZE
+    trigger: str = TRIGGER_API
+    recovery: RecoveryInfo | None = None
     started_at: float = dataclasses.field(default_factory=time.time)
     stage: st.Stage = st.Stage.IDLE
     stage_started_at: float = dataclasses.field(default_factory=time.time)
@@ -90,6 +140,8 @@ class ResizeRecord:
         with self._lock:
             return {
                 "resize_id": self.resize_id,
+                "kind": self.kind,
+                "trigger": self.trigger,
                 "from": self.from_size,
                 "to": self.to_size,
                 "stage": self.stage.value,
@@ -109,4 +161,5 @@ class ResizeRecord:
                 },
                 "freed": list(self.freed),
                 "sequences_migrated": self.sequences_migrated,
+                "recovery": None if self.recovery is None else self.recovery.to_json(),
             }

@@ -1,7 +1,10 @@
-"""Elasticity of one serving process: coordinator + stage mechanics + status + metrics + routes.
+"""Elasticity of one serving process: coordinator + stage mechanics + EPLB + recovery + status +
+metrics + routes.
 
 `ElasticService.attach(...)` is what `moe-runtime serve` calls once its engine and executor
-serve; it returns the admin router to mount and keeps the Prometheus figures of resizes.
+serve; it returns the admin router to mount, the readiness check of `GET /ready`, and keeps
+the Prometheus figures of resizes and recoveries. Status reads only what the heartbeat already
+knows: it never calls a rank (so it never blocks the server's event loop).
 """
 
 from __future__ import annotations
@@ -9,15 +12,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from typing import Any
 
 import fastapi
 import prometheus_client
 
-from moe_runtime.elastic import admin, records, stages
+from moe_runtime.elastic import admin, rebalance, records, recovery, stages
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import ops as ops_mod
+from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
@@ -27,7 +30,6 @@ log = logging.getLogger(__name__)
 
 _RESIZE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _BLACKOUT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-HEALTH_CACHE_SECONDS = 2.0
 
 
 class ElasticMetrics:
@@ -71,11 +73,39 @@ class ElasticMetrics:
         self.rebalances = prometheus_client.Gauge(
             "moe_eplb_rebalances", "Dynamic EPLB placement changes applied.", registry=r
         )
+        self.recoveries = prometheus_client.Counter(
+            "moe_recoveries",
+            "Finished recoveries from lost ranks by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.recovery_seconds = prometheus_client.Histogram(
+            "moe_recovery_seconds",
+            "From the detection of a lost rank to serving again on the survivors.",
+            buckets=_BLACKOUT_BUCKETS,
+            registry=r,
+        )
+        self.ranks_lost = prometheus_client.Counter(
+            "moe_ranks_lost", "Ranks found dead or hung (and fenced).", registry=r
+        )
+        self.requests_rerun = prometheus_client.Counter(
+            "moe_recovery_requests_rerun",
+            "Sequences of lost ranks re-run on survivors from prompt + generated tokens.",
+            registry=r,
+        )
 
     def on_record(self, record: records.ResizeRecord) -> None:
         self.scaling.set(0 if record.done else 1)
         self.target.set(record.to_size)
         if not record.done:
+            return
+        if record.recovery is not None:
+            info = record.recovery
+            self.recoveries.labels(outcome="completed" if record.succeeded else "failed").inc()
+            if info.recovered_at is not None:
+                self.recovery_seconds.observe(info.recovered_at - info.detected_at)
+            self.ranks_lost.inc(len(info.ranks_lost))
+            self.requests_rerun.inc(info.requests_rerun)
             return
         direction = "up" if record.to_size > record.from_size else "down"
         outcome = "completed" if record.succeeded else "failed"
@@ -95,12 +125,11 @@ class ElasticService:
 
     coordinator: coord_mod.Coordinator
     ops: ops_mod.EngineResizeOps
+    rebalancer: rebalance.Rebalancer
+    recovery: recovery.Recovery
     engine: engine_core.Engine
     executor: executor_base.Executor
     metrics: ElasticMetrics | None = None
-    _health: dict[int, str] = dataclasses.field(default_factory=dict)
-    _health_at: float = 0.0
-    _health_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @classmethod
     def attach(
@@ -110,20 +139,30 @@ class ElasticService:
         executor: executor_base.Executor,
         model_config: config_mod.ModelConfig,
         placement: policy.Placement,
-        config: ops_mod.ElasticConfig,
+        config: serving_mod.ElasticConfig,
         limits: coord_mod.Limits,
         registry: prometheus_client.CollectorRegistry | None = None,
         epoch: int = 0,
     ) -> ElasticService:
-        serving = ops_mod.Serving(
+        serving = serving_mod.Serving(
             placement=placement, num_ranks=executor.num_ranks, epoch=epoch, next_epoch=epoch + 1
         )
+        rebalancer = rebalance.Rebalancer(
+            engine=engine,
+            executor=executor,
+            serving=serving,
+            load=serving_mod.LoadTracker(model_config, config.eplb_window_size),
+            config=config,
+            mechanics=threading.Lock(),
+        )
+        engine.on_step(rebalancer.on_step)
         mechanics = ops_mod.EngineResizeOps(
             engine=engine,
             executor=executor,
             model_config=model_config,
             serving=serving,
             config=config,
+            rebalancer=rebalancer,
         )
 
         def busy() -> bool:
@@ -131,28 +170,56 @@ class ElasticService:
             return stats.num_running + stats.num_waiting > 0
 
         coord = coord_mod.Coordinator(mechanics, limits=limits, busy=busy)
-        service = cls(coordinator=coord, ops=mechanics, engine=engine, executor=executor)
+        fault = recovery.Recovery(
+            engine=engine,
+            executor=executor,
+            model_config=model_config,
+            serving=serving,
+            load=rebalancer.load,
+            config=config,
+            coordinator=coord,
+        )
+        service = cls(
+            coordinator=coord,
+            ops=mechanics,
+            rebalancer=rebalancer,
+            recovery=fault,
+            engine=engine,
+            executor=executor,
+        )
         engine.on_step(lambda outputs: coord.tracker.on_step(_produced(outputs), busy()))
         if registry is not None:
             service.metrics = ElasticMetrics(registry)
             coord.on_change(service.metrics.on_record)
             service.metrics.balancedness.set_function(mechanics.balancedness)
-            service.metrics.rebalances.set_function(lambda: mechanics.rebalances)
+            service.metrics.rebalances.set_function(lambda: rebalancer.rebalances)
         coord.on_change(_log_stage)
+        fault.attach()
         return service
 
-    def router(self, *, token: str | None = None) -> fastapi.APIRouter:
-        return admin.build_router(self.coordinator, status_fn=self.status, token=token)
+    def close(self) -> None:
+        """Stop the heartbeat and the grow-back loop (before the executor shuts down)."""
+        self.recovery.close()
 
-    def _rank_health(self) -> dict[int, str]:
-        now = time.monotonic()
-        with self._health_lock:
-            if now - self._health_at < HEALTH_CACHE_SECONDS and self._health:
-                return dict(self._health)
-        health = self.executor.check_health(timeout=2.0)
-        with self._health_lock:
-            self._health, self._health_at = health, time.monotonic()
-        return dict(health)
+    def router(self, *, token: str | None = None) -> fastapi.APIRouter:
+        return admin.build_router(
+            self.coordinator, status_fn=self.status, token=token, fail_rank=self.fail_rank
+        )
+
+    def fail_rank(self, rank: int, operation: str) -> None:
+        """Test hook: the next `operation` of rank `rank` fails (`RankWorker.fail_next`)."""
+        self.executor.collective_rpc("fail_next", operation, ranks=[rank], timeout=30)
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason) for GET /ready: the engine loop runs and a step path exists."""
+        if not self.engine.is_alive():
+            return False, "the engine loop is not running"
+        if self.executor.has_step_path():
+            return True, "serving"
+        lost = sorted(self.executor.lost_ranks())
+        if self.coordinator.recovering:
+            return False, f"no step path: recovering from lost ranks {lost}"
+        return False, f"no step path (lost ranks {lost}); the next step rebuilds it"
 
     def status(self) -> dict[str, Any]:
         """The body of GET /elastic_ep/status (DESIGN §4)."""
@@ -161,20 +228,41 @@ class ElasticService:
         serving = self.ops.serving
         active = set(self.executor.ranks)
         infos = self.executor.rank_infos()
-        health = self._rank_health()
+        health = self.executor.health()
+        slots = serving.placement.slots_per_rank(serving.num_ranks)
         ranks = []
         for label, info in sorted(infos.items()):
-            slots = serving.placement.slots_per_rank(serving.num_ranks)
+            h = health.get(label)
             ranks.append(
                 {
                     "rank": label,
                     "active": label in active,
                     "node_id": info.get("node_id"),
                     "pod": info.get("pod"),
-                    "healthy": health.get(label) == "ok",
+                    "pid": info.get("pid"),
+                    "healthy": h is not None and h.state == executor_base.HEALTH_OK,
+                    "state": h.state if h is not None else executor_base.HEALTH_OK,
                     "num_experts": slots if label in active else 0,
                 }
             )
+        if self.recovery.degraded():
+            # Lost ranks stay listed (unhealthy) until the size before the loss is back; their
+            # label is gone (survivors were renumbered), so they carry it as lost_rank.
+            for lost in self.recovery.lost:
+                ranks.append(
+                    {
+                        "rank": None,
+                        "lost_rank": lost["rank"],
+                        "active": False,
+                        "node_id": lost.get("node_id"),
+                        "pod": lost.get("pod"),
+                        "pid": lost.get("pid"),
+                        "healthy": False,
+                        "state": lost.get("state", executor_base.HEALTH_DEAD),
+                        "num_experts": 0,
+                    }
+                )
+        ready, reason = self.readiness()
         stage = current.stage if current is not None else stages.Stage.IDLE
         if current is None and last is not None:
             stage = last.stage
@@ -186,11 +274,14 @@ class ElasticService:
             "resize": last.to_json() if last is not None else None,
             "history": [r.to_json() for r in self.coordinator.history()],
             "ranks": ranks,
+            "ready": ready,
+            "ready_reason": reason,
+            "auto_recover": self.recovery.status(),
             "eplb": {
                 "balancedness": self.ops.balancedness(),
                 "num_physical_experts": serving.placement.num_physical,
-                "rebalances": self.ops.rebalances,
-                "last_rebalance": self.ops.last_rebalance,
+                "rebalances": self.rebalancer.rebalances,
+                "last_rebalance": self.rebalancer.last_rebalance,
             },
         }
 

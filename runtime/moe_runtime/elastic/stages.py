@@ -16,6 +16,7 @@ class Stage(str, enum.Enum):
     RESHUFFLING = "Reshuffling"
     MIGRATING = "Migrating"
     RELEASING = "Releasing"
+    RECOVERING = "Recovering"  # a rank died or hung: the runtime shrinks around it by itself
     COMPLETED = "Completed"
     FAILED = "Failed"
 
@@ -37,6 +38,9 @@ SCALE_DOWN: tuple[Stage, ...] = (
     Stage.COMPLETED,
 )
 """Runtime stages of M→N with N < M."""
+
+RECOVERY: tuple[Stage, ...] = (Stage.RECOVERING, Stage.COMPLETED)
+"""Stages of a recovery (the grow back, with autoRecover, is a normal SCALE_UP resize)."""
 
 TERMINAL: frozenset[Stage] = frozenset({Stage.IDLE, Stage.COMPLETED, Stage.FAILED})
 

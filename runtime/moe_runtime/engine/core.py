@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 StepCallback = Callable[[list[step_types.StepOutput]], None]
+ControlFuture = concurrent.futures.Future[list[step_types.StepOutput]]
 
 
 class StepRunner(Protocol):
@@ -186,8 +187,7 @@ class Engine:
         self._inbox: collections.deque[req.RequestHandle] = collections.deque()
         self._aborts: set[str] = set()
         self._boundary: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
-        self._controls: dict[str, Any] = {}
-        self._control_futures: list[concurrent.futures.Future[list[step_types.StepOutput]]] = []
+        self._controls: list[tuple[dict[str, Any], ControlFuture]] = []
         self._callbacks: list[StepCallback] = []
         self._failure_callbacks: list[FailureCallback] = []
         self._events = 0
@@ -320,10 +320,9 @@ class Engine:
     def relabel_ranks(self, mapping: dict[int, int]) -> concurrent.futures.Future[None]:
         """At the next boundary: rank `old` is now called `mapping[old]` (after an executor
         switch renumbers its workers 0..n-1); sequences, KV frees and marks follow their worker.
+        Ranks the engine knows and the mapping omits keep their label; two ranks sent to one
+        label are refused (ValueError through the future) and nothing changes.
         """
-        targets = [mapping.get(r, r) for r in set(mapping) | set(mapping.values())]
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"relabel mapping {mapping} sends two ranks to one label")
         return self.call_at_boundary(lambda: self._relabel_now(dict(mapping)))
 
     def add_step_control(
@@ -333,12 +332,28 @@ class Engine:
 
         The future completes with that step's outputs once every rank has applied it.
         """
-        future: concurrent.futures.Future[list[step_types.StepOutput]] = concurrent.futures.Future()
+        future: ControlFuture = concurrent.futures.Future()
         with self._cond:
-            self._controls.update(control)
-            self._control_futures.append(future)
+            self._controls.append((dict(control), future))
             self._notify_locked()
         return future
+
+    def run_at_boundary(self, fn: Callable[[], T], *, timeout: float) -> T:
+        """`call_at_boundary(fn)` and wait for its result, with a deadline.
+
+        If no boundary was reached within `timeout` s, the call is cancelled (it will never
+        run) and TimeoutError is raised. A call that has started runs to its end, so `fn` must
+        bound its own work (pass it the time left); its outcome is awaited at most another
+        `timeout` s.
+        """
+        return _await(self.call_at_boundary(fn), timeout, what="boundary call")
+
+    def run_step_control(
+        self, control: dict[str, Any], *, timeout: float
+    ) -> list[step_types.StepOutput]:
+        """`add_step_control(control)` and wait for that step's outputs, with the same deadline
+        rule as `run_at_boundary`: a control not sent within `timeout` s is withdrawn."""
+        return _await(self.add_step_control(control), timeout, what="step control")
 
     def on_step(self, callback: StepCallback) -> None:
         """Registers `callback(outputs)`, called on the engine thread after every step."""
@@ -364,6 +379,13 @@ class Engine:
                 self._stats, num_waiting=self._stats.num_waiting + len(self._inbox)
             )
 
+    def active_ranks(self) -> list[int]:
+        """The ranks stepped now. Exact on the engine thread (boundary calls, step callbacks);
+        elsewhere the last published value (`stats()`)."""
+        if threading.current_thread() is self._thread:
+            return list(self._active)
+        return list(self.stats().active_ranks)
+
     @property
     def last_token_time(self) -> float | None:
         """time.monotonic() of the end of the last step that produced at least one token."""
@@ -385,13 +407,15 @@ class Engine:
             with self._cond:
                 self._alive = False
                 boundary, self._boundary = self._boundary, []
-                control_futures, self._control_futures = self._control_futures, []
+                control_futures = [f for _, f in self._controls]
+                self._controls = []
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
             for _, future in boundary:
                 future.set_exception(EngineStopped("the engine stopped"))
             for cf in control_futures:
-                cf.set_exception(EngineStopped("the engine stopped"))
+                if cf.set_running_or_notify_cancel():
+                    cf.set_exception(EngineStopped("the engine stopped"))
             for handle in self._waiting:
                 self._finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
             self._waiting.clear()
@@ -423,8 +447,13 @@ class Engine:
                     continue  # more boundary work arrived while we ran fn: do it first
                 if not self._must_step():
                     continue
-                controls, self._controls = self._controls, {}
-                control_futures, self._control_futures = self._control_futures, []
+                pending, self._controls = self._controls, []
+            controls: dict[str, Any] = {}
+            control_futures: list[ControlFuture] = []
+            for control, future in pending:
+                if future.set_running_or_notify_cancel():  # False: withdrawn by its caller
+                    controls.update(control)
+                    control_futures.append(future)
             self._step(controls, control_futures)
             self._publish_stats()
 
@@ -434,7 +463,7 @@ class Engine:
     def _step(
         self,
         controls: dict[str, Any],
-        control_futures: list[concurrent.futures.Future[list[step_types.StepOutput]]],
+        control_futures: list[ControlFuture],
     ) -> None:
         batches, work = self._schedule()
         self._step_id += 1
@@ -793,6 +822,13 @@ class Engine:
         def new(rank: int) -> int:
             return mapping.get(rank, rank)
 
+        known = set(self._active) | self._draining | set(self._pending_free)
+        known |= {seq.rank for seq in self._running.values()}
+        if len({new(r) for r in known}) != len(known):
+            raise ValueError(
+                f"relabel mapping {mapping} sends two of ranks {sorted(known)} to one label"
+            )
+
         self._active = sorted(new(r) for r in self._active)
         self._draining = {new(r) for r in self._draining}
         for seq in self._running.values():
@@ -814,6 +850,19 @@ class Engine:
         )
         with self._cond:
             self._stats = stats
+
+
+def _await(future: concurrent.futures.Future[T], timeout: float, *, what: str) -> T:
+    """future's result within `timeout`; if it has not started by then, cancel it."""
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        if future.cancel():
+            raise TimeoutError(
+                f"{what}: no step boundary within {timeout:.1f}s; cancelled, it will not run"
+            ) from None
+    log.warning("engine: %s started late; waiting for its end", what)
+    return future.result(timeout=timeout)
 
 
 def _run_into(fn: Callable[[], T], future: concurrent.futures.Future[T]) -> None:

@@ -25,6 +25,7 @@ Shapes: placements carry phy2log [L, P], log2phy [L, E, R], logcnt [L, E] (int64
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -76,6 +77,7 @@ def plan_moves(
     *,
     old_num_ranks: int,
     new_num_ranks: int,
+    senders: Sequence[int] | None = None,
 ) -> list[ExpertMove]:
     """The transfers that turn ``old`` (over old_num_ranks) into ``new`` (over new_num_ranks).
 
@@ -83,8 +85,12 @@ def plan_moves(
     not hold, so the count equals ``lower_bound_moves``. The source is an old holder (rank <
     old_num_ranks) chosen to spread the sending: the holder with the fewest sends so far (ties:
     lowest rank). Ordered by layer, then destination slot.
+
+    senders: the old ranks that can send (default: all). An expert that no sender holds gets no
+    move: the destination must read it from the model source (a recovery after a rank loss).
     """
     _check_pair(old, new, old_num_ranks, new_num_ranks)
+    can_send = set(range(old_num_ranks) if senders is None else senders)
     old_sets = _holders(old, old_num_ranks)
     new_per = new.slots_per_rank(new_num_ranks)
     sends = [0] * old_num_ranks
@@ -92,6 +98,8 @@ def plan_moves(
     for layer, row in enumerate(new.phy2log.tolist()):
         holders_of: dict[int, list[int]] = {}
         for rank, experts in enumerate(old_sets[layer]):
+            if rank not in can_send:
+                continue
             for expert in experts:
                 holders_of.setdefault(expert, []).append(rank)
         received: set[tuple[int, int]] = set()
@@ -102,6 +110,8 @@ def plan_moves(
             if (dst, logical) in received:
                 continue
             received.add((dst, logical))
+            if logical not in holders_of:
+                continue  # no sender holds it: read from the model source
             src = min(holders_of[logical], key=lambda r: (sends[r], r))
             sends[src] += 1
             moves.append(ExpertMove(layer, logical, src, dst, slot))
@@ -126,6 +136,58 @@ def lower_bound_moves(
             before = old_sets[layer][rank] if rank < old_num_ranks else set()
             count += len(experts - before)
     return count
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """How the survivors of a rank loss get every expert back.
+
+    target: the placement over the survivors (survivor i becomes rank i); moves: transfers
+    between survivors (src_rank / dst_rank are those new ranks); from_replicas: (layer, logical)
+    pairs the lost ranks held that a survivor holds too (redundant replicas); from_source: pairs
+    only the lost ranks held (the survivors that need them read them from the model source).
+    """
+
+    target: policy.Placement
+    moves: list[ExpertMove]
+    from_replicas: int
+    from_source: int
+
+
+def plan_recovery(
+    load: torch.Tensor,
+    old: policy.Placement,
+    *,
+    old_num_ranks: int,
+    survivors: Sequence[int],
+    num_physical: int,
+) -> RecoveryPlan:
+    """The placement and moves that let `survivors` (old ranks, in their new order) serve alone.
+
+    The old placement is seen with the survivors' slot blocks first and the lost ranks' last,
+    which makes the recovery a shrink in which the lost ranks are the departing ones; then
+    `rebalance_for_resize` keeps experts where they are and only survivors send.
+    """
+    if not survivors:
+        raise ValueError("a recovery needs at least one surviving rank")
+    if len(set(survivors)) != len(survivors) or not set(survivors) <= set(range(old_num_ranks)):
+        raise ValueError(f"survivors {list(survivors)} must be distinct ranks < {old_num_ranks}")
+    order = list(survivors) + [r for r in range(old_num_ranks) if r not in survivors]
+    per = old.slots_per_rank(old_num_ranks)
+    blocks = old.phy2log.reshape(old.num_layers, old_num_ranks, per)[:, order]
+    view = policy.Placement.from_phy2log(blocks.reshape(old.num_layers, -1), old.num_logical)
+    n = len(survivors)
+    target = rebalance_for_resize(
+        load, view, old_num_ranks=old_num_ranks, new_num_ranks=n, num_physical=num_physical
+    )
+    moves = plan_moves(view, target, old_num_ranks=old_num_ranks, new_num_ranks=n, senders=range(n))
+    from_replicas = from_source = 0
+    for layer_sets in _holders(view, old_num_ranks):
+        kept = set().union(*layer_sets[:n])
+        lost = set().union(*layer_sets[n:])
+        from_replicas += len(lost & kept)
+        from_source += len(lost - kept)
+    return RecoveryPlan(target, moves, from_replicas, from_source)
 
 
 def bytes_moved(moves: list[ExpertMove], bytes_per_expert: int) -> int:

@@ -15,13 +15,19 @@ from moe_runtime.executor import ray_executor
 
 log = logging.getLogger(__name__)
 
+#: Milliseconds the raylet waits for a killed worker to exit before it SIGKILLs it.
+KILL_WORKER_TIMEOUT_MS = 200
+
 
 def connect(*, num_rank_slots: int, address: str | None = None) -> bool:
     """Join the cluster at `address` (default: env RAY_ADDRESS), or start a local one.
 
     A local instance listens on 127.0.0.1 only, has no dashboard, and offers `num_rank_slots`
     rank slots (the `moe_rank` resource that worker pods offer on Kubernetes; rank actors take
-    no CPU). Returns True when this call started Ray: the caller then owns it and must call
+    no CPU). Its raylet SIGKILLs a killed worker that does not exit by itself after
+    KILL_WORKER_TIMEOUT_MS (Ray's default is 5 s), so a fenced hung rank releases its peers
+    fast (see `ray_executor`; on a cluster, set RAY_kill_worker_timeout_milliseconds on the
+    nodes). Returns True when this call started Ray: the caller then owns it and must call
     `disconnect`, which stops every process it started.
     """
     if ray.is_initialized():
@@ -38,6 +44,7 @@ def connect(*, num_rank_slots: int, address: str | None = None) -> bool:
         resources={ray_executor.RANK_RESOURCE: num_rank_slots},
         include_dashboard=False,
         configure_logging=False,
+        _system_config={"kill_worker_timeout_milliseconds": KILL_WORKER_TIMEOUT_MS},
     )
     return True
 

@@ -14,6 +14,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,7 +49,9 @@ class LocalExecutor(base.Executor):
         )
         self._lock = threading.Lock()
         self._workers: dict[int, worker_mod.RankWorker] = {}
+        self._health: dict[int, base.RankHealth] = {}  # by id() of the worker
         self._active: list[int] = []
+        self.clock = base.StepClock()
         for label in range(num_ranks):
             self._workers[label] = self._new_worker(label)
         self._active = list(range(num_ranks))
@@ -94,6 +97,7 @@ class LocalExecutor(base.Executor):
             targets, workers = base.rpc_targets(
                 method, ranks, active=self._active, members=self._workers
             )
+        self._check_fenced(targets, workers, what=method)
         futures = []
         for label, w in zip(targets, workers, strict=True):
             extra = base.extra_kwargs(per_rank, label)
@@ -106,11 +110,62 @@ class LocalExecutor(base.Executor):
             workers = [self._workers[r] for r in active]
         if not workers or self._needs_switch:
             raise base.ExecutorError("no step path: switch to a set of ranks first")
+        self._check_fenced(active, workers, what="execute_step")
+        self.clock.begin()
         futures = [self._pool.submit(w.execute_step, step) for w in workers]
-        outs: list[step_mod.StepOutput] = _gather(
-            futures, active, what="execute_step", timeout=self._step_timeout
-        )
+        try:
+            outs: list[step_mod.StepOutput] = _gather(
+                futures, active, what="execute_step", timeout=self._step_timeout
+            )
+        except BaseException:
+            self.clock.end(ok=False)
+            raise
+        self.clock.end(ok=True)
         return outs
+
+    def _check_fenced(
+        self, labels: Sequence[int], workers: Sequence[worker_mod.RankWorker], *, what: str
+    ) -> None:
+        dead = [r for r, w in zip(labels, workers, strict=True) if self._health_of(w).fenced]
+        if dead:
+            raise base.RankDied(f"{what}: ranks {dead} were fenced", ranks=dead)
+
+    def _health_of(self, w: worker_mod.RankWorker) -> base.RankHealth:
+        with self._lock:
+            return self._health.setdefault(id(w), base.RankHealth())
+
+    def has_step_path(self) -> bool:
+        with self._lock:
+            return bool(self._active) and not self._needs_switch
+
+    def _health_members(self) -> dict[int, base.RankHealth]:
+        with self._lock:
+            workers = dict(self._workers)
+        return {label: self._health_of(w) for label, w in workers.items()}
+
+    def _send_ping(self, label: int) -> Any:
+        with self._lock:
+            w = self._workers[label]
+        if self._health_of(w).fenced:
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(base.RankDied(f"rank {label} was fenced", ranks=[label]))
+            return failed
+        return self._pool.submit(w.ping)
+
+    def _poll_ping(self, handle: Any) -> str | None:
+        if not handle.done():
+            return None
+        return base.HEALTH_DEAD if handle.exception() is not None else base.HEALTH_OK
+
+    def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
+        now = time.monotonic()
+        with self._lock:
+            workers = [self._workers[r] for r in ranks if r in self._workers]
+        for w in workers:
+            h = self._health_of(w)
+            h.lose(base.HEALTH_DEAD, reason, now)
+            h.fenced = True
+        log.error("fenced ranks %s: %s", list(ranks), reason)
 
     # -- elastic primitives --------------------------------------------------------------
     def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
@@ -125,7 +180,12 @@ class LocalExecutor(base.Executor):
         return labels
 
     def build_groups(
-        self, ranks: Sequence[int], *, epoch: int, timeout: float | None = None
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int,
+        timeout: float | None = None,
+        background: bool = True,
     ) -> None:
         ranks = list(ranks)
         for role in base.GROUP_ROLES:
@@ -137,7 +197,7 @@ class LocalExecutor(base.Executor):
                 spec,
                 ranks=ranks,
                 timeout=timeout,
-                background=True,
+                background=background,
                 per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
                 role=role,
                 group_timeout=timeout,
@@ -155,15 +215,21 @@ class LocalExecutor(base.Executor):
         with self._lock:
             mapping = base.check_switch(ranks, live=list(self._workers))
         if epoch is not None:
-            self.collective_rpc(
-                "activate",
-                epoch,
-                ranks=ranks,
-                timeout=timeout,
-                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
-                num_ranks=len(ranks),
-                placement=placement,
-            )
+            try:
+                self.collective_rpc(
+                    "activate",
+                    epoch,
+                    ranks=ranks,
+                    timeout=timeout,
+                    per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
+                    num_ranks=len(ranks),
+                    placement=placement,
+                )
+            except BaseException:
+                # Back to the old ranks' state: whoever activated the epoch reverts it.
+                live = [r for r in ranks if not self._health_of(self._workers[r]).fenced]
+                self.collective_rpc("revert", epoch, ranks=live, timeout=timeout)
+                raise
         with self._lock:
             self._workers = {mapping[old]: w for old, w in self._workers.items()}
             self._active = list(range(len(ranks)))
@@ -193,14 +259,18 @@ class LocalExecutor(base.Executor):
     def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
         with self._lock:
             workers = dict(self._workers)
-        futures = {label: self._pool.submit(w.ping) for label, w in workers.items()}
+        futures = {label: self._send_ping(label) for label in workers}
         done, _ = concurrent.futures.wait(futures.values(), timeout=timeout)
-        return {
-            label: ("ok" if f in done and f.exception() is None else "unresponsive")
-            for label, f in sorted(futures.items())
-        }
+        report = {}
+        for label, f in sorted(futures.items()):
+            if f not in done:
+                report[label] = base.HEALTH_UNRESPONSIVE
+            else:
+                report[label] = self._poll_ping(f) or base.HEALTH_UNRESPONSIVE
+        return report
 
     def shutdown(self) -> None:
+        self.stop_heartbeat()
         if self._closed:
             return
         self._closed = True

@@ -22,6 +22,15 @@ actors (the second hangs and its teardown kills the actors), so `switch` tears t
 down before compiling the new one; compiling over an actor that was just created is slow
 (~2.5 s), so `add_ranks` waits until new actors answer before returning.
 
+Failures, measured here (3 ranks, CPU): a SIGKILLed actor makes the running compiled step raise
+`ActorDiedError` within ~0.07 s (its peers' gloo collectives fail with "Connection reset by
+peer"), and the teardown that follows leaves the survivors alive. A SIGSTOPped actor makes the
+step wait for `RAY_CGRAPH_get_timeout`, and a teardown then waits 30 s on it: so the heartbeat
+fences a hung actor (`ray.kill`) instead, after which the step raises within ~0.2 s when the
+raylet's `kill_worker_timeout_milliseconds` is small (a stopped process cannot exit by itself:
+the raylet SIGKILLs it after that delay, 5 s by default; `cluster.connect` sets 200 ms for a
+local instance). Shrinking around the lost rank then takes ~0.3 s (groups, staging, compile).
+
 Group rendezvous: when every member of a new group runs on one host (one IP) the group uses a
 FileStore in `group_dir` (nothing listens on a port); otherwise a TCPStore hosted by the group's
 rank 0 on a port it reports as free (`RankWorker.free_port`).
@@ -94,12 +103,13 @@ _RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
 
 @dataclasses.dataclass
 class _Rank:
-    """One DP rank: its actor, its placement group, and what it said when it started."""
+    """One DP rank: its actor, its placement group, what it said when it started, its health."""
 
     label: int
     actor: Any
     pg: Any
     info: dict[str, Any]
+    health: base.RankHealth = dataclasses.field(default_factory=base.RankHealth)
 
 
 class RayExecutor(base.Executor):
@@ -113,6 +123,9 @@ class RayExecutor(base.Executor):
     weight moves then never run NCCL kernels next to the step's NCCL collectives (two
     communicators whose kernels interleave in different orders on different ranks can
     deadlock), at the cost of staging weights through host memory. "nccl" is faster.
+    step_timeout is the hard limit of one step whose ranks all stay healthy; a hung or dead rank
+    is found much sooner, from the heartbeat and the deadline derived from observed step times
+    (`base.StepClock`). switch_timeout bounds a `switch` called without a timeout.
     step_mode: "compiled" (a Ray compiled graph per step; the default) or "remote" (plain actor
     calls). Measured on Ray 2.60: while a compiled graph is live, each idle actor busy-waits
     on its input channel (~0.45 of a core, sched_yield loop), so on hosts with fewer cores
@@ -128,6 +141,7 @@ class RayExecutor(base.Executor):
         dtype: str = "float32",
         ready_timeout: float = 120.0,
         step_timeout: float = 120.0,
+        switch_timeout: float = 60.0,
         group_dir: str | None = None,
         rendezvous: str = "auto",
         transfer_backend: group_mod.Backend = "gloo",
@@ -155,6 +169,8 @@ class RayExecutor(base.Executor):
         self._dtype = dtype
         self._ready_timeout = ready_timeout
         self._step_timeout = step_timeout
+        self._switch_timeout = switch_timeout
+        self.clock = base.StepClock()
         self._group_dir = group_dir or tempfile.gettempdir()
         self._driver_node = ray.get_runtime_context().get_node_id()
         self._lock = threading.RLock()
@@ -165,6 +181,7 @@ class RayExecutor(base.Executor):
         #: after a teardown until the next switch.
         self._step_ranks: list[int] | None = None
         self._compiled_once = False
+        self._switching = False
         self._closed = False
         self._warming: threading.Thread | None = None
         #: Seconds of the last switch's phases: teardown, activate, compile.
@@ -277,25 +294,55 @@ class RayExecutor(base.Executor):
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         with self._lock:
-            if self._step_ranks is None and not self._compiled_once:
-                self._compile()  # the first step, when no switch compiled a graph yet
             graph, ranks = self._graph, self._step_ranks
         if ranks is None:
-            raise base.ExecutorError("no step path: switch to a set of ranks first")
+            lost = sorted(self.lost_ranks())
+            if lost:
+                raise base.RankDied(f"no step path: ranks {lost} are lost", ranks=lost)
+            self._compile(timeout=self._switch_timeout)  # first step, or after a failure
+            with self._lock:
+                graph, ranks = self._graph, self._step_ranks
+            assert ranks is not None
+        self.clock.begin()
         try:
             if graph is None:
-                return self._remote_step(step, ranks)
-            outs: list[step_mod.StepOutput] = ray.get(
-                graph.execute(step), timeout=self._step_timeout
-            )
-        except Exception as exc:  # noqa: BLE001 - any step failure is reported with the dead ranks
-            health = self.check_health(timeout=5.0)
-            bad = [r for r in ranks if health.get(r) != "ok"]
-            log.error("step %d failed (ranks %s not ok): %s", step.step_id, bad, exc)
-            self._teardown()
-            cls = base.RankDied if bad else base.ExecutorError
-            raise cls(f"step {step.step_id} failed: {exc}", ranks=bad) from exc
-        return outs
+                outs = self._remote_step(step, ranks)
+            else:
+                outs = ray.get(graph.execute(step), timeout=self._step_timeout)
+        except Exception as exc:  # noqa: BLE001 - every step failure ends in one of two states
+            self.clock.end(ok=False)
+            self._step_failed(step, ranks, exc)  # always raises
+        self.clock.end(ok=True)
+        return list(outs)
+
+    def _step_failed(self, step: step_mod.StepInput, ranks: list[int], exc: Exception) -> None:
+        """Known state after a failed step, then raise: with every stepped rank healthy the step
+        path is rebuilt on the same ranks (ExecutorError: retry); otherwise no step path until
+        a switch (RankDied naming the lost ranks)."""
+        health = self.check_health(timeout=1.0)
+        bad = sorted(r for r in ranks if health.get(r) != base.HEALTH_OK or r in self.lost_ranks())
+        now = time.monotonic()
+        with self._lock:
+            for r in bad:
+                if r in self._ranks:
+                    state = health.get(r, base.HEALTH_DEAD)
+                    reason = f"step {step.step_id} failed: {_first_line(exc)}"
+                    self._ranks[r].health.lose(state, reason, now)
+        hung = [r for r in bad if health.get(r) == base.HEALTH_UNRESPONSIVE]
+        if hung:
+            self.fence(hung, reason="unresponsive in a failed step")
+        self._teardown()
+        if bad:
+            log.error("step %d failed; ranks %s are lost: %s", step.step_id, bad, exc)
+            raise base.RankDied(f"step {step.step_id} failed: {exc}", ranks=bad) from exc
+        log.error("step %d failed with every rank healthy: %s; rebuilding", step.step_id, exc)
+        try:
+            self._compile(timeout=self._switch_timeout)
+        except Exception:  # noqa: BLE001 - the next execute_step compiles again
+            log.exception("rebuilding the step path over ranks %s failed", ranks)
+        raise base.ExecutorError(
+            f"step {step.step_id} failed: {exc} (step path rebuilt on ranks {ranks})"
+        ) from exc
 
     def execute_step_remote(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         """The same step through plain actor calls, whatever the step mode (benchmarks)."""
@@ -313,8 +360,12 @@ class RayExecutor(base.Executor):
         return outs
 
     # -- the step path -------------------------------------------------------------------
-    def _compile(self) -> None:
-        """Set up the step path over the active ranks (compile the graph in compiled mode)."""
+    def _compile(self, *, timeout: float | None = None) -> None:
+        """Set up the step path over the active ranks (compile the graph in compiled mode).
+
+        timeout bounds the compile (it runs in a thread; a compile that finishes late is torn
+        down at once, so two graphs never share actors).
+        """
         with self._lock:
             if self._step_ranks is not None:
                 raise RuntimeError("a step path is live: tear it down before compiling another")
@@ -322,12 +373,14 @@ class RayExecutor(base.Executor):
             actors = [self._ranks[r].actor for r in ranks]
         graph = None
         if self.step_mode == STEP_COMPILED:
-            with ray.dag.InputNode() as inp:
-                dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
-            graph = dag.experimental_compile()
+            graph = _compile_graph(actors, timeout=timeout or self._ready_timeout)
         with self._lock:
             self._graph, self._step_ranks = graph, ranks
             self._compiled_once = True
+
+    def has_step_path(self) -> bool:
+        with self._lock:
+            return self._step_ranks is not None or self._switching
 
     def _teardown(self) -> None:
         with self._lock:
@@ -362,11 +415,11 @@ class RayExecutor(base.Executor):
     def prepare_switch(self) -> None:
         self._join_warm_up()
 
-    def _join_warm_up(self) -> None:
+    def _join_warm_up(self, timeout: float | None = None) -> None:
         """Wait for the warm-up of the last added actors (a switch must not overlap it)."""
         warming, self._warming = self._warming, None
         if warming is not None:
-            warming.join(timeout=self._ready_timeout)
+            warming.join(timeout=self._ready_timeout if timeout is None else timeout)
 
     def _warm_up(self, actors: Sequence[Any]) -> None:
         """Compile, run once and tear down a throwaway graph over new actors.
@@ -393,7 +446,12 @@ class RayExecutor(base.Executor):
         log.info("warmed up %d new actors in %.2fs", len(actors), time.monotonic() - started)
 
     def build_groups(
-        self, ranks: Sequence[int], *, epoch: int, timeout: float | None = None
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int,
+        timeout: float | None = None,
+        background: bool = True,
     ) -> None:
         ranks = list(ranks)
         with self._lock:
@@ -421,7 +479,7 @@ class RayExecutor(base.Executor):
                 spec,
                 ranks=ranks,
                 timeout=timeout,
-                background=True,
+                background=background,
                 per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
                 role=role,
                 group_timeout=timeout,
@@ -443,34 +501,51 @@ class RayExecutor(base.Executor):
         placement: Any = None,
         timeout: float | None = None,
     ) -> None:
-        self._join_warm_up()
+        deadline = time.monotonic() + (self._switch_timeout if timeout is None else timeout)
+
+        def left() -> float:
+            return max(0.5, deadline - time.monotonic())
+
+        self._join_warm_up(timeout=left())
         ranks = list(ranks)
         with self._lock:
             mapping = base.check_switch(ranks, live=list(self._ranks))
+            old_active = list(self._active)
+            had_path = self._step_ranks is not None
+            self._switching = True
         t0 = time.monotonic()
-        self._teardown()
-        t1 = time.monotonic()
-        if epoch is not None:
-            self.collective_rpc(
-                "activate",
-                epoch,
-                ranks=ranks,
-                timeout=timeout,
-                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
-                num_ranks=len(ranks),
-                placement=placement,
+        relabelled = False
+        try:
+            self._teardown()
+            t1 = time.monotonic()
+            if epoch is not None:
+                self.collective_rpc(
+                    "activate",
+                    epoch,
+                    ranks=ranks,
+                    timeout=left(),
+                    per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
+                    num_ranks=len(ranks),
+                    placement=placement,
+                )
+            t2 = time.monotonic()
+            self._relabel(mapping, active=range(len(ranks)), timeout=left())
+            relabelled = True
+            self._compile(timeout=left())
+        except BaseException as exc:
+            log.error("switch to ranks %s (epoch %s) failed: %s; going back", ranks, epoch, exc)
+            self._switch_back(
+                mapping if relabelled else None,
+                old_active=old_active,
+                members=ranks,
+                epoch=epoch,
+                rebuild=had_path,
+                timeout=left(),
             )
-        t2 = time.monotonic()
-        with self._lock:
-            relabelled = {}
-            for old, r in self._ranks.items():
-                r.label = mapping[old]
-                r.info["label"] = r.label
-                relabelled[r.label] = r
-            self._ranks = relabelled
-            self._active = list(range(len(ranks)))
-        ray.get([r.actor.execute_method.remote("set_label", r.label) for r in relabelled.values()])
-        self._compile()
+            raise
+        finally:
+            with self._lock:
+                self._switching = False
         t3 = time.monotonic()
         self.last_switch = {"teardown_s": t1 - t0, "activate_s": t2 - t1, "compile_s": t3 - t2}
         log.info(
@@ -480,6 +555,54 @@ class RayExecutor(base.Executor):
             t2 - t1,
             t3 - t2,
         )
+
+    def _switch_back(
+        self,
+        mapping: dict[int, int] | None,
+        *,
+        old_active: list[int],
+        members: list[int],
+        epoch: int | None,
+        rebuild: bool,
+        timeout: float,
+    ) -> None:
+        """The old step path again after a failed switch: labels back, workers that activated
+        `epoch` revert, the old graph compiled (when there was one and its ranks are healthy).
+        Failures here are logged: the state is then "no step path" (has_step_path() False)."""
+        self._teardown()
+        if mapping is not None:
+            inverse = {new: old for old, new in mapping.items()}
+            self._relabel(inverse, active=old_active, timeout=timeout)
+        if epoch is not None:
+            live = [r for r in members if r in self.rank_infos() and r not in self.lost_ranks()]
+            try:
+                reverted = self.collective_rpc("revert", epoch, ranks=live, timeout=timeout)
+                log.info("switch back: ranks %s reverted epoch %d: %s", live, epoch, reverted)
+            except Exception:  # noqa: BLE001 - the state is logged as having no step path
+                log.exception("switch back: reverting epoch %d on ranks %s failed", epoch, live)
+                return
+        if not rebuild or any(r in self.lost_ranks() for r in old_active):
+            log.warning("switch back: no step path over ranks %s until the next switch", old_active)
+            return
+        try:
+            self._compile(timeout=timeout)
+        except Exception:  # noqa: BLE001 - known state: no step path
+            log.exception("switch back: recompiling the old step graph failed")
+
+    def _relabel(self, mapping: Mapping[int, int], *, active: Any, timeout: float) -> None:
+        """Rank labels per `mapping` (labels not in it stay), active ranks = `active`."""
+        with self._lock:
+            relabelled = {}
+            for old, r in self._ranks.items():
+                r.label = mapping.get(old, old)
+                r.info["label"] = r.label
+                relabelled[r.label] = r
+            self._ranks = relabelled
+            self._active = list(active)
+            healthy = [r for r in relabelled.values() if r.health.state == base.HEALTH_OK]
+        # Labels only name workers in their logs: best effort, bounded.
+        refs = [r.actor.execute_method.remote("set_label", r.label) for r in healthy]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
 
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
         self._join_warm_up()
@@ -493,11 +616,12 @@ class RayExecutor(base.Executor):
         with self._lock:
             removed = [self._ranks.pop(r) for r in ranks]
             self._active = [r for r in self._active if r not in ranks]
-        refs = [r.actor.execute_method.remote("shutdown") for r in removed]
+        healthy = [r for r in removed if r.health.state == base.HEALTH_OK]
+        refs = [r.actor.execute_method.remote("shutdown") for r in healthy]
         ray.wait(refs, num_returns=len(refs), timeout=10.0)
         infos = []
         for r in removed:
-            ray.kill(r.actor)
+            ray.kill(r.actor, no_restart=True)
             ray.util.remove_placement_group(r.pg)
             infos.append(dict(r.info))
         log.info("removed ranks %s: pods %s", list(ranks), [i.get("pod") for i in infos])
@@ -527,7 +651,48 @@ class RayExecutor(base.Executor):
                 report[label] = "unresponsive"
         return report
 
+    def _health_members(self) -> dict[int, base.RankHealth]:
+        with self._lock:
+            return {label: r.health for label, r in self._ranks.items()}
+
+    def _send_ping(self, label: int) -> Any:
+        with self._lock:
+            actor = self._ranks[label].actor
+        return actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
+
+    def _poll_ping(self, handle: Any) -> str | None:
+        ready, _ = ray.wait([handle], timeout=0)
+        if not ready:
+            return None
+        try:
+            ray.get(handle)
+        except ray.exceptions.RayActorError:
+            return base.HEALTH_DEAD
+        except ray.exceptions.RayError:
+            return base.HEALTH_OK  # it answered (with an error): alive
+        return base.HEALTH_OK
+
+    def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
+        now = time.monotonic()
+        with self._lock:
+            targets = [self._ranks[r] for r in ranks if r in self._ranks]
+        for r in targets:
+            r.health.lose(base.HEALTH_UNRESPONSIVE, reason, now)
+            r.health.fenced = True
+            log.error(
+                "fencing rank %d (pid %s, %s): %s",
+                r.label,
+                r.info.get("pid"),
+                r.info.get("pod"),
+                reason,
+            )
+            ray.kill(r.actor, no_restart=True)
+
+    def free_rank_slots(self) -> int | None:
+        return int(_free(RANK_RESOURCE))
+
     def shutdown(self) -> None:
+        self.stop_heartbeat()
         self._join_warm_up()
         if self._closed:
             return
@@ -562,6 +727,47 @@ def _get_all(
                 f"{what} failed on rank {rank}: {exc.cause!r}", ranks=[rank]
             ) from exc
     return results
+
+
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    """A short description of exc (Ray's messages run to many lines)."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _compile_graph(actors: Sequence[Any], *, timeout: float) -> Any:
+    """The step graph over `actors`, compiled within `timeout` seconds (TimeoutError past it;
+    a compile that completes later is torn down by its thread, so it never stays live)."""
+    lock = threading.Lock()
+    box: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            with ray.dag.InputNode() as inp:
+                dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
+            graph = dag.experimental_compile()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            with lock:
+                box["error"] = exc
+            return
+        with lock:
+            late = box.get("abandoned", False)
+            if not late:
+                box["graph"] = graph
+        if late:
+            log.warning("a step graph compiled after its deadline: tearing it down")
+            graph.teardown()
+
+    thread = threading.Thread(target=build, name="step-graph-compile", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    with lock:
+        if "graph" in box:
+            return box["graph"]
+        if "error" in box:
+            raise box["error"]
+        box["abandoned"] = True
+    raise TimeoutError(f"compiling the step graph over {len(actors)} ranks took over {timeout}s")
 
 
 def _free(resource: str) -> float:

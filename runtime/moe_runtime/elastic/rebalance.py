@@ -1,0 +1,272 @@
+"""Dynamic EPLB while serving, and the expert staging that resizes and recoveries share.
+
+A rebalance is prepare-then-commit, all or nothing across ranks:
+
+1. prepare: every rank stages its slots of the new placement in the background
+   (`stage_experts`; a failure on any rank discards the staged sets everywhere);
+2. commit: one step carries `StepInput.control["expert_epoch"] = staging id`; in that step
+   every rank votes (a min all-reduce over the step group) and commits only if every rank
+   could (`moe_runtime.slots`), so ranks never dispatch tokens with two placements;
+3. confirm: every rank said it committed (`StepOutput.committed`): the previous slots are
+   retired. Otherwise, at the next step boundary, ranks that committed `revert` and every rank
+   discards what it staged: the old placement serves everywhere.
+
+If a recovery runs meanwhile (`Serving.generation` changed), the recovery has already put the
+survivors back on one placement; the rebalance then changes nothing and reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from moe_runtime import step as step_mod
+from moe_runtime.elastic import records
+from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.engine import core as engine_core
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.eplb import policy
+from moe_runtime.executor import base as executor_base
+
+log = logging.getLogger(__name__)
+
+
+class CommitRefused(RuntimeError):
+    """An EPLB commit that some rank could not make: no rank changed its placement."""
+
+
+def stage_experts(
+    executor: executor_base.Executor,
+    *,
+    epoch: int,
+    moves: list[moves_mod.ExpertMove],
+    target: policy.Placement,
+    members: Sequence[int],
+    new_num_ranks: int,
+    staging_id: int | None,
+    timeout: float,
+    background: bool = True,
+    from_source: bool = False,
+) -> int:
+    """Every member stages its slots of `target` (member i is rank i; i >= new_num_ranks
+    leaves and only sends) over epoch's transfer group; returns the bytes received.
+
+    On failure every member's staged set is discarded before the error is raised.
+    """
+    try:
+        received = executor.collective_rpc(
+            "stage_experts",
+            epoch,
+            moves,
+            target,
+            ranks=list(members),
+            timeout=timeout,
+            background=background,
+            per_rank={
+                r: {"new_rank": (i if i < new_num_ranks else None)} for i, r in enumerate(members)
+            },
+            new_num_ranks=new_num_ranks,
+            stage=staging_id,
+            from_source=from_source,
+        )
+    except Exception:
+        discard_everywhere(executor, members, timeout=timeout)
+        raise
+    return int(sum(int(b) for b in received))
+
+
+def discard_everywhere(
+    executor: executor_base.Executor, members: Sequence[int], *, timeout: float
+) -> None:
+    """Every live member forgets its staged set (best effort: a dead one has nothing to keep)."""
+    live = set(executor.rank_infos()) - set(executor.lost_ranks())
+    targets = [r for r in members if r in live]
+    try:
+        executor.collective_rpc("discard_staged", ranks=targets, timeout=timeout, background=True)
+    except Exception:  # noqa: BLE001 - staged sets are only memory; the next staging replaces them
+        log.exception("discarding staged experts on ranks %s failed", targets)
+
+
+class Rebalancer:
+    """Dynamic EPLB for the serving size (see the module docstring).
+
+    mechanics: the lock that keeps resizes and rebalances apart (a resize runs its own
+    rebalance in Reshuffling while it holds it).
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: engine_core.Engine,
+        executor: executor_base.Executor,
+        serving: serving_mod.Serving,
+        load: serving_mod.LoadTracker,
+        config: serving_mod.ElasticConfig,
+        mechanics: threading.Lock,
+    ) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.serving = serving
+        self.load = load
+        self.config = config
+        self.mechanics = mechanics
+        self.rebalances = 0
+        self.last_rebalance: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+        #: Test hook: called between prepare and commit (e.g. to arm a rank's failure).
+        self.before_commit: Callable[[int], None] | None = None
+
+    def on_step(self, outputs: list[step_mod.StepOutput]) -> None:
+        """Engine-thread callback: count load; every step_interval steps, rebalance."""
+        self.load.observe(outputs)
+        if not self.config.eplb_enabled or self.load.steps == 0:
+            return
+        if self.load.steps % self.config.eplb_step_interval != 0:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(
+            target=self._in_background, name="eplb-rebalance", daemon=True
+        )
+        self._thread.start()
+
+    def _in_background(self) -> None:
+        if not self.mechanics.acquire(blocking=False):
+            return  # a resize is running; it rebalances itself
+        try:
+            self.rebalance(record=None, force=False)
+        except Exception:  # noqa: BLE001 - a failed rebalance left the old placement everywhere
+            log.exception("dynamic EPLB rebalance failed; the current placement serves")
+        finally:
+            self.mechanics.release()
+
+    def rebalance_now(self) -> dict[str, Any]:
+        """Rebalance at once (admin/test use); returns the figures of the attempt."""
+        with self.mechanics:
+            return self.rebalance(record=None, force=True)
+
+    def rebalance(self, *, record: records.ResizeRecord | None, force: bool) -> dict[str, Any]:
+        """Recompute the placement for the serving size; stage and commit it when it helps.
+
+        The caller holds `mechanics`. Raises (CommitRefused or the failure) with the old
+        placement serving on every rank.
+        """
+        load = self.load.total()
+        n = self.serving.num_ranks
+        old = self.serving.placement
+        generation = self.serving.generation
+        before = policy.balancedness(load, old, n)
+        target = moves_mod.rebalance_for_resize(
+            load,
+            old,
+            old_num_ranks=n,
+            new_num_ranks=n,
+            num_physical=old.num_physical,
+            tolerance=0.0 if force else self.config.eplb_min_gain,
+        )
+        after = policy.balancedness(load, target, n)
+        result: dict[str, Any] = {"before": before, "after": after, "applied": False}
+        if not force and after - before < self.config.eplb_min_gain:
+            self.last_rebalance = result
+            return result
+        moves = moves_mod.plan_moves(old, target, old_num_ranks=n, new_num_ranks=n)
+        if not moves and target.equals(old):
+            self.last_rebalance = result
+            return result
+        started = time.monotonic()
+        staging_id = self.serving.take_stage()
+        members = self.executor.ranks
+        nbytes = stage_experts(
+            self.executor,
+            epoch=self.serving.epoch,
+            moves=moves,
+            target=target,
+            members=members,
+            new_num_ranks=n,
+            staging_id=staging_id,
+            timeout=self.config.rpc_timeout,
+        )
+        if self.before_commit is not None:
+            self.before_commit(staging_id)
+        self._commit(staging_id, members=members, generation=generation)
+        self.serving.placement = target
+        self.rebalances += 1
+        result.update(
+            applied=True,
+            moves=len(moves),
+            bytes=nbytes,
+            seconds=time.monotonic() - started,
+            at=time.time(),
+        )
+        self.last_rebalance = result
+        if record is not None:
+            record.bytes_expert += nbytes
+            record.expert_moves += len(moves)
+        log.info(
+            "EPLB: balancedness %.3f -> %.3f, %d expert moves (%d B) in %.2fs",
+            before,
+            after,
+            len(moves),
+            nbytes,
+            result["seconds"],
+        )
+        return result
+
+    def _commit(self, staging_id: int, *, members: list[int], generation: int) -> None:
+        """Commit `staging_id` on every member in one step, or on none (module docstring)."""
+        timeout = self.config.boundary_timeout
+        self.serving.committing = staging_id
+        try:
+            try:
+                outputs = self.engine.run_step_control(
+                    {step_mod.CONTROL_EXPERT_EPOCH: staging_id}, timeout=timeout
+                )
+            except Exception as exc:
+                self._undo(staging_id, members=members, generation=generation)
+                raise RuntimeError(f"the step committing stage {staging_id} failed: {exc}") from exc
+            committed = sorted(o.rank for o in outputs if o.committed == staging_id)
+            if committed == list(range(len(members))):
+                self._retire(members)
+                return
+            self._undo(staging_id, members=members, generation=generation)
+            if committed:
+                raise RuntimeError(
+                    f"stage {staging_id} committed on ranks {committed} only; reverted there"
+                )
+            raise CommitRefused(
+                f"stage {staging_id} was refused by the vote (a rank could not commit it); "
+                "no rank changed its placement"
+            )
+        finally:
+            self.serving.committing = None
+
+    def _undo(self, staging_id: int, *, members: list[int], generation: int) -> None:
+        """At a boundary: ranks that committed `staging_id` revert, every rank discards it."""
+        timeout = self.config.rpc_timeout
+
+        def undo() -> None:
+            if self.serving.generation != generation:
+                log.warning("EPLB stage %d: a recovery ran meanwhile and undid it", staging_id)
+                return
+            live = [r for r in members if r not in self.executor.lost_ranks()]
+            reverted = self.executor.collective_rpc(
+                "revert", staging_id, ranks=live, timeout=timeout
+            )
+            log.warning("EPLB stage %d undone: reverted %s", staging_id, reverted)
+            discard_everywhere(self.executor, live, timeout=timeout)
+
+        self.engine.run_at_boundary(undo, timeout=self.config.boundary_timeout)
+
+    def _retire(self, members: list[int]) -> None:
+        try:
+            self.executor.collective_rpc(
+                "retire_previous",
+                ranks=members,
+                timeout=self.config.rpc_timeout,
+                background=True,
+            )
+        except Exception:  # noqa: BLE001 - only memory is kept longer; the next change retires it
+            log.exception("retiring the previous expert slots on ranks %s failed", members)

@@ -1,0 +1,275 @@
+"""Failures never stop serving: the runtime shrinks around a lost rank by itself, and grows back.
+
+Detection: the executor's heartbeat (`Executor.start_heartbeat`) finds a dead rank at once (its
+ping fails) and a hung one after `hang_timeout` s, or `step_grace` s once a step is past the
+deadline derived from observed step times; a hung rank is fenced (killed) so no collective
+waits on it. A failed step (`Engine.on_step_failure`) names the lost ranks too.
+
+Shrink (stage `Recovering`, on the engine thread between two steps: requests queue, none is
+refused), `recover_now`:
+1. the sequences of the lost ranks move to survivors and re-run from prompt + generated tokens
+   (`Engine.migrate_from`: same `num_generated`, so greedy and seeded sampling give the same
+   tokens and a stream goes on with the next token);
+2. an EPLB commit caught in flight is reverted on the survivors (one placement everywhere);
+3. the lost workers are removed; the placement for the survivors is planned
+   (`moves.plan_recovery`): experts only a lost rank held come from replicas on survivors, else
+   from the model source;
+4. a new epoch's groups over the survivors are built, the experts staged, the step graph
+   switched (survivor i becomes rank i) and confirmed; the engine steps the survivors.
+
+Any failure in it leaves the record Failed and no step path; the next step fails again, which
+calls `recover_now` again (it starts over with a fresh epoch), so the state always converges
+or requests fail after `EngineConfig.max_step_retries` failed steps (the engine's known state).
+
+Grow back (`ElasticConfig.auto_recover`): a thread asks the coordinator for the size before
+the loss (a normal resize, trigger "auto_recover") once the executor has free rank slots again
+(a replacement Ray node offers `moe_rank`). A request for that size by anyone returns the same
+resize (the coordinator's same-target rule).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from moe_runtime.elastic import coordinator as coord_mod
+from moe_runtime.elastic import rebalance, records
+from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.engine import core as engine_core
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.eplb import policy
+from moe_runtime.executor import base as executor_base
+from moe_runtime.model import config as config_mod
+
+log = logging.getLogger(__name__)
+
+GROW_BACK_POLL_SECONDS = 0.5
+GROW_BACK_RETRY_SECONDS = 10.0
+
+
+class Recovery:
+    """Shrink around lost ranks and grow back (see the module docstring). Call `attach()`."""
+
+    def __init__(
+        self,
+        *,
+        engine: engine_core.Engine,
+        executor: executor_base.Executor,
+        model_config: config_mod.ModelConfig,
+        serving: serving_mod.Serving,
+        load: serving_mod.LoadTracker,
+        config: serving_mod.ElasticConfig,
+        coordinator: coord_mod.Coordinator,
+    ) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.model_config = model_config
+        self.serving = serving
+        self.load = load
+        self.config = config
+        self.coordinator = coordinator
+        #: The size before the first loss while the runtime serves below it (None otherwise):
+        #: the size autoRecover grows back to.
+        self.full_size: int | None = None
+        #: The lost ranks (status entries) while the runtime serves below `full_size`.
+        self.lost: list[dict[str, Any]] = []
+        self.recoveries = 0
+        self._stop = threading.Event()
+        self._grow_thread: threading.Thread | None = None
+        self._retry_at = 0.0
+
+    def attach(self) -> None:
+        """Register with the engine, start the heartbeat and (autoRecover) the grow-back loop."""
+        self.engine.on_step_failure(self._on_step_failure)
+        self.executor.start_heartbeat(
+            interval=self.config.heartbeat_interval,
+            hang_timeout=self.config.hang_timeout,
+            on_lost=self._on_lost,
+        )
+        if self.config.auto_recover:
+            self._grow_thread = threading.Thread(
+                target=self._grow_back_loop, name="auto-recover", daemon=True
+            )
+            self._grow_thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.executor.stop_heartbeat()
+
+    # -- triggers ------------------------------------------------------------------------
+    def _on_lost(self, lost: dict[int, str]) -> None:
+        """Heartbeat thread: ranks were found dead or hung (and fenced)."""
+        log.error("ranks lost: %s; recovering at the next step boundary", lost)
+        self.engine.call_at_boundary(self.recover_now)
+
+    def _on_step_failure(self, failure: engine_core.StepFailure) -> None:
+        """Engine thread, before the retry: repair here when ranks are lost."""
+        if self.executor.lost_ranks() or not self.executor.has_step_path():
+            self.recover_now()
+
+    # -- the shrink ----------------------------------------------------------------------
+    def recover_now(self) -> None:
+        """Shrink around every lost active rank; a no-op when none is lost. Engine thread."""
+        lost = self.executor.lost_ranks()
+        live = set(self.executor.ranks)
+        gone = [r for r in self.engine.active_ranks() if r not in live or r in lost]
+        if not gone and self.executor.has_step_path():
+            return
+        survivors = [r for r in self.executor.ranks if r not in lost]
+        old_n = self.serving.num_ranks
+        infos = self.executor.rank_infos()
+        seen = [h.lost_at for label, h in lost.items() if label in gone and h.lost_at is not None]
+        info = records.RecoveryInfo(detected_at=_wall(min(seen, default=time.monotonic())))
+        beats = [h.last_ok for label, h in lost.items() if label in gone]
+        if beats:
+            info.last_heartbeat_at = _wall(min(beats))
+        info.ranks_lost = [
+            {
+                "rank": label,
+                "pod": infos.get(label, {}).get("pod"),
+                "node_id": infos.get(label, {}).get("node_id"),
+                "pid": infos.get(label, {}).get("pid"),
+                "reason": lost[label].reason if label in lost else "gone",
+            }
+            for label in gone
+        ]
+        record = self.coordinator.begin_recovery(from_size=old_n, to_size=len(survivors), info=info)
+        log.error(
+            "recovery %s: ranks %s lost; shrinking %d -> %d ranks",
+            record.resize_id,
+            gone,
+            old_n,
+            len(survivors),
+        )
+        try:
+            self._shrink(record, info, gone=gone, survivors=survivors, old_n=old_n)
+        except Exception as exc:  # noqa: BLE001 - known state: no step path; retried next step
+            log.exception("recovery %s failed; the next step tries again", record.resize_id)
+            self.coordinator.end_recovery(record, error=f"{type(exc).__name__}: {exc}")
+            return
+        info.recovered_at = time.time()
+        self.recoveries += 1
+        self.full_size = max(self.full_size or 0, old_n)
+        self.lost += [
+            {**r, "state": lost[r["rank"]].state} for r in info.ranks_lost if r["rank"] in lost
+        ]
+        self.coordinator.end_recovery(record)
+        log.warning(
+            "recovery %s: serving at %d ranks %.2fs after the loss was detected "
+            "(%d sequences re-run, experts %d from replicas, %d from the source)",
+            record.resize_id,
+            len(survivors),
+            info.recovered_at - info.detected_at,
+            info.requests_rerun,
+            info.experts_from_replicas,
+            info.experts_from_source,
+        )
+
+    def _shrink(
+        self,
+        record: records.ResizeRecord,
+        info: records.RecoveryInfo,
+        *,
+        gone: list[int],
+        survivors: list[int],
+        old_n: int,
+    ) -> None:
+        if not survivors:
+            raise RuntimeError("no rank survived: nothing to shrink to")
+        timeout = self.config.rpc_timeout
+        moved = self.engine.migrate_from(gone).result()
+        info.requests_rerun += len(moved)
+        record.sequences_migrated += len(moved)
+        self.serving.generation += 1  # a resize or rebalance planned before this is stale
+        if self.serving.committing is not None:
+            self.executor.collective_rpc(
+                "revert", self.serving.committing, ranks=survivors, timeout=timeout
+            )
+        dead = [r for r in gone if r in self.executor.rank_infos()]
+        if dead:
+            record.freed = self.executor.remove_ranks(dead)
+        n = len(survivors)
+        plan = moves_mod.plan_recovery(
+            self.load.total(),
+            self.serving.placement,
+            old_num_ranks=old_n,
+            survivors=survivors,
+            num_physical=policy.num_physical_for(
+                self.model_config.num_experts, n, self.config.num_redundant_experts
+            ),
+        )
+        info.experts_from_replicas = plan.from_replicas
+        info.experts_from_source = plan.from_source
+        record.expert_moves += len(plan.moves)
+        epoch = self.serving.take_epoch()
+        # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
+        self.executor.build_groups(survivors, epoch=epoch, timeout=timeout, background=False)
+        record.bytes_expert += rebalance.stage_experts(
+            self.executor,
+            epoch=epoch,
+            moves=plan.moves,
+            target=plan.target,
+            members=survivors,
+            new_num_ranks=n,
+            staging_id=None,
+            timeout=timeout,
+            background=False,
+            from_source=True,
+        )
+        self.executor.switch(
+            survivors, epoch=epoch, placement=plan.target, timeout=self.config.switch_timeout
+        )
+        self.serving.placement, self.serving.num_ranks, self.serving.epoch = plan.target, n, epoch
+        # Confirmed: the old groups go in the background (destroying one with a dead peer takes
+        # ~0.5 s) while the survivors serve.
+        self.executor.collective_rpc_async("retire_previous", ranks=list(range(n)))
+        self.engine.set_active_ranks(survivors).result()
+        self.engine.relabel_ranks({old: new for new, old in enumerate(survivors)}).result()
+
+    # -- grow back -----------------------------------------------------------------------
+    def _grow_back_loop(self) -> None:
+        while not self._stop.wait(GROW_BACK_POLL_SECONDS):
+            try:
+                self._grow_back_once()
+            except Exception:  # noqa: BLE001 - the loop must go on; the next poll retries
+                log.exception("auto-recover: grow back failed")
+                self._retry_at = time.monotonic() + GROW_BACK_RETRY_SECONDS
+
+    def degraded(self) -> bool:
+        """Serving below the size before a loss; clears itself once the size is back."""
+        if self.full_size is not None and self.executor.num_ranks >= self.full_size:
+            self.full_size, self.lost = None, []
+        return self.full_size is not None
+
+    def _grow_back_once(self) -> None:
+        if not self.degraded():
+            return
+        target = self.full_size
+        assert target is not None
+        size = self.executor.num_ranks
+        if self.coordinator.current is not None or time.monotonic() < self._retry_at:
+            return
+        free = self.executor.free_rank_slots()
+        if free is not None and free < target - size:
+            return
+        log.info("auto-recover: %d free rank slots; growing %d -> %d", free or 0, size, target)
+        rec = self.coordinator.request(target, trigger=records.TRIGGER_AUTO_RECOVER)
+        self.coordinator.wait(rec)
+        if not rec.succeeded:
+            log.error("auto-recover: grow back to %d failed: %s", target, rec.message)
+            self._retry_at = time.monotonic() + GROW_BACK_RETRY_SECONDS
+
+    def status(self) -> dict[str, Any]:
+        """`auto_recover` of GET /elastic_ep/status: target = the size it grows back to."""
+        degraded = self.degraded()
+        return {
+            "enabled": self.config.auto_recover,
+            "target": self.full_size if degraded and self.config.auto_recover else None,
+        }
+
+
+def _wall(monotonic: float) -> float:
+    """time.time() of a time.monotonic() reading."""
+    return time.time() - (time.monotonic() - monotonic)

@@ -1,0 +1,406 @@
+"""The expert-slot half of a rank (`RankWorker` inherits it): live, staged and previous slots.
+
+- live: the slots the rank serves with, under `placement` as rank `rank` of `num_ranks`, with
+  the step group of `epoch` (the expert-parallel backend);
+- staged: slots prepared for another placement (`stage_experts`) while the live ones serve;
+- previous: the live state that the last `activate` or EPLB commit replaced, kept (with the
+  older epochs' groups) until `retire_previous`, so that `revert` can undo the change.
+
+A change of the live slots is all-or-nothing across ranks: `activate` runs on every rank
+between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
+(`StepInput.control["expert_epoch"]`) is voted on first with a min all-reduce over the step
+group, so every rank commits or none does (then every rank discards the staged set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from moe_runtime import staging as staging_mod
+from moe_runtime.comm import ep as ep_mod
+from moe_runtime.comm import group as group_mod
+from moe_runtime.comm import transfer as transfer_mod
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.eplb import policy
+from moe_runtime.model import config as config_mod
+from moe_runtime.model import mixtral
+from moe_runtime.model import source as source_mod
+
+log = logging.getLogger(__name__)
+
+#: Role of the group used only by `execute_step` collectives (expert dispatch/combine).
+STEP_ROLE = "step"
+#: Role of the group used only by background weight moves.
+TRANSFER_ROLE = "transfer"
+
+
+@dataclasses.dataclass
+class Staged:
+    """Expert slots prepared for a future placement; the live slots keep serving meanwhile."""
+
+    stage: int
+    placement: policy.Placement
+    rank: int
+    num_ranks: int
+    experts: dict[tuple[int, int], mixtral.ExpertWeights]
+
+
+@dataclasses.dataclass(frozen=True)
+class Live:
+    """What a rank serves with, as one value: kept as the previous state when it is replaced.
+
+    origin: the epoch (`activate`) or staging id (EPLB commit) this state came from.
+    """
+
+    placement: policy.Placement | None
+    rank: int | None
+    num_ranks: int | None
+    experts: dict[tuple[int, int], mixtral.ExpertWeights]
+    epoch: int | None
+    backend: mixtral.ExpertBackend | None
+    origin: int | None
+
+    def serves(self, placement: policy.Placement, rank: int, num_ranks: int) -> bool:
+        return (
+            self.placement is not None
+            and self.placement.equals(placement)
+            and (self.rank, self.num_ranks) == (rank, num_ranks)
+        )
+
+
+class ExpertSlots:
+    """Slot state and its changes; the rest of the rank (model, groups, KV) is `RankWorker`'s."""
+
+    device: str
+    dtype: torch.dtype
+    source_name: str | None
+    rank: int | None
+    num_ranks: int | None
+    epoch: int | None
+    placement: policy.Placement | None
+    experts: dict[tuple[int, int], mixtral.ExpertWeights]
+    _backend: mixtral.ExpertBackend | None
+    _staged: Staged | None
+    _previous: Live | None
+    _origin: int | None
+    _groups: dict[tuple[int, str], group_mod.StatelessGroup]
+    _lock: threading.RLock
+
+    def _ctx(self) -> str:
+        raise NotImplementedError
+
+    def _check_fail(self, operation: str) -> None:
+        raise NotImplementedError
+
+    def _require_model(self) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
+        raise NotImplementedError
+
+    def _group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
+        raise NotImplementedError
+
+    def _drop_group(self, key: tuple[int, str]) -> None:
+        raise NotImplementedError
+
+    def _require_epoch(self) -> int:
+        if self.epoch is None:
+            raise RuntimeError(f"rank not activated ({self._ctx()})")
+        return self.epoch
+
+    # -- expert staging ------------------------------------------------------------------
+    def stage_experts(
+        self,
+        epoch: int,
+        moves: Sequence[moves_mod.ExpertMove],
+        new_placement: policy.Placement,
+        *,
+        new_rank: int | None,
+        new_num_ranks: int,
+        stage: int | None = None,
+        from_source: bool = False,
+    ) -> int:
+        """Prepare this rank's slots of `new_placement` in a staging area; returns bytes received.
+
+        from_source: experts that neither this rank holds nor a move brings are read from the
+        model source (recovery after a rank died with the only copy); otherwise that is an error.
+
+        new_rank None: this rank leaves (scale-down); it only sends and stages nothing.
+
+        Every member of epoch's transfer group calls it with the same `moves` (a move's
+        src_rank / dst_rank are ranks of that group, which are the old and the new ranks since
+        survivors keep their rank); moves run peer to peer (`comm.transfer.execute_moves`).
+        Slots whose expert this rank already holds are filled locally (shared tensors, no
+        copy). The live slots keep serving until the stage is committed: by
+        `StepInput.control["expert_epoch"] == stage` (same ranks) or by `activate` (new group).
+        stage (the staging id) defaults to epoch.
+        """
+        cfg, _ = self._require_model()
+        grp, _me = self._group(epoch, TRANSFER_ROLE)
+        new_placement.validate(new_num_ranks)
+        started = time.monotonic()
+        held = self._held_experts()
+        received: staging_mod.Experts = {}
+
+        def read_expert(layer: int, logical: int) -> mixtral.ExpertWeights:
+            weights = held.get((layer, logical))
+            if weights is None:
+                raise RuntimeError(
+                    f"a move names this rank as source of expert {logical} of layer {layer}, "
+                    f"which it does not hold ({self._ctx()})"
+                )
+            return weights
+
+        def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
+            received[(move.layer, move.logical)] = weights.to(dtype=self.dtype, device=self.device)
+
+        stats = transfer_mod.execute_moves(
+            grp,
+            list(moves),
+            read_expert=read_expert,
+            write_expert=write_expert,
+            like=staging_mod.zero_expert(cfg, dtype=self.dtype, device=grp.device),
+        )
+        self._check_fail("stage_experts")
+        if new_rank is None:
+            log.info(
+                "sent %d experts for a placement without this rank in %.2fs (%s)",
+                stats.sent,
+                time.monotonic() - started,
+                self._ctx(),
+            )
+            return stats.bytes_received
+        src = (
+            source_mod.open_source(self.source_name)
+            if from_source and self.source_name is not None
+            else None
+        )
+        slots, loaded, missing = staging_mod.fill_slots(
+            new_placement,
+            rank=new_rank,
+            num_ranks=new_num_ranks,
+            available={**held, **received},
+            source=src,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        if loaded:
+            log.info("read %d experts from %s (%s)", loaded, self.source_name, self._ctx())
+        if missing:
+            raise RuntimeError(
+                f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
+                f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx()})"
+            )
+        staging_id = epoch if stage is None else stage
+        with self._lock:
+            self._staged = Staged(
+                stage=staging_id,
+                placement=new_placement,
+                rank=new_rank,
+                num_ranks=new_num_ranks,
+                experts=slots,
+            )
+        log.info(
+            "staged %d slots for stage %d (new rank %d/%d): sent %d, received %d experts "
+            "(%d B) in %.2fs (%s)",
+            len(slots),
+            staging_id,
+            new_rank,
+            new_num_ranks,
+            stats.sent,
+            stats.received,
+            stats.bytes_received,
+            time.monotonic() - started,
+            self._ctx(),
+        )
+        return stats.bytes_received
+
+    def _held_experts(self) -> staging_mod.Experts:
+        """{(layer, logical): weights} of the live slots."""
+        with self._lock:
+            placement, rank, num_ranks = self.placement, self.rank, self.num_ranks
+            experts = dict(self.experts)
+        return staging_mod.held_experts(placement, rank, num_ranks, experts)
+
+    def discard_staged(self) -> None:
+        """Forget staged experts (a resize or a rebalance that failed)."""
+        with self._lock:
+            self._staged = None
+
+    # -- the live state: replace, undo, confirm ------------------------------------------
+    def _snapshot(self) -> Live:
+        with self._lock:
+            return Live(
+                placement=self.placement,
+                rank=self.rank,
+                num_ranks=self.num_ranks,
+                experts=self.experts,
+                epoch=self.epoch,
+                backend=self._backend,
+                origin=self._origin,
+            )
+
+    def _become(self, live: Live, *, previous: Live | None) -> None:
+        """Make `live` the serving state at once; `previous` is what `revert` goes back to."""
+        with self._lock:
+            self.placement, self.rank, self.num_ranks = live.placement, live.rank, live.num_ranks
+            self.experts, self.epoch, self._backend = live.experts, live.epoch, live.backend
+            self._origin = live.origin
+            self._previous = previous
+
+    def revert(self, origin: int) -> bool:
+        """Go back to the previous live state if the live one came from `origin` (the epoch of
+        an `activate`, or the staging id of an EPLB commit); True when it did.
+
+        Called while no step runs (a failed switch, the rollback of a resize or a rebalance).
+        The previous state's groups still exist: nothing is destroyed before `retire_previous`.
+        """
+        with self._lock:
+            previous = self._previous
+            if previous is None or self._origin != origin:
+                return False
+        self._become(previous, previous=None)
+        log.info("reverted the live state of %d (%s)", origin, self._ctx())
+        return True
+
+    def retire_previous(self) -> None:
+        """The last change is confirmed: forget the previous state and destroy the groups of
+        epochs older than the active one."""
+        with self._lock:
+            self._previous = None
+            active = self.epoch
+            old_keys = [key for key in self._groups if active is not None and key[0] < active]
+        for key in old_keys:
+            self._drop_group(key)
+
+    # -- activation ----------------------------------------------------------------------
+    def activate(
+        self, epoch: int, *, rank: int, num_ranks: int, placement: policy.Placement
+    ) -> None:
+        """Serve with epoch's step group as `rank` of `num_ranks` under `placement`.
+
+        Called while no step runs. The slots come from the staged set (when it is for this
+        placement and rank), else from the previous live state when that was epoch's under
+        this placement (switching back), else the live slots must already match `placement`.
+        The replaced state is kept for `revert(epoch)` until `retire_previous`.
+        """
+        self._check_fail("activate")
+        cfg, _ = self._require_model()
+        grp, group_rank = self._group(epoch, STEP_ROLE)
+        if grp.world_size != num_ranks or group_rank != rank:
+            raise ValueError(
+                f"activate: epoch {epoch}'s step group has this worker as {group_rank}/"
+                f"{grp.world_size}, not {rank}/{num_ranks} ({self._ctx()})"
+            )
+        placement.validate(num_ranks)
+        before = self._snapshot()
+        with self._lock:
+            staged, previous = self._staged, self._previous
+        if staged is not None:
+            if staged.rank != rank or not staged.placement.equals(placement):
+                raise ValueError(
+                    f"activate: the staged experts (stage {staged.stage}) are for rank "
+                    f"{staged.rank}/{staged.num_ranks} under another placement ({self._ctx()})"
+                )
+            if staged.num_ranks != num_ranks:
+                raise ValueError(
+                    f"experts of stage {staged.stage} were staged for {staged.num_ranks} ranks, "
+                    f"not {num_ranks}"
+                )
+            experts = staged.experts
+        elif (
+            previous is not None
+            and previous.epoch == epoch
+            and previous.serves(placement, rank, num_ranks)
+        ):
+            experts = previous.experts
+        else:
+            wanted = [
+                placement.experts_on_rank(layer, rank, num_ranks) for layer in range(cfg.num_layers)
+            ]
+            current = (
+                None
+                if before.placement is None or before.rank is None or before.num_ranks is None
+                else [
+                    before.placement.experts_on_rank(layer, before.rank, before.num_ranks)
+                    for layer in range(cfg.num_layers)
+                ]
+            )
+            if current != wanted:
+                raise ValueError(
+                    f"activate: this rank's slots do not hold the experts rank {rank}/{num_ranks} "
+                    f"needs under the new placement: stage them first ({self._ctx()})"
+                )
+            experts = before.experts
+        backend = _make_backend(grp, placement, rank, num_ranks, experts)
+        live = Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
+        with self._lock:
+            self._staged = None
+        self._become(live, previous=before)
+        log.info("activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._ctx())
+
+    def _commit_vote(self, staging_id: int) -> bool:
+        """The EPLB commit inside a step, all-or-nothing: every rank prepares the staged set
+        (and its backend), votes, and commits only if every rank voted yes; otherwise every
+        rank discards it. Returns whether it committed. Every rank must call it in that step.
+        """
+        epoch = self._require_epoch()
+        grp, _ = self._group(epoch, STEP_ROLE)
+        ready: Live | None = None
+        try:
+            self._check_fail("commit_staged")
+            with self._lock:
+                staged = self._staged
+            if staged is None or staged.stage != staging_id:
+                have = None if staged is None else staged.stage
+                raise RuntimeError(f"no experts staged for stage {staging_id} (have {have})")
+            if staged.num_ranks != self.num_ranks:
+                raise RuntimeError(
+                    f"experts of stage {staged.stage} were staged for {staged.num_ranks} ranks, "
+                    f"not {self.num_ranks}"
+                )
+            backend = _make_backend(
+                grp, staged.placement, staged.rank, staged.num_ranks, staged.experts
+            )
+            ready = Live(
+                staged.placement,
+                staged.rank,
+                staged.num_ranks,
+                staged.experts,
+                epoch,
+                backend,
+                origin=staging_id,
+            )
+        except Exception:  # noqa: BLE001 - this rank votes no; the peers learn it from the vote
+            log.exception("cannot commit stage %d: voting no (%s)", staging_id, self._ctx())
+        vote = torch.tensor([1 if ready is not None else 0], dtype=torch.int32, device=grp.device)
+        grp.all_reduce(vote, "min")
+        with self._lock:
+            self._staged = None
+        if ready is None or int(vote.item()) != 1:
+            log.warning(
+                "stage %d not committed by every rank: discarded (%s)", staging_id, self._ctx()
+            )
+            return False
+        self._become(ready, previous=self._snapshot())
+        log.info("committed staged experts of stage %d (%s)", staging_id, self._ctx())
+        return True
+
+
+def _make_backend(
+    grp: group_mod.StatelessGroup,
+    placement: policy.Placement | None,
+    rank: int | None,
+    num_ranks: int | None,
+    experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
+) -> mixtral.ExpertBackend:
+    """The expert-parallel backend over the step group (it keys slots by global index)."""
+    if placement is None or rank is None or num_ranks is None:
+        raise RuntimeError("no placement to serve")
+    base = placement.slots_of_rank(rank, num_ranks).start
+    slots = {(layer, base + slot): w for (layer, slot), w in experts.items()}
+    return ep_mod.ExpertParallelBackend(grp, placement, slots, rank=rank)

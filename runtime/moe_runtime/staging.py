@@ -1,0 +1,159 @@
+"""Filling a rank's weights for a new placement: non-expert weights from a peer, expert slots
+from what the rank holds, what moves brought and, after a rank was lost, the model source.
+
+Pure helpers of `moe_runtime.worker.RankWorker` (no state of their own): the worker owns the
+groups and the slot sets and calls these with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from moe_runtime.comm import group as group_mod
+from moe_runtime.eplb import policy
+from moe_runtime.model import config as config_mod
+from moe_runtime.model import mixtral, names
+from moe_runtime.model import source as source_mod
+
+log = logging.getLogger(__name__)
+
+Experts = dict[tuple[int, int], mixtral.ExpertWeights]
+"""(layer, local slot) -> weights (a rank's slots) or (layer, logical) -> weights (what it holds)."""
+
+
+def senders_for(src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> dict[int, int]:
+    """{receiver: sender}: receivers split over senders in order, the first
+    ``len(dst) % len(src)`` senders taking one extra (as vLLM's elastic EP does)."""
+    if not src_ranks:
+        raise ValueError("non-expert transfer needs at least one sender")
+    base, extra = divmod(len(dst_ranks), len(src_ranks))
+    out: dict[int, int] = {}
+    it = iter(dst_ranks)
+    for i, src in enumerate(src_ranks):
+        for _ in range(base + (1 if i < extra else 0)):
+            out[next(it)] = src
+    return out
+
+
+def zero_expert(
+    cfg: config_mod.ModelConfig, *, dtype: torch.dtype, device: str | torch.device
+) -> mixtral.ExpertWeights:
+    """Zeros shaped like one expert's weights (placeholders, receive buffers)."""
+    i, h = cfg.intermediate_size, cfg.hidden_size
+    return mixtral.ExpertWeights(
+        w1=torch.zeros(i, h, dtype=dtype, device=device),
+        w2=torch.zeros(h, i, dtype=dtype, device=device),
+        w3=torch.zeros(i, h, dtype=dtype, device=device),
+    )
+
+
+def exchange_non_expert(
+    grp: group_mod.StatelessGroup,
+    me: int,
+    model: mixtral.MixtralModel,
+    *,
+    src_ranks: Sequence[int],
+    dst_ranks: Sequence[int],
+    tag: int,
+    dtype: torch.dtype,
+) -> tuple[list[int], int]:
+    """Send this rank's non-expert weights to its receivers and/or load them from its sender.
+
+    Ranks are ranks of `grp`; each sender sends its whole state as one flat buffer to each of
+    its receivers at once (`senders_for`). Returns (receivers this rank sent to, bytes received).
+    """
+    cfg = model.config
+    sender_of = senders_for(list(src_ranks), list(dst_ranks))
+    tensor_names = names.non_expert_tensor_names(cfg)
+    shapes = [names.tensor_shape(cfg, n) for n in tensor_names]
+    numel = sum(_numel(s) for s in shapes)
+    mine = sorted(dst for dst, src in sender_of.items() if src == me)
+    works: list[Any] = []
+    if mine:
+        state = model.non_expert_state()
+        flat = _flatten([state[n] for n in tensor_names]).to(grp.device)
+        works.extend(grp.isend(flat, dst, tag) for dst in mine)
+    recv: torch.Tensor | None = None
+    if me in sender_of:
+        recv = torch.empty(numel, dtype=dtype, device=grp.device)
+        works.append(grp.irecv(recv, sender_of[me], tag))
+    for work in works:
+        work.wait()
+    if recv is None:
+        return mine, 0
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape in zip(tensor_names, shapes, strict=True):
+        n = _numel(shape)
+        tensors[name] = recv[offset : offset + n].view(shape)
+        offset += n
+    model.load_non_expert(tensors)
+    return mine, recv.numel() * recv.element_size()
+
+
+def held_experts(
+    placement: policy.Placement | None,
+    rank: int | None,
+    num_ranks: int | None,
+    experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
+) -> Experts:
+    """{(layer, logical): weights} of a rank's slots `experts` under `placement`."""
+    if placement is None or rank is None or num_ranks is None:
+        return {}
+    out: Experts = {}
+    for layer in range(placement.num_layers):
+        for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
+            if (layer, slot) in experts:
+                out.setdefault((layer, logical), experts[(layer, slot)])
+    return out
+
+
+def fill_slots(
+    placement: policy.Placement,
+    *,
+    rank: int,
+    num_ranks: int,
+    available: Experts,
+    source: source_mod.ModelSource | None,
+    dtype: torch.dtype,
+    device: str,
+) -> tuple[Experts, int, list[tuple[int, int]]]:
+    """The slots of `rank` under `placement` from `available` ((layer, logical) -> weights),
+    reading what is missing from `source` when given.
+
+    Returns (slots (layer, local slot) -> weights, experts read from the source, (layer,
+    logical) pairs still missing). A logical expert needed twice is read once.
+    """
+    slots: Experts = {}
+    missing: list[tuple[int, int]] = []
+    loaded = 0
+    pool = dict(available)
+    for layer in range(placement.num_layers):
+        for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
+            weights = pool.get((layer, logical))
+            if weights is None and source is not None:
+                weights = mixtral.load_expert(source, layer, logical, dtype=dtype, device=device)
+                pool[(layer, logical)] = weights
+                loaded += 1
+            if weights is None:
+                missing.append((layer, logical))
+            else:
+                slots[(layer, slot)] = weights
+    return slots, loaded, missing
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

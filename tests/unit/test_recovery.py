@@ -1,0 +1,257 @@
+"""Failure handling without Ray: the recovery planner, the heartbeat's verdicts and fencing,
+boundary deadlines that cancel, recovery records, and a shrink around a fenced rank of an
+in-process deployment (LocalExecutor: real workers and gloo groups) under load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from moe_runtime import step as step_mod
+from moe_runtime.elastic import coordinator, records, service, serving, stages
+from moe_runtime.engine import core
+from moe_runtime.engine import request as req_mod
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.eplb import policy
+from moe_runtime.executor import base, local
+from moe_runtime.model import mixtral
+from moe_runtime.model import source as source_mod
+from tests.unit import test_engine as fake
+
+SOURCE = "synthetic://tiny?seed=0"
+DEADLINE = 60.0
+
+
+# ------------------------------------------------------------------- the recovery planner
+
+
+def _slots(p: policy.Placement, layer: int, rank: int, n: int) -> set[int]:
+    return set(p.experts_on_rank(layer, rank, n))
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "num_physical", "survivors"),
+    [
+        pytest.param(3, 9, [0, 2], id="middle-rank-lost"),
+        pytest.param(4, 12, [1, 2, 3], id="first-rank-lost"),
+        pytest.param(4, 8, [0, 3], id="two-ranks-lost"),
+    ],
+)
+def test_recovery_plan_gives_survivors_every_expert_sending_only_from_survivors(
+    num_ranks: int, num_physical: int, survivors: list[int]
+) -> None:
+    layers, experts = 3, 8
+    old = policy.identity(layers, experts, num_physical, num_ranks)
+    load = torch.arange(layers * experts, dtype=torch.int64).reshape(layers, experts) % 5 + 1
+    n = len(survivors)
+    physical = policy.num_physical_for(experts, n)
+    plan = moves_mod.plan_recovery(
+        load, old, old_num_ranks=num_ranks, survivors=survivors, num_physical=physical
+    )
+    plan.target.validate(n)
+    assert all(m.src_rank < n and m.dst_rank < n for m in plan.moves)
+    lost = [r for r in range(num_ranks) if r not in survivors]
+    want_source = want_replicas = 0
+    for layer in range(layers):
+        kept = set().union(*(_slots(old, layer, r, num_ranks) for r in survivors))
+        gone = set().union(*(_slots(old, layer, r, num_ranks) for r in lost))
+        want_source += len(gone - kept)
+        want_replicas += len(gone & kept)
+        for new_rank, old_rank in enumerate(survivors):
+            needed = _slots(plan.target, layer, new_rank, n)
+            brought = {m.logical for m in plan.moves if m.layer == layer and m.dst_rank == new_rank}
+            held = _slots(old, layer, old_rank, num_ranks)
+            from_source = needed - held - brought
+            # what no move brings is only what no survivor holds (read from the source)
+            assert from_source <= gone - kept
+            for m in plan.moves:
+                if m.layer == layer and m.dst_rank == new_rank:
+                    assert m.logical in _slots(old, layer, survivors[m.src_rank], num_ranks)
+    assert (plan.from_source, plan.from_replicas) == (want_source, want_replicas)
+
+
+def test_recovery_plan_refuses_no_survivor() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        moves_mod.plan_recovery(
+            torch.ones(1, 4, dtype=torch.int64),
+            policy.identity(1, 4, 4, 2),
+            old_num_ranks=2,
+            survivors=[],
+            num_physical=4,
+        )
+
+
+# ---------------------------------------------------------------- heartbeat and fencing
+
+
+def _poll(condition: Any, what: str, deadline: float = DEADLINE) -> None:
+    end = time.monotonic() + deadline
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -> None:
+    placement = policy.identity(4, 8, 8, 2)
+    ex = local.LocalExecutor(2)
+    try:
+        ex.start(SOURCE, placement=placement)
+        hung = threading.Event()
+        worker = ex.worker(1)
+        answer = worker.ping
+
+        def ping() -> dict[str, Any]:
+            hung.wait(DEADLINE)  # a hang: the ping never comes back until the test ends
+            return answer()
+
+        worker.ping = ping  # type: ignore[method-assign]
+        found: list[dict[int, str]] = []
+        ex.start_heartbeat(interval=0.02, hang_timeout=0.3, on_lost=found.append)
+        _poll(lambda: found, "the heartbeat to find rank 1")
+        assert found == [{1: base.HEALTH_UNRESPONSIVE}]
+        lost = ex.lost_ranks()
+        assert list(lost) == [1] and lost[1].fenced and "no heartbeat answer" in lost[1].reason
+        assert ex.health()[0].state == base.HEALTH_OK
+        with pytest.raises(base.RankDied) as raised:
+            ex.execute_step(step_mod.StepInput(0, {}))
+        assert raised.value.ranks == [1]
+        hung.set()
+    finally:
+        ex.shutdown()
+
+
+def test_step_deadline_follows_observed_step_times() -> None:
+    clock = base.StepClock()
+    assert clock.deadline() == base.MIN_STEP_DEADLINE
+    clock.begin()
+    clock._recent.append(2.0)  # a slow step was observed
+    assert clock.deadline() == pytest.approx(base.DEADLINE_FACTOR * 2.0)
+    assert not clock.overdue(time.monotonic())
+    assert clock.overdue(time.monotonic() + base.DEADLINE_FACTOR * 2.0 + 1)
+    clock.end(ok=True)
+    assert not clock.overdue(time.monotonic() + 1000)  # no step is running
+
+
+# ------------------------------------------------------------------ boundary deadlines
+
+
+def test_a_boundary_call_that_misses_its_deadline_is_cancelled_and_never_runs() -> None:
+    engine, executor = fake.make_engine(1)
+    gate = threading.Event()
+    inner = executor.execute_step
+    started = threading.Event()
+
+    def slow(step: step_mod.StepInput) -> list[step_mod.StepOutput]:
+        started.set()
+        assert gate.wait(DEADLINE)  # the step holds the loop past the caller's deadline
+        return inner(step)
+
+    executor.execute_step = slow  # type: ignore[method-assign]
+    ran: list[str] = []
+    with engine:
+        handle = engine.add_request(fake.req("a", max_tokens=3))
+        assert started.wait(DEADLINE)
+        with pytest.raises(TimeoutError, match="cancelled"):
+            engine.run_at_boundary(lambda: ran.append("late"), timeout=0.2)
+        with pytest.raises(TimeoutError, match="cancelled"):
+            engine.run_step_control({"expert_epoch": 5}, timeout=0.2)
+        gate.set()
+        assert handle.result(DEADLINE).text == "bcd"
+        assert engine.run_at_boundary(lambda: "now", timeout=DEADLINE) == "now"
+    assert ran == []
+    assert all("expert_epoch" not in s.control for s in executor.steps)
+
+
+# ------------------------------------------------------------------- recovery records
+
+
+def test_a_recovery_is_the_current_record_and_joins_the_history() -> None:
+    class NoOps:
+        def current_size(self) -> int:
+            return 2
+
+    coord = coordinator.Coordinator(
+        NoOps(),  # type: ignore[arg-type]
+        limits=coordinator.Limits(min_size=1, max_size=4, num_experts=8),
+    )
+    info = records.RecoveryInfo(detected_at=100.0, last_heartbeat_at=99.8)
+    rec = coord.begin_recovery(from_size=3, to_size=2, info=info)
+    assert coord.current is rec and coord.is_scaling and rec.stage is stages.Stage.RECOVERING
+    assert coord.request(2) is rec  # the same target returns the running one
+    with pytest.raises(coordinator.ResizeConflict, match="recovery 3->2"):
+        coord.request(3)
+    info.ranks_lost = [{"rank": 1, "pod": "w-1", "node_id": "n", "pid": 7, "reason": "dead"}]
+    info.recovered_at, info.requests_rerun, info.experts_from_source = 101.5, 4, 12
+    coord.end_recovery(rec)
+    assert coord.current is None and coord.history() == [rec]
+    body = rec.to_json()
+    assert (body["kind"], body["trigger"], body["stage"]) == ("recovery", "rank_lost", "Completed")
+    assert body["recovery"] == {
+        "last_heartbeat_at": 99.8,
+        "detected_at": 100.0,
+        "recovered_at": 101.5,
+        "detection_s": pytest.approx(0.2),
+        "recovery_s": 1.5,
+        "ranks_lost": info.ranks_lost,
+        "experts_restored": {"from_replicas": 0, "from_source": 12},
+        "requests_rerun": 4,
+    }
+
+
+# ------------------------------------------------ a shrink around a fenced in-process rank
+
+
+def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> None:
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(6)]
+    torch.set_num_threads(1)
+    want = mixtral.generate_greedy(SOURCE, prompts, 24)
+    src = source_mod.open_source(SOURCE)
+    cfg = src.config
+    placement = policy.identity(cfg.num_layers, cfg.num_experts, 9, 3)
+    ex = local.LocalExecutor(3)
+    ex.start(SOURCE, placement=placement)
+    engine = core.Engine(ex, src.tokenizer(), core.EngineConfig(max_model_len=512))
+    elastic = service.ElasticService.attach(
+        engine=engine,
+        executor=ex,
+        model_config=cfg,
+        placement=placement,
+        config=serving.ElasticConfig(source=SOURCE, eplb_enabled=False, auto_recover=False),
+        limits=coordinator.Limits(min_size=1, max_size=3, num_experts=cfg.num_experts),
+    )
+    engine.start()
+    try:
+        handles = [
+            engine.add_request(
+                req_mod.Request(
+                    request_id=f"r{i}",
+                    prompt_token_ids=p,
+                    sampling=step_mod.SamplingParams(),
+                    max_tokens=24,
+                    ignore_eos=True,
+                )
+            )
+            for i, p in enumerate(prompts)
+        ]
+        _poll(lambda: engine.stats().step_count >= 4, "a few steps")
+        ex.fence([1], reason="test")
+        got = [h.result(DEADLINE) for h in handles]
+        assert [g.error for g in got] == [None] * len(prompts)
+        assert [g.token_ids for g in got] == want
+        status = elastic.status()
+        assert status["data_parallel_size"] == 2 and not elastic.recovery.config.auto_recover
+        (rec,) = [h for h in status["history"] if h["kind"] == "recovery"]
+        assert rec["stage"] == "Completed" and rec["recovery"]["ranks_lost"][0]["rank"] == 1
+        assert rec["recovery"]["requests_rerun"] >= 1
+        lost = [r for r in status["ranks"] if r["rank"] is None]
+        assert lost and lost[0]["lost_rank"] == 1 and not lost[0]["healthy"]
+        assert elastic.readiness() == (True, "serving")
+    finally:
+        elastic.close()
+        engine.stop()
+        ex.shutdown()
