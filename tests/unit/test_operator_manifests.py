@@ -9,6 +9,7 @@ import yaml
 
 from moe_operator.api import crd
 from moe_operator.api import spec as spec_
+from moe_operator.plan import builders
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
@@ -33,6 +34,26 @@ def test_sample_is_a_valid_spec() -> None:
         spec.min_data_parallel_size,
         spec.max_data_parallel_size,
     ) == (2, 1, 4)
+
+
+def test_gpu_sample_gives_each_worker_its_gpus() -> None:
+    (sample,) = docs(MANIFESTS / "samples" / "moedeployment-gpu.yaml")
+    spec = spec_.MoEDeploymentSpec.model_validate(sample["spec"])
+    assert spec.wants_gpus
+    assert spec.ray.image == f"{spec_.DEFAULT_IMAGE}-gpu"  # the variant images/build.sh builds
+    owner = builders.Owner(name=sample["metadata"]["name"], namespace="default", uid="uid")
+    cluster = builders.build_raycluster(owner=owner, spec=spec)
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    (worker,) = group["template"]["spec"]["containers"]
+    (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    gpus = spec.tensor_parallel_size
+    assert worker["resources"]["limits"][spec_.ACCELERATOR_NVIDIA_GPU] == gpus
+    assert group["rayStartParams"]["num-gpus"] == str(gpus)
+    assert spec_.ACCELERATOR_NVIDIA_GPU not in head["resources"].get("limits", {})
+    assert "--device cuda" in " ".join([*head.get("command", []), *head.get("args", [])])
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert spec.ray.shared_memory_size == "8Gi"
 
 
 def test_kustomization_lists_every_file() -> None:
