@@ -34,6 +34,9 @@ RESYNC_SECONDS: Final = float(os.environ.get("MOE_RESYNC_SECONDS", "60"))
 RETRY_BACKOFF_SECONDS: Final = 5.0
 RESOURCE: Final = (group.GROUP, group.VERSION, group.PLURAL)
 RAYCLUSTERS: Final = ("ray.io", "v1", "rayclusters")
+PODS: Final = ("", "v1", "pods")
+#: Pod events come in bursts (every probe result, every phase): one reconcile per burst.
+POD_DEBOUNCE_SECONDS: Final = 0.5
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +186,24 @@ async def raycluster_changed(
         logger.warning(
             "reconcile of %s/%s after a RayCluster %s failed: %s", namespace, owner, type, error
         )
+
+
+@kopf.on.event(*PODS, labels={group.LABEL_MANAGED_BY: group.MANAGED_BY})
+async def pod_changed(
+    type: str | None,  # noqa: A002 - kopf's name
+    labels: kopf.Labels,
+    namespace: str | None,
+    memo: Any,
+    **_: Any,
+) -> None:
+    """A Ray pod of a managed RayCluster changed (Ready, terminating, gone): reconcile its
+    owner soon. KubeRay's status does not change when a pod starts terminating (it still
+    counts it), so without this a deleted pod would be noticed only at the next resync."""
+    owner = labels.get(group.LABEL_DEPLOYMENT)
+    key = (namespace or "", owner or "")
+    if type is None or owner is None or key not in memo.known:
+        return
+    _requeue(memo, key, POD_DEBOUNCE_SECONDS)
 
 
 async def _resync_forever(memo: Any) -> None:

@@ -85,7 +85,8 @@ def test_raycluster_matches_the_spec(deployed: tuple[str, dict[str, Any]]) -> No
     )
     env = {e["name"]: e for e in head["env"]}
     assert env["MOE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tiny-admin"
-    assert head["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert head["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert head["startupProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_raycluster_passes_kuberay_strict_validation(

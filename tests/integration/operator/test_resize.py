@@ -1,7 +1,8 @@
 """Live resizes driven by the real operator process against a real kube-apiserver and a fake
 runtime HTTP server (``FakeRuntime``: the admin routes of DESIGN §4 with a scripted stage
-progression, records shaped by ``moe_runtime.elastic.records``). The test plays KubeRay: it
-writes the RayCluster's status (ready workers) itself.
+progression, records shaped by ``moe_runtime.elastic.records``). The test plays KubeRay and
+the kubelet: it creates the Ray pods (Ready) and deletes the ones named in workersToDelete;
+like the real KubeRay it never clears that list (the real-node tier runs the real thing).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e import kube
 from e2e.controlplane import cluster
-from e2e.local import stack
 from moe_runtime.elastic import records, stages
 from tests.integration.operator import conftest as ops
 
@@ -45,6 +46,8 @@ class FakeRuntime:
         self.size = size
         self.dwell = dwell
         self.pods = [f"{NAME}-ranks-worker-{uuid.uuid4().hex[:5]}" for _ in range(size)]
+        #: Worker pods that exist but run no rank (new ranks go there, as on Ray nodes).
+        self.spare: list[str] = []
         self.current: records.ResizeRecord | None = None
         self.seen = False
         self.history: list[records.ResizeRecord] = []
@@ -107,10 +110,12 @@ class FakeRuntime:
                 ]
                 self.pods = self.pods[: record.to_size]
             else:
-                self.pods += [
+                grow = record.to_size - record.from_size
+                self.spare += [
                     f"{NAME}-ranks-worker-{uuid.uuid4().hex[:5]}"
-                    for _ in range(record.to_size - record.from_size)
+                    for _ in range(grow - len(self.spare))
                 ]
+                self.pods, self.spare = self.pods + self.spare[:grow], self.spare[grow:]
             self.size = record.to_size
             record.message = f"Scaled to {record.to_size} data parallel engines"
             record.enter(following)
@@ -224,14 +229,62 @@ class Deployment:
         group: dict[str, Any] = self.raycluster()["spec"]["workerGroupSpecs"][0]
         return group
 
-    def set_ready_workers(self, ready: int) -> None:
-        """What KubeRay would report: the head ready and ``ready`` workers ready."""
-        patch = {"status": {"state": "ready", "readyWorkerReplicas": ready,
-                            "availableWorkerReplicas": ready}}  # fmt: skip
+    def _pod(self, name: str, node_type: str) -> None:
+        """A Ray pod as KubeRay labels it, Running and Ready as the kubelet would report."""
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                # KubeRay's labels, and the template's (ours: the operator watches those pods)
+                "labels": {
+                    "ray.io/cluster": NAME,
+                    "ray.io/node-type": node_type,
+                    "elasticmoe.io/deployment": NAME,
+                    "app.kubernetes.io/managed-by": "elastic-moe",
+                },
+            },
+            "spec": {"containers": [{"name": "ray", "image": "none"}]},
+        }
+        self.plane.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        status = {"status": {"phase": "Running",
+                             "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
         self.plane.kubectl(
-            "patch", "raycluster", NAME, "-n", self.namespace, "--subresource=status",
-            "--type=merge", "-p", json.dumps(patch),
+            "patch", "pod", name, "-n", self.namespace, "--subresource=status",
+            "--type=merge", "-p", json.dumps(status),
         )  # fmt: skip
+
+    def pods(self) -> list[str]:
+        listing = ops.get_json(
+            self.plane, "pods", "-l", f"ray.io/cluster={NAME},ray.io/node-type=worker",
+            namespace=self.namespace,
+        )  # fmt: skip
+        assert listing is not None
+        return sorted(p["metadata"]["name"] for p in listing["items"])
+
+    def set_ready_workers(self, ready: int) -> None:
+        """Play KubeRay: a Ready head pod and ``ready`` Ready worker pods (the ranks' pods
+        first, then spare ones the runtime's next grow takes)."""
+        if self.plane.kubectl("get", "sa", "default", "-n", self.namespace,
+                              check=False).returncode != 0:  # fmt: skip
+            self.plane.kubectl("create", "sa", "default", "-n", self.namespace)
+        self._pod(f"{NAME}-head-x", "head")
+        with self.runtime.lock:
+            extra = ready - len(self.runtime.pods) - len(self.runtime.spare)
+            self.runtime.spare += [
+                f"{NAME}-ranks-worker-{uuid.uuid4().hex[:5]}" for _ in range(max(extra, 0))
+            ]
+            names = (self.runtime.pods + self.runtime.spare)[:ready]
+        for name in names:
+            self._pod(name, "worker")
+
+    def kuberay_deletes(self) -> list[str]:
+        """Play KubeRay: delete the pods named in workersToDelete (never clearing the list)."""
+        names: list[str] = (self.workers().get("scaleStrategy") or {}).get("workersToDelete") or []
+        for name in names:
+            self.plane.kubectl("delete", "pod", name, "-n", self.namespace, "--ignore-not-found")
+        return names
 
     def scale(self, replicas: int) -> None:
         self.plane.kubectl("scale", "moed", NAME, "-n", self.namespace, f"--replicas={replicas}")
@@ -302,7 +355,7 @@ def test_scale_up_then_down_mirrors_every_stage(deployment: Deployment) -> None:
         "wait", "--for=condition=Ready", f"moed/{NAME}", "-n", dep.namespace, "--timeout=30s"
     )
     assert done.returncode == 0
-    watch = stack.StageWatch(dep.plane, NAME, dep.namespace)
+    watch = kube.StageWatch(dep.plane, NAME, dep.namespace)
     try:
         dep.scale(4)
         ops.wait_for(
@@ -335,6 +388,17 @@ def test_scale_up_then_down_mirrors_every_stage(deployment: Deployment) -> None:
         assert workers["replicas"] == 2
         assert sorted(workers["scaleStrategy"]["workersToDelete"]) == freed
         assert sorted(status["resize"]["freedPods"]) == freed
+        # once KubeRay deleted those pods, the operator drops their names (KubeRay never does)
+        assert sorted(dep.kuberay_deletes()) == freed
+        ops.wait_for(
+            lambda: dep.workers()["scaleStrategy"]["workersToDelete"] == [],
+            what="workersToDelete emptied by the operator",
+        )
+        # and a grow after that shrink is not held back by stale names
+        dep.scale(3)
+        dep.set_ready_workers(3)
+        dep.wait_completed(3)
+        assert dep.runtime.posts == [4, 2, 3]
     finally:
         watch.stop()
     reasons = dep.events()
