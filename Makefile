@@ -50,6 +50,20 @@ cluster-up: images
 cluster-down:
 	@if [ -x $(PY) ]; then $(PY) -m e2e.node down; else python3 -m e2e.node down; fi
 
+## kind-up: a kind cluster where Docker runs --privileged and pulls images (e2e/kind/kind.sh);
+## KIND_GPU=1: GPU nodes (NVIDIA device plugin). kind-test (e2e-kind): e2e/cluster on it
+.PHONY: kind-up kind-test e2e-kind kind-down
+KIND_GPU ?=
+kind-up: setup
+	@bash e2e/kind/kind.sh up $(if $(KIND_GPU),--gpu)
+
+kind-test e2e-kind: setup
+	@bash e2e/kind/kind.sh test $(PYTEST_ARGS)
+
+## kind-down: delete the kind cluster
+kind-down:
+	@bash e2e/kind/kind.sh down
+
 ## test: lint, types, layers, CRDs, then every test tier (unit, integration, e2e/cluster)
 test: lint typecheck importlint crds-check controlplane images
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
