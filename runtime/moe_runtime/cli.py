@@ -254,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, access_log=False
         )
-        uvicorn.Server(config).run()
+        _Server(config, on_exit=elastic.close).run()
     except KeyboardInterrupt:
         log.info("serve: interrupted")
     except SystemExit as exc:
@@ -272,6 +272,20 @@ def serve(args: argparse.Namespace) -> int:
             elastic.close()
         _shutdown(engine, executor, cluster, owns_ray=owns_ray)
     return status
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which first stops fault handling when a stop signal arrives: the
+    signal reaches the whole process group, rank actors included, and their deaths are a
+    shutdown, not a loss to recover from."""
+
+    def __init__(self, config: uvicorn.Config, *, on_exit: Any) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 def _shutdown(engine: core.Engine | None, executor: Any, cluster: Any, *, owns_ray: bool) -> None:

@@ -95,6 +95,7 @@ class RankWorker(slots_mod.ExpertSlots):
         self._previous: slots_mod.Live | None = None
         self._origin: int | None = None
         self._fail: dict[str, str] = {}
+        self._stall: dict[str, float] = {}
         self._lock = threading.RLock()
         self.steps = 0
         self.total_load: torch.Tensor | None = None
@@ -144,11 +145,36 @@ class RankWorker(slots_mod.ExpertSlots):
         with self._lock:
             self._fail[operation] = message
 
+    def stall_next(self, operation: str, seconds: float) -> None:
+        """Make the next call of `operation` hang for `seconds` first (a hung rank, in tests)."""
+        with self._lock:
+            self._stall[operation] = seconds
+
     def _check_fail(self, operation: str) -> None:
         with self._lock:
             message = self._fail.pop(operation, None)
+            stall = self._stall.pop(operation, 0.0)
+        if stall:
+            log.warning("%s: stalling %.1fs as armed (%s)", operation, stall, self._ctx())
+            time.sleep(stall)  # the armed hang itself
         if message is not None:
             raise InjectedFailure(f"{operation}: {message} ({self._ctx()})")
+
+    def live_state(self) -> dict[str, Any]:
+        """What serves now, for tests and debugging: epoch, origin, rank, placement (phy2log
+        rows), whether a staged or a previous state is held, and the groups' epochs."""
+        with self._lock:
+            placement = self.placement
+            return {
+                "epoch": self.epoch,
+                "origin": self._origin,
+                "rank": self.rank,
+                "num_ranks": self.num_ranks,
+                "phy2log": None if placement is None else placement.phy2log.tolist(),
+                "staged": self._staged is not None,
+                "previous": self._previous is not None,
+                "group_epochs": sorted({epoch for epoch, _ in self._groups}),
+            }
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(
@@ -316,7 +342,8 @@ class RankWorker(slots_mod.ExpertSlots):
         """Apply step.control, free KV, run this rank's batch, sample; never raises.
 
         An idle rank (no batch) still runs the forward pass with no tokens, so it joins the
-        expert collectives. When the control fails, or the batch is bad, the rank runs an empty
+        expert collectives; when no rank has a token, no rank runs it (and `expert_load` is
+        None). When the control fails, or the batch is bad, the rank runs an empty
         batch instead (its peers must not hang in a collective) and reports the problem in
         StepOutput.error, as it does any exception. A failed forward pass leaves each sequence's
         KV cache as it was before the step, so the step can be retried as it was. An EPLB
@@ -357,28 +384,33 @@ class RankWorker(slots_mod.ExpertSlots):
             if bad:
                 errors.append(f"invalid sequences, step ran empty: {bad}")
                 seqs = []
-            fwd = mixtral.ForwardBatch(
-                seq_ids=[s.seq_id for s in seqs],
-                token_ids=[list(s.token_ids) for s in seqs],
-                start_pos=[s.start_pos for s in seqs],
-            )
-            load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
-            try:
-                logits = model.forward(fwd, kv, self._backend, expert_load=load)
-            except Exception:
-                # Back to the KV state before this step, so the same step can be sent again.
-                for s in seqs:
-                    if s.start_pos == 0:
-                        kv.free(s.seq_id)
-                    else:
-                        kv.reserve(s.seq_id, s.start_pos, 0)
-                raise
-            logits = logits.to("cpu")
-            for i, s in enumerate(seqs):
-                out.tokens[s.seq_id] = sampling.sample_token(logits[i], s.sampling, s.num_generated)
-            out.expert_load = load
-            if self.total_load is not None:
-                self.total_load += load
+            # When no rank has a token, every rank reads that from the same StepInput and all
+            # of them skip the forward pass and its expert collectives: none waits for a peer.
+            if any(b.seqs for b in step.batches.values()):
+                fwd = mixtral.ForwardBatch(
+                    seq_ids=[s.seq_id for s in seqs],
+                    token_ids=[list(s.token_ids) for s in seqs],
+                    start_pos=[s.start_pos for s in seqs],
+                )
+                load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+                try:
+                    logits = model.forward(fwd, kv, self._backend, expert_load=load)
+                except Exception:
+                    # Back to the KV state before this step, so the same step can be sent again.
+                    for s in seqs:
+                        if s.start_pos == 0:
+                            kv.free(s.seq_id)
+                        else:
+                            kv.reserve(s.seq_id, s.start_pos, 0)
+                    raise
+                logits = logits.to("cpu")
+                for i, s in enumerate(seqs):
+                    out.tokens[s.seq_id] = sampling.sample_token(
+                        logits[i], s.sampling, s.num_generated
+                    )
+                out.expert_load = load
+                if self.total_load is not None:
+                    self.total_load += load
         except Exception as exc:  # noqa: BLE001 - reported to the engine, never kills the actor
             log.exception("step %d failed (%s)", step.step_id, self._ctx())
             errors.append(f"{type(exc).__name__}: {exc}")

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.local import load as load_mod
+from e2e import load as load_mod
 from moe_runtime.elastic import stages
 from tests.support import runtime_proc
 
@@ -26,11 +26,13 @@ MODEL = "synthetic://tiny?seed=0"
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LONG = 32
+LENGTHS = (8, 16, 24)  # of the checked load (greedy and seeded, streamed or not)
+Reference = dict[tuple[int, int, int | None], list[int]]
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[tuple[int, int], list[int]]:
-    return load_mod.reference_tokens(MODEL, [*load_mod.LENGTHS, LONG])
+def reference() -> Reference:
+    return load_mod.reference_tokens(MODEL, load_mod.cases(lengths=(*LENGTHS, LONG), seeds=(1,)))
 
 
 @pytest.fixture(scope="module")
@@ -47,58 +49,31 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime_proc.Ru
 
 
 def complete(client: httpx.Client, prompt: int, n: int) -> httpx.Response:
-    return client.post(
-        "/v1/completions", json=load_mod.completion_body("tiny", prompt, n), timeout=300
-    )
+    return client.post("/v1/completions", json=load_mod.Case(prompt, n).body("tiny"), timeout=300)
 
 
-class HealthProbe:
-    """GET /health every 50 ms until stopped; every status code is kept."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.codes: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url) as client:
-            while not self._stop.wait(0.05):
-                try:
-                    self.codes.append(client.get("/health", timeout=10).status_code)
-                except httpx.HTTPError:
-                    self.codes.append(-1)
-
-    def __enter__(self) -> HealthProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+HealthProbe = runtime_proc.HealthProbe
 
 
 def scale(url: str, to: int) -> dict[str, Any]:
-    r = httpx.post(
-        f"{url}/scale_elastic_ep?wait=true",
-        json={"new_data_parallel_size": to},
-        headers=AUTH,
-        timeout=600,
-    )
-    assert r.status_code == 200, r.text
-    return dict(r.json())
+    return runtime_proc.scale(url, to, headers=AUTH)
 
 
 def status(url: str) -> dict[str, Any]:
-    r = httpx.get(f"{url}/elastic_ep/status", headers=AUTH, timeout=30)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
+    return runtime_proc.status(url, headers=AUTH)
 
 
 def test_resize_sequence_under_load(
-    server: runtime_proc.RuntimeProcess, reference: dict[tuple[int, int], list[int]]
+    server: runtime_proc.RuntimeProcess, reference: Reference
 ) -> None:
-    traffic = load_mod.Load(lambda: server.url, model_name="tiny", reference=reference, clients=8)
+    traffic = load_mod.Load(
+        lambda: server.url,
+        model_name="tiny",
+        reference=reference,
+        clients=8,
+        lengths=LENGTHS,
+        seeds=(1,),
+    )
     with traffic, HealthProbe(server.url) as health:
         for to in (4, 3, 1, 2):
             assert scale(server.url, to)["stage"] == "Completed"
@@ -127,7 +102,7 @@ def test_resize_sequence_under_load(
 
 
 def test_shrink_with_long_generations_on_departing_ranks(
-    server: runtime_proc.RuntimeProcess, reference: dict[tuple[int, int], list[int]]
+    server: runtime_proc.RuntimeProcess, reference: Reference
 ) -> None:
     scale(server.url, 4)
     results: dict[int, httpx.Response] = {}
@@ -148,7 +123,7 @@ def test_shrink_with_long_generations_on_departing_ranks(
     for t in threads:
         t.join(timeout=300)
     assert {p: r.json()["choices"][0]["token_ids"] for p, r in results.items()} == {
-        p: reference[(p, LONG)] for p in range(8)
+        p: reference[(p, LONG, None)] for p in range(8)
     }
     last = status(server.url)["history"][-1]
     assert last["resize_id"] == done["resize_id"]
@@ -182,7 +157,7 @@ def test_admin_rules(server: runtime_proc.RuntimeProcess) -> None:
 
 
 def test_failure_in_transferring_keeps_serving(
-    server: runtime_proc.RuntimeProcess, reference: dict[tuple[int, int], list[int]]
+    server: runtime_proc.RuntimeProcess, reference: Reference
 ) -> None:
     url = server.url
     r = httpx.post(f"{url}/elastic_ep/inject_failure", json={"stage": "Transferring"}, headers=AUTH)
@@ -199,6 +174,6 @@ def test_failure_in_transferring_keeps_serving(
     assert len(st["ranks"]) == 2  # the standby ranks were released
     with httpx.Client(base_url=url) as client:
         got = complete(client, 5, 16).json()["choices"][0]["token_ids"]
-    assert got == reference[(5, 16)]
+    assert got == reference[(5, 16, None)]
     assert scale(url, 3)["stage"] == "Completed"
     scale(url, 2)

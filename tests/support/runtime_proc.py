@@ -1,4 +1,5 @@
-"""Start and stop `moe-runtime serve` as a subprocess for tests (own session, loopback only)."""
+"""Start and stop `moe-runtime serve` as a subprocess for tests (own session, loopback only),
+and the small clients tests use on it: a /health prober, scale and status calls."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -32,14 +35,23 @@ class RuntimeProcess:
         return self.log.read_text(errors="replace")[-chars:]
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM the server's process group; SIGKILL what is left after `timeout`."""
+        """SIGTERM the server (it stops its ranks and the Ray instance it started); SIGKILL
+        its process group if it is not gone after `timeout`, and whatever it left behind.
+
+        Not SIGTERM to the whole group at once: Ray's own processes would die under the
+        server's shutdown, which then waits a minute on a GCS that is gone."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # nothing left in the group
+        if self.proc.poll() is None:
+            self.proc.wait(10)
 
 
 def start(
@@ -75,3 +87,50 @@ def start(
             server.stop()
             raise TimeoutError(f"server not healthy in {deadline_s}s:\n{server.tail()}")
         time.sleep(0.2)
+
+
+class HealthProbe:
+    """GET `path` (default /health) every 50 ms until stopped; every status code is kept
+    (-1 for a connection error)."""
+
+    def __init__(self, url: str, path: str = "/health") -> None:
+        self.url = url
+        self.path = path
+        self.codes: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url) as client:
+            while not self._stop.wait(0.05):
+                try:
+                    self.codes.append(client.get(self.path, timeout=10).status_code)
+                except httpx.HTTPError:
+                    self.codes.append(-1)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def scale(url: str, to: int, *, headers: dict[str, str]) -> dict[str, Any]:
+    """POST /scale_elastic_ep?wait=true; asserts 200 and returns the body."""
+    r = httpx.post(
+        f"{url}/scale_elastic_ep?wait=true",
+        json={"new_data_parallel_size": to},
+        headers=headers,
+        timeout=600,
+    )
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def status(url: str, *, headers: dict[str, str]) -> dict[str, Any]:
+    """GET /elastic_ep/status; asserts 200."""
+    r = httpx.get(f"{url}/elastic_ep/status", headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return dict(r.json())

@@ -240,6 +240,7 @@ class EngineResizeOps:
         self._at_boundary(back)
         log.warning("switched back to data parallel size %d (epoch %d)", len(old), plan.old_epoch)
         self._rpc("drop_epoch", plan.epoch, ranks=old, background=True)
+        self._rpc("retire_previous", ranks=old, background=True)  # the undone state
 
     def _confirm(self, plan: Plan) -> None:
         """The switch stands: workers forget their previous state and the old groups."""

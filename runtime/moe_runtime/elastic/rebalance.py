@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from moe_runtime import step as step_mod
@@ -116,8 +116,6 @@ class Rebalancer:
         self.rebalances = 0
         self.last_rebalance: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
-        #: Test hook: called between prepare and commit (e.g. to arm a rank's failure).
-        self.before_commit: Callable[[int], None] | None = None
 
     def on_step(self, outputs: list[step_mod.StepOutput]) -> None:
         """Engine-thread callback: count load; every step_interval steps, rebalance."""
@@ -189,8 +187,6 @@ class Rebalancer:
             staging_id=staging_id,
             timeout=self.config.rpc_timeout,
         )
-        if self.before_commit is not None:
-            self.before_commit(staging_id)
         self._commit(staging_id, members=members, generation=generation)
         self.serving.placement = target
         self.rebalances += 1

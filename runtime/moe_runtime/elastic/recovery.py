@@ -95,6 +95,7 @@ class Recovery:
             self._grow_thread.start()
 
     def close(self) -> None:
+        """Stop detecting and recovering (the process is shutting down); idempotent."""
         self._stop.set()
         self.executor.stop_heartbeat()
 
@@ -112,6 +113,8 @@ class Recovery:
     # -- the shrink ----------------------------------------------------------------------
     def recover_now(self) -> None:
         """Shrink around every lost active rank; a no-op when none is lost. Engine thread."""
+        if self._stop.is_set():
+            return  # shutting down: ranks die with the process, nothing to recover
         lost = self.executor.lost_ranks()
         live = set(self.executor.ranks)
         gone = [r for r in self.engine.active_ranks() if r not in live or r in lost]

@@ -73,7 +73,7 @@ HEALTH_UNRESPONSIVE = "unresponsive"
 
 #: Limits of the step deadline (seconds): at least MIN, DEADLINE_FACTOR x the slowest recent
 #: step otherwise. Past it, a rank whose ping is older than `step_grace` counts as hung.
-MIN_STEP_DEADLINE = 1.0
+MIN_STEP_DEADLINE = 2.0
 DEADLINE_FACTOR = 5.0
 RECENT_STEPS = 100
 
@@ -351,7 +351,7 @@ class Executor(abc.ABC):
         if self._heartbeat_stop is not None:
             self._heartbeat_stop.set()
         if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=5)
+            self._heartbeat.join(timeout=1.0)  # one round is short (non-blocking polls)
         self._heartbeat = self._heartbeat_stop = None
 
     def heartbeat_round(self, *, hang_timeout: float) -> dict[int, str]:

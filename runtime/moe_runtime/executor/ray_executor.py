@@ -182,6 +182,7 @@ class RayExecutor(base.Executor):
         self._step_ranks: list[int] | None = None
         self._compiled_once = False
         self._switching = False
+        self._fail_compile = False
         self._closed = False
         self._warming: threading.Thread | None = None
         #: Seconds of the last switch's phases: teardown, activate, compile.
@@ -372,11 +373,18 @@ class RayExecutor(base.Executor):
             ranks = list(self._active)
             actors = [self._ranks[r].actor for r in ranks]
         graph = None
+        if self._fail_compile:
+            self._fail_compile = False
+            raise base.ExecutorError(f"injected failure compiling the step graph over {ranks}")
         if self.step_mode == STEP_COMPILED:
             graph = _compile_graph(actors, timeout=timeout or self._ready_timeout)
         with self._lock:
             self._graph, self._step_ranks = graph, ranks
             self._compiled_once = True
+
+    def fail_next_compile(self) -> None:
+        """Test hook: the next compile of the step path fails (a switch must go back)."""
+        self._fail_compile = True
 
     def has_step_path(self) -> bool:
         with self._lock:
@@ -540,7 +548,7 @@ class RayExecutor(base.Executor):
                 members=ranks,
                 epoch=epoch,
                 rebuild=had_path,
-                timeout=left(),
+                timeout=self._switch_timeout,  # its own bound: the switch's deadline has passed
             )
             raise
         finally:

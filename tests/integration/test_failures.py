@@ -1,0 +1,339 @@
+"""Failure injection on the Ray executor (real actors, compiled step graph, gloo groups):
+every failure path ends in a serving engine with the tokens of single-process generation.
+
+- a failure after the work of every resize stage (up 2->3 and down 3->2): the deployment
+  serves at its last good size, and no staged set, previous state or stray group is left;
+- failures inside Switching (activate on a new or an old rank, the compile, a hung activate
+  past the switch deadline): the switch goes back to the old graph;
+- failures inside the EPLB commit (prepare on one rank, the vote on one rank): no rank
+  changes its placement; a commit every rank makes moves them all;
+- a rank actor killed with SIGKILL (its pid from rank_infos) while requests run: the runtime
+  shrinks around it, no request fails, and with autoRecover off it stays smaller until asked.
+
+One deployment for the module (DP 2, at most 3 ranks); each test first brings it to the size
+it starts from, so the tests do not depend on their order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from moe_runtime import step as step_mod
+from moe_runtime.elastic import coordinator, rebalance, service, serving, stages
+from moe_runtime.engine import core
+from moe_runtime.engine import request as req_mod
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.eplb import policy
+from moe_runtime.model import mixtral
+from moe_runtime.model import source as source_mod
+from tests.integration import test_elastic_local as checked
+
+pytestmark = pytest.mark.ray
+
+SOURCE = checked.SOURCE
+LONG = 40  # long enough to outlive a resize
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[int, int], list[int]]:
+    torch.set_num_threads(1)
+    lengths = [*checked.LENGTHS, LONG]
+    longest = mixtral.generate_greedy(SOURCE, checked.PROMPTS, max(lengths))
+    return {(p, n): longest[p][:n] for p in range(len(checked.PROMPTS)) for n in lengths}
+
+
+class RayDeployment:
+    """Engine + RayExecutor + elastic service in this process (what `moe-runtime serve` wires)."""
+
+    def __init__(self, size: int) -> None:
+        from moe_runtime.executor import ray_executor
+
+        src = source_mod.open_source(SOURCE)
+        self.cfg = src.config
+        physical = policy.num_physical_for(self.cfg.num_experts, size)
+        placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
+        self.executor = ray_executor.RayExecutor(size)
+        self.executor.start(SOURCE, placement=placement)
+        self.engine = core.Engine(
+            self.executor,
+            src.tokenizer(),
+            core.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
+        )
+        self.elastic = service.ElasticService.attach(
+            engine=self.engine,
+            executor=self.executor,
+            model_config=self.cfg,
+            placement=placement,
+            config=serving.ElasticConfig(source=SOURCE, eplb_enabled=False, auto_recover=False),
+            limits=coordinator.Limits(min_size=1, max_size=3, num_experts=self.cfg.num_experts),
+        )
+        self.engine.start()
+        self._ids = 0
+
+    def close(self) -> None:
+        self.elastic.close()
+        self.engine.stop()
+        self.executor.shutdown()
+
+    def generate(self, prompt: int, n: int, *, rid: str | None = None) -> req_mod.CompletedRequest:
+        self._ids += 1
+        handle = self.engine.add_request(
+            req_mod.Request(
+                request_id=rid or f"q{self._ids}",
+                prompt_token_ids=checked.PROMPTS[prompt],
+                sampling=step_mod.SamplingParams(temperature=0.0),
+                max_tokens=n,
+                ignore_eos=True,
+            )
+        )
+        return handle.result(timeout=300)
+
+    def resize(self, to: int) -> Any:
+        record = self.elastic.coordinator.request(to)
+        assert self.elastic.coordinator.wait(record, timeout=300), f"resize to {to} hangs"
+        return record
+
+    def ensure(self, size: int) -> None:
+        if self.executor.num_ranks != size:
+            record = self.resize(size)
+            assert record.succeeded, record.message
+
+    def states(self) -> list[dict[str, Any]]:
+        labels = sorted(self.executor.rank_infos())
+        return list(self.executor.collective_rpc("live_state", ranks=labels, timeout=60))
+
+
+@pytest.fixture(scope="module")
+def dep(ray_session: None) -> Iterator[RayDeployment]:
+    d = RayDeployment(2)
+    yield d
+    d.close()
+
+
+class LongRequests:
+    """Long greedy generations running while something fails; `check()` compares them."""
+
+    def __init__(self, d: RayDeployment, count: int = 4) -> None:
+        self.results: dict[int, req_mod.CompletedRequest] = {}
+        self._threads = [
+            threading.Thread(target=self._run, args=(d, p), daemon=True) for p in range(count)
+        ]
+        self._d = d
+
+    def _run(self, d: RayDeployment, p: int) -> None:
+        self.results[p] = d.generate(p, LONG)
+
+    def __enter__(self) -> LongRequests:
+        for t in self._threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while self._d.engine.stats().num_running < len(self._threads):
+            assert time.monotonic() < deadline, "the long requests did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for t in self._threads:
+            t.join(timeout=300)
+
+    def check(self, reference: dict[tuple[int, int], list[int]]) -> None:
+        assert {p: (r.error, r.token_ids) for p, r in self.results.items()} == {
+            p: (None, reference[(p, LONG)]) for p in range(len(self._threads))
+        }
+
+
+def assert_clean(d: RayDeployment, size: int, reference: dict[tuple[int, int], list[int]]) -> None:
+    """Serving at `size` with correct tokens; every worker holds exactly one live state."""
+    assert d.executor.num_ranks == size and d.executor.pending_ranks == []
+    assert d.executor.has_step_path() and d.elastic.readiness()[0]
+    epoch = d.elastic.ops.serving.epoch
+    for state in d.states():
+        assert not state["staged"] and not state["previous"], state
+        assert state["group_epochs"] == [epoch] and state["epoch"] == epoch, state
+    got = [d.generate(p, 16) for p in range(3)]
+    assert [g.token_ids for g in got] == [reference[(p, 16)] for p in range(3)]
+
+
+# --------------------------------------------------------- a failure after every stage
+
+
+@pytest.mark.parametrize(
+    ("start", "to", "stage", "end"),
+    [
+        pytest.param(2, 3, stages.Stage.STANDBY, 2, id="up-Standby"),
+        pytest.param(2, 3, stages.Stage.TRANSFERRING, 2, id="up-Transferring"),
+        pytest.param(2, 3, stages.Stage.SWITCHING, 2, id="up-Switching"),
+        pytest.param(2, 3, stages.Stage.RESHUFFLING, 3, id="up-Reshuffling"),
+        pytest.param(3, 2, stages.Stage.RESHUFFLING, 3, id="down-Reshuffling"),
+        pytest.param(3, 2, stages.Stage.MIGRATING, 3, id="down-Migrating"),
+        pytest.param(3, 2, stages.Stage.SWITCHING, 3, id="down-Switching"),
+        pytest.param(3, 2, stages.Stage.RELEASING, 2, id="down-Releasing"),
+    ],
+)
+def test_a_failure_after_any_stage_leaves_the_last_good_size_serving(
+    dep: RayDeployment,
+    reference: dict[tuple[int, int], list[int]],
+    start: int,
+    to: int,
+    stage: stages.Stage,
+    end: int,
+) -> None:
+    """Up to Switching (included: it is undone until the next stage confirms it) the old size
+    serves again; after it, the new size is the last good one."""
+    dep.ensure(start)
+    dep.elastic.coordinator.inject_failure(stage)
+    with LongRequests(dep) as running:
+        record = dep.resize(to)
+    running.check(reference)
+    assert record.stage is stages.Stage.FAILED
+    assert f"{stage.value} failed: injected failure" in record.message, record.message
+    assert "cleanup problems" not in record.message, record.message
+    assert f"serving at data parallel size {end}" in record.message
+    assert_clean(dep, end, reference)
+
+
+# --------------------------------------------------------------- inside Switching
+
+
+@pytest.mark.parametrize(
+    ("where", "rank"),
+    [
+        pytest.param("activate", 2, id="activate-on-the-new-rank"),
+        pytest.param("activate", 0, id="activate-on-an-old-rank"),
+        pytest.param("compile", None, id="compile-of-the-new-graph"),
+        pytest.param("hang", 1, id="activate-hangs-past-the-deadline"),
+    ],
+)
+def test_a_failure_inside_switching_goes_back_to_the_old_graph(
+    dep: RayDeployment,
+    reference: dict[tuple[int, int], list[int]],
+    where: str,
+    rank: int | None,
+) -> None:
+    dep.ensure(2)
+    ops = dep.elastic.ops
+    config = ops.config
+    armed = threading.Event()
+
+    def arm(record: Any) -> None:
+        # At the start of Switching: the new rank (label 2) exists from Standby on.
+        if record.stage is not stages.Stage.SWITCHING or armed.is_set():
+            return
+        armed.set()
+        if where == "compile":
+            dep.executor.fail_next_compile()  # type: ignore[attr-defined]
+        elif where == "hang":
+            ops.config = dataclasses.replace(config, switch_timeout=2.0)
+            dep.executor.collective_rpc("stall_next", "activate", 4.0, ranks=[rank])
+        else:
+            dep.executor.collective_rpc("fail_next", "activate", ranks=[rank])
+
+    dep.elastic.coordinator.on_change(arm)
+    try:
+        with LongRequests(dep) as running:
+            started = time.monotonic()
+            record = dep.resize(3)
+            took = time.monotonic() - started
+    finally:
+        dep.elastic.coordinator._listeners.remove(arm)
+        ops.config = config
+    running.check(reference)
+    assert armed.is_set()
+    assert record.stage is stages.Stage.FAILED and "Switching failed" in record.message
+    assert "serving at data parallel size 2" in record.message
+    print(f"\n{where}: failed resize took {took:.2f}s: {record.message}")
+    assert_clean(dep, 2, reference)
+
+
+# ---------------------------------------------------------------- the EPLB commit
+
+
+@pytest.mark.parametrize(
+    ("operation", "refused"),
+    [
+        pytest.param("stage_experts", RuntimeError, id="prepare-fails-on-one-rank"),
+        pytest.param("commit_staged", rebalance.CommitRefused, id="vote-fails-on-one-rank"),
+        pytest.param(None, None, id="every-rank-commits"),
+    ],
+)
+def test_the_eplb_commit_is_all_or_nothing(
+    dep: RayDeployment,
+    reference: dict[tuple[int, int], list[int]],
+    operation: str | None,
+    refused: type[Exception] | None,
+) -> None:
+    dep.ensure(2)
+    serving_now = dep.elastic.ops.serving
+    for _ in range(20):  # skewed load (one prompt), until a rebalance would move experts
+        target = moves_mod.rebalance_for_resize(
+            dep.elastic.ops.load.total(),
+            serving_now.placement,
+            old_num_ranks=2,
+            new_num_ranks=2,
+            num_physical=serving_now.placement.num_physical,
+        )
+        if not target.equals(serving_now.placement):
+            break
+        dep.generate(0, 24)
+    else:
+        pytest.fail("the load never made a rebalance worthwhile")
+    before = [s["phy2log"] for s in dep.states()]
+    old = dep.elastic.ops.serving.placement
+    if operation is not None:
+        dep.executor.collective_rpc("fail_next", operation, ranks=[1])
+    with LongRequests(dep) as running:
+        if refused is None:
+            result = dep.elastic.rebalancer.rebalance_now()
+        else:
+            with pytest.raises(refused):
+                dep.elastic.rebalancer.rebalance_now()
+    running.check(reference)
+    after = [s["phy2log"] for s in dep.states()]
+    if refused is None:
+        assert result["applied"], result
+        assert after[0] == after[1] != before[0]
+        assert dep.elastic.ops.serving.placement.phy2log.tolist() == after[0]
+    else:
+        assert after == before and dep.elastic.ops.serving.placement is old
+    assert_clean(dep, 2, reference)
+
+
+# ---------------------------------------------------------- a rank actor killed for real
+
+
+def test_a_killed_rank_is_shrunk_around_and_stays_smaller_without_auto_recover(
+    dep: RayDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    dep.ensure(3)
+    pid = dep.executor.rank_infos()[1]["pid"]
+    with LongRequests(dep, count=6) as running:
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        deadline = killed + 60
+        while dep.executor.num_ranks != 2 or dep.elastic.coordinator.recovering:
+            assert time.monotonic() < deadline, "no recovery"
+            time.sleep(0.01)
+        recovered = time.monotonic()
+    running.check(reference)
+    (rec,) = [r for r in dep.elastic.coordinator.history() if r.recovery is not None][-1:]
+    assert rec.succeeded and [r["pid"] for r in rec.recovery.ranks_lost] == [pid]
+    assert rec.recovery.experts_from_source + rec.recovery.experts_from_replicas > 0
+    print(f"\nSIGKILL -> serving on 2 ranks after {recovered - killed:.2f}s: {rec.to_json()}")
+    status = dep.elastic.status()
+    assert [r["lost_rank"] for r in status["ranks"] if r["rank"] is None] == [1]
+    assert status["auto_recover"] == {"enabled": False, "target": None}
+    time.sleep(2.0)  # the grow-back loop polls every 0.5 s: with autoRecover off it must not act
+    assert dep.executor.num_ranks == 2 and not dep.elastic.coordinator.is_scaling
+    assert_clean(dep, 2, reference)
+    dep.ensure(3)  # someone asks for the old size: the normal grow path
+    assert [r for r in dep.elastic.status()["ranks"] if r["rank"] is None] == []
+    assert_clean(dep, 3, reference)
