@@ -13,6 +13,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -85,13 +86,13 @@ class RequestHandle:
         self.request = request
         self._cond = threading.Condition()
         self._outputs: list[RequestOutput] = []
-        self._loop: asyncio.AbstractEventLoop | None
+        self._waker: _LoopWaker | None
         self._queue: asyncio.Queue[RequestOutput] | None
         try:
-            self._loop = asyncio.get_running_loop()
+            self._waker = _LoopWaker.of(asyncio.get_running_loop())
             self._queue = asyncio.Queue()
         except RuntimeError:
-            self._loop = None
+            self._waker = None
             self._queue = None
 
     @property
@@ -108,12 +109,8 @@ class RequestHandle:
         with self._cond:
             self._outputs.append(output)
             self._cond.notify_all()
-        if self._loop is not None and self._queue is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
-            except RuntimeError:
-                # The consumer's loop is closed: nobody will read this stream any more.
-                log.debug("request %s: consumer loop closed, output dropped", self.request_id)
+        if self._waker is not None and self._queue is not None:
+            self._waker.deliver(self._queue, output)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         if self._queue is None:
@@ -149,6 +146,60 @@ class RequestHandle:
                 raise TimeoutError(f"request {self.request_id}: not finished in {timeout} s")
             outputs = list(self._outputs)
         return collect(self.request, outputs)
+
+
+class _LoopWaker:
+    """Hands outputs from the engine thread to one event loop, waking the loop once per burst.
+
+    An engine step pushes one output to each of its (say 64) streams. One
+    `call_soon_threadsafe` per output costs a write to the loop's self-pipe and a loop wake-up
+    each, which together were the largest part of the engine thread's own time at 64 streams
+    (bench/engine.py --profile). Here outputs wait in a list and only the first of a burst
+    schedules the loop callback that drains them all, in push order.
+    """
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = (
+        weakref.WeakKeyDictionary()
+    )
+    _registry_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # not a strong one: the registry entry dies with the loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+        """The waker of `loop` (one per loop, gone with the loop)."""
+        with cls._registry_lock:
+            waker = cls._by_loop.get(loop)
+            if waker is None:
+                waker = cls._by_loop[loop] = cls(loop)
+            return waker
+
+    def deliver(self, queue: asyncio.Queue[RequestOutput], output: RequestOutput) -> None:
+        """Called from any thread: `queue.put_nowait(output)` soon, on the loop."""
+        with self._lock:
+            self._pending.append((queue, output))
+            if len(self._pending) > 1:
+                return  # the drain scheduled by the first of this burst will take it
+        loop = self._loop()
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._drain)
+                return
+            except RuntimeError:
+                log.debug("consumer loop closed while waking it")  # it closed just now
+        # The loop is closed or gone: nobody will read these streams any more.
+        with self._lock:
+            dropped, self._pending = len(self._pending), []
+        log.debug("consumer loop closed: %d outputs dropped", dropped)
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for queue, output in batch:
+            queue.put_nowait(output)
 
 
 def collect(request: Request, outputs: list[RequestOutput]) -> CompletedRequest:
