@@ -11,7 +11,7 @@ import os
 
 import ray
 
-from moe_runtime.executor import ray_executor
+from moe_runtime.executor import ray_actor
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def connect(*, num_rank_slots: int, address: str | None = None) -> bool:
     ray.init(
         address="local",  # never attach to another instance found on this host
         _node_ip_address="127.0.0.1",
-        resources={ray_executor.RANK_RESOURCE: num_rank_slots},
+        resources={ray_actor.RANK_RESOURCE: num_rank_slots},
         include_dashboard=False,
         configure_logging=False,
         _system_config={"kill_worker_timeout_milliseconds": KILL_WORKER_TIMEOUT_MS},

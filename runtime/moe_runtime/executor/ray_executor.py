@@ -1,44 +1,31 @@
 """`RayExecutor`: one Ray actor per DP rank, stepped through a Ray compiled graph.
 
-Layout
-------
-- Each rank is one actor (`_RankActor`, wrapping a `RankWorker`) in its own placement group of
-  one bundle ``{"moe_rank": 1}`` (plus ``{"GPU": 1}`` on GPU clusters, where groups use NCCL).
-  The ``moe_rank`` resource is what a worker pod offers (one per pod), so a rank lands on a
-  worker pod and the operator can map ranks to pods. A rank is one actor today; TP>1 would make
-  it a list of actors in one placement group (`_Rank.actor` becomes `actors`).
-- Ranks are ordered as vLLM's RayDistributedExecutor orders workers: the driver's node first,
-  then nodes with fewer workers, then by IP.
-- Each step is one execution of a compiled graph
-  ``InputNode -> [w.execute_step for w in ranks] -> MultiOutputNode`` (about half the per-step
-  overhead of plain actor calls, see tests/integration/test_executor.py).
-- Actors have three concurrency lanes: the default lane (the compiled graph's loop and plain
-  control calls made while no step runs), ``ctl`` (one thread: `background=True` control calls
-  that overlap steps: group building, weight transfers) and ``health`` (pings, never queued
-  behind a transfer).
-
-Rules learned on Ray 2.60 (see REFERENCE.md): two compiled graphs must never be live on the same
-actors (the second hangs and its teardown kills the actors), so `switch` tears the old graph
-down before compiling the new one; compiling over an actor that was just created is slow
-(~2.5 s), so `add_ranks` waits until new actors answer before returning.
-
-Failures, measured here (3 ranks, CPU): a SIGKILLed actor makes the running compiled step raise
-`ActorDiedError` within ~0.07 s (its peers' gloo collectives fail with "Connection reset by
-peer"), and the teardown that follows leaves the survivors alive. A SIGSTOPped actor makes the
-step wait for `RAY_CGRAPH_get_timeout`, and a teardown then waits 30 s on it: so the heartbeat
-fences a hung actor (`ray.kill`) instead, after which the step raises within ~0.2 s when the
-raylet's `kill_worker_timeout_milliseconds` is small (a stopped process cannot exit by itself:
-the raylet SIGKILLs it after that delay, 5 s by default; `cluster.connect` sets 200 ms for a
-local instance). Shrinking around the lost rank then takes ~0.3 s (groups, staging, compile).
-
-Group rendezvous: when every member of a new group runs on one host (one IP) the group uses a
-FileStore in `group_dir` (nothing listens on a port); otherwise a TCPStore hosted by the group's
-rank 0 on a port it reports as free (`RankWorker.free_port`).
+- Each rank is one actor (`ray_actor.RankActor`, wrapping a `RankWorker`, three concurrency
+  lanes) in its own placement group of one bundle ``{"moe_rank": 1}`` (plus ``{"GPU": 1}`` on
+  GPU clusters, where groups use NCCL): the resource a worker pod offers, so the operator can
+  map ranks to pods. Ranks are ordered as vLLM's RayDistributedExecutor orders workers.
+- Each step is one execution of a compiled graph (`ray_graph`; about half the per-step
+  overhead of plain actor calls, see tests/integration/test_executor.py), or plain actor calls
+  in "remote" mode.
+- Rules learned on Ray 2.60 (REFERENCE.md): two compiled graphs must never be live on the same
+  actors, so `switch` tears the old graph down before compiling the new one; compiling over an
+  actor that was just created is slow (~2.5 s), so `add_ranks` waits until new actors answer
+  and warms them up with a throwaway graph while the old one serves.
+- Failures, measured here (3 ranks, CPU): a SIGKILLed actor makes the running compiled step
+  raise `ActorDiedError` within ~0.07 s (its peers' gloo collectives fail with "Connection
+  reset by peer"), and the teardown leaves the survivors alive. A SIGSTOPped actor makes the
+  step wait for `RAY_CGRAPH_get_timeout`, and a teardown then waits 30 s on it: so the
+  heartbeat fences a hung actor (`ray.kill`), after which the step raises within ~0.2 s when
+  the raylet's `kill_worker_timeout_milliseconds` is small (a stopped process cannot exit by
+  itself; the raylet SIGKILLs it after that delay, 5 s by default; `cluster.connect` sets
+  200 ms). Shrinking around the lost rank then takes ~0.3 s (groups, staging, compile).
+- Group rendezvous: a FileStore in `group_dir` when every member of a new group has one IP
+  (nothing listens on a port), else a TCPStore hosted by the group's rank 0 on a port it
+  reports as free (`RankWorker.free_port`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import tempfile
@@ -51,65 +38,15 @@ import ray
 import ray.dag
 import ray.exceptions
 import ray.util
-import ray.util.scheduling_strategies as ray_sched
 
 from moe_runtime import step as step_mod
-from moe_runtime import worker as worker_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import base
+from moe_runtime.executor import base, ray_actor, ray_graph
 
 log = logging.getLogger(__name__)
 
-RANK_RESOURCE = "moe_rank"
-CTL_LANE = "ctl"
 STEP_COMPILED = "compiled"
 STEP_REMOTE = "remote"
-HEALTH_LANE = "health"
-
-
-class _RankActor:
-    """The actor body: a RankWorker plus what only Ray knows (node id and address)."""
-
-    def __init__(self, *, label: int, device: str, dtype: str) -> None:
-        self.worker = worker_mod.RankWorker(
-            device=device, dtype=dtype, torch_threads=1, label=label
-        )
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-
-    def ready(self) -> dict[str, Any]:
-        info = self.worker.info()
-        info.update(node_id=self.node_id, ip=self.node_ip)
-        return info
-
-    def free_port(self) -> tuple[str, int]:
-        return self.worker.free_port(self.node_ip)
-
-    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
-        return self.worker.execute_step(step)
-
-    def echo(self, value: Any) -> Any:
-        """Does nothing: the method of the throwaway graph that warms a new actor up."""
-        return value
-
-
-_RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
-    num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
-)(_RankActor)
-
-
-@dataclasses.dataclass
-class _Rank:
-    """One DP rank: its actor, its placement group, what it said when it started, its health."""
-
-    label: int
-    actor: Any
-    pg: Any
-    info: dict[str, Any]
-    health: base.RankHealth = dataclasses.field(default_factory=base.RankHealth)
 
 
 class RayExecutor(base.Executor):
@@ -174,7 +111,7 @@ class RayExecutor(base.Executor):
         self._group_dir = group_dir or tempfile.gettempdir()
         self._driver_node = ray.get_runtime_context().get_node_id()
         self._lock = threading.RLock()
-        self._ranks: dict[int, _Rank] = {}
+        self._ranks: dict[int, ray_actor.Rank] = {}
         self._active: list[int] = []
         self._graph: Any = None
         #: Ranks the step path runs over (the compiled graph's, or the remote calls'); None
@@ -213,61 +150,18 @@ class RayExecutor(base.Executor):
         with self._lock:
             return self._ranks[rank].actor
 
-    def _start_ranks(self, count: int, *, first_label: int) -> list[_Rank]:
-        """Placement groups, then actors; wait until all answer; sort; label from first_label."""
-        bundle: dict[str, float] = {RANK_RESOURCE: 1}
-        if self.use_gpu:
-            bundle["GPU"] = 1
-        pgs = [ray.util.placement_group([bundle], strategy="STRICT_PACK") for _ in range(count)]
-        actors: list[Any] = []
-        try:
-            try:
-                ray.get([pg.ready() for pg in pgs], timeout=self._ready_timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(
-                    f"{count} placement groups of {bundle} were not scheduled within "
-                    f"{self._ready_timeout}s: the cluster offers "
-                    f"{_free(RANK_RESOURCE)} free {RANK_RESOURCE}"
-                ) from None
-            device = "cuda" if self.use_gpu else "cpu"
-            for i, pg in enumerate(pgs):
-                strategy = ray_sched.PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=0
-                )
-                actors.append(
-                    _RemoteRankActor.options(
-                        scheduling_strategy=strategy,
-                        resources={RANK_RESOURCE: 1},
-                        num_gpus=1 if self.use_gpu else 0,
-                    ).remote(label=first_label + i, device=device, dtype=self._dtype)
-                )
-            infos = _get_all(
-                [a.ready.remote() for a in actors],
-                list(range(first_label, first_label + count)),
-                what="ready",
-                timeout=self._ready_timeout,
-            )
-        except BaseException:
-            for a in actors:
-                ray.kill(a)
-            for pg in pgs:
-                ray.util.remove_placement_group(pg)
-            raise
+    def _start_ranks(self, count: int, *, first_label: int) -> list[ray_actor.Rank]:
         with self._lock:
             existing = [r.info["node_id"] for r in self._ranks.values()]
-        order = base.order_ranks(infos, driver_node=self._driver_node, existing_nodes=existing)
-        started = []
-        for offset, i in enumerate(order):
-            label = first_label + offset
-            infos[i]["label"] = label
-            started.append(_Rank(label=label, actor=actors[i], pg=pgs[i], info=infos[i]))
-        ray.get([r.actor.execute_method.remote("set_label", r.label) for r in started])
-        log.info(
-            "started ranks %s on nodes %s",
-            [r.label for r in started],
-            [r.info["node_id"][:8] for r in started],
+        return ray_actor.start_ranks(
+            count,
+            first_label=first_label,
+            use_gpu=self.use_gpu,
+            dtype=self._dtype,
+            timeout=self._ready_timeout,
+            driver_node=self._driver_node,
+            existing_nodes=existing,
         )
-        return started
 
     # -- calls ---------------------------------------------------------------------------
     def collective_rpc(
@@ -289,9 +183,9 @@ class RayExecutor(base.Executor):
         for label, actor in zip(targets, actors, strict=True):
             call = actor.execute_method
             if background:
-                call = call.options(concurrency_group=CTL_LANE)
+                call = call.options(concurrency_group=ray_actor.CTL_LANE)
             refs.append(call.remote(method, *args, **kwargs, **base.extra_kwargs(per_rank, label)))
-        return _get_all(refs, targets, what=method, timeout=timeout)
+        return ray_actor.get_all(refs, targets, what=method, timeout=timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         with self._lock:
@@ -327,7 +221,7 @@ class RayExecutor(base.Executor):
             for r in bad:
                 if r in self._ranks:
                     state = health.get(r, base.HEALTH_DEAD)
-                    reason = f"step {step.step_id} failed: {_first_line(exc)}"
+                    reason = f"step {step.step_id} failed: {ray_actor.first_line(exc)}"
                     self._ranks[r].health.lose(state, reason, now)
         hung = [r for r in bad if health.get(r) == base.HEALTH_UNRESPONSIVE]
         if hung:
@@ -355,7 +249,7 @@ class RayExecutor(base.Executor):
         with self._lock:
             actors = [self._ranks[r].actor for r in ranks]
         refs = [a.execute_step.remote(step) for a in actors]
-        outs: list[step_mod.StepOutput] = _get_all(
+        outs: list[step_mod.StepOutput] = ray_actor.get_all(
             refs, list(ranks), what="execute_step", timeout=self._step_timeout
         )
         return outs
@@ -377,7 +271,7 @@ class RayExecutor(base.Executor):
             self._fail_compile = False
             raise base.ExecutorError(f"injected failure compiling the step graph over {ranks}")
         if self.step_mode == STEP_COMPILED:
-            graph = _compile_graph(actors, timeout=timeout or self._ready_timeout)
+            graph = ray_graph.compile_graph(actors, timeout=timeout or self._ready_timeout)
         with self._lock:
             self._graph, self._step_ranks = graph, ranks
             self._compiled_once = True
@@ -412,8 +306,9 @@ class RayExecutor(base.Executor):
         if self.step_mode == STEP_COMPILED:
             self._join_warm_up()
             self._warming = threading.Thread(
-                target=self._warm_up,
+                target=ray_graph.warm_up,
                 args=([r.actor for r in started],),
+                kwargs={"timeout": self._ready_timeout},
                 name="rank-warm-up",
                 daemon=True,
             )
@@ -428,30 +323,6 @@ class RayExecutor(base.Executor):
         warming, self._warming = self._warming, None
         if warming is not None:
             warming.join(timeout=self._ready_timeout if timeout is None else timeout)
-
-    def _warm_up(self, actors: Sequence[Any]) -> None:
-        """Compile, run once and tear down a throwaway graph over new actors.
-
-        An actor's first compiled graph costs seconds of one-time setup (measured here: a
-        switch onto 2 fresh actors compiled in 2.6-3.3 s, 0.17-0.21 s once they had been in a
-        graph before). Paying it now, while the old graph keeps serving on the other actors,
-        keeps it out of the Switching pause. It runs in a thread while the resize loads weights
-        and builds groups; `switch` waits for it. Best effort: a failure only costs that time
-        later.
-        """
-        started = time.monotonic()
-        try:
-            with ray.dag.InputNode() as inp:
-                dag = ray.dag.MultiOutputNode([a.echo.bind(inp) for a in actors])
-            graph = dag.experimental_compile()
-            try:
-                ray.get(graph.execute(0), timeout=self._ready_timeout)
-            finally:
-                graph.teardown()
-        except Exception:  # noqa: BLE001 - an optimisation; the switch compiles anyway
-            log.exception("warming up %d new actors failed; the switch will be slower", len(actors))
-            return
-        log.info("warmed up %d new actors in %.2fs", len(actors), time.monotonic() - started)
 
     def build_groups(
         self,
@@ -477,7 +348,9 @@ class RayExecutor(base.Executor):
                 )
             else:
                 host, port = ray.get(
-                    members[0].actor.free_port.options(concurrency_group=HEALTH_LANE).remote(),
+                    members[0]
+                    .actor.free_port.options(concurrency_group=ray_actor.HEALTH_LANE)
+                    .remote(),
                     timeout=30,
                 )
                 spec = group_mod.GroupSpec.tcp(host, port, len(ranks), epoch=epoch, backend=backend)
@@ -638,26 +511,7 @@ class RayExecutor(base.Executor):
     def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
         with self._lock:
             ranks = dict(self._ranks)
-        labels = sorted(ranks)
-        refs = [
-            ranks[r].actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
-            for r in labels
-        ]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        done = set(ready)
-        report: dict[int, str] = {}
-        for label, ref in zip(labels, refs, strict=True):
-            if ref not in done:
-                report[label] = "unresponsive"
-                continue
-            try:
-                ray.get(ref)
-                report[label] = "ok"
-            except ray.exceptions.RayActorError:
-                report[label] = "dead"
-            except ray.exceptions.RayError:
-                report[label] = "unresponsive"
-        return report
+        return ray_actor.check_health(ranks, timeout=timeout)
 
     def _health_members(self) -> dict[int, base.RankHealth]:
         with self._lock:
@@ -666,19 +520,10 @@ class RayExecutor(base.Executor):
     def _send_ping(self, label: int) -> Any:
         with self._lock:
             actor = self._ranks[label].actor
-        return actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
+        return ray_actor.ping(actor)
 
     def _poll_ping(self, handle: Any) -> str | None:
-        ready, _ = ray.wait([handle], timeout=0)
-        if not ready:
-            return None
-        try:
-            ray.get(handle)
-        except ray.exceptions.RayActorError:
-            return base.HEALTH_DEAD
-        except ray.exceptions.RayError:
-            return base.HEALTH_OK  # it answered (with an error): alive
-        return base.HEALTH_OK
+        return ray_actor.poll(handle)
 
     def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
         now = time.monotonic()
@@ -697,7 +542,7 @@ class RayExecutor(base.Executor):
             ray.kill(r.actor, no_restart=True)
 
     def free_rank_slots(self) -> int | None:
-        return int(_free(RANK_RESOURCE))
+        return int(ray_actor.free_resource(ray_actor.RANK_RESOURCE))
 
     def shutdown(self) -> None:
         self.stop_heartbeat()
@@ -714,70 +559,3 @@ class RayExecutor(base.Executor):
             ray.kill(r.actor)
             ray.util.remove_placement_group(r.pg)
         self._close_async_pool()
-
-
-def _get_all(
-    refs: Sequence[Any], ranks: Sequence[int], *, what: str, timeout: float | None
-) -> list[Any]:
-    """ray.get every ref; errors name the rank (RankDied for a dead actor)."""
-    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-    if pending:
-        late = [r for r, ref in zip(ranks, refs, strict=True) if ref not in set(ready)]
-        raise TimeoutError(f"{what}: ranks {late} did not answer within {timeout}s")
-    results = []
-    for rank, ref in zip(ranks, refs, strict=True):
-        try:
-            results.append(ray.get(ref))
-        except ray.exceptions.RayActorError as exc:
-            raise base.RankDied(f"{what}: rank {rank} died: {exc}", ranks=[rank]) from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise base.ExecutorError(
-                f"{what} failed on rank {rank}: {exc.cause!r}", ranks=[rank]
-            ) from exc
-    return results
-
-
-def _first_line(exc: BaseException, limit: int = 160) -> str:
-    """A short description of exc (Ray's messages run to many lines)."""
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _compile_graph(actors: Sequence[Any], *, timeout: float) -> Any:
-    """The step graph over `actors`, compiled within `timeout` seconds (TimeoutError past it;
-    a compile that completes later is torn down by its thread, so it never stays live)."""
-    lock = threading.Lock()
-    box: dict[str, Any] = {}
-
-    def build() -> None:
-        try:
-            with ray.dag.InputNode() as inp:
-                dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
-            graph = dag.experimental_compile()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            with lock:
-                box["error"] = exc
-            return
-        with lock:
-            late = box.get("abandoned", False)
-            if not late:
-                box["graph"] = graph
-        if late:
-            log.warning("a step graph compiled after its deadline: tearing it down")
-            graph.teardown()
-
-    thread = threading.Thread(target=build, name="step-graph-compile", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    with lock:
-        if "graph" in box:
-            return box["graph"]
-        if "error" in box:
-            raise box["error"]
-        box["abandoned"] = True
-    raise TimeoutError(f"compiling the step graph over {len(actors)} ranks took over {timeout}s")
-
-
-def _free(resource: str) -> float:
-    free: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
-    return free.get(resource, 0.0)

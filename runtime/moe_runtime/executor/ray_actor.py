@@ -1,0 +1,217 @@
+"""The rank actor of `RayExecutor` and the plain Ray calls around it.
+
+- `RankActor`: the actor body, a `RankWorker` plus what only Ray knows (node id, address), with
+  three concurrency lanes: the default one (the compiled step graph's loop and plain control
+  calls made while no step runs), `CTL_LANE` (one thread: background control calls that overlap
+  steps) and `HEALTH_LANE` (pings, never queued behind a transfer);
+- `Rank`: one DP rank as the executor keeps it (actor, placement group, info, health);
+- `start_ranks`, `check_health`, `ping` / `poll` (the heartbeat's calls), `get_all` (results
+  with errors naming the rank: `RankDied` for a dead actor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import ray.exceptions
+import ray.util
+import ray.util.scheduling_strategies as ray_sched
+
+from moe_runtime import step as step_mod
+from moe_runtime import worker as worker_mod
+from moe_runtime.executor import base
+
+log = logging.getLogger(__name__)
+
+RANK_RESOURCE = "moe_rank"
+CTL_LANE = "ctl"
+HEALTH_LANE = "health"
+
+
+class RankActor:
+    """The actor body: a RankWorker plus what only Ray knows (node id and address)."""
+
+    def __init__(self, *, label: int, device: str, dtype: str) -> None:
+        self.worker = worker_mod.RankWorker(
+            device=device, dtype=dtype, torch_threads=1, label=label
+        )
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+
+    def ready(self) -> dict[str, Any]:
+        info = self.worker.info()
+        info.update(node_id=self.node_id, ip=self.node_ip)
+        return info
+
+    def free_port(self) -> tuple[str, int]:
+        return self.worker.free_port(self.node_ip)
+
+    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        return self.worker.execute_step(step)
+
+    def echo(self, value: Any) -> Any:
+        """Does nothing: the method of the throwaway graph that warms a new actor up."""
+        return value
+
+
+RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
+)(RankActor)
+
+
+@dataclasses.dataclass
+class Rank:
+    """One DP rank: its actor, its placement group, what it said when it started, its health."""
+
+    label: int
+    actor: Any
+    pg: Any
+    info: dict[str, Any]
+    health: base.RankHealth = dataclasses.field(default_factory=base.RankHealth)
+
+
+def start_ranks(
+    count: int,
+    *,
+    first_label: int,
+    use_gpu: bool,
+    dtype: str,
+    timeout: float,
+    driver_node: str,
+    existing_nodes: Sequence[str],
+) -> list[Rank]:
+    """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
+    the nodes of existing ranks counted); label from first_label."""
+    bundle: dict[str, float] = {RANK_RESOURCE: 1}
+    if use_gpu:
+        bundle["GPU"] = 1
+    pgs = [ray.util.placement_group([bundle], strategy="STRICT_PACK") for _ in range(count)]
+    actors: list[Any] = []
+    try:
+        try:
+            ray.get([pg.ready() for pg in pgs], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"{count} placement groups of {bundle} were not scheduled within "
+                f"{timeout}s: the cluster offers "
+                f"{free_resource(RANK_RESOURCE)} free {RANK_RESOURCE}"
+            ) from None
+        device = "cuda" if use_gpu else "cpu"
+        for i, pg in enumerate(pgs):
+            strategy = ray_sched.PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0
+            )
+            actors.append(
+                RemoteRankActor.options(
+                    scheduling_strategy=strategy,
+                    resources={RANK_RESOURCE: 1},
+                    num_gpus=1 if use_gpu else 0,
+                ).remote(label=first_label + i, device=device, dtype=dtype)
+            )
+        infos = get_all(
+            [a.ready.remote() for a in actors],
+            list(range(first_label, first_label + count)),
+            what="ready",
+            timeout=timeout,
+        )
+    except BaseException:
+        for a in actors:
+            ray.kill(a)
+        for pg in pgs:
+            ray.util.remove_placement_group(pg)
+        raise
+    order = base.order_ranks(infos, driver_node=driver_node, existing_nodes=existing_nodes)
+    started = []
+    for offset, i in enumerate(order):
+        label = first_label + offset
+        infos[i]["label"] = label
+        started.append(Rank(label=label, actor=actors[i], pg=pgs[i], info=infos[i]))
+    ray.get([r.actor.execute_method.remote("set_label", r.label) for r in started])
+    log.info(
+        "started ranks %s on nodes %s",
+        [r.label for r in started],
+        [r.info["node_id"][:8] for r in started],
+    )
+    return started
+
+
+def check_health(ranks: Mapping[int, Rank], *, timeout: float) -> dict[int, str]:
+    """Ping every rank now and wait up to `timeout`: "ok", "dead" or "unresponsive" by label."""
+    labels = sorted(ranks)
+    refs = [
+        ranks[r].actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
+        for r in labels
+    ]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    done = set(ready)
+    report: dict[int, str] = {}
+    for label, ref in zip(labels, refs, strict=True):
+        if ref not in done:
+            report[label] = "unresponsive"
+            continue
+        try:
+            ray.get(ref)
+            report[label] = "ok"
+        except ray.exceptions.RayActorError:
+            report[label] = "dead"
+        except ray.exceptions.RayError:
+            report[label] = "unresponsive"
+    return report
+
+
+def ping(actor: Any) -> Any:
+    """Start a ping of `actor` on its health lane; the ref goes to `poll`."""
+    return actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
+
+
+def poll(ref: Any) -> str | None:
+    """None while the ping is pending, else base.HEALTH_OK or base.HEALTH_DEAD."""
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return None
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayActorError:
+        return base.HEALTH_DEAD
+    except ray.exceptions.RayError:
+        return base.HEALTH_OK  # it answered (with an error): alive
+    return base.HEALTH_OK
+
+
+def get_all(
+    refs: Sequence[Any], ranks: Sequence[int], *, what: str, timeout: float | None
+) -> list[Any]:
+    """ray.get every ref; errors name the rank (RankDied for a dead actor)."""
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    if pending:
+        late = [r for r, ref in zip(ranks, refs, strict=True) if ref not in set(ready)]
+        raise TimeoutError(f"{what}: ranks {late} did not answer within {timeout}s")
+    results = []
+    for rank, ref in zip(ranks, refs, strict=True):
+        try:
+            results.append(ray.get(ref))
+        except ray.exceptions.RayActorError as exc:
+            raise base.RankDied(f"{what}: rank {rank} died: {exc}", ranks=[rank]) from exc
+        except ray.exceptions.RayTaskError as exc:
+            raise base.ExecutorError(
+                f"{what} failed on rank {rank}: {exc.cause!r}", ranks=[rank]
+            ) from exc
+    return results
+
+
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """A short description of exc (Ray's messages run to many lines)."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def free_resource(resource: str) -> float:
+    free: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
+    return free.get(resource, 0.0)
