@@ -86,3 +86,33 @@ def port_forward(node: kube.Kubectl, namespace: str) -> Iterator[kube.PortForwar
     forward = kube.PortForward(node, namespace=namespace, target=f"svc/{name}-api", port=8000)
     yield forward
     forward.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call":
+        item.stash[_FAILED] = report.failed
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def _diagnose_failures(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a failed test of this tier: what the cluster looked like (objects, the last
+    lines of the operator's and the head's logs), so a CI failure can be read."""
+    yield
+    if not request.node.stash.get(_FAILED, False) or "node" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("node")
+    sections = [
+        ("objects", ["get", "moed,raycluster,pods,events", "-n", NAMESPACE, "-o", "wide"]),
+        ("operator log", ["logs", "-n", config.OPERATOR_NAMESPACE, "deploy/moe-operator",
+                          "--tail=40"]),
+        ("head log", ["logs", "-n", NAMESPACE, "-l", "ray.io/node-type=head", "--tail=60"]),
+    ]  # fmt: skip
+    for title, args in sections:
+        done = cluster.kubectl(*args, check=False)
+        print(f"\n----- {title} -----\n{done.stdout}{done.stderr}")
