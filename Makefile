@@ -100,6 +100,9 @@ bench: setup controlplane
 	$(PY) bench/serve.py
 	$(PY) bench/resize.py
 	$(PY) bench/operator.py
+	$(PY) bench/eplb.py
+	$(PY) bench/engine.py
+	$(PY) bench/step.py
 
 clean: cluster-down
 	rm -rf .cluster .pytest_cache .mypy_cache .ruff_cache
