@@ -23,7 +23,7 @@ from moe_operator import runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import builders, clock, diff, observe, resize
+from moe_operator.plan import actions, builders, clock, decide, diff, observe, resize
 from moe_operator.plan import status as plan_status
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
@@ -168,22 +168,22 @@ async def scale_runtime(
     token: str | None,
     new_size: int,
     factory: RuntimeFactory,
-) -> resize.ScaleOutcome:
+) -> actions.ScaleOutcome:
     """``POST /scale_elastic_ep`` (no wait), its answer as the planner sees it."""
     async with factory(url, token) as client:
         try:
             accepted = await client.scale(new_size)
         except runtime_client.ResizeConflict as error:
-            return resize.ScaleDeferred(f"the runtime is busy (409): {error.message}")
+            return actions.ScaleDeferred(f"the runtime is busy (409): {error.message}")
         except runtime_client.RuntimeApiError as error:
             if error.status in (400, 422):
-                return resize.ScaleRefused(error.message)
-            return resize.ScaleDeferred(f"HTTP {error.status}: {error.message}")
+                return actions.ScaleRefused(error.message)
+            return actions.ScaleDeferred(f"HTTP {error.status}: {error.message}")
         except (httpx.HTTPError, ValueError) as error:
-            return resize.ScaleDeferred(f"the runtime did not answer: {error!r}")
+            return actions.ScaleDeferred(f"the runtime did not answer: {error!r}")
     if not accepted.resize_id:
-        return resize.ScaleDeferred("the runtime's answer has no resize_id")
-    return resize.ScaleAccepted(resize_id=accepted.resize_id, stage=accepted.stage)
+        return actions.ScaleDeferred("the runtime's answer has no resize_id")
+    return actions.ScaleAccepted(resize_id=accepted.resize_id, stage=accepted.stage)
 
 
 async def _apply_unless_current(
@@ -196,7 +196,7 @@ async def _apply_unless_current(
 
 
 async def _execute(
-    action: resize.Action,
+    action: actions.Action,
     *,
     api: k8s_api.Api,
     owner: builders.Owner,
@@ -204,10 +204,10 @@ async def _execute(
     children: Children,
 ) -> k8s_api.ApplyResult | None:
     """Run one child action (``ScaleRuntime`` is run by :func:`reconcile` itself)."""
-    if isinstance(action, resize.EnsureSecret):
+    if isinstance(action, actions.EnsureSecret):
         token = secrets.token_urlsafe(32)
         return await api.create(builders.build_secret(owner=owner, token=token))
-    if isinstance(action, resize.ApplyRayCluster):
+    if isinstance(action, actions.ApplyRayCluster):
         desired = builders.build_raycluster(
             owner=owner,
             spec=spec,
@@ -216,7 +216,7 @@ async def _execute(
             head_size=action.head_size,
         )
         return await _apply_unless_current(api, desired, children.raycluster)
-    if isinstance(action, resize.ApplyService):
+    if isinstance(action, actions.ApplyService):
         return await _apply_unless_current(
             api, builders.build_service(owner=owner), children.service
         )
@@ -262,22 +262,22 @@ async def reconcile(
             url=url, token=children.admin_token(), factory=runtime_factory, logger=logger
         )
         observed = dataclasses.replace(observed, runtime=runtime)
-    actions = resize.plan_resize(spec, current, observed)
+    steps = resize.plan_resize(spec, current, observed)
     created: list[str] = []
-    phase: resize.SetPhase | None = None
-    planned: status_.ResizeStatus | None | resize.Keep = resize.KEEP
-    outcome: resize.ScaleOutcome | None = None
+    phase: actions.SetPhase | None = None
+    planned: status_.ResizeStatus | None | actions.Keep = actions.KEEP
+    outcome: actions.ScaleOutcome | None = None
     requeue: float | None = None
-    for action in actions:
-        if isinstance(action, resize.SetPhase):
+    for action in steps:
+        if isinstance(action, actions.SetPhase):
             phase = action
-        elif isinstance(action, resize.SetResize):
+        elif isinstance(action, actions.SetResize):
             planned = action.resize
-        elif isinstance(action, resize.Event):
+        elif isinstance(action, actions.Event):
             events(action.reason, action.message)
-        elif isinstance(action, resize.Requeue):
+        elif isinstance(action, actions.Requeue):
             requeue = action.seconds
-        elif isinstance(action, resize.ScaleRuntime):
+        elif isinstance(action, actions.ScaleRuntime):
             outcome = await scale_runtime(
                 url=url,
                 token=children.admin_token(),
@@ -287,7 +287,7 @@ async def reconcile(
             logger.info("%s: asked the runtime for size %d: %s", where, action.new_size, outcome)
         else:
             result = await _execute(action, api=api, owner=owner, spec=spec, children=children)
-            if isinstance(action, resize.ApplyRayCluster) and result is not None:
+            if isinstance(action, actions.ApplyRayCluster) and result is not None:
                 logger.info(
                     "%s: applied RayCluster: worker replicas %d, workersToDelete %s",
                     where,
@@ -300,13 +300,13 @@ async def reconcile(
                 logger.info("created %s %s/%s", kind, owner.namespace, name)
                 events("Created", f"Created {kind} {name}")
     if phase is None:  # plan_resize always ends with one; keep the status honest regardless
-        phase = resize.SetPhase(current.phase or status_.Phase.PENDING, "Unknown", "")
+        phase = actions.SetPhase(current.phase or status_.Phase.PENDING, "Unknown", "")
     if outcome is not None and isinstance(planned, status_.ResizeStatus):
         planned, more = resize.after_scale(planned, outcome, now=moment)
         for event in more:
             events(event.reason, event.message)
         phase = resize.phase_after_scale(planned, phase)
-        requeue = resize.REQUEUE_SECONDS
+        requeue = decide.REQUEUE_SECONDS
     new = plan_status.next_status(
         name=owner.name,
         namespace=owner.namespace,

@@ -8,7 +8,7 @@ import pytest
 
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import diff, observe, resize
+from moe_operator.plan import actions, diff, observe, resize
 from moe_operator.plan import status as plan_status
 
 SPEC = spec_.MoEDeploymentSpec.model_validate(
@@ -25,27 +25,27 @@ def ray(*, ready: int, head: bool = True, replicas: int = 2) -> observe.RayClust
     )
 
 
-def phase_of(actions: list[resize.Action]) -> resize.SetPhase:
-    last = actions[-1]
-    assert isinstance(last, resize.SetPhase)
+def phase_of(steps: list[actions.Action]) -> actions.SetPhase:
+    last = steps[-1]
+    assert isinstance(last, actions.SetPhase)
     return last
 
 
 def test_first_reconcile_creates_every_child() -> None:
-    actions = resize.plan_resize(SPEC, EMPTY, observe.Observed())
-    assert actions[:3] == [
-        resize.EnsureSecret(),
-        resize.ApplyRayCluster(worker_replicas=2),
-        resize.ApplyService(),
+    steps = resize.plan_resize(SPEC, EMPTY, observe.Observed())
+    assert steps[:3] == [
+        actions.EnsureSecret(),
+        actions.ApplyRayCluster(worker_replicas=2),
+        actions.ApplyService(),
     ]
-    assert phase_of(actions).phase == status_.Phase.PROVISIONING
+    assert phase_of(steps).phase == status_.Phase.PROVISIONING
 
 
 def test_an_existing_secret_is_never_recreated() -> None:
-    actions = resize.plan_resize(
+    steps = resize.plan_resize(
         SPEC, EMPTY, observe.Observed(raycluster=ray(ready=0), secret_exists=True)
     )
-    assert not any(isinstance(a, resize.EnsureSecret) for a in actions)
+    assert not any(isinstance(a, actions.EnsureSecret) for a in steps)
 
 
 @pytest.mark.parametrize(
@@ -72,8 +72,8 @@ def test_phase_follows_the_raycluster(
 
 def test_a_new_target_resizes_the_worker_group() -> None:
     spec = SPEC.model_copy(update={"data_parallel_size": 3})
-    actions = resize.plan_resize(spec, EMPTY, observe.Observed(raycluster=ray(ready=2)))
-    assert resize.ApplyRayCluster(worker_replicas=3) in actions
+    steps = resize.plan_resize(spec, EMPTY, observe.Observed(raycluster=ray(ready=2)))
+    assert actions.ApplyRayCluster(worker_replicas=3) in steps
 
 
 def status_after(

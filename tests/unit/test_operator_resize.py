@@ -10,7 +10,7 @@ import pytest
 
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import observe, resize
+from moe_operator.plan import actions, observe, resize
 from moe_operator.plan import status as plan_status
 
 Stage = status_.Stage
@@ -131,7 +131,7 @@ def active(
 
 @dataclasses.dataclass
 class Plan:
-    actions: list[resize.Action]
+    actions: list[actions.Action]
 
     def one(self, kind: type[Any]) -> Any:
         found = [a for a in self.actions if isinstance(a, kind)]
@@ -139,35 +139,35 @@ class Plan:
         return found[0]
 
     @property
-    def raycluster(self) -> resize.ApplyRayCluster:
-        result: resize.ApplyRayCluster = self.one(resize.ApplyRayCluster)
+    def raycluster(self) -> actions.ApplyRayCluster:
+        result: actions.ApplyRayCluster = self.one(actions.ApplyRayCluster)
         return result
 
     @property
     def resize(self) -> status_.ResizeStatus:
-        r = self.one(resize.SetResize).resize
+        r = self.one(actions.SetResize).resize
         assert r is not None
         return r  # type: ignore[no-any-return]
 
     @property
     def scale(self) -> int | None:
-        found = [a.new_size for a in self.actions if isinstance(a, resize.ScaleRuntime)]
+        found = [a.new_size for a in self.actions if isinstance(a, actions.ScaleRuntime)]
         assert len(found) <= 1
         return found[0] if found else None
 
     @property
-    def phase(self) -> resize.SetPhase:
+    def phase(self) -> actions.SetPhase:
         last = self.actions[-1]
-        assert isinstance(last, resize.SetPhase)
+        assert isinstance(last, actions.SetPhase)
         return last
 
     @property
     def events(self) -> list[str]:
-        return [a.reason for a in self.actions if isinstance(a, resize.Event)]
+        return [a.reason for a in self.actions if isinstance(a, actions.Event)]
 
     @property
     def requeue(self) -> bool:
-        return any(isinstance(a, resize.Requeue) for a in self.actions)
+        return any(isinstance(a, actions.Requeue) for a in self.actions)
 
 
 def plan(
@@ -179,7 +179,7 @@ def plan(
 # -- scale up ------------------------------------------------------------------------------------
 def test_up_starts_by_provisioning_workers() -> None:
     p = plan(4, serving(2), observed(raycluster=ray(2), rt=runtime(2)))
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=4)
+    assert p.raycluster == actions.ApplyRayCluster(worker_replicas=4)
     assert p.scale is None
     assert (p.resize.from_size, p.resize.to_size, p.resize.stage) == (2, 4, Stage.PROVISIONING)
     assert (p.resize.generation, p.resize.resize_id) == (1, None)
@@ -240,7 +240,7 @@ def test_up_completes_when_the_runtime_record_does() -> None:
         observed(raycluster=ray(4), rt=runtime(4, rec)),
     )
     assert p.resize.stage is Stage.COMPLETED and p.resize.finished_at
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=4)
+    assert p.raycluster == actions.ApplyRayCluster(worker_replicas=4)
     assert p.events == ["Completed"]
     assert (p.phase.phase, p.phase.ready) == (Phase.SERVING, True)
     assert not p.requeue
@@ -250,7 +250,7 @@ def test_up_completes_when_the_runtime_record_does() -> None:
 def test_down_asks_the_runtime_first_and_keeps_the_workers() -> None:
     p = plan(2, serving(4), observed(raycluster=ray(4), rt=runtime(4)))
     assert p.scale == 2
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=4)
+    assert p.raycluster == actions.ApplyRayCluster(worker_replicas=4)
     assert (p.resize.from_size, p.resize.to_size, p.resize.stage) == (4, 2, Stage.RESHUFFLING)
 
 
@@ -262,7 +262,7 @@ def test_down_completes_by_deleting_exactly_the_freed_pods() -> None:
         serving(4, active(4, 2, Stage.RELEASING, rid="r1")),
         observed(raycluster=ray(4), rt=runtime(2, rec)),
     )
-    assert p.raycluster == resize.ApplyRayCluster(
+    assert p.raycluster == actions.ApplyRayCluster(
         worker_replicas=2, workers_to_delete=tuple(sorted(freed))
     )
     assert p.resize.stage is Stage.COMPLETED
@@ -288,7 +288,7 @@ def test_workers_to_delete_keeps_a_name_exactly_while_its_pod_exists(
         leaving_pods=leaving,
     )
     p = plan(2, serving(2), obs)
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=2, workers_to_delete=kept)
+    assert p.raycluster == actions.ApplyRayCluster(worker_replicas=2, workers_to_delete=kept)
 
 
 # -- restarts ------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ def test_a_target_back_to_the_serving_size_while_provisioning_ends_the_resize() 
     )
     assert p.resize.stage is Stage.COMPLETED
     assert p.scale is None
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=2, workers_to_delete=PODS[2:])
+    assert p.raycluster == actions.ApplyRayCluster(worker_replicas=2, workers_to_delete=PODS[2:])
 
 
 def test_a_down_target_while_provisioning_turns_into_a_scale_down() -> None:
@@ -385,12 +385,12 @@ def test_a_down_target_while_provisioning_turns_into_a_scale_down() -> None:
 def test_a_refusal_fails_the_resize_with_the_runtime_message() -> None:
     r = active(2, 1, Stage.RESHUFFLING)
     failed, events = resize.after_scale(
-        r, resize.ScaleRefused("too small to hold every expert"), now=LATER
+        r, actions.ScaleRefused("too small to hold every expert"), now=LATER
     )
     assert failed.stage is Stage.FAILED
     assert failed.message is not None and "too small to hold every expert" in failed.message
     assert [e.reason for e in events] == ["Failed"]
-    phase = resize.phase_after_scale(failed, resize.SetPhase(Phase.RESIZING, "x", "y"))
+    phase = resize.phase_after_scale(failed, actions.SetPhase(Phase.RESIZING, "x", "y"))
     assert (phase.phase, phase.reason, phase.ready) == (Phase.DEGRADED, "ResizeFailed", True)
 
 
@@ -415,7 +415,7 @@ def test_a_failed_target_is_retried_only_for_a_new_generation(
 def test_a_failed_scale_up_gives_back_the_workers_that_do_not_serve() -> None:
     failed = active(2, 4, Stage.FAILED, message="boom")
     p = plan(4, serving(2, failed), observed(raycluster=ray(4), rt=runtime(2), pods=PODS))
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=2, workers_to_delete=PODS[2:])
+    assert p.raycluster == actions.ApplyRayCluster(worker_replicas=2, workers_to_delete=PODS[2:])
     assert p.scale is None
 
 
@@ -430,7 +430,7 @@ def test_a_failed_runtime_record_fails_the_resize() -> None:
     assert p.resize.message == rec.message
     assert p.events == ["Failed"]
     assert p.phase.phase is Phase.DEGRADED
-    assert p.raycluster == resize.ApplyRayCluster(worker_replicas=2, workers_to_delete=PODS[2:])
+    assert p.raycluster == actions.ApplyRayCluster(worker_replicas=2, workers_to_delete=PODS[2:])
 
 
 @pytest.mark.parametrize(
@@ -490,7 +490,7 @@ def test_first_provisioning_follows_the_spec_without_a_resize() -> None:
         observed(raycluster=ray(2, 1), rt=None),
     )
     assert p.raycluster.worker_replicas == 3
-    assert p.one(resize.SetResize).resize is None and p.scale is None
+    assert p.one(actions.SetResize).resize is None and p.scale is None
 
 
 def test_a_runtime_first_seen_at_another_size_is_resized() -> None:
@@ -505,7 +505,7 @@ def test_a_runtime_first_seen_at_another_size_is_resized() -> None:
 # -- folding the runtime's answer ----------------------------------------------------------------
 def test_an_accepted_scale_records_the_resize_id_and_the_provisioning_time() -> None:
     r = active(2, 4, Stage.PROVISIONING)
-    got, events = resize.after_scale(r, resize.ScaleAccepted("abc", "Standby"), now=LATER)
+    got, events = resize.after_scale(r, actions.ScaleAccepted("abc", "Standby"), now=LATER)
     assert (got.resize_id, got.stage) == ("abc", Stage.STANDBY)
     assert got.stage_durations == {"Provisioning": 30.0}
     assert [e.reason for e in events] == ["Standby"]
@@ -513,7 +513,7 @@ def test_an_accepted_scale_records_the_resize_id_and_the_provisioning_time() -> 
 
 def test_a_deferred_scale_keeps_the_stage_and_asks_again_later() -> None:
     r = active(4, 2, Stage.RESHUFFLING)
-    got, events = resize.after_scale(r, resize.ScaleDeferred("busy"), now=LATER)
+    got, events = resize.after_scale(r, actions.ScaleDeferred("busy"), now=LATER)
     assert (got.stage, got.resize_id, events) == (Stage.RESHUFFLING, None, [])
 
 
@@ -597,6 +597,6 @@ def test_a_shrink_after_a_failure_never_leaves_kuberay_to_pick_pods(
     rt = dataclasses.replace(runtime(2), active_pods=active_pods)
     obs = dataclasses.replace(observed(raycluster=ray(4), rt=rt), worker_pods=pods)
     p = plan(4, serving(2, failed), obs)
-    assert p.raycluster == resize.ApplyRayCluster(
+    assert p.raycluster == actions.ApplyRayCluster(
         worker_replicas=replicas, workers_to_delete=delete
     )

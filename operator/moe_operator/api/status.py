@@ -4,7 +4,7 @@ phases, resize stages (DESIGN §3), condition types and condition reasons."""
 from __future__ import annotations
 
 import enum
-from typing import Final
+from typing import Final, Literal
 
 import pydantic
 
@@ -32,6 +32,8 @@ class Stage(str, enum.Enum):
     RESHUFFLING = "Reshuffling"
     MIGRATING = "Migrating"
     RELEASING = "Releasing"
+    #: A rank died or hung: the runtime shrinks around it by itself (DESIGN §3, Recovery).
+    RECOVERING = "Recovering"
     COMPLETED = "Completed"
     FAILED = "Failed"
 
@@ -62,8 +64,23 @@ REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_SERVING: Final = "Serving"
 REASON_RUNTIME_BUSY: Final = "RuntimeBusy"
 REASON_RESIZE_COMPLETED: Final = "ResizeCompleted"
+REASON_RANK_LOST: Final = "RankLost"
+REASON_RANK_UNHEALTHY: Final = "RankUnhealthy"
+REASON_RECOVERING: Final = "Recovering"
+REASON_RUNTIME_RESTARTED: Final = "RuntimeRestarted"
 #: Event reasons that are warnings (the others are Normal).
-WARNING_REASONS: Final = frozenset({"Failed", REASON_RESIZE_FAILED})
+WARNING_REASONS: Final = frozenset(
+    {
+        "Failed",
+        REASON_RESIZE_FAILED,
+        REASON_RANK_LOST,
+        REASON_RANK_UNHEALTHY,
+        REASON_RUNTIME_RESTARTED,
+    }
+)
+#: ``ResizeStatus.kind``: asked for (a spec change), or the runtime's own recovery.
+KIND_RESIZE: Final = "resize"
+KIND_RECOVERY: Final = "recovery"
 
 DATE_TIME: Final[dict[str, pydantic.JsonValue]] = {"format": "date-time"}
 
@@ -109,6 +126,16 @@ class ResizeStatus(spec_.ApiModel):
         default=None,
         description="Worker pods a scale-down released (RayCluster workersToDelete).",
     )
+    kind: Literal["resize", "recovery"] | None = pydantic.Field(
+        default=None,
+        description="recovery: the runtime shrank around ranks it lost, by itself (no pod is "
+        "released for it); otherwise a resize to the spec's size.",
+    )
+    retry: bool | None = pydantic.Field(
+        default=None,
+        description="A Failed resize that is tried again without a spec change (the runtime "
+        "restarted under it).",
+    )
 
     @property
     def active(self) -> bool:
@@ -135,6 +162,12 @@ class MoEDeploymentStatus(spec_.ApiModel):
     resize: ResizeStatus | None = None
     experts: ExpertsStatus | None = None
     endpoint: str | None = None
+    head_restarts: int | None = pydantic.Field(
+        default=None,
+        ge=0,
+        description="Restarts of the head pod's containers seen so far (each takes the "
+        "runtime and Ray's GCS down; the operator brings the deployment back to its size).",
+    )
     conditions: list[Condition] | None = pydantic.Field(
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},

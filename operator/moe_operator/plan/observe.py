@@ -11,6 +11,9 @@ from moe_operator.api import group
 #: KubeRay's pod labels.
 CLUSTER_LABEL: Final = "ray.io/cluster"
 NODE_TYPE_LABEL: Final = "ray.io/node-type"
+#: Kinds of the runtime's resize records.
+KIND_RESIZE: Final = "resize"
+KIND_RECOVERY: Final = "recovery"
 #: Runtime stages after which a resize record no longer changes.
 RUNTIME_DONE: Final = frozenset({"Completed", "Failed", "Idle"})
 
@@ -47,6 +50,16 @@ class PodsObservation:
     leaving: tuple[str, ...] = ()
     #: A head pod is Running, Ready and not terminating (``None``: no head pod listed).
     head_ready: bool | None = None
+    #: Restarts of the head pod's containers (a restart takes the runtime and Ray's GCS).
+    head_restarts: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LostRank:
+    """A rank the runtime found dead or hung (and fenced)."""
+
+    pod: str | None
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +77,20 @@ class RuntimeResize:
     stages: tuple[tuple[str, float | None], ...] = ()
     #: Worker pods the runtime released (a scale-down's ``freed`` entries).
     freed_pods: tuple[str, ...] = ()
+    #: ``resize`` (asked for) or ``recovery`` (the runtime shrank around lost ranks by itself).
+    kind: str = KIND_RESIZE
+    #: Of a recovery: the lost ranks' pods and what happened to them, and its figures.
+    lost: tuple[LostRank, ...] = ()
+    recovery_s: float | None = None
+    requests_rerun: int = 0
 
     @property
     def done(self) -> bool:
         return self.stage in RUNTIME_DONE
+
+    @property
+    def is_recovery(self) -> bool:
+        return self.kind == KIND_RECOVERY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +106,13 @@ class RuntimeObservation:
     history: tuple[RuntimeResize, ...] = ()
     #: Pods of the ranks that serve (``None`` when a rank does not say which pod it is on).
     active_pods: tuple[str, ...] | None = None
+    #: Ranks lost since the runtime last served at its full size (listed until it is back).
+    lost: tuple[LostRank, ...] = ()
+    #: Serving ranks whose heartbeat is late (suspected hung, not yet fenced): pod -> state.
+    unhealthy: tuple[LostRank, ...] = ()
+    #: Whether the runtime has a step path (``GET /ready``), and why not.
+    ready: bool | None = None
+    ready_reason: str | None = None
 
     @property
     def running(self) -> RuntimeResize | None:
@@ -184,12 +214,16 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
     """The RayCluster's pods (head and workers, by KubeRay's ``ray.io/node-type`` label)."""
     workers, ready, leaving = [], [], []
     head_ready: bool | None = None
+    head_restarts: int | None = None
     for pod in listed:
         meta = pod.get("metadata") or {}
         kind = (meta.get("labels") or {}).get(NODE_TYPE_LABEL)
         if kind == "head":
             now = _ready(pod) and not _leaving(pod)
             head_ready = now or bool(head_ready)
+            if not _leaving(pod):
+                statuses = (pod.get("status") or {}).get("containerStatuses") or []
+                head_restarts = sum(int(c.get("restartCount") or 0) for c in statuses)
         elif kind == "worker":
             name = str(meta["name"])
             if _leaving(pod):
@@ -203,6 +237,7 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
         ready_workers=tuple(sorted(ready)),
         leaving=tuple(sorted(leaving)),
         head_ready=head_ready,
+        head_restarts=head_restarts,
     )
 
 
@@ -220,6 +255,13 @@ def runtime_resize(record: dict[str, Any]) -> RuntimeResize:
     freed = tuple(
         str(f["pod"]) for f in record.get("freed") or [] if isinstance(f, dict) and f.get("pod")
     )
+    raw_recovery = record.get("recovery")
+    recovery: dict[str, Any] = raw_recovery if isinstance(raw_recovery, dict) else {}
+    lost = tuple(
+        LostRank(pod=str(r["pod"]) if r.get("pod") else None, reason=str(r.get("reason") or "lost"))
+        for r in recovery.get("ranks_lost") or []
+        if isinstance(r, dict)
+    )
     return RuntimeResize(
         resize_id=str(record["resize_id"]),
         from_size=int(record["from"]),
@@ -230,7 +272,25 @@ def runtime_resize(record: dict[str, Any]) -> RuntimeResize:
         stage_started_at=_float(record.get("stage_started_at")),
         stages=stages,
         freed_pods=freed,
+        kind=str(record.get("kind") or KIND_RESIZE),
+        lost=lost,
+        recovery_s=_float(recovery.get("recovery_s")),
+        requests_rerun=int(recovery.get("requests_rerun") or 0),
     )
+
+
+def _lost_and_unhealthy(ranks: Any) -> tuple[tuple[LostRank, ...], tuple[LostRank, ...]]:
+    lost: list[LostRank] = []
+    unhealthy: list[LostRank] = []
+    for rank in ranks or ():
+        if not isinstance(rank, dict) or rank.get("healthy", True):
+            continue
+        entry = LostRank(
+            pod=str(rank["pod"]) if rank.get("pod") else None,
+            reason=str(rank.get("state") or "unhealthy"),
+        )
+        (unhealthy if rank.get("active", True) else lost).append(entry)
+    return tuple(lost), tuple(unhealthy)
 
 
 def _active_pods(ranks: Any) -> tuple[str, ...] | None:
@@ -254,6 +314,8 @@ def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
         return None
     eplb = payload.get("eplb") or {}
     last = payload.get("resize")
+    lost, unhealthy = _lost_and_unhealthy(payload.get("ranks"))
+    ready = payload.get("ready")
     return RuntimeObservation(
         data_parallel_size=int(payload["data_parallel_size"]),
         target_data_parallel_size=int(
@@ -266,4 +328,8 @@ def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
             runtime_resize(r) for r in payload.get("history") or [] if isinstance(r, dict)
         ),
         active_pods=_active_pods(payload.get("ranks")),
+        lost=lost,
+        unhealthy=unhealthy,
+        ready=ready if isinstance(ready, bool) else None,
+        ready_reason=str(payload["ready_reason"]) if payload.get("ready_reason") else None,
     )

@@ -8,7 +8,7 @@ import datetime
 from typing import Any
 
 from moe_operator.api import status as status_
-from moe_operator.plan import builders, clock, observe, resize
+from moe_operator.plan import actions, builders, clock, decide, observe
 
 C = status_.ConditionStatus
 
@@ -60,13 +60,13 @@ def next_status(
     target: int,
     current: status_.MoEDeploymentStatus,
     observed: observe.Observed,
-    phase: resize.SetPhase,
+    phase: actions.SetPhase,
     now: str,
-    resize_status: status_.ResizeStatus | None | resize.Keep = resize.KEEP,
+    resize_status: status_.ResizeStatus | None | actions.Keep = actions.KEEP,
 ) -> status_.MoEDeploymentStatus:
     """The status the reconcile ends with (``resize_status``: ``status.resize`` as planned;
     by default the current one is kept)."""
-    running = current.resize if isinstance(resize_status, resize.Keep) else resize_status
+    running = current.resize if isinstance(resize_status, actions.Keep) else resize_status
 
     def cond(type_: str, value: status_.ConditionStatus, reason: str, message: str) -> Any:
         return status_.Condition(
@@ -123,7 +123,7 @@ def next_status(
         data_parallel_size=serving_size(
             observed=observed,
             target=target,
-            previous=current.data_parallel_size if resize.served(current) else None,
+            previous=current.data_parallel_size if decide.served(current) else None,
         ),
         target_data_parallel_size=target,
         selector=builders.selector(name),
