@@ -33,6 +33,7 @@ from moe_runtime.engine import core
 from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
+from moe_runtime.executor import base as executor_base
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 from tests.integration import test_elastic_local as checked
@@ -251,6 +252,33 @@ def test_a_failure_inside_switching_goes_back_to_the_old_graph(
     assert record.stage is stages.Stage.FAILED and "Switching failed" in record.message
     assert "serving at data parallel size 2" in record.message
     print(f"\n{where}: failed resize took {took:.2f}s: {record.message}")
+    assert_clean(dep, 2, reference)
+
+
+# ------------------------------------------------------- a failed step, ranks healthy
+
+
+def test_a_step_that_fails_with_healthy_ranks_is_retried_on_a_rebuilt_graph(
+    dep: RayDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    """A step past the executor's hard limit on a rank that still answers its heartbeat: the
+    graph is rebuilt on the same ranks and the step retried; no request fails."""
+    dep.ensure(2)
+    failures: list[core.StepFailure] = []
+    dep.engine.on_step_failure(failures.append)
+    ex: Any = dep.executor
+    limit = ex._step_timeout
+    ex._step_timeout = 1.0
+    try:
+        with LongRequests(dep) as running:
+            dep.executor.collective_rpc("stall_next", "execute_step", 2.5, ranks=[1])
+    finally:
+        ex._step_timeout = limit
+    running.check(reference)
+    assert failures, "no step failed"
+    assert all(type(f.exception) is executor_base.ExecutorError for f in failures), failures
+    assert "step path rebuilt on ranks [0, 1]" in str(failures[0].exception)
+    assert dep.executor.lost_ranks() == {} and dep.executor.num_ranks == 2
     assert_clean(dep, 2, reference)
 
 

@@ -20,9 +20,28 @@ def test_serve_defaults() -> None:
 
 
 @pytest.mark.parametrize(
+    ("flags", "auto_recover", "hang_timeout"),
+    [
+        pytest.param([], True, 3.0, id="default-grows-back"),
+        pytest.param(["--no-auto-recover"], False, 3.0, id="no-auto-recover"),
+        pytest.param(["--auto-recover", "--rank-hang-timeout", "1.5"], True, 1.5, id="explicit"),
+    ],
+)
+def test_fault_tolerance_flags(flags: list[str], auto_recover: bool, hang_timeout: float) -> None:
+    args = cli.build_parser().parse_args(
+        ["serve", "--model", "m", "--data-parallel-size", "2", *flags]
+    )
+    assert (args.auto_recover, args.rank_hang_timeout) == (auto_recover, hang_timeout)
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         pytest.param(["serve", "--data-parallel-size", "2"], id="no-model"),
+        pytest.param(
+            ["serve", "--model", "m", "--data-parallel-size", "1", "--rank-hang-timeout", "0"],
+            id="hang-timeout-0",
+        ),
         pytest.param(["serve", "--model", "m", "--data-parallel-size", "0"], id="dp-0"),
         pytest.param(
             ["serve", "--model", "m", "--data-parallel-size", "1", "--executor", "mpi"],

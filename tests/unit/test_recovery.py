@@ -4,6 +4,7 @@ in-process deployment (LocalExecutor: real workers and gloo groups) under load."
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from moe_runtime import server
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, records, service, serving, stages
 from moe_runtime.engine import core
@@ -21,6 +23,7 @@ from moe_runtime.executor import base, local
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 from tests.unit import test_engine as fake
+from tests.unit import test_engine_server as api
 
 SOURCE = "synthetic://tiny?seed=0"
 DEADLINE = 60.0
@@ -255,3 +258,30 @@ def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> No
         elastic.close()
         engine.stop()
         ex.shutdown()
+
+
+# --------------------------------------------------------------------------- GET /ready
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "body"),
+    [
+        pytest.param((True, "serving"), 200, {"status": "ready", "reason": "serving"}, id="ready"),
+        pytest.param(
+            (False, "no step path: recovering from lost ranks [1]"),
+            503,
+            {"status": "not_ready", "reason": "no step path: recovering from lost ranks [1]"},
+            id="recovering",
+        ),
+    ],
+)
+def test_ready_answers_the_readiness_and_health_stays_liveness(
+    state: tuple[bool, str], code: int, body: dict[str, str]
+) -> None:
+    engine, _ = fake.make_engine(1)
+    app = server.create_app(engine, served_model_name="letters", readiness=lambda: state)
+    with engine:
+        ready = asyncio.run(api.get(app, "/ready"))
+        health = asyncio.run(api.get(app, "/health"))
+    assert (ready.status_code, ready.json()) == (code, body)
+    assert health.status_code == 200
