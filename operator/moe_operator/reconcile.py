@@ -137,6 +137,7 @@ async def observe_children(
         service_exists=service is not None,
         worker_pods=(pods.workers if pods is not None else None) if ray is not None else (),
         leaving_pods=pods.leaving if pods is not None and ray is not None else (),
+        head_restarts=pods.head_restarts if pods is not None else None,
     )
     return Children(raycluster=ray, service=service, secret=secret, observed=observed)
 

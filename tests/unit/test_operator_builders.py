@@ -90,7 +90,7 @@ def test_head_runs_the_runtime() -> None:
         "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000",
         "--min-data-parallel-size", "1", "--max-data-parallel-size", "4",
         "--num-redundant-experts", "0", "--eplb", "--eplb-window-size", "1000",
-        "--eplb-step-interval", "3000", "--device", "cpu",
+        "--eplb-step-interval", "3000", "--device", "cpu", "--no-auto-recover",
     ]  # fmt: skip
     env = {e["name"]: e for e in container["env"]}
     # KubeRay sets RAY_ADDRESS=127.0.0.1:6379 on the head when the template has none.

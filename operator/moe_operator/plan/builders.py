@@ -144,6 +144,9 @@ def serve_command(
         command += ["--max-experts-per-rank", str(experts.max_experts_per_rank)]
     # Said, not guessed: at start the head may not see the GPU workers yet.
     command += ["--device", "cuda" if spec.wants_gpus else "cpu"]
+    # The operator owns the grow back after a lost rank (spec.faultTolerance.autoRecover, read
+    # live): the runtime only shrinks around a loss and waits to be asked.
+    command += ["--no-auto-recover"]
     return command
 
 

@@ -56,6 +56,16 @@ def default_phase(
             status_.REASON_WAITING_FOR_RAY_CLUSTER,
             "waiting for the Ray head",
         )
+    runtime = observed.runtime
+    if runtime is not None and runtime.unhealthy:
+        # A rank whose heartbeat is late: the runtime fences it and recovers if it stays so.
+        late = ", ".join(f"{r.pod or 'a rank'} ({r.reason})" for r in runtime.unhealthy)
+        return actions.SetPhase(
+            status_.Phase.DEGRADED,
+            status_.REASON_RANK_UNHEALTHY,
+            f"rank unhealthy: {late}; the runtime recovers around it if it does not answer",
+            ready=True,
+        )
     if ray.head_ready and ray.ready_workers >= target:  # ray is not None from here on
         return actions.SetPhase(
             status_.Phase.SERVING,

@@ -141,6 +141,8 @@ class Observed:
     #: Worker pods that still exist but are terminating or finished: KubeRay creates no new
     #: worker while one it deleted is still there.
     leaving_pods: tuple[str, ...] = ()
+    #: Restarts of the head pod's containers (``None``: no head pod listed).
+    head_restarts: int | None = None
     #: ``metadata.generation`` of the MoEDeployment.
     generation: int = 1
     #: The moment of this reconcile (UTC); timeouts are measured against it.

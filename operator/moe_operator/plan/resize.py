@@ -29,7 +29,7 @@ import datetime
 
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import actions, clock, decide, observe
+from moe_operator.plan import actions, clock, decide, observe, recovery
 
 
 def _follow(
@@ -42,6 +42,8 @@ def _follow(
 ) -> decide.Decision:
     """The runtime was asked (``r.resize_id`` is set): mirror its record."""
     assert r.resize_id is not None
+    if r.kind == status_.KIND_RECOVERY:
+        return recovery.follow(r, previous=previous, spec=spec, observed=observed)
     runtime = observed.runtime
     up = r.to_size > r.from_size
     timeout = spec.elastic.resize_timeout_seconds
@@ -64,13 +66,18 @@ def _follow(
         )
     record = runtime.find(r.resize_id)
     if record is None:
-        return decide.fail(
+        # The runtime restarted under the resize (its head container, and Ray's GCS with it):
+        # this one is gone, and a new one is asked for at once (retry), not only for a new spec.
+        decision = decide.fail(
             r,
-            f"the runtime no longer knows resize {r.resize_id} (did it restart?); it serves "
-            f"{runtime.data_parallel_size} ranks",
+            f"the runtime restarted and no longer knows resize {r.resize_id}; it serves "
+            f"{runtime.data_parallel_size} ranks: resizing again to {spec.data_parallel_size}",
             observed=observed,
             ready=True,
         )
+        if decision.resize is not None:
+            decision.resize = decision.resize.model_copy(update={"retry": True})
+        return decision
     stage = decide.stage_of(record.stage) or r.stage
     mirrored = r.model_copy(
         update={
@@ -327,7 +334,16 @@ def _idle(
         last is not None
         and last.stage is decide.Stage.FAILED
         and last.generation == observed.generation
+        and not last.retry
     )
+    lost = recovery.unseen(status, runtime)
+    if lost is not None:  # the runtime shrank around lost ranks by itself: mirror it
+        return recovery.follow(
+            recovery.adopt(lost, observed=observed), previous=None, spec=spec, observed=observed
+        )
+    held = recovery.hold_after_loss(spec=spec, status=status, observed=observed)
+    if held is not None:
+        return held
     running = runtime.running
     if running is not None:
         if running.to_size == target and not failed_here:
@@ -372,7 +388,15 @@ def _idle(
         stage_started_at=now,
         generation=observed.generation,
     )
-    return _drive(fresh, previous=None, spec=spec, observed=observed)
+    decision = _drive(fresh, previous=None, spec=spec, observed=observed)
+    if runtime.lost and target > live and decision.resize is not None:
+        # The grow back after a loss (autoRecover): say so where people look.
+        why = f"growing back after losing {recovery.lost_text(runtime.lost)}"
+        note = decision.resize.message
+        decision.resize = decision.resize.model_copy(
+            update={"message": f"{why}; {note}" if note else why}
+        )
+    return decision
 
 
 def plan_resize(
@@ -402,6 +426,16 @@ def plan_resize(
         planned.append(actions.ScaleRuntime(new_size=decision.scale))
     planned.append(actions.SetResize(decision.resize))
     planned.extend(decision.events)
+    restarts, seen = observed.head_restarts, status.head_restarts
+    if restarts is not None and seen is not None and restarts > seen:
+        planned.append(
+            actions.Event(
+                status_.REASON_RUNTIME_RESTARTED,
+                f"the head container restarted (restarts: {restarts}): the runtime and Ray's GCS "
+                f"with it; serving again at the size it starts with, then resizing to "
+                f"{spec.data_parallel_size}",
+            )
+        )
     if decision.requeue is not None:
         planned.append(actions.Requeue(decision.requeue))
     planned.append(

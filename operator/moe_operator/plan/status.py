@@ -130,6 +130,9 @@ def next_status(
         resize=running,
         experts=experts,
         endpoint=builders.endpoint(owner_name=name, namespace=namespace),
+        head_restarts=(
+            observed.head_restarts if observed.head_restarts is not None else current.head_restarts
+        ),
         conditions=conditions,
     )
 
