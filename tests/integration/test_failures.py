@@ -5,10 +5,12 @@ every failure path ends in a serving engine with the tokens of single-process ge
   serves at its last good size, and no staged set, previous state or stray group is left;
 - failures inside Switching (activate on a new or an old rank, the compile, a hung activate
   past the switch deadline): the switch goes back to the old graph;
+- a step that fails while every rank stays healthy: retried on a graph rebuilt on the same ranks;
 - failures inside the EPLB commit (prepare on one rank, the vote on one rank): no rank
   changes its placement; a commit every rank makes moves them all;
 - a rank actor killed with SIGKILL (its pid from rank_infos) while requests run: the runtime
-  shrinks around it, no request fails, and with autoRecover off it stays smaller until asked.
+  shrinks around it, no request fails, and with autoRecover off it stays smaller until asked;
+  killed during a resize's Standby: the resize fails, the runtime recovers, nothing is left.
 
 One deployment for the module (DP 2, at most 3 ranks); each test first brings it to the size
 it starts from, so the tests do not depend on their order.
@@ -365,3 +367,29 @@ def test_a_killed_rank_is_shrunk_around_and_stays_smaller_without_auto_recover(
     dep.ensure(3)  # someone asks for the old size: the normal grow path
     assert [r for r in dep.elastic.status()["ranks"] if r["rank"] is None] == []
     assert_clean(dep, 3, reference)
+
+
+def test_a_rank_killed_during_a_resize_fails_the_resize_and_the_runtime_recovers(
+    dep: RayDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    dep.ensure(2)
+    pid = dep.executor.rank_infos()[1]["pid"]
+
+    def kill_at_standby(record: Any) -> None:
+        if record.kind == "resize" and record.stage is stages.Stage.STANDBY:
+            os.kill(pid, signal.SIGKILL)
+
+    dep.elastic.coordinator.on_change(kill_at_standby)
+    try:
+        with LongRequests(dep) as running:
+            record = dep.resize(3)
+    finally:
+        dep.elastic.coordinator._listeners.remove(kill_at_standby)
+    running.check(reference)
+    assert record.stage is stages.Stage.FAILED, record.message
+    assert "a rank was lost during the resize and the runtime recovered" in record.message
+    (rec,) = [r for r in dep.elastic.coordinator.history() if r.recovery is not None][-1:]
+    assert rec.succeeded and [r["pid"] for r in rec.recovery.ranks_lost] == [pid]
+    assert_clean(dep, 1, reference)
+    dep.ensure(2)
+    assert_clean(dep, 2, reference)

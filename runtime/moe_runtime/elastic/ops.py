@@ -202,9 +202,10 @@ class EngineResizeOps:
                 self._at_boundary(lambda: self.engine.set_active_ranks(self.executor.ranks))
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"set_active_ranks: {exc}")
-        if stale:
-            problems.append("a recovery ran during the resize; it set the serving size")
-        return self._where(problems)
+        where = self._where(problems)
+        return where + (
+            "; a rank was lost during the resize and the runtime recovered" if stale else ""
+        )
 
     def _where(self, problems: Sequence[str] = ()) -> str:
         where = f"serving at data parallel size {self.executor.num_ranks}"

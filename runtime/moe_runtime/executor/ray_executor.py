@@ -334,7 +334,9 @@ class RayExecutor(base.Executor):
     ) -> None:
         ranks = list(ranks)
         with self._lock:
-            members = [self._ranks[r] for r in ranks]
+            _, members = base.rpc_targets(
+                "build_groups", ranks, active=self._active, members=self._ranks
+            )
         step_backend: group_mod.Backend = "nccl" if self.use_gpu else "gloo"
         backends = {base.STEP_GROUP: step_backend, base.TRANSFER_GROUP: self._transfer_backend}
         one_host = self._rendezvous == "file" or (
