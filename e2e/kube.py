@@ -177,6 +177,25 @@ class StageWatch:
         self.thread.join(timeout=5)
 
 
+class ServiceUrl:
+    """A Service's ClusterIP URL, for clients that reach the cluster's Service range directly
+    (the local node routes it to this machine): no API server in the data path."""
+
+    def __init__(self, cluster: Kubectl, *, namespace: str, name: str, port: int) -> None:
+        self.cluster, self.namespace, self.name, self.port = cluster, namespace, name, port
+        self._url: str | None = None
+
+    def url(self) -> str | None:
+        if self._url is None:
+            done = self.cluster.kubectl(
+                "get", "svc", self.name, "-n", self.namespace, "-o",
+                "jsonpath={.spec.clusterIP}", check=False,
+            )  # fmt: skip
+            if done.returncode == 0 and done.stdout.strip():
+                self._url = f"http://{done.stdout.strip()}:{self.port}"
+        return self._url
+
+
 class PortForward:
     """``kubectl port-forward svc/NAME :PORT`` on 127.0.0.1, restarted when it exits (the pod
     behind it restarted); ``url()`` is the current local URL or ``None`` while it is down."""

@@ -14,7 +14,8 @@ The node's network namespace forwards between the bridge, its loopback and the v
 ``ip_forward``); this machine's stays off. Pods reach the API server through the
 ``kubernetes`` Service (kube-proxy, endpoint 10.243.0.2:6443) and each other by Service or
 DNS name (CoreDNS on 10.244.0.1:53). From this machine: kubectl against 10.243.0.2:6443,
-``kubectl port-forward`` for pod ports.
+``kubectl port-forward`` for pod ports, or pod and Service IPs directly (routes for 10.244.0.0/24
+and 10.96.0.0/16 over the veth: traffic that does not depend on the API server).
 """
 
 from __future__ import annotations

@@ -84,6 +84,10 @@ def create_network() -> None:
         )  # fmt: skip
     run("ip", "link", "set", config.VETH_HOST, "up")
     run("ip", "link", "set", config.VETH_NODE, "up", netns=True)
+    # From this machine to pods and Services, through the node (as an in-cluster client):
+    # routes for the cluster's own ranges only, over our veth (they go with it).
+    for cidr in (config.POD_CIDR, config.SERVICE_CIDR):
+        run("ip", "route", "replace", cidr, "via", config.NODE_IP_VETH, "dev", config.VETH_HOST)
     if run("ip", "link", "show", config.BRIDGE, check=False, netns=True).returncode != 0:
         run("ip", "link", "add", config.BRIDGE, "type", "bridge", netns=True)
         run("ip", "addr", "add", f"{config.NODE_IP}/24", "dev", config.BRIDGE, netns=True)
