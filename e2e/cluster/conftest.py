@@ -4,6 +4,7 @@ already started one, and then left running), a namespace that enforces Pod Secur
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import time
@@ -33,12 +34,24 @@ EXTERNAL_KUBECONFIG = os.environ.get("MOE_E2E_KUBECONFIG")
 @pytest.fixture(scope="session")
 def node() -> Iterator[kube.Kubectl]:
     """The cluster the tier runs on: the local node (started or reused), or the cluster of
-    ``$MOE_E2E_KUBECONFIG`` (its KubeRay and our operator installed beforehand)."""
+    ``$MOE_E2E_KUBECONFIG`` (its KubeRay and our operator installed beforehand).
+
+    One pytest session at a time uses the local node (a lock: two would share its 2 cores and
+    its one operator); the next one waits.
+    """
     if EXTERNAL_KUBECONFIG:
         yield kube.ExternalCluster(EXTERNAL_KUBECONFIG)
         return
     if os.geteuid() != 0:
         pytest.skip("the real-node tier needs root (network namespace, kubelet, containerd)")
+    lock_path = config.cache_dir() / "node.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _local_node()
+
+
+def _local_node() -> Iterator[stack.Node]:
     state = REPO / ".cluster"
     already = stack.attach(config.Paths(state=state.resolve()))
     reused = already is not None and stack.healthy(already)
@@ -107,11 +120,12 @@ def _diagnose_failures(request: pytest.FixtureRequest) -> Iterator[None]:
     if not request.node.stash.get(_FAILED, False) or "node" not in request.fixturenames:
         return
     cluster = request.getfixturevalue("node")
+    ns = request.getfixturevalue("namespace") if "namespace" in request.fixturenames else NAMESPACE
     sections = [
-        ("objects", ["get", "moed,raycluster,pods,events", "-n", NAMESPACE, "-o", "wide"]),
+        ("objects", ["get", "moed,raycluster,pods,events", "-n", ns, "-o", "wide"]),
         ("operator log", ["logs", "-n", config.OPERATOR_NAMESPACE, "deploy/moe-operator",
                           "--tail=40"]),
-        ("head log", ["logs", "-n", NAMESPACE, "-l", "ray.io/node-type=head", "--tail=60"]),
+        ("head log", ["logs", "-n", ns, "-l", "ray.io/node-type=head", "--tail=60"]),
     ]  # fmt: skip
     for title, args in sections:
         done = cluster.kubectl(*args, check=False)
