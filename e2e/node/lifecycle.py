@@ -183,3 +183,26 @@ def report(node: stack.Node, *, window: float = 10.0) -> str:
     lines += [f"  {name:<55} {seconds:6.1f}s" for name, seconds in node.timings.items()]
     lines.append(measure.table(node, window=window))
     return "\n".join(lines)
+
+
+def restart(node: stack.Node, name: str, *, timeout: float = 120.0) -> float:
+    """Stop one component of a running node and start it again with the same command (chaos
+    tests: a kube-apiserver restart); the seconds it was away."""
+    files = {
+        "containerd": node.paths.node / "containerd.toml",
+        "cni": node.paths.cni_conf / "10-elastic-moe.conflist",
+        "kubelet": node.paths.node / "kubelet.yaml",
+        "kube-proxy": node.paths.node / "kube-proxy.yaml",
+        "coredns": node.paths.node / "Corefile",
+    }
+    cmd = stack.commands(node.paths, files)[name]
+    started = time.monotonic()
+    stack.stop_processes(node, [name])
+    stack.start_process(node, name, cmd)
+    if name == "kube-apiserver":
+        stack.wait_for(
+            "kube-apiserver /readyz",
+            lambda: cluster.readyz(config.server(), node.paths.pki / "ca.crt", token=node.plane.admin_token),
+            node=node, timeout=timeout, names=("etcd", "kube-apiserver"),
+        )  # fmt: skip
+    return time.monotonic() - started

@@ -126,6 +126,53 @@ class FaultToleranceSpec(ApiModel):
     )
 
 
+class AutoscalingSpec(ApiModel):
+    """The operator's own load-driven size policy (off by default): HPA's algorithm and
+    stabilisation windows over the runtime's in-flight sequences, within
+    ``[minDataParallelSize, maxDataParallelSize]``, written through the scale subresource."""
+
+    enabled: bool = pydantic.Field(
+        default=False,
+        description="Let the operator set dataParallelSize from the load. It stands down while "
+        "a HorizontalPodAutoscaler (or a KEDA ScaledObject, which makes one) targets this "
+        "deployment.",
+    )
+    target_in_flight_per_rank: int = pydantic.Field(
+        default=8,
+        ge=1,
+        le=100_000,
+        description="Running + queued sequences per DP rank the size aims at: desired = "
+        "ceil(in-flight / target).",
+    )
+    scale_up_stabilization_seconds: int = pydantic.Field(
+        default=15,
+        ge=0,
+        le=3600,
+        description="A grow needs every recommendation of this window above the current size "
+        "(it takes the lowest).",
+    )
+    scale_down_stabilization_seconds: int = pydantic.Field(
+        default=120,
+        ge=0,
+        le=3600,
+        description="A shrink needs every recommendation of this window below the current size "
+        "(it takes the highest).",
+    )
+    tolerance: float = pydantic.Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="No change while in-flight per rank is within this fraction of the target "
+        "(HPA's --horizontal-pod-autoscaler-tolerance).",
+    )
+    sync_period_seconds: int = pydantic.Field(
+        default=5,
+        ge=1,
+        le=300,
+        description="How often the operator reads the runtime's load and decides.",
+    )
+
+
 class ResourceRequirements(ApiModel):
     """Container resources (a subset of core/v1 ResourceRequirements)."""
 
@@ -222,6 +269,7 @@ class MoEDeploymentSpec(ApiModel):
     expert_parallel: ExpertParallelSpec = defaulted(ExpertParallelSpec)
     elastic: ElasticSpec = defaulted(ElasticSpec)
     fault_tolerance: FaultToleranceSpec = defaulted(FaultToleranceSpec)
+    autoscaling: AutoscalingSpec = defaulted(AutoscalingSpec)
     ray: RaySpec = defaulted(RaySpec)
 
     @pydantic.model_validator(mode="after")

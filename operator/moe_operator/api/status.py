@@ -68,6 +68,16 @@ REASON_RANK_LOST: Final = "RankLost"
 REASON_RANK_UNHEALTHY: Final = "RankUnhealthy"
 REASON_RECOVERING: Final = "Recovering"
 REASON_RUNTIME_RESTARTED: Final = "RuntimeRestarted"
+# Autoscaler reasons (``status.autoscaling.reason``; the first three are also event reasons).
+REASON_SCALED_UP: Final = "ScaledUp"
+REASON_SCALED_DOWN: Final = "ScaledDown"
+REASON_EXTERNAL_AUTOSCALER: Final = "ExternalAutoscaler"
+REASON_SCALE_FAILED: Final = "AutoscaleFailed"
+REASON_STABLE: Final = "Stable"
+REASON_SCALE_UP_STABILIZING: Final = "ScaleUpStabilizing"
+REASON_SCALE_DOWN_STABILIZING: Final = "ScaleDownStabilizing"
+REASON_METRIC_UNAVAILABLE: Final = "MetricUnavailable"
+REASON_WAITING_FOR_RESIZE: Final = "WaitingForResize"
 #: Event reasons that are warnings (the others are Normal).
 WARNING_REASONS: Final = frozenset(
     {
@@ -76,6 +86,8 @@ WARNING_REASONS: Final = frozenset(
         REASON_RANK_LOST,
         REASON_RANK_UNHEALTHY,
         REASON_RUNTIME_RESTARTED,
+        REASON_EXTERNAL_AUTOSCALER,
+        REASON_SCALE_FAILED,
     }
 )
 #: ``ResizeStatus.kind``: asked for (a spec change), or the runtime's own recovery.
@@ -149,6 +161,49 @@ class ExpertsStatus(spec_.ApiModel):
     redundant_experts: int | None = pydantic.Field(default=None, ge=0)
 
 
+class Recommendation(spec_.ApiModel):
+    """One run of equal size recommendations of the autoscaler: ``size`` from ``since`` until
+    ``until`` (the sample that changed it; ``None``: still recommended)."""
+
+    size: int = pydantic.Field(ge=0)
+    since: str = pydantic.Field(json_schema_extra=DATE_TIME)
+    until: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
+
+
+class AutoscalingStatus(spec_.ApiModel):
+    """What the operator's autoscaler saw and decided (``spec.autoscaling``)."""
+
+    metric: float | None = pydantic.Field(
+        default=None, ge=0, description="In-flight sequences (running + queued) per serving rank."
+    )
+    desired_size: int | None = pydantic.Field(
+        default=None,
+        ge=0,
+        description="The size the autoscaler wants now (after the stabilisation windows).",
+    )
+    last_decision_time: str | None = pydantic.Field(
+        default=None,
+        json_schema_extra=DATE_TIME,
+        description="When the autoscaler last set dataParallelSize.",
+    )
+    reason: str | None = pydantic.Field(
+        default=None, description="Why desiredSize is what it is (a CamelCase reason)."
+    )
+    # Additions to the DESIGN §2 contract (nothing above renamed):
+    message: str | None = pydantic.Field(default=None, description="reason, in words.")
+    in_flight: int | None = pydantic.Field(
+        default=None, ge=0, description="Running + queued sequences of the whole deployment."
+    )
+    last_decision: str | None = pydantic.Field(
+        default=None, description="The last size the autoscaler set, and why."
+    )
+    recommendations: list[Recommendation] | None = pydantic.Field(
+        default=None,
+        description="The stabilisation windows' memory: past recommendations that can still "
+        "decide (kept here so a restarted operator decides as the last one would).",
+    )
+
+
 class MoEDeploymentStatus(spec_.ApiModel):
     """What the operator observed; written only when more than timestamps changed."""
 
@@ -162,6 +217,7 @@ class MoEDeploymentStatus(spec_.ApiModel):
     resize: ResizeStatus | None = None
     experts: ExpertsStatus | None = None
     endpoint: str | None = None
+    autoscaling: AutoscalingStatus | None = None
     head_restarts: int | None = pydantic.Field(
         default=None,
         ge=0,

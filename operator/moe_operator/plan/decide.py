@@ -110,8 +110,13 @@ def arrow(r: status_.ResizeStatus) -> str:
     return f"{r.from_size}->{r.to_size}"
 
 
+def ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
 def stage_event(r: status_.ResizeStatus, stage: Stage, message: str = "") -> actions.Event:
-    text = f"resize {arrow(r)}: {stage.value}"
+    what = "recovery" if r.kind == status_.KIND_RECOVERY else "resize"
+    text = f"{what} {arrow(r)}: {stage.value}"
     if message:
         text += f": {message}"
     return actions.Event(reason=stage.value, message=text)

@@ -113,6 +113,9 @@ class RuntimeObservation:
     #: Whether the runtime has a step path (``GET /ready``), and why not.
     ready: bool | None = None
     ready_reason: str | None = None
+    #: Sequences running + queued in the engine (``load.in_flight``; ``None``: an older
+    #: runtime that does not say). What the autoscaler decides on.
+    in_flight: int | None = None
 
     @property
     def running(self) -> RuntimeResize | None:
@@ -309,6 +312,16 @@ def _active_pods(ranks: Any) -> tuple[str, ...] | None:
     return tuple(sorted(pods))
 
 
+def _in_flight(load: Any) -> int | None:
+    """``load`` of ``/elastic_ep/status``: ``in_flight``, else ``running`` + ``waiting``."""
+    if not isinstance(load, dict):
+        return None
+    total = load.get("in_flight")
+    if total is None and "running" in load:
+        total = int(load["running"]) + int(load.get("waiting") or 0)
+    return max(int(total), 0) if total is not None else None
+
+
 def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
     """Parse the runtime's ``/elastic_ep/status`` answer (``KeyError``/``ValueError``/
     ``TypeError`` when it is malformed)."""
@@ -334,4 +347,5 @@ def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
         unhealthy=unhealthy,
         ready=ready if isinstance(ready, bool) else None,
         ready_reason=str(payload["ready_reason"]) if payload.get("ready_reason") else None,
+        in_flight=_in_flight(payload.get("load")),
     )

@@ -84,7 +84,7 @@ def follow(
         figures = (f" in {record.recovery_s:.1f}s" if record.recovery_s is not None else "") + (
             f", {record.requests_rerun} requests re-run" if record.requests_rerun else ""
         )
-        message = f"lost {who}; serving {record.to_size} ranks again{figures}"
+        message = f"lost {who}; serving {decide.ranks(record.to_size)} again{figures}"
     mirrored = r.model_copy(
         update={
             "stage": stage,
@@ -137,13 +137,13 @@ def degraded_phase(
         reason = status_.REASON_RECOVERING
     elif spec.fault_tolerance.auto_recover:
         text = (
-            f"serving {live} of {target} ranks after losing {who}; growing back to {target} "
+            f"serving {live} of {decide.ranks(target)} after losing {who}; growing back to {target} "
             "once a replacement worker is ready (faultTolerance.autoRecover)"
         )
         reason = status_.REASON_RANK_LOST
     else:
         text = (
-            f"serving {live} of {target} ranks after losing {who}; faultTolerance.autoRecover is "
+            f"serving {live} of {decide.ranks(target)} after losing {who}; faultTolerance.autoRecover is "
             f"off: set it to true to grow back, or dataParallelSize to {live} to accept the size"
         )
         reason = status_.REASON_RANK_LOST
