@@ -145,6 +145,12 @@ class RankWorker(slots_mod.ExpertSlots):
         with self._lock:
             self._fail[operation] = message
 
+    def disarm(self) -> None:
+        """Forget every armed failure and stall (a test that did not trigger them)."""
+        with self._lock:
+            self._fail.clear()
+            self._stall.clear()
+
     def stall_next(self, operation: str, seconds: float) -> None:
         """Make the next call of `operation` hang for `seconds` first (a hung rank, in tests)."""
         with self._lock:

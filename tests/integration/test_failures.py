@@ -287,6 +287,28 @@ def test_a_step_that_fails_with_healthy_ranks_is_retried_on_a_rebuilt_graph(
 # ---------------------------------------------------------------- the EPLB commit
 
 
+def skew_load(d: RayDeployment) -> None:
+    """Record a load (hot experts) under which a rebalance moves experts: so large that the
+    tokens of the test itself do not change the plan."""
+    ops = d.elastic.ops
+    placement = ops.serving.placement
+    layers, experts = placement.num_layers, placement.num_logical
+    for shift in range(experts):
+        load = torch.ones(layers, experts, dtype=torch.int64)
+        load[:, [shift, (shift + 1) % experts]] = 10**6
+        ops.load.window.record(load)
+        target = moves_mod.rebalance_for_resize(
+            ops.load.total(),
+            placement,
+            old_num_ranks=ops.serving.num_ranks,
+            new_num_ranks=ops.serving.num_ranks,
+            num_physical=placement.num_physical,
+        )
+        if not target.equals(placement):
+            return
+    pytest.fail("no recorded load makes a rebalance move experts")
+
+
 @pytest.mark.parametrize(
     ("operation", "refused"),
     [
@@ -302,30 +324,20 @@ def test_the_eplb_commit_is_all_or_nothing(
     refused: type[Exception] | None,
 ) -> None:
     dep.ensure(2)
-    serving_now = dep.elastic.ops.serving
-    for _ in range(20):  # skewed load (one prompt), until a rebalance would move experts
-        target = moves_mod.rebalance_for_resize(
-            dep.elastic.ops.load.total(),
-            serving_now.placement,
-            old_num_ranks=2,
-            new_num_ranks=2,
-            num_physical=serving_now.placement.num_physical,
-        )
-        if not target.equals(serving_now.placement):
-            break
-        dep.generate(0, 24)
-    else:
-        pytest.fail("the load never made a rebalance worthwhile")
+    skew_load(dep)
     before = [s["phy2log"] for s in dep.states()]
     old = dep.elastic.ops.serving.placement
     if operation is not None:
         dep.executor.collective_rpc("fail_next", operation, ranks=[1])
-    with LongRequests(dep) as running:
-        if refused is None:
-            result = dep.elastic.rebalancer.rebalance_now()
-        else:
-            with pytest.raises(refused):
-                dep.elastic.rebalancer.rebalance_now()
+    try:
+        with LongRequests(dep) as running:
+            if refused is None:
+                result = dep.elastic.rebalancer.rebalance_now()
+            else:
+                with pytest.raises(refused):
+                    dep.elastic.rebalancer.rebalance_now()
+    finally:
+        dep.executor.collective_rpc("disarm", ranks=[0, 1])
     running.check(reference)
     after = [s["phy2log"] for s in dep.states()]
     if refused is None:
