@@ -19,9 +19,13 @@ def _crd(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from moe_operator import handlers
+    from moe_operator import handlers, logs, metrics
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
+    if args.log_format == "json":
+        logs.use_json()
+    if args.metrics:
+        handlers.METRICS_ADDRESS = metrics.parse_address(args.metrics)
     if not args.debug:  # one line per API request is too much at INFO
         logging.getLogger("httpx").setLevel(logging.WARNING)
         logging.getLogger("httpcore").setLevel(logging.WARNING)
@@ -44,6 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument(
         "--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    run.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (e.g. 0.0.0.0:8081)",
+    )
+    run.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="json: one JSON object per line (time, level, logger, message, deployment, "
+        "stage, resize_id)",
     )
     run.add_argument("--verbose", action="store_true")
     run.add_argument("--debug", action="store_true")

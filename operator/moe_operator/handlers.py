@@ -18,11 +18,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import Any, Final, Union, cast
 
 import kopf
 
-from moe_operator import reconcile
+from moe_operator import logs, metrics, reconcile
 from moe_operator.api import group
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
@@ -40,6 +41,11 @@ POD_DEBOUNCE_SECONDS: Final = 0.5
 
 logger = logging.getLogger(__name__)
 
+#: The operator's metrics (one registry per process); served on ``METRICS_ADDRESS`` when set
+#: (``moe-operator run --metrics HOST:PORT`` sets it before kopf starts).
+METRICS: Final = metrics.OperatorMetrics()
+METRICS_ADDRESS: tuple[str, int] | None = None
+
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
@@ -55,6 +61,10 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     memo.known = set()  # Keys of the MoEDeployments seen, for the periodic resync
     memo.requeues = {}  # Key -> asyncio.Task of the next reconcile a running resize asked for
     memo.resync = asyncio.get_running_loop().create_task(_resync_forever(memo))
+    memo.metrics_server = None
+    if METRICS_ADDRESS is not None:
+        memo.metrics_server = METRICS.serve(*METRICS_ADDRESS)
+        logger.info("metrics on http://%s:%d/metrics", *METRICS_ADDRESS)
 
 
 @kopf.on.cleanup()
@@ -72,6 +82,9 @@ async def close(memo: Any, **_: Any) -> None:
     api = memo.get("api")
     if api is not None:
         await api.close()
+    server = memo.get("metrics_server")
+    if server is not None:
+        server.shutdown()
 
 
 def _lock(memo: Any, key: Key) -> asyncio.Lock:
@@ -88,11 +101,19 @@ async def _reconcile(body: dict[str, Any], memo: Any, log: Logger) -> None:
 
     meta = body["metadata"]
     key = (meta.get("namespace") or "", meta["name"])
-    try:
-        outcome = await reconcile.reconcile(api=memo.api, body=body, events=events, logger=log)
-    except reconcile.InvalidSpec as error:
-        kopf.warn(target, reason="InvalidSpec", message=str(error)[:1000])
-        raise kopf.PermanentError(str(error)) from error
+    started = time.monotonic()
+    with logs.context(deployment=f"{key[0]}/{key[1]}"):
+        try:
+            outcome = await reconcile.reconcile(api=memo.api, body=body, events=events, logger=log)
+        except reconcile.InvalidSpec as error:
+            METRICS.observe_reconcile(time.monotonic() - started, metrics.RESULT_INVALID_SPEC)
+            kopf.warn(target, reason="InvalidSpec", message=str(error)[:1000])
+            raise kopf.PermanentError(str(error)) from error
+        except Exception:
+            METRICS.observe_reconcile(time.monotonic() - started, metrics.RESULT_ERROR)
+            raise
+    METRICS.observe_reconcile(time.monotonic() - started, metrics.RESULT_OK)
+    METRICS.observe(key[0], key[1], outcome)
     if outcome.requeue_after is not None:
         _requeue(memo, key, outcome.requeue_after)
 
@@ -156,6 +177,7 @@ async def track(
     """Remember which deployments exist, for the periodic resync."""
     key = (namespace or "", name)
     if type == "DELETED":
+        METRICS.forget(*key)
         memo.known.discard(key)
         memo.locks.pop(key, None)
         pending = memo.requeues.pop(key, None)

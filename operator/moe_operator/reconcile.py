@@ -19,7 +19,7 @@ from typing import Any, Final, Union
 import httpx
 import pydantic
 
-from moe_operator import runtime_client
+from moe_operator import autoscaler, logs, runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
@@ -52,6 +52,12 @@ class Outcome:
     status_written: bool
     #: Reconcile again after this many seconds (a resize is being driven); ``None``: no need.
     requeue_after: float | None = None
+    # For the operator's metrics (moe_operator.metrics): the status before and after, whether
+    # the runtime answered (``None``: not asked), what the autoscaler decided.
+    previous: status_.MoEDeploymentStatus | None = None
+    status: status_.MoEDeploymentStatus | None = None
+    runtime_reachable: bool | None = None
+    autoscale_decision: str | None = None
 
 
 def parse_spec(raw: Any) -> spec_.MoEDeploymentSpec:
@@ -308,6 +314,23 @@ async def reconcile(
             events(event.reason, event.message)
         phase = resize.phase_after_scale(planned, phase)
         requeue = decide.REQUEUE_SECONDS
+    resize_now = current.resize if isinstance(planned, actions.Keep) else planned
+    logs.bind(
+        stage=resize_now.stage.value if resize_now else None,
+        resize_id=resize_now.resize_id if resize_now else None,
+    )
+    scaler = await autoscaler.run(
+        api=api,
+        body=body,
+        spec=spec,
+        status=current,
+        observed=observed,
+        resize=resize_now,
+        events=events,
+        logger=logger,
+    )
+    if scaler.requeue is not None:
+        requeue = scaler.requeue if requeue is None else min(requeue, scaler.requeue)
     new = plan_status.next_status(
         name=owner.name,
         namespace=owner.namespace,
@@ -318,6 +341,7 @@ async def reconcile(
         phase=phase,
         now=clock.rfc3339(moment),
         resize_status=planned,
+        autoscaling=scaler.status,
     )
     written = plan_status.needs_write(raw_status, new)
     if written:
@@ -346,4 +370,12 @@ async def reconcile(
         created=tuple(created),
         status_written=written,
         requeue_after=requeue,
+        previous=current,
+        status=new,
+        runtime_reachable=(
+            observed.runtime is not None
+            if observed.raycluster is not None and observed.raycluster.head_ready
+            else None
+        ),
+        autoscale_decision=scaler.decision,
     )

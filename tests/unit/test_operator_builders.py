@@ -255,3 +255,21 @@ def test_head_starts_ray_without_blocking_then_the_runtime() -> None:
         check=True,
     )
     assert done.stdout.splitlines() == ['ray start --head --resources={"moe_rank": 1}', "runtime"]
+
+
+def test_a_deleted_worker_stops_its_ray_node_first() -> None:
+    """KubeRay's bash (PID 1) ignores SIGTERM: without the hook a deleted worker's rank would
+    live on for the whole grace period before the runtime can recover around it."""
+    container = worker_group(builders.build_raycluster(owner=OWNER, spec=make_spec()))["template"][
+        "spec"
+    ]["containers"][0]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/bash", "-c"] and "ray stop --force" in command[2]
+
+
+def test_ray_settings_come_before_the_users_env() -> None:
+    spec = make_spec(ray={"env": [{"name": "RAY_kill_worker_timeout_milliseconds", "value": "1"}]})
+    obj = builders.build_raycluster(owner=OWNER, spec=spec)
+    env = worker_group(obj)["template"]["spec"]["containers"][0]["env"]
+    values = [e["value"] for e in env if e["name"] == "RAY_kill_worker_timeout_milliseconds"]
+    assert values == ["200", "1"]  # the user's, last, wins

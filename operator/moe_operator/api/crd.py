@@ -65,6 +65,28 @@ PRINTER_COLUMNS: Final = [
         "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
     },
     {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # `kubectl get moed -o wide`: the operator's autoscaler (spec.autoscaling).
+    {
+        "name": "DESIRED",
+        "type": "integer",
+        "priority": 1,
+        "description": "The size the autoscaler wants now",
+        "jsonPath": ".status.autoscaling.desiredSize",
+    },
+    {
+        "name": "IN-FLIGHT/RANK",
+        "type": "number",
+        "priority": 1,
+        "description": "Running + queued sequences per serving rank (the autoscaler's metric)",
+        "jsonPath": ".status.autoscaling.metric",
+    },
+    {
+        "name": "AUTOSCALER",
+        "type": "string",
+        "priority": 1,
+        "description": "The autoscaler's last reason",
+        "jsonPath": ".status.autoscaling.reason",
+    },
 ]
 
 

@@ -23,6 +23,9 @@ from moe_operator.api import group
 logger = logging.getLogger(__name__)
 
 FIELD_MANAGER: Final = "elastic-moe"
+#: The manager of the autoscaler's writes to ``spec.dataParallelSize`` (managedFields say who
+#: set the size: this, an HPA's ``kube-controller-manager``, or a user's kubectl).
+AUTOSCALER_FIELD_MANAGER: Final = "elastic-moe-autoscaler"
 APPLY_PATCH: Final = "application/apply-patch+yaml"
 MERGE_PATCH: Final = "application/merge-patch+json"
 
@@ -33,6 +36,10 @@ _KINDS: Final[dict[tuple[str, str], tuple[str, str]]] = {
     ("v1", "Pod"): ("/api/v1", "pods"),
     ("ray.io/v1", "RayCluster"): ("/apis/ray.io/v1", "rayclusters"),
     (group.API_VERSION, group.KIND): (f"/apis/{group.API_VERSION}", group.PLURAL),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): (
+        "/apis/autoscaling/v2",
+        "horizontalpodautoscalers",
+    ),
 }
 
 
@@ -153,11 +160,13 @@ class Api:
         return result
 
     async def list(
-        self, *, api_version: str, kind: str, namespace: str, label_selector: str
+        self, *, api_version: str, kind: str, namespace: str, label_selector: str | None = None
     ) -> list[dict[str, Any]]:
-        """The objects of a kind in a namespace that match ``label_selector``."""
+        """The objects of a kind in a namespace that match ``label_selector`` (all of them
+        without one)."""
         url = path(api_version=api_version, kind=kind, namespace=namespace)
-        response = await self._request("GET", url, params={"labelSelector": label_selector})
+        params = {"labelSelector": label_selector} if label_selector else None
+        response = await self._request("GET", url, params=params)
         items: list[dict[str, Any]] = response.json().get("items") or []
         return items
 
@@ -214,6 +223,32 @@ class Api:
             body={"status": patch},
             content_type=MERGE_PATCH,
             params={"fieldManager": FIELD_MANAGER},
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def patch_scale(
+        self, *, namespace: str, name: str, replicas: int, resource_version: str | None
+    ) -> dict[str, Any]:
+        """Set a MoEDeployment's ``spec.dataParallelSize`` through its scale subresource, as an
+        HPA does. With ``resource_version`` the write is conditional (409 when the object
+        changed since it was read: a user's edit is never overwritten by a stale decision)."""
+        url = path(
+            api_version=group.API_VERSION,
+            kind=group.KIND,
+            namespace=namespace,
+            name=name,
+            sub="scale",
+        )
+        patch: dict[str, Any] = {"spec": {"replicas": replicas}}
+        if resource_version:
+            patch["metadata"] = {"resourceVersion": resource_version}
+        response = await self._request(
+            "PATCH",
+            url,
+            body=patch,
+            content_type=MERGE_PATCH,
+            params={"fieldManager": AUTOSCALER_FIELD_MANAGER},
         )
         result: dict[str, Any] = response.json()
         return result

@@ -179,8 +179,23 @@ def _container_security() -> dict[str, Any]:
     }
 
 
+#: Ray settings of every Ray container: a fenced (hung) rank is SIGKILLed 0.2 s after Ray's
+#: SIGTERM instead of 5 s (a stopped process cannot exit by itself).
+RAY_ENV: Final = ({"name": "RAY_kill_worker_timeout_milliseconds", "value": "200"},)
+
+
 def _env(spec: spec_.MoEDeploymentSpec) -> list[dict[str, Any]]:
-    return [e.to_wire() for e in spec.ray.env or ()]
+    """Ray's settings, then the user's (``spec.ray.env`` last, so it can override them)."""
+    return [dict(e) for e in RAY_ENV] + [e.to_wire() for e in spec.ray.env or ()]
+
+
+#: A worker pod being deleted stops its Ray node first: its rank dies at once and the
+#: runtime recovers around it (requests re-run on survivors) instead of after the grace
+#: period (PID 1 is KubeRay's bash, which ignores SIGTERM). A rank released by a shrink is
+#: gone already; stopping its node changes nothing.
+WORKER_PRESTOP: Final = {
+    "exec": {"command": ["/bin/bash", "-c", "ray stop --force >/dev/null 2>&1 || true"]}
+}
 
 
 def _shm_volume(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
@@ -298,6 +313,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         "resources": _resources(spec.ray.worker_resources, gpus=gpus),
         "securityContext": _container_security(),
         "volumeMounts": [dict(_SHM_MOUNT)],
+        "lifecycle": {"preStop": WORKER_PRESTOP},
     }
     return {
         "metadata": {"labels": labels(owner.name, COMPONENT_WORKER)},

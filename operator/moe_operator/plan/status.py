@@ -63,9 +63,11 @@ def next_status(
     phase: actions.SetPhase,
     now: str,
     resize_status: status_.ResizeStatus | None | actions.Keep = actions.KEEP,
+    autoscaling: status_.AutoscalingStatus | None | actions.Keep = actions.KEEP,
 ) -> status_.MoEDeploymentStatus:
-    """The status the reconcile ends with (``resize_status``: ``status.resize`` as planned;
-    by default the current one is kept)."""
+    """The status the reconcile ends with (``resize_status``: ``status.resize`` as planned,
+    ``autoscaling``: ``status.autoscaling`` as the autoscaler left it; by default the
+    current ones are kept)."""
     running = current.resize if isinstance(resize_status, actions.Keep) else resize_status
 
     def cond(type_: str, value: status_.ConditionStatus, reason: str, message: str) -> Any:
@@ -130,6 +132,7 @@ def next_status(
         resize=running,
         experts=experts,
         endpoint=builders.endpoint(owner_name=name, namespace=namespace),
+        autoscaling=current.autoscaling if isinstance(autoscaling, actions.Keep) else autoscaling,
         head_restarts=(
             observed.head_restarts if observed.head_restarts is not None else current.head_restarts
         ),
