@@ -267,9 +267,12 @@ def test_a_deleted_worker_stops_its_ray_node_first() -> None:
     assert command[:2] == ["/bin/bash", "-c"] and "ray stop --force" in command[2]
 
 
-def test_ray_settings_come_before_the_users_env() -> None:
+def test_the_users_env_overrides_ray_settings() -> None:
     spec = make_spec(ray={"env": [{"name": "RAY_kill_worker_timeout_milliseconds", "value": "1"}]})
     obj = builders.build_raycluster(owner=OWNER, spec=spec)
     env = worker_group(obj)["template"]["spec"]["containers"][0]["env"]
     values = [e["value"] for e in env if e["name"] == "RAY_kill_worker_timeout_milliseconds"]
-    assert values == ["200", "1"]  # the user's, last, wins
+    assert values == ["1"]  # the user's wins, one entry per name
+    default = builders.build_raycluster(owner=OWNER, spec=make_spec())
+    env = worker_group(default)["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "RAY_kill_worker_timeout_milliseconds", "value": "200"} in env

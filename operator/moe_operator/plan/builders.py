@@ -185,8 +185,11 @@ RAY_ENV: Final = ({"name": "RAY_kill_worker_timeout_milliseconds", "value": "200
 
 
 def _env(spec: spec_.MoEDeploymentSpec) -> list[dict[str, Any]]:
-    """Ray's settings, then the user's (``spec.ray.env`` last, so it can override them)."""
-    return [dict(e) for e in RAY_ENV] + [e.to_wire() for e in spec.ray.env or ()]
+    """Ray's settings and the user's ``spec.ray.env``; a name the user sets wins (one entry
+    per name: server-side apply keys the list by name)."""
+    user = [e.to_wire() for e in spec.ray.env or ()]
+    names = {e["name"] for e in user}
+    return [dict(e) for e in RAY_ENV if e["name"] not in names] + user
 
 
 #: A worker pod being deleted stops its Ray node first: its rank dies at once and the
