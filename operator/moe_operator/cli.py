@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import sys
 
@@ -19,8 +20,10 @@ def _crd(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import kopf
 
-    from moe_operator import handlers, logs, metrics
+    from moe_operator import handlers, logs, metrics, runtime_client
 
+    if args.allow_runtime_url_override:
+        os.environ[runtime_client.ALLOW_OVERRIDE_ENV] = "1"
     kopf.configure(verbose=args.verbose, debug=args.debug)
     if args.log_format == "json":
         logs.use_json()
@@ -61,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         default="text",
         help="json: one JSON object per line (time, level, logger, message, deployment, "
         "stage, resize_id)",
+    )
+    run.add_argument(
+        "--allow-runtime-url-override",
+        action="store_true",
+        help="honour the elasticmoe.io/runtime-url annotation (local development only: the "
+        "operator sends its admin token to that URL; env MOE_ALLOW_RUNTIME_URL_OVERRIDE=1)",
     )
     run.add_argument("--verbose", action="store_true")
     run.add_argument("--debug", action="store_true")

@@ -20,6 +20,7 @@ import httpx
 import pydantic
 
 from moe_operator import autoscaler, logs, runtime_client
+from moe_operator.api import group
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
@@ -33,6 +34,8 @@ EventSink = Callable[[str, str], None]
 RuntimeFactory = Callable[[str, Union[str, None]], runtime_client.RuntimeClient]
 
 RUNTIME_TIMEOUT_SECONDS: Final = 3.0
+#: (deployment, url) pairs warned about once per operator process.
+_WARNED_OVERRIDES: set[tuple[str, str]] = set()
 
 
 def default_runtime_factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
@@ -256,6 +259,16 @@ async def reconcile(
     current = parse_status(raw_status, logger=logger)
     children = await observe_children(api=api, owner=owner, logger=logger)
     observed = dataclasses.replace(children.observed, generation=generation, now=moment)
+    ignored = runtime_client.ignored_override(meta.get("annotations"))
+    if ignored is not None and (where, ignored) not in _WARNED_OVERRIDES:
+        _WARNED_OVERRIDES.add((where, ignored))
+        logger.warning("%s: ignoring the runtime-url annotation %r (not allowed)", where, ignored)
+        events(
+            "RuntimeUrlIgnored",
+            f"annotation {group.ANNOTATION_RUNTIME_URL}={ignored} ignored: the operator sends its "
+            "admin token only to the deployment's own Service unless it runs with "
+            "--allow-runtime-url-override (local development)",
+        )
     url = runtime_client.runtime_url(
         name=owner.name,
         namespace=owner.namespace,

@@ -4,12 +4,15 @@ Used by the operator to observe a deployment (``GET /elastic_ep/status``, ``GET 
 from the resize driver, to ask for a live resize (``POST /scale_elastic_ep``). Tests pass an
 ``httpx.MockTransport``.
 
-Where the runtime is reached, first match wins: the ``elasticmoe.io/runtime-url`` annotation of
-the MoEDeployment; with ``MOE_RUNTIME_URL_FROM_RAYCLUSTER=1`` (local runs only: whoever may
-annotate RayClusters could otherwise redirect the admin token), the
-``elasticmoe.io/local-endpoint`` annotation a local KubeRay stand-in puts on the RayCluster;
+Where the runtime is reached, first match wins: with ``MOE_ALLOW_RUNTIME_URL_OVERRIDE=1``
+(``moe-operator run --allow-runtime-url-override``; local development only), the
+``elasticmoe.io/runtime-url`` annotation of the MoEDeployment; with
+``MOE_RUNTIME_URL_FROM_RAYCLUSTER=1`` (the local KubeRay stand-in), the
+``elasticmoe.io/local-endpoint`` annotation it puts on the RayCluster;
 ``$MOE_RUNTIME_URL_TEMPLATE`` (``{name}``, ``{namespace}`` and ``{service}`` filled in); else
-the in-cluster Service.
+the in-cluster Service. Annotations are off by default because the operator sends its admin
+token and scale calls there: whoever may annotate a MoEDeployment could otherwise send them
+anywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ from moe_operator.plan import builders
 
 URL_TEMPLATE_ENV: Final = "MOE_RUNTIME_URL_TEMPLATE"
 FROM_RAYCLUSTER_ENV: Final = "MOE_RUNTIME_URL_FROM_RAYCLUSTER"
+ALLOW_OVERRIDE_ENV: Final = "MOE_ALLOW_RUNTIME_URL_OVERRIDE"
+
+
+def ignored_override(
+    annotations: Mapping[str, str] | None, *, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The ``elasticmoe.io/runtime-url`` annotation when it is set but not allowed (the
+    operator warns about it once)."""
+    env = os.environ if environ is None else environ
+    override = (annotations or {}).get(group.ANNOTATION_RUNTIME_URL)
+    return override if override and env.get(ALLOW_OVERRIDE_ENV) != "1" else None
 
 
 def runtime_url(
@@ -40,7 +54,7 @@ def runtime_url(
     """The base URL of a deployment's runtime API."""
     env = os.environ if environ is None else environ
     override = (annotations or {}).get(group.ANNOTATION_RUNTIME_URL)
-    if override:
+    if override and env.get(ALLOW_OVERRIDE_ENV) == "1":
         return override.rstrip("/")
     local = (raycluster_annotations or {}).get(group.ANNOTATION_LOCAL_ENDPOINT)
     if local and env.get(FROM_RAYCLUSTER_ENV) == "1":

@@ -255,3 +255,29 @@ def test_new_ranks_can_read_non_expert_weights_from_storage(
         assert set(dep.engine.stats().seqs_per_rank) <= {0, 1, 2}
     finally:
         dep.close()
+
+
+def test_status_reports_the_sequences_in_flight(deployment: Deployment) -> None:
+    """``load`` of /elastic_ep/status: running + queued sequences (the operator's autoscaler
+    decides on ``in_flight``), back to zero once they finished."""
+    assert deployment.elastic.status()["load"] == {"running": 0, "waiting": 0, "in_flight": 0}
+    handles = [
+        deployment.engine.add_request(
+            req.Request(
+                request_id=f"busy-{p}",
+                prompt_token_ids=PROMPTS[p],
+                sampling=step_mod.SamplingParams(temperature=0.0),
+                max_tokens=200,
+                ignore_eos=True,
+            )
+        )
+        for p in range(6)
+    ]
+    load = deployment.elastic.status()["load"]
+    assert load["in_flight"] == load["running"] + load["waiting"] == 6
+    for handle in handles:
+        handle.result(timeout=120)
+    deadline = time.monotonic() + 30  # the engine forgets a sequence after its last output
+    while deployment.elastic.status()["load"]["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deployment.elastic.status()["load"]["in_flight"] == 0

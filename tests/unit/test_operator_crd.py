@@ -112,8 +112,15 @@ def test_subresources() -> None:
 
 
 def test_printer_columns() -> None:
-    columns = {c["name"]: c["jsonPath"] for c in version()["additionalPrinterColumns"]}
+    printed = version()["additionalPrinterColumns"]
+    columns = {c["name"]: c["jsonPath"] for c in printed if not c.get("priority")}
     assert list(columns) == ["DP", "TARGET", "PHASE", "STAGE", "READY", "AGE"]
+    wide = {c["name"]: c["jsonPath"] for c in printed if c.get("priority") == 1}
+    assert wide == {
+        "DESIRED": ".status.autoscaling.desiredSize",
+        "IN-FLIGHT/RANK": ".status.autoscaling.metric",
+        "AUTOSCALER": ".status.autoscaling.reason",
+    }
     assert columns["STAGE"] == ".status.resize.stage"
     assert columns["READY"] == '.status.conditions[?(@.type=="Ready")].status'
 

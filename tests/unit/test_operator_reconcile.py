@@ -54,9 +54,10 @@ class FakeApi:
         return k8s_api.ApplyResult(obj=copy.deepcopy(stored), created=created)
 
     async def list(
-        self, *, api_version: str, kind: str, namespace: str, label_selector: str
+        self, *, api_version: str, kind: str, namespace: str, label_selector: str | None = None
     ) -> list[dict[str, Any]]:
-        wanted = dict(term.split("=", 1) for term in label_selector.split(","))
+        terms = label_selector.split(",") if label_selector else []
+        wanted = dict(term.split("=", 1) for term in terms)
         return [
             copy.deepcopy(obj)
             for (k, ns, _), obj in self.objects.items()
@@ -215,7 +216,22 @@ def test_ready_raycluster_and_runtime_make_it_serving() -> None:
     assert request.headers["Authorization"] == f"Bearer {token.decode()}"
 
 
-def test_runtime_url_annotation_is_used() -> None:
+def test_runtime_url_annotation_is_ignored_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOE_ALLOW_RUNTIME_URL_OVERRIDE", raising=False)
+    api, events, seen = FakeApi(), [], []
+    run(api, body(), events=events)
+    make_ready(api, 2)
+    obj = body(status=api.status)
+    obj["metadata"]["annotations"] = {"elasticmoe.io/runtime-url": "http://attacker.example:80"}
+    run(api, obj, events=events, factory=runtime_answering({"data_parallel_size": 2}, seen))
+    run(api, obj, events=events, factory=runtime_answering({"data_parallel_size": 2}, seen))
+    assert {str(r.url) for r in seen} == {"http://tiny-api.ml.svc:8000/elastic_ep/status"}
+    warnings = [m for reason, m in events if reason == "RuntimeUrlIgnored"]
+    assert len(warnings) == 1 and "attacker.example" in warnings[0]  # warned once
+
+
+def test_runtime_url_annotation_is_used_when_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_ALLOW_RUNTIME_URL_OVERRIDE", "1")
     api, events, seen = FakeApi(), [], []
     run(api, body(), events=events)
     make_ready(api, 2)

@@ -144,9 +144,13 @@ def test_health_is_false_when_unreachable() -> None:
         ({}, {"MOE_RUNTIME_URL_TEMPLATE": "http://127.0.0.1:9000/{namespace}/{name}"},
          "http://127.0.0.1:9000/ml/tiny"),
         ({"elasticmoe.io/runtime-url": "http://127.0.0.1:8123/"},
-         {"MOE_RUNTIME_URL_TEMPLATE": "http://x"}, "http://127.0.0.1:8123"),
+         {"MOE_RUNTIME_URL_TEMPLATE": "http://x", "MOE_ALLOW_RUNTIME_URL_OVERRIDE": "1"},
+         "http://127.0.0.1:8123"),
+        # without the operator's opt-in an annotation cannot redirect the admin token
+        ({"elasticmoe.io/runtime-url": "http://attacker.example:80/"}, {},
+         "http://tiny-api.ml.svc:8000"),
     ],
-    ids=["service", "env-template", "annotation-wins"],
+    ids=["service", "env-template", "annotation-wins-when-allowed", "annotation-ignored"],
 )  # fmt: skip
 def test_runtime_url(annotations: dict[str, str], environ: dict[str, str], url: str) -> None:
     local = {"elasticmoe.io/local-endpoint": "http://127.0.0.1:7777"}
@@ -160,6 +164,14 @@ def test_runtime_url(annotations: dict[str, str], environ: dict[str, str], url: 
         )
         == url
     )
+
+
+def test_an_ignored_override_is_reported() -> None:
+    bad = {"elasticmoe.io/runtime-url": "http://attacker.example"}
+    assert runtime_client.ignored_override(bad, environ={}) == "http://attacker.example"
+    allowed = {"MOE_ALLOW_RUNTIME_URL_OVERRIDE": "1"}
+    assert runtime_client.ignored_override(bad, environ=allowed) is None
+    assert runtime_client.ignored_override({}, environ={}) is None
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,8 @@ def operator(
         plane=control_plane,
         kubeconfig=operator_kubeconfig(control_plane, directory),
         log_path=directory / "operator.log",
+        # the fake runtime is reached by the runtime-url annotation (local development)
+        env={"MOE_ALLOW_RUNTIME_URL_OVERRIDE": "1"},
     )
     process.start()
     try:
