@@ -263,6 +263,7 @@ class ElasticService:
                     }
                 )
         ready, reason = self.readiness()
+        engine_stats = self.engine.stats()
         stage = current.stage if current is not None else stages.Stage.IDLE
         if current is None and last is not None:
             stage = last.stage
@@ -277,6 +278,12 @@ class ElasticService:
             "ready": ready,
             "ready_reason": reason,
             "auto_recover": self.recovery.status(),
+            # What the operator's autoscaler decides on: sequences running + queued.
+            "load": {
+                "running": engine_stats.num_running,
+                "waiting": engine_stats.num_waiting,
+                "in_flight": engine_stats.num_running + engine_stats.num_waiting,
+            },
             "eplb": {
                 "balancedness": self.ops.balancedness(),
                 "num_physical_experts": serving.placement.num_physical,
