@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -17,8 +18,8 @@ from typing import Any
 
 import uvicorn
 
+from moe_runtime import logs, server
 from moe_runtime import metrics as metrics_mod
-from moe_runtime import server
 from moe_runtime.elastic import coordinator as elastic_coordinator
 from moe_runtime.elastic import service as elastic_service
 from moe_runtime.elastic import serving as elastic_serving
@@ -30,6 +31,8 @@ log = logging.getLogger("moe_runtime.cli")
 
 LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
 LOG_DATEFMT = "%Y-%m-%dT%H:%M:%S"
+#: The running resize, for the JSON log lines (``--log-format json``).
+RESIZE_CONTEXT = logs.ResizeContext()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer token of the admin routes (default: $MOE_ADMIN_TOKEN; none = open)",
     )
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=os.environ.get(logs.FORMAT_ENV, "text"),
+        help="json: one JSON object per line with deployment, pod, rank, stage and resize_id "
+        f"(default: ${logs.FORMAT_ENV}, else text)",
+    )
     return parser
 
 
@@ -234,6 +244,8 @@ def serve(args: argparse.Namespace) -> int:
             ),
             registry=metrics.registry,
         )
+        if args.log_format == "json":
+            elastic.coordinator.on_change(RESIZE_CONTEXT.on_change)
         app = server.create_app(
             engine,
             served_model_name=name,
@@ -313,6 +325,8 @@ def _default_name(model: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+    if getattr(args, "log_format", "text") == "json":
+        logs.use_json(RESIZE_CONTEXT)
     if args.command == "serve":
         return serve(args)
     return 2
