@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
+import re
 from typing import Any
 
+import prometheus_client
 import yaml
 
+from moe_operator import metrics
 from moe_operator.api import crd
 from moe_operator.api import spec as spec_
-from moe_operator.plan import builders
+from moe_operator.plan import autoscale, builders
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
@@ -92,3 +96,89 @@ def test_chart_rbac_matches_the_manifests() -> None:
 
 def test_chart_ships_the_generated_crd() -> None:
     assert (CHART / "crds" / crd.FILE_NAME).read_text() == crd.render_crd()
+
+
+def test_autoscaling_sample_is_a_valid_spec() -> None:
+    (sample,) = docs(MANIFESTS / "samples" / "moedeployment-autoscaling.yaml")
+    spec = spec_.MoEDeploymentSpec.model_validate(sample["spec"])
+    auto = spec.autoscaling
+    assert auto.enabled and auto.target_in_flight_per_rank == 8
+    assert (auto.scale_up_stabilization_seconds, auto.scale_down_stabilization_seconds) == (15, 120)
+    assert spec.data_parallel_size == spec.min_data_parallel_size == 1
+
+
+def test_the_hpa_and_keda_samples_target_the_sample_and_the_operator_stands_down() -> None:
+    (hpa,) = docs(MANIFESTS / "samples" / "hpa.yaml")
+    (scaled,) = docs(MANIFESTS / "samples" / "keda-scaledobject.yaml")
+    name = docs(MANIFESTS / "samples" / "moedeployment.yaml")[0]["metadata"]["name"]
+    assert (
+        autoscale.external([hpa], name=name) == f"HorizontalPodAutoscaler {hpa['metadata']['name']}"
+    )
+    # KEDA's HPA for the ScaledObject: its scaleTargetRef, its labels
+    made = {
+        "metadata": {"name": f"keda-hpa-{scaled['metadata']['name']}",
+                     "labels": {autoscale.KEDA_LABEL: scaled["metadata"]["name"]}},
+        "spec": {"scaleTargetRef": scaled["spec"]["scaleTargetRef"]},
+    }  # fmt: skip
+    assert (
+        autoscale.external([made], name=name)
+        == "KEDA ScaledObject tiny (HorizontalPodAutoscaler keda-hpa-tiny)"
+    )
+    for obj in (hpa, scaled):
+        behavior = (
+            obj["spec"].get("behavior")
+            or obj["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        )
+        assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 15
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 120
+
+
+def test_the_metrics_service_reaches_the_operator() -> None:
+    deployment = by_kind(MANIFESTS / "deployment.yaml", "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    assert f"--metrics=0.0.0.0:{port}" in container["command"]
+    service = by_kind(MANIFESTS / "service.yaml", "Service")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    monitors = docs(MANIFESTS / "monitoring" / "servicemonitor.yaml")
+    operator = [m for m in monitors if m["metadata"]["name"] == "moe-operator"][0]
+    assert (
+        operator["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert operator["spec"]["endpoints"][0]["honorLabels"] is True
+
+
+def _exported(registry: prometheus_client.CollectorRegistry) -> set[str]:
+    """Every sample name a registry can export (labelled children need not exist yet)."""
+    names: set[str] = set()
+    for family in registry.collect():
+        suffixes = {
+            "counter": ["_total", "_created"],
+            "histogram": ["_bucket", "_sum", "_count", "_created"],
+            "gauge": [""],
+        }.get(family.type, [""])
+        names |= {family.name + s for s in suffixes}
+    return names
+
+
+def test_the_dashboard_only_uses_metrics_that_exist() -> None:
+    from moe_runtime import metrics as runtime_metrics
+    from moe_runtime.elastic import service as elastic_service
+
+    runtime = runtime_metrics.RuntimeMetrics()
+    elastic_service.ElasticMetrics(runtime.registry)
+    exported = _exported(runtime.registry) | _exported(metrics.OperatorMetrics().registry)
+    dashboard = json.loads((CHART / "dashboards" / "elastic-moe.json").read_text())
+    used = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        for name in re.findall(r"\bmoe_[a-z_]+\b", target["expr"])
+    }
+    assert used and used <= exported, sorted(used - exported)
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for subject in ("tokens/s", "time to first token", "queue depth", "data-parallel size",
+                    "resize stage", "balancedness"):  # fmt: skip
+        assert subject in titles
