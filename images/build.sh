@@ -46,9 +46,12 @@ deps_hash="$(printf '%s\n' "$freeze" | sha256sum | cut -c1-16)"
 base_image="${MOE_IMAGE_BASE:-elastic-moe/base:bookworm}"
 
 declare -A WANT  # image name -> stamp of its inputs
+# What goes into an image: its Dockerfile and the inputs named; bump BUILD_FORMAT when this
+# script changes what it puts in a build context (a change of how the daemon runs rebuilds nothing).
+BUILD_FORMAT=1
 stamp_of() { # name dockerfile extra...
   local name=$1 dockerfile=$2; shift 2
-  echo "$(hash_files "$dockerfile" images/build.sh)-$*"
+  echo "$BUILD_FORMAT-$(hash_files "$dockerfile")-$*"
 }
 WANT["$REGISTRY/operator:$VERSION"]="$(stamp_of operator images/operator/Dockerfile "$deps_hash" "$app_hash" "$base_image")"
 for v in ${VARIANTS//,/ }; do
@@ -76,10 +79,7 @@ fi
 log "to build: ${todo[*]}"
 
 # --- our own Docker daemon ---------------------------------------------------------------------
-if ! command -v dockerd >/dev/null; then
-  log "installing docker.io (Debian)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker.io >/dev/null
-fi
+command -v dockerd >/dev/null || bash scripts/apt-install.sh docker.io
 dockerd_pid=""
 stop_dockerd() {
   [[ -n "$dockerd_pid" ]] || return 0

@@ -103,20 +103,13 @@ DEBIAN_PACKAGES: Final = {
 
 def ensure_packages() -> None:
     """Debian's containerd, runc, CNI plugins and iptables (installed when missing)."""
-    missing = sorted(
-        {pkg for path, pkg in DEBIAN_PACKAGES.items() if not pathlib.Path(path).exists()}
-    )
+    missing = sorted({pkg for path, pkg in DEBIAN_PACKAGES.items() if not pathlib.Path(path).exists()})
     if not missing:
         return
     log(f"installing Debian packages: {' '.join(missing)}")
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
-    env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(["bash", str(REPO / "scripts" / "apt-install.sh"), *missing], check=False)
     if done.returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, check=False)
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise NodeError(f"apt-get install {' '.join(missing)} failed:\n{done.stderr[-2000:]}")
+        raise NodeError(f"could not install {' '.join(missing)} (see the [apt] lines above)")
 
 
 def ensure_built() -> None:

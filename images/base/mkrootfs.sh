@@ -17,10 +17,7 @@ MIRROR="${MOE_DEBIAN_MIRROR:-$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 PACKAGES=wget,ca-certificates,procps,iproute2,netbase,python3,python3-venv,libgomp1
 
-command -v debootstrap >/dev/null || {
-  echo "[images] installing debootstrap" >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null
-}
+command -v debootstrap >/dev/null || bash "$(dirname "$0")/../../scripts/apt-install.sh" debootstrap
 work="$(mktemp -d "${TMPDIR:-/tmp}/elastic-moe-rootfs.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 root="$work/rootfs"
