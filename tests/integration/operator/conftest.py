@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any, TypeVar
@@ -56,12 +57,25 @@ def operator(
         log_path=directory / "operator.log",
         # the fake runtime is reached by the runtime-url annotation (local development)
         env={"MOE_ALLOW_RUNTIME_URL_OVERRIDE": "1"},
+        args=["--metrics", f"127.0.0.1:{_free_port()}"],
     )
     process.start()
     try:
         yield process
     finally:
         process.stop()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def metrics_url(process: OperatorProcess) -> str:
+    """Where the operator process serves ``/metrics`` (its ``--metrics`` address)."""
+    return f"http://{process.args[process.args.index('--metrics') + 1]}/metrics"
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ def test_kustomize_dry_run(control_plane: cluster.ControlPlane) -> None:
         "clusterrole.rbac.authorization.k8s.io/elastic-moe-operator",
         "clusterrolebinding.rbac.authorization.k8s.io/elastic-moe-operator",
         "deployment.apps/moe-operator",
+        "service/moe-operator-metrics",
     ):
         assert name in out
 
@@ -52,6 +53,20 @@ def test_operator_service_account_cannot_delete(control_plane: cluster.ControlPl
     assert can("update", "secrets") == "no"
     assert can("list", "secrets") == "no"
     assert can("create", "pods") == "no"
+    # the autoscaler: the size through the scale subresource only; HPAs listed, never changed
+    assert can("patch", "moedeployments.elasticmoe.io", "--subresource=scale") == "yes"
+    assert can("update", "moedeployments.elasticmoe.io") == "no"
+    assert can("list", "horizontalpodautoscalers.autoscaling") == "yes"
+    assert can("patch", "horizontalpodautoscalers.autoscaling") == "no"
+
+
+def test_the_hpa_sample_is_accepted(control_plane: cluster.ControlPlane) -> None:
+    control_plane.kubectl("create", "namespace", "hpa-sample", check=False)
+    control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-n", "hpa-sample",
+        "-f", str(ops.REPO / "manifests/samples/hpa.yaml"),
+        "-f", str(ops.REPO / "manifests/samples/moedeployment-autoscaling.yaml"),
+    )  # fmt: skip
 
 
 HELM = shutil.which("helm") or shutil.which("helm", path=str(cluster.cache_dir() / "bin"))
