@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
 import pytest
+import yaml
 
 from e2e.controlplane import cluster
 from tests.integration.operator import conftest as ops
@@ -88,3 +90,24 @@ def test_helm_chart_dry_run(control_plane: cluster.ControlPlane) -> None:
     control_plane.kubectl(
         "apply", "--dry-run=server", "--validate=strict", "-f", "-", input=rendered
     )
+
+
+@pytest.mark.skipif(
+    HELM is None, reason="helm is not installed (e2e/controlplane/build.sh builds it)"
+)
+def test_helm_chart_renders_the_monitoring_objects() -> None:
+    assert HELM is not None
+    rendered = subprocess.run(
+        [HELM, "template", "moe", str(ops.REPO / "charts" / "elastic-moe"),
+         "--namespace", ops.OPERATOR_NAMESPACE, "--set", "metrics.serviceMonitor.enabled=true",
+         "--set", "dashboards.enabled=true", "--set", "logFormat=json"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds.count("ServiceMonitor") == 2 and "ConfigMap" in kinds
+    (dashboards,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert json.loads(dashboards["data"]["elastic-moe.json"])["uid"] == "elastic-moe"
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--metrics=0.0.0.0:8081" in command and "--log-format=json" in command
