@@ -10,6 +10,10 @@ Measured in one run, with one `moe-runtime serve` (Ray ranks, compiled step grap
   expert) the new placement needs and the old one did not hold, times the bytes of one expert);
 - balancedness before and after (over the EPLB window).
 
+It also draws the run (e2e/timeline.py): tokens/s over time, per rank by their share of the
+routed tokens, the stage bands of both resizes, the size, and `requests: ok=N failed=M`, into
+`--png` (default out/resize-timeline.png).
+
 Run: .venv/bin/python bench/resize.py   (a few minutes on 2 cores; prints figures, asserts none)
 """
 
@@ -29,6 +33,7 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from e2e import timeline  # noqa: E402
 from tests.support import runtime_proc  # noqa: E402
 
 TOKEN = "bench-token"
@@ -43,6 +48,8 @@ class StreamingLoad:
         self.ok = 0
         self.failed = 0
         self.max_gap = 0.0
+        #: (wall time, tokens) of every streamed delta: the timeline's tokens/s
+        self.token_times: list[tuple[float, int]] = []
         self._window: tuple[float, float] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -72,9 +79,10 @@ class StreamingLoad:
                             if not line.startswith("data: ") or line == "data: [DONE]":
                                 continue
                             now = time.monotonic()
-                            if last is not None:
-                                with self._lock:
+                            with self._lock:
+                                if last is not None:
                                     self.max_gap = max(self.max_gap, now - last)
+                                self.token_times.append((time.time(), 1))
                             last = now
                     with self._lock:
                         self.ok += 1
@@ -131,6 +139,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--step-mode", choices=("compiled", "remote"), default="compiled")
     parser.add_argument("--json", action="store_true", help="also print the raw records")
+    parser.add_argument(
+        "--png",
+        type=pathlib.Path,
+        default=ROOT / "out" / "resize-timeline.png",
+        help="where to draw the timeline (default: out/resize-timeline.png)",
+    )
     args = parser.parse_args()
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-resize-"))
     per_expert = bytes_per_expert(args.model)
@@ -145,7 +159,10 @@ def main() -> None:
         f"{args.step_mode} step graph, {args.clients} streaming clients)"
     )
     results = []
+    sampler = timeline.Sampler(lambda: srv.url, interval_s=0.5)
     try:
+        started = time.time()
+        sampler.start()
         with StreamingLoad(srv.url, args.model.split("//")[1].split("?")[0], args.clients) as load:
             deadline = time.monotonic() + 120
             while load.ok < args.clients and time.monotonic() < deadline:
@@ -154,8 +171,25 @@ def main() -> None:
                 load.measure_from()
                 record = resize(srv.url, to)
                 results.append((record, load.max_gap))
+            settle = time.monotonic() + 10  # a little serving at the final size
+            while time.monotonic() < settle:
+                time.sleep(0.1)
             ok, failed = load.ok, load.failed
+        sampler.stop()
+        history = httpx.get(f"{srv.url}/elastic_ep/status", headers=AUTH, timeout=60).json()
+        picture = timeline.Timeline(
+            title=f"bench/resize.py: {args.model}, 2→4→2 under {args.clients} streaming clients",
+            start=started,
+            end=time.time(),
+            tokens=list(load.token_times),
+            samples=list(sampler.samples),
+            resizes=history["history"],
+            ok=ok,
+            failed=failed,
+            initial_size=2,
+        )
     finally:
+        sampler.stop()
         srv.stop()
     colds = {size: cold_start(args.model, size, workdir) for size in (4, 2)}
     print()
@@ -181,6 +215,7 @@ def main() -> None:
         stages = ", ".join(f"{s['stage']} {s['duration_s']:.2f}s" for s in record["stages"])
         print(f"  {record['from']}->{record['to']} stages: {stages}")
         print(f"  non-expert bytes moved: {record['bytes_moved']['non_expert'] / 1e6:.1f} MB")
+    print(f"timeline: {timeline.render(picture, args.png)}")
     print(f"requests: ok={ok} failed={failed}")
     if args.json:
         print(json.dumps([r for r, _ in results], indent=2))
