@@ -74,6 +74,12 @@ unit: setup
 integration: setup controlplane
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
+## fuzz: the runtime API against its OpenAPI schema, long (make test runs 25 examples a case)
+.PHONY: fuzz
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	MOE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/integration/test_fuzz.py $(PYTEST_ARGS)
+
 ## e2e: the real-node tier (starts the node, or reuses the one cluster-up started)
 e2e: setup images
 	$(PY) -m pytest -q e2e/cluster $(PYTEST_ARGS)

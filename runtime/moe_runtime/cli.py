@@ -3,11 +3,13 @@
 `serve` joins the Ray cluster at RAY_ADDRESS (or starts a local one on 127.0.0.1), starts one
 rank per DP rank with an identity expert placement, the engine and the HTTP server. Ctrl-C or
 SIGTERM stops it cleanly: server, engine, executor, and the Ray instance it started.
+`build(args)` makes the same serving process without the HTTP server (tests drive its app).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -16,21 +18,25 @@ import time
 import types
 from typing import Any
 
+import fastapi
 import uvicorn
 
 from moe_runtime import logs, server
 from moe_runtime import metrics as metrics_mod
+from moe_runtime.elastic import admin as elastic_admin
 from moe_runtime.elastic import coordinator as elastic_coordinator
 from moe_runtime.elastic import service as elastic_service
 from moe_runtime.elastic import serving as elastic_serving
 from moe_runtime.engine import core
 from moe_runtime.eplb import policy
 from moe_runtime.model import source as source_mod
+from moe_runtime.model import tokenizer as tokenizer_mod
 
 log = logging.getLogger("moe_runtime.cli")
 
 LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
 LOG_DATEFMT = "%Y-%m-%dT%H:%M:%S"
+DEFAULT_MAX_QUEUED = 1024
 #: The running resize, for the JSON log lines (``--log-format json``).
 RESIZE_CONTEXT = logs.ResizeContext()
 
@@ -67,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=2048,
         help="token budget of one rank in one step (bounds prefill chunks)",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=_non_negative,
+        default=DEFAULT_MAX_QUEUED,
+        help="requests that may wait for a sequence slot; more get 429 with Retry-After "
+        "(never while a resize runs); 0 = no bound",
+    )
+    serve.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="serve token ids only (no tokenizer: a text prompt gets 400), as vLLM's flag",
     )
     serve.add_argument("--dtype", default="float32")
     serve.add_argument(
@@ -118,9 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a heartbeat answer before a rank counts as hung and is fenced",
     )
     elastic.add_argument(
+        "--drain-timeout",
+        type=_non_negative,
+        default=0,
+        help="seconds a shrink lets sequences on departing ranks finish before it migrates the "
+        "rest, when the request gives no drain_timeout (0 = migrate at once)",
+    )
+    elastic.add_argument(
         "--admin-token",
         default=None,
         help="bearer token of the admin routes (default: $MOE_ADMIN_TOKEN; none = open)",
+    )
+    elastic.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="read the admin token from this file, again whenever it changes (a mounted "
+        "Secret; default: $MOE_ADMIN_TOKEN_FILE)",
     )
     serve.add_argument("--log-level", default="INFO")
     serve.add_argument(
@@ -158,16 +189,54 @@ def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Runs the server until SIGINT/SIGTERM; returns the exit status."""
-    # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
-    signal.signal(signal.SIGTERM, _raise_exit)
-    started = time.monotonic()
+@dataclasses.dataclass
+class Runtime:
+    """A serving process without its HTTP server: `app` serves it; `close()` stops it all."""
+
+    name: str = ""
+    app: fastapi.FastAPI | None = None
+    engine: core.Engine | None = None
+    executor: Any = None
+    elastic: elastic_service.ElasticService | None = None
+    cluster: Any = None
+    owns_ray: bool = False
+
+    def close(self) -> None:
+        if self.elastic is not None:
+            self.elastic.close()
+        _shutdown(self.engine, self.executor, self.cluster, owns_ray=self.owns_ray)
+
+
+def build(
+    args: argparse.Namespace,
+    *,
+    src: source_mod.ModelSource | None = None,
+    tokens: elastic_admin.TokenSource | None = None,
+) -> Runtime:
+    """Ranks, engine, elasticity and app of `serve` (the engine started); on failure what was
+    started is stopped before the error is raised."""
+    runtime = Runtime()
     try:
+        _build_into(runtime, args, src=src, tokens=tokens)
+    except BaseException:
+        runtime.close()
+        raise
+    return runtime
+
+
+def _build_into(
+    runtime: Runtime,
+    args: argparse.Namespace,
+    *,
+    src: source_mod.ModelSource | None,
+    tokens: elastic_admin.TokenSource | None,
+) -> None:
+    if src is None:
         src = source_mod.open_source(args.model)
-    except (OSError, ValueError) as exc:
-        log.error("serve: cannot open model %r: %s", args.model, exc)
-        return 1
+    if tokens is None:
+        tokens = elastic_admin.token_source(
+            token=args.admin_token, token_file=args.admin_token_file
+        )
     cfg = src.config
     num_ranks = args.data_parallel_size
     num_physical = policy.num_physical_for(cfg.num_experts, num_ranks, args.num_redundant_experts)
@@ -180,93 +249,120 @@ def serve(args: argparse.Namespace) -> int:
             num_physical // num_ranks,
         )
     placement = policy.identity(cfg.num_layers, cfg.num_experts, num_physical, num_ranks)
-    name = args.served_model_name or _default_name(args.model)
+    runtime.name = args.served_model_name or _default_name(args.model)
+    if args.executor == "ray":
+        from moe_runtime.executor import cluster as cluster_mod  # imports ray: only here
+        from moe_runtime.executor import ray_executor  # imports ray: only here
+
+        runtime.cluster = cluster_mod
+        slots = max(8, num_ranks, args.max_data_parallel_size or 0)
+        runtime.owns_ray = cluster_mod.connect(num_rank_slots=slots)
+        use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
+        runtime.executor = ray_executor.RayExecutor(
+            num_ranks, dtype=args.dtype, step_mode=args.step_mode, use_gpu=use_gpu
+        )
+    else:
+        from moe_runtime.executor import local
+
+        runtime.executor = local.LocalExecutor(num_ranks, dtype=args.dtype)
+    executor = runtime.executor
+    log.info("serve: loading %s on %d ranks (%s executor)", args.model, num_ranks, args.executor)
+    executor.start(args.model, placement=placement)
+    if args.skip_tokenizer_init:
+        tok: tokenizer_mod.Tokenizer = tokenizer_mod.NoTokenizer(
+            vocab_size=cfg.vocab_size,
+            bos_token_id=cfg.bos_token_id,
+            eos_token_id=cfg.eos_token_id,
+            reason="served with --skip-tokenizer-init",
+        )
+    else:
+        tok = src.tokenizer()
+    runtime.engine = engine = core.Engine(
+        executor,
+        tok,
+        core.EngineConfig(
+            max_model_len=cfg.max_position_embeddings,
+            max_num_seqs_per_rank=args.max_num_seqs,
+            max_tokens_per_step=max(args.max_tokens_per_step, args.max_num_seqs),
+        ),
+        max_queued_requests=args.max_queued_requests or None,
+    )
+    metrics = metrics_mod.RuntimeMetrics(stats=engine.stats)
+    engine.set_observer(metrics)
+    max_size = args.max_data_parallel_size or max(8, num_ranks)
+    runtime.elastic = elastic = elastic_service.ElasticService.attach(
+        engine=engine,
+        executor=executor,
+        model_config=cfg,
+        placement=placement,
+        config=elastic_serving.ElasticConfig(
+            source=args.model,
+            num_redundant_experts=args.num_redundant_experts,
+            weight_source=args.weight_source,
+            eplb_enabled=args.eplb,
+            eplb_window_size=args.eplb_window_size,
+            eplb_step_interval=args.eplb_step_interval,
+            auto_recover=args.auto_recover,
+            hang_timeout=args.rank_hang_timeout,
+        ),
+        limits=elastic_coordinator.Limits(
+            min_size=args.min_data_parallel_size,
+            max_size=max_size,
+            num_experts=cfg.num_experts,
+            num_redundant_experts=args.num_redundant_experts,
+            max_experts_per_rank=args.max_experts_per_rank,
+        ),
+        registry=metrics.registry,
+        drain_timeout=float(args.drain_timeout),
+    )
+    if getattr(args, "log_format", "text") == "json":
+        elastic.coordinator.on_change(RESIZE_CONTEXT.on_change)
+    runtime.app = server.create_app(
+        engine,
+        served_model_name=runtime.name,
+        metrics=metrics,
+        vocab_size=cfg.vocab_size,
+        admin_router=elastic.router(token=tokens),
+        readiness=elastic.readiness,
+    )
+    engine.start()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the server until SIGINT/SIGTERM; returns the exit status."""
+    # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
+    signal.signal(signal.SIGTERM, _raise_exit)
+    started = time.monotonic()
+    try:
+        src = source_mod.open_source(args.model)
+    except (OSError, ValueError) as exc:
+        log.error("serve: cannot open model %r: %s", args.model, exc)
+        return 1
+    try:
+        tokens = elastic_admin.token_source(
+            token=args.admin_token, token_file=args.admin_token_file
+        )
+    except ValueError as exc:
+        log.error("serve: admin token: %s", exc)
+        return 1
 
     status = 0
-    owns_ray = False
-    executor: Any = None
-    engine: core.Engine | None = None
-    elastic: elastic_service.ElasticService | None = None
-    cluster: Any = None
+    runtime: Runtime | None = None
     try:
-        if args.executor == "ray":
-            from moe_runtime.executor import cluster as cluster_mod  # imports ray: only here
-            from moe_runtime.executor import ray_executor  # imports ray: only here
-
-            cluster = cluster_mod
-            slots = max(8, num_ranks, args.max_data_parallel_size or 0)
-            owns_ray = cluster.connect(num_rank_slots=slots)
-            use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
-            executor = ray_executor.RayExecutor(
-                num_ranks, dtype=args.dtype, step_mode=args.step_mode, use_gpu=use_gpu
-            )
-        else:
-            from moe_runtime.executor import local
-
-            executor = local.LocalExecutor(num_ranks, dtype=args.dtype)
-        log.info(
-            "serve: loading %s on %d ranks (%s executor)", args.model, num_ranks, args.executor
-        )
-        executor.start(args.model, placement=placement)
-        engine = core.Engine(
-            executor,
-            src.tokenizer(),
-            core.EngineConfig(
-                max_model_len=cfg.max_position_embeddings,
-                max_num_seqs_per_rank=args.max_num_seqs,
-                max_tokens_per_step=max(args.max_tokens_per_step, args.max_num_seqs),
-            ),
-        )
-        metrics = metrics_mod.RuntimeMetrics(stats=engine.stats)
-        engine.set_observer(metrics)
-        max_size = args.max_data_parallel_size or max(8, num_ranks)
-        elastic = elastic_service.ElasticService.attach(
-            engine=engine,
-            executor=executor,
-            model_config=cfg,
-            placement=placement,
-            config=elastic_serving.ElasticConfig(
-                source=args.model,
-                num_redundant_experts=args.num_redundant_experts,
-                weight_source=args.weight_source,
-                eplb_enabled=args.eplb,
-                eplb_window_size=args.eplb_window_size,
-                eplb_step_interval=args.eplb_step_interval,
-                auto_recover=args.auto_recover,
-                hang_timeout=args.rank_hang_timeout,
-            ),
-            limits=elastic_coordinator.Limits(
-                min_size=args.min_data_parallel_size,
-                max_size=max_size,
-                num_experts=cfg.num_experts,
-                num_redundant_experts=args.num_redundant_experts,
-                max_experts_per_rank=args.max_experts_per_rank,
-            ),
-            registry=metrics.registry,
-        )
-        if args.log_format == "json":
-            elastic.coordinator.on_change(RESIZE_CONTEXT.on_change)
-        app = server.create_app(
-            engine,
-            served_model_name=name,
-            metrics=metrics,
-            vocab_size=cfg.vocab_size,
-            admin_router=elastic.router(token=args.admin_token),
-            readiness=elastic.readiness,
-        )
-        engine.start()
+        runtime = build(args, src=src, tokens=tokens)
         log.info(
             "serve: model '%s' ready on %d ranks in %.1f s; listening on http://%s:%d",
-            name,
-            num_ranks,
+            runtime.name,
+            args.data_parallel_size,
             time.monotonic() - started,
             args.host,
             args.port,
         )
+        assert runtime.app is not None and runtime.elastic is not None
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_config=None, access_log=False
+            runtime.app, host=args.host, port=args.port, log_config=None, access_log=False
         )
-        _Server(config, on_exit=elastic.close).run()
+        _Server(config, on_exit=runtime.elastic.close).run()
     except KeyboardInterrupt:
         log.info("serve: interrupted")
     except SystemExit as exc:
@@ -277,12 +373,11 @@ def serve(args: argparse.Namespace) -> int:
             status = exc.code if isinstance(exc.code, int) else 1
         log.info("serve: exiting (%s)", exc.code)
     except Exception:
-        log.exception("serve: failed (model %s, %d ranks)", args.model, num_ranks)
+        log.exception("serve: failed (model %s, %d ranks)", args.model, args.data_parallel_size)
         status = 1
     finally:
-        if elastic is not None:
-            elastic.close()
-        _shutdown(engine, executor, cluster, owns_ray=owns_ray)
+        if runtime is not None:
+            runtime.close()
     return status
 
 

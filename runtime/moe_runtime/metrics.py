@@ -41,7 +41,8 @@ class RuntimeMetrics:
         self._stats = stats
         self.requests = prometheus_client.Counter(
             "moe_requests",
-            "Completion requests by outcome (stop, length, abort, error, rejected).",
+            "Completion requests by outcome (stop, length, abort, error; rejected: invalid, "
+            "queue_full: refused with 429 because the queue was at its bound).",
             ["outcome"],
             registry=r,
         )
@@ -139,6 +140,9 @@ class RuntimeMetrics:
 
     def observe_rejected(self) -> None:
         self.requests.labels(outcome="rejected").inc()
+
+    def observe_queue_full(self) -> None:
+        self.requests.labels(outcome="queue_full").inc()
 
     def render(self) -> bytes:
         return bytes(prometheus_client.generate_latest(self.registry))

@@ -2,7 +2,12 @@
 
 `create_app(engine, served_model_name=...)` builds the FastAPI app around a started engine; the
 resize coordinator plugs its admin routes in with `admin_router`. Every error is answered in
-the OpenAI error shape `{"error": {"message", "type", "param", "code"}}`.
+the OpenAI error shape `{"error": {"message", "type", "param", "code"}}` (`param` names the
+field at fault), and the OpenAPI document (`/openapi.json`) lists every status a route answers
+with its body, so a schema fuzzer (tests/integration/test_fuzz.py) can hold the server to it.
+
+Backpressure: a request that finds the engine's queue at its bound (`--max-queued-requests`)
+gets 429 with `Retry-After`; while a resize runs none is refused (`engine.queue`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ import pydantic
 from fastapi import encoders, exceptions, responses
 from starlette import exceptions as starlette_exceptions
 
+from moe_runtime import api_schema
 from moe_runtime import metrics as metrics_mod
 from moe_runtime import step as step_types
 from moe_runtime.engine import core
+from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
+from moe_runtime.model import tokenizer as tokenizer_mod
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,7 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -61,6 +70,7 @@ class ApiError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {
@@ -73,7 +83,12 @@ class ApiError(Exception):
         }
 
     def response(self) -> responses.JSONResponse:
-        return responses.JSONResponse(status_code=self.status_code, content=self.body())
+        return responses.JSONResponse(
+            status_code=self.status_code, content=self.body(), headers=self.headers
+        )
+
+
+_Int = api_schema.JsonInt
 
 
 class StreamOptions(pydantic.BaseModel):
@@ -88,18 +103,18 @@ class CompletionRequest(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", strict=True)
 
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, pydantic.Field(ge=1)] | None = 16  # None: the rest of the context
+    prompt: str | list[_Int] | list[str] | list[list[_Int]]
+    max_tokens: Annotated[_Int, pydantic.Field(ge=1)] | None = 16  # None: the rest of the context
     temperature: Annotated[float, pydantic.Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, pydantic.Field(gt=0.0, le=1.0)] = 1.0
-    seed: int | None = None
+    seed: _Int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, pydantic.Field(ge=1)] = 1
-    best_of: int | None = None
+    n: Annotated[_Int, pydantic.Field(ge=1)] = 1
+    best_of: _Int | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: _Int | None = None
     suffix: str | None = None
     user: str | None = None
     presence_penalty: float = 0.0
@@ -132,6 +147,7 @@ def create_app(
         metrics = metrics_mod.RuntimeMetrics(stats=engine.stats)
         engine.set_observer(metrics)
     app = fastapi.FastAPI(title="elastic-moe runtime", version="0.1.0")
+    api_schema.install(app)
     api = _Api(
         engine,
         tokenizer=tokenizer,
@@ -145,7 +161,10 @@ def create_app(
     @app.exception_handler(ApiError)
     async def on_api_error(request: fastapi.Request, exc: ApiError) -> responses.JSONResponse:
         if request.url.path == "/v1/completions":
-            metrics.observe_rejected()
+            if exc.status_code == 429:
+                metrics.observe_queue_full()
+            else:
+                metrics.observe_rejected()
         return exc.response()
 
     @app.exception_handler(exceptions.RequestValidationError)
@@ -166,15 +185,28 @@ def create_app(
             resp.headers.update(exc.headers)
         return resp
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses=api_schema.responses(
+            {200: api_schema.COMPLETION_200, 404: "Unknown model"},
+            429,
+            500,
+            503,
+        ),
+    )
     async def completions(body: CompletionRequest, request: fastapi.Request) -> responses.Response:
         return await api.completions(body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=api_schema.ModelList)
     async def models() -> dict[str, Any]:
         return api.models()
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=api_schema.HealthBody,
+        responses=api_schema.responses({503: "The engine loop is not running"}),
+    )
     async def health() -> responses.JSONResponse:
         if engine.is_alive():
             return responses.JSONResponse({"status": "ok"})
@@ -182,7 +214,11 @@ def create_app(
             503, "the engine loop is not running", type_="server_error", code="engine_dead"
         ).response()
 
-    @app.get("/ready")
+    @app.get(
+        "/ready",
+        response_model=api_schema.ReadyBody,
+        responses={503: {"description": "Not ready", "model": api_schema.ReadyBody}},
+    )
     async def ready() -> responses.JSONResponse:
         ok, reason = (
             readiness() if readiness is not None else (engine.is_alive(), "engine loop state")
@@ -193,7 +229,7 @@ def create_app(
             status_code=503, content={"status": "not_ready", "reason": reason}
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=responses.PlainTextResponse)
     async def prometheus() -> responses.Response:
         return responses.Response(
             content=metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
@@ -211,10 +247,16 @@ _UNION_FIELDS = {
 }
 
 
+#: The first element of a validation error's location says where the field is.
+_LOCATIONS = ("body", "query", "header", "path", "cookie")
+
+
 def _validation_error(errors: Sequence[Any]) -> ApiError:
     """FastAPI's validation errors as one OpenAI error naming the first bad field."""
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in _LOCATIONS:
+        loc = loc[1:]
     kind = first.get("type", "")
     if kind == "json_invalid":
         return ApiError(400, f"malformed JSON body: {first.get('msg', '')}", code="invalid_json")
@@ -312,6 +354,14 @@ class _Api:
         stop: list[str] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise ApiError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings", param="stop")
+        if any(stop) and not getattr(self.tokenizer, "has_text", True):
+            raise ApiError(
+                400,
+                "this model has no tokenizer: stop strings cannot be matched (stop on token ids "
+                "with max_tokens, or serve a model with tokenizer.json)",
+                param="stop",
+                code="no_tokenizer",
+            )
         seed = body.seed
         if seed is None and body.temperature > 0:
             # A seed fixed here keeps an unseeded request reproducible across a migration.
@@ -338,7 +388,10 @@ class _Api:
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except tokenizer_mod.TokenizerUnavailable as exc:
+                raise ApiError(400, str(exc), param="prompt", code="no_tokenizer") from exc
         else:
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -363,6 +416,14 @@ class _Api:
             handle = self.engine.add_request(engine_request)
         except core.EngineStopped as exc:
             raise ApiError(503, str(exc), type_="server_error", code="engine_stopped") from exc
+        except queue_mod.QueueFull as exc:
+            raise ApiError(
+                429,
+                str(exc),
+                type_="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(exc.retry_after)},
+            ) from exc
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
         if body.stream:

@@ -158,9 +158,13 @@ class Coordinator:
         *,
         limits: Limits,
         busy: Callable[[], bool] | None = None,
+        drain_timeout: float = 0.0,
     ) -> None:
         self._ops = ops
         self.limits = limits
+        #: Seconds a shrink waits for sequences on departing ranks to finish before migrating
+        #: them, when the request does not say (`--drain-timeout`; 0 = migrate at once).
+        self.drain_timeout = drain_timeout
         self._busy = busy or (lambda: False)
         self._lock = threading.Lock()
         self._current: records.ResizeRecord | None = None
@@ -216,13 +220,27 @@ class Coordinator:
         self._listeners.append(listener)
 
     # -- commands ------------------------------------------------------------------------
+    def set_limits(self, limits: Limits) -> None:
+        """Sizes later requests are checked against (a running resize keeps its size)."""
+        with self._lock:
+            self.limits = limits
+
     def inject_failure(self, stage: stages.Stage) -> None:
         """Test hook: the next resize that reaches `stage` fails there (after its work ran)."""
         with self._lock:
             self._fail_stage = stage
 
-    def request(self, new_size: int, *, trigger: str = records.TRIGGER_API) -> records.ResizeRecord:
+    def request(
+        self,
+        new_size: int,
+        *,
+        trigger: str = records.TRIGGER_API,
+        drain_timeout: float | None = None,
+    ) -> records.ResizeRecord:
         """Start a resize to `new_size` ranks, or return the running one with the same target.
+
+        drain_timeout: seconds a shrink lets sequences on departing ranks finish (default
+        `self.drain_timeout`); the running resize keeps its own.
 
         Raises InvalidResize (400) for a size the deployment cannot take and ResizeConflict
         (409) when another target is being resized to (or a recovery runs toward another).
@@ -245,6 +263,7 @@ class Coordinator:
                 from_size=from_size,
                 to_size=new_size,
                 trigger=trigger,
+                drain_timeout_s=self.drain_timeout if drain_timeout is None else drain_timeout,
             )
             if from_size == new_size:
                 record.message = f"already serving at data parallel size {new_size}"

@@ -17,8 +17,10 @@ Scale down M→N (the highest ranks leave):
 - Reshuffling: the placement for the N survivors is staged on them (experts on departing
   ranks are copied to survivors first; the live placement keeps serving); the survivors build
   the next epoch's groups in the background.
-- Migrating: sequences on departing ranks move to survivors at a step boundary and are
-  re-prefilled there with prompt + tokens generated so far (none is aborted).
+- Migrating: departing ranks take no new sequence; the sequences on them get up to the
+  record's `drain_timeout_s` to finish there (`drain_timeout` of the request, else
+  `--drain-timeout`), then the rest move to survivors at a step boundary and are re-prefilled
+  there with prompt + tokens generated so far (none is aborted).
 - Switching: at one boundary the graph is rebuilt over the N survivors under the new epoch.
 - Releasing: the departing workers stop; the record names their pods (`freed`).
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +53,8 @@ from moe_runtime.executor import base as executor_base
 from moe_runtime.model import config as config_mod
 
 log = logging.getLogger(__name__)
+
+DRAIN_POLL_SECONDS = 0.01
 
 
 @dataclasses.dataclass
@@ -416,15 +421,31 @@ class EngineResizeOps:
         self.executor.build_groups(survivors, epoch=plan.epoch, timeout=self.config.rpc_timeout)
 
     def _down_migrate(self, plan: Plan, record: records.ResizeRecord) -> None:
-        plan.migrated = True
+        plan.migrated = True  # from here on, rollback clears the draining marks
+        there: set[str] = set()
+        if record.drain_timeout_s > 0:
+            there = set(self._at_boundary(lambda: self.engine.drain(plan.departing).result()))
+            self._wait_drained(plan, record.drain_timeout_s)
         moved = self._at_boundary(lambda: self.engine.migrate_from(plan.departing).result())
         record.sequences_migrated += len(moved)
+        record.sequences_drained += len(there - set(moved))
         log.info(
             "resize %s: migrated %d sequences off ranks %s",
             record.resize_id,
             len(moved),
             plan.departing,
         )
+
+    def _wait_drained(self, plan: Plan, timeout: float) -> None:
+        """Until no sequence runs on the departing ranks, or `timeout` s (the engine steps)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if plan.generation != self.serving.generation:
+                raise RuntimeError("a rank was lost and the runtime recovered meanwhile")
+            per_rank = self.engine.stats().seqs_per_rank
+            if not any(per_rank.get(r, 0) for r in plan.departing):
+                return
+            time.sleep(DRAIN_POLL_SECONDS)
 
     def _down_switch(self, plan: Plan, record: records.ResizeRecord) -> None:
         def migrate_late() -> None:

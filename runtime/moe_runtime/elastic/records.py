@@ -79,7 +79,9 @@ class RecoveryInfo:
 class ResizeRecord:
     """One resize from `from_size` to `to_size` ranks, or one recovery (kind "recovery").
 
-    trigger: what started it (TRIGGER_*); recovery: set for kind "recovery".
+    trigger: what started it (TRIGGER_*); recovery: set for kind "recovery". drain_timeout_s: how
+    long a shrink lets sequences on departing ranks finish there before it migrates the rest;
+    sequences_drained: those that finished there, sequences_migrated: those moved.
     """
 
     resize_id: str
@@ -103,6 +105,8 @@ class ResizeRecord:
     balancedness_after: float | None = None
     freed: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     sequences_migrated: int = 0
+    drain_timeout_s: float = 0.0
+    sequences_drained: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -161,5 +165,7 @@ class ResizeRecord:
                 },
                 "freed": list(self.freed),
                 "sequences_migrated": self.sequences_migrated,
+                "drain_timeout_s": self.drain_timeout_s,
+                "sequences_drained": self.sequences_drained,
                 "recovery": None if self.recovery is None else self.recovery.to_json(),
             }

@@ -17,7 +17,7 @@ from typing import Any
 import fastapi
 import prometheus_client
 
-from moe_runtime.elastic import admin, rebalance, records, recovery, stages
+from moe_runtime.elastic import admin, rebalance, records, recovery, settings, stages
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import ops as ops_mod
 from moe_runtime.elastic import serving as serving_mod
@@ -129,6 +129,7 @@ class ElasticService:
     recovery: recovery.Recovery
     engine: engine_core.Engine
     executor: executor_base.Executor
+    live: settings.LiveSettings
     metrics: ElasticMetrics | None = None
 
     @classmethod
@@ -143,6 +144,7 @@ class ElasticService:
         limits: coord_mod.Limits,
         registry: prometheus_client.CollectorRegistry | None = None,
         epoch: int = 0,
+        drain_timeout: float = 0.0,
     ) -> ElasticService:
         serving = serving_mod.Serving(
             placement=placement, num_ranks=executor.num_ranks, epoch=epoch, next_epoch=epoch + 1
@@ -169,7 +171,11 @@ class ElasticService:
             stats = engine.stats()
             return stats.num_running + stats.num_waiting > 0
 
-        coord = coord_mod.Coordinator(mechanics, limits=limits, busy=busy)
+        coord = coord_mod.Coordinator(
+            mechanics, limits=limits, busy=busy, drain_timeout=drain_timeout
+        )
+        # A resize or recovery never causes a 429: arrivals meanwhile are queued unbounded.
+        engine.queue.set_exempt(lambda: coord.is_scaling)
         fault = recovery.Recovery(
             engine=engine,
             executor=executor,
@@ -186,6 +192,13 @@ class ElasticService:
             recovery=fault,
             engine=engine,
             executor=executor,
+            live=settings.LiveSettings(
+                coordinator=coord,
+                engine=engine,
+                ops=mechanics,
+                rebalancer=rebalancer,
+                recovery=fault,
+            ),
         )
         engine.on_step(lambda outputs: coord.tracker.on_step(_produced(outputs), busy()))
         if registry is not None:
@@ -201,9 +214,13 @@ class ElasticService:
         """Stop the heartbeat and the grow-back loop (before the executor shuts down)."""
         self.recovery.close()
 
-    def router(self, *, token: str | None = None) -> fastapi.APIRouter:
+    def router(self, *, token: str | admin.TokenSource | None = None) -> fastapi.APIRouter:
         return admin.build_router(
-            self.coordinator, status_fn=self.status, token=token, fail_rank=self.fail_rank
+            self.coordinator,
+            status_fn=self.status,
+            token=token,
+            fail_rank=self.fail_rank,
+            live=self.live,
         )
 
     def fail_rank(self, rank: int, operation: str) -> None:

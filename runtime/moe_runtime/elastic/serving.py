@@ -101,3 +101,8 @@ class LoadTracker:
     def total(self) -> torch.Tensor:
         with self._lock:
             return self.window.total()
+
+    def set_window_size(self, window_size: int) -> None:
+        """A window of `window_size` steps that keeps the most recent steps recorded."""
+        with self._lock:
+            self.window = self.window.resized(window_size)

@@ -72,6 +72,18 @@ class BoundaryOps:
         leaving = set(ranks)
         return self.call_at_boundary(lambda: self._migrate_now(leaving))
 
+    def drain(self, ranks: Iterable[int]) -> concurrent.futures.Future[list[str]]:
+        """At the next boundary: `ranks` take no new sequence; theirs run on there to the end
+        (a shrink's drain, before `migrate_from` moves what is left). The future gives the ids
+        of the sequences on those ranks then."""
+        leaving = set(ranks)
+
+        def mark() -> list[str]:
+            self._draining |= leaving & set(self._active)
+            return [s.seq_id for s in self._running.values() if s.rank in leaving]
+
+        return self.call_at_boundary(mark)
+
     def relabel_ranks(self, mapping: dict[int, int]) -> concurrent.futures.Future[None]:
         """At the next boundary: rank `old` is now called `mapping[old]` (after an executor
         switch renumbers its workers 0..n-1); sequences, KV frees and marks follow their worker.

@@ -12,6 +12,9 @@ Glossary
   thread and changes only there, so resize operations (`boundary.BoundaryOps`: `migrate_from`,
   `set_active_ranks`, `add_step_control`) are queued to the next boundary. Requests that
   arrive meanwhile wait in the queue; none is refused.
+- queue: `queue.RequestQueue`, requests waiting for a sequence slot; its bound
+  (`max_queued_requests`) refuses arrivals with `queue.QueueFull` under overload, never while
+  its `exempt()` says a resize runs.
 
 One step: admit waiting requests (up to `max_num_seqs_per_rank` per rank), give every running
 sequence the next slice of its uncomputed tokens within the per-rank token budget (decodes
@@ -24,7 +27,6 @@ with one rule.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -35,6 +37,7 @@ from typing import Any, Protocol, TypeVar
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
+from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
 from moe_runtime.engine import text as text_mod
 
@@ -176,6 +179,7 @@ class Engine(boundary_mod.BoundaryOps):
         *,
         active_ranks: Iterable[int] | None = None,
         observer: StepObserver | None = None,
+        max_queued_requests: int | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -184,7 +188,8 @@ class Engine(boundary_mod.BoundaryOps):
         self._eos = tokenizer.eos_token_id
         # Shared with other threads: guarded by _cond.
         self._cond = threading.Condition()
-        self._inbox: collections.deque[req.RequestHandle] = collections.deque()
+        #: Requests waiting for a slot; the bound is `queue.max_queued` (live: set_max_queued).
+        self.queue = queue_mod.RequestQueue(max_queued=max_queued_requests)
         self._aborts: set[str] = set()
         self._boundary: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self._controls: list[tuple[dict[str, Any], boundary_mod.ControlFuture]] = []
@@ -207,7 +212,6 @@ class Engine(boundary_mod.BoundaryOps):
         ranks = range(executor.num_ranks) if active_ranks is None else active_ranks
         self._active: list[int] = sorted(set(ranks))
         self._draining: set[int] = set()
-        self._waiting: collections.deque[req.RequestHandle] = collections.deque()
         self._running: dict[str, _Seq] = {}
         self._pending_free: dict[int, list[str]] = {}
         self._step_id = 0
@@ -250,7 +254,9 @@ class Engine(boundary_mod.BoundaryOps):
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: req.Request) -> req.RequestHandle:
-        """Queues a request; returns its handle at once (never blocks on the step loop)."""
+        """Queues a request; returns its handle at once (never blocks on the step loop).
+
+        Raises `queue.QueueFull` when the queue's bound is reached (never during a resize)."""
         if not request.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if request.max_tokens < 1:
@@ -261,10 +267,11 @@ class Engine(boundary_mod.BoundaryOps):
                 f"{self.config.max_model_len} tokens"
             )
         handle = req.RequestHandle(request)
+        exempt = self.queue.exempt_now()  # before our lock: it may take a resize's lock
         with self._cond:
             if self._stopping or (self._thread is not None and not self._alive):
                 raise EngineStopped("the engine is stopped")
-            self._inbox.append(handle)
+            self.queue.put(handle, exempt=exempt)
             self._notify_locked()
         return handle
 
@@ -315,7 +322,7 @@ class Engine(boundary_mod.BoundaryOps):
         """Progress records: queue depth, running sequences, time of the last token, …"""
         with self._cond:
             return dataclasses.replace(
-                self._stats, num_waiting=self._stats.num_waiting + len(self._inbox)
+                self._stats, num_waiting=self._stats.num_waiting + self.queue.inbox_len()
             )
 
     @property
@@ -341,16 +348,14 @@ class Engine(boundary_mod.BoundaryOps):
                 boundary, self._boundary = self._boundary, []
                 control_futures = [f for _, f in self._controls]
                 self._controls = []
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
+                queued = self.queue.clear()
             for _, future in boundary:
                 future.set_exception(EngineStopped("the engine stopped"))
             for cf in control_futures:
                 if cf.set_running_or_notify_cancel():
                     cf.set_exception(EngineStopped("the engine stopped"))
-            for handle in self._waiting:
+            for handle in queued:
                 self._finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
-            self._waiting.clear()
             for seq in list(self._running.values()):
                 self._finish(seq, req.FinishReason.ERROR, error="the engine stopped")
             self._publish_stats()
@@ -366,8 +371,7 @@ class Engine(boundary_mod.BoundaryOps):
                     return
                 seen = self._events
                 boundary, self._boundary = self._boundary, []
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
+                self.queue.take_inbox()
                 aborts, self._aborts = self._aborts, set()
             for fn, future in boundary:
                 boundary_mod.run_into(fn, future)
@@ -654,8 +658,7 @@ class Engine(boundary_mod.BoundaryOps):
     def _apply_aborts(self, aborts: set[str]) -> None:
         if not aborts:
             return
-        for handle in [h for h in self._waiting if h.request_id in aborts]:
-            self._waiting.remove(handle)
+        for handle in self.queue.remove(aborts):
             self._finish_unstarted(handle, req.FinishReason.ABORT, None)
         for rid in aborts:
             seq = self._running.get(rid)
@@ -663,10 +666,9 @@ class Engine(boundary_mod.BoundaryOps):
                 self._finish(seq, req.FinishReason.ABORT)
 
     def _admit(self) -> None:
-        while self._waiting:
-            handle = self._waiting[0]
+        while (handle := self.queue.head()) is not None:
             if handle.request_id in self._running:
-                self._waiting.popleft()
+                self.queue.pop_head(admitted=False)
                 self._finish_unstarted(
                     handle, req.FinishReason.ERROR, f"duplicate request id {handle.request_id}"
                 )
@@ -674,7 +676,7 @@ class Engine(boundary_mod.BoundaryOps):
             rank = self._least_loaded()
             if rank is None:
                 return
-            self._waiting.popleft()
+            self.queue.pop_head(admitted=True)
             request = handle.request
             self._running[request.request_id] = _Seq(
                 handle=handle,
@@ -687,7 +689,7 @@ class Engine(boundary_mod.BoundaryOps):
     def _publish_stats(self) -> None:
         stats = EngineStats(
             alive=self._alive,
-            num_waiting=len(self._waiting),
+            num_waiting=len(self.queue),
             num_running=len(self._running),
             active_ranks=tuple(self._active),
             draining_ranks=tuple(sorted(self._draining)),

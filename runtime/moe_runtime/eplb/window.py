@@ -50,6 +50,14 @@ class LoadWindow:
         """Steps currently in the window (at most window_size)."""
         return self._count
 
+    def resized(self, window_size: int) -> LoadWindow:
+        """A window of `window_size` steps holding the most recent of this one's steps."""
+        out = LoadWindow(self.num_layers, self.num_experts, window_size)
+        keep = min(self._count, window_size)
+        for back in range(keep, 0, -1):  # oldest kept first
+            out.record(self._buf[(self._next - back) % self.window_size])
+        return out
+
     def reset(self) -> None:
         self._buf.zero_()
         self._next = 0

@@ -416,10 +416,14 @@ class CheckpointSource:
                 eos_token_id=self._config.eos_token_id,
             )
         if self._config.vocab_size < tokenizer.BYTE_VOCAB_SIZE:
-            raise errors.CheckpointError(
-                path,
-                f"missing, and vocab_size {self._config.vocab_size} is below the "
-                f"{tokenizer.BYTE_VOCAB_SIZE} ids of the byte-level fallback tokenizer",
+            # Too small for the byte-level fallback: serve token ids only (vLLM's
+            # --skip-tokenizer-init), rather than refuse to start.
+            return tokenizer.NoTokenizer(
+                vocab_size=self._config.vocab_size,
+                bos_token_id=self._config.bos_token_id,
+                eos_token_id=self._config.eos_token_id,
+                reason=f"{path} is missing and vocab_size {self._config.vocab_size} is below "
+                f"the {tokenizer.BYTE_VOCAB_SIZE} ids of the byte-level fallback",
             )
         return tokenizer.ByteTokenizer()
 

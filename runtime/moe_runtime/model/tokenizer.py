@@ -1,7 +1,11 @@
-"""Tokenizers: a `tokenizer.json` through the `tokenizers` library, or a byte-level fallback.
+"""Tokenizers: a `tokenizer.json` through the `tokenizers` library, a byte-level fallback, or
+none at all (token ids only).
 
 The byte-level tokenizer maps ids 0..255 to bytes and adds two special ids, BOS (256) and EOS
-(257); it serves synthetic models and checkpoints that ship no `tokenizer.json`.
+(257); it serves synthetic models and checkpoints that ship no `tokenizer.json`. A checkpoint
+without `tokenizer.json` whose vocabulary is smaller than those 258 ids (or any model served
+with `--skip-tokenizer-init`) gets `NoTokenizer`: prompts must be token ids, and outputs carry
+token ids and no text (vLLM's `--skip-tokenizer-init`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,53 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+class TokenizerUnavailable(ValueError):
+    """Text was given to a model served without a tokenizer."""
+
+
+class NoTokenizer:
+    """Token ids only: `encode` raises TokenizerUnavailable, `decode` gives no text.
+
+    reason: why there is no tokenizer (said in the error a text prompt gets).
+    """
+
+    has_text = False
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        reason: str = "the model is served without a tokenizer",
+    ) -> None:
+        self._vocab_size = vocab_size
+        self._bos = bos_token_id
+        self._eos = eos_token_id
+        self.reason = reason
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise TokenizerUnavailable(
+            f"this model has no tokenizer ({self.reason}): send the prompt as a list of token "
+            f"ids in [0, {self._vocab_size})"
+        )
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
 
 
 class ByteTokenizer:
