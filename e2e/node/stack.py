@@ -103,7 +103,9 @@ DEBIAN_PACKAGES: Final = {
 
 def ensure_packages() -> None:
     """Debian's containerd, runc, CNI plugins and iptables (installed when missing)."""
-    missing = sorted({pkg for path, pkg in DEBIAN_PACKAGES.items() if not pathlib.Path(path).exists()})
+    missing = sorted(
+        {pkg for path, pkg in DEBIAN_PACKAGES.items() if not pathlib.Path(path).exists()}
+    )
     if not missing:
         return
     log(f"installing Debian packages: {' '.join(missing)}")

@@ -57,6 +57,9 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     memo.api = k8s_api.Api.from_environment()
+    # Every deployment's tokens derive from this key (plan.credentials): no Secret is read
+    # outside the operator's own namespace.
+    memo.operator_key = await memo.api.operator_key(namespace=k8s_api.operator_namespace())
     memo.locks = {}  # Key -> asyncio.Lock, shared by every per-object memo (shallow copies)
     memo.known = set()  # Keys of the MoEDeployments seen, for the periodic resync
     memo.requeues = {}  # Key -> asyncio.Task of the next reconcile a running resize asked for
@@ -104,7 +107,9 @@ async def _reconcile(body: dict[str, Any], memo: Any, log: Logger) -> None:
     started = time.monotonic()
     with logs.context(deployment=f"{key[0]}/{key[1]}"):
         try:
-            outcome = await reconcile.reconcile(api=memo.api, body=body, events=events, logger=log)
+            outcome = await reconcile.reconcile(
+                api=memo.api, body=body, events=events, logger=log, operator_key=memo.operator_key
+            )
         except reconcile.InvalidSpec as error:
             METRICS.observe_reconcile(time.monotonic() - started, metrics.RESULT_INVALID_SPEC)
             kopf.warn(target, reason="InvalidSpec", message=str(error)[:1000])
@@ -131,6 +136,10 @@ def _requeue(memo: Any, key: Key, delay: float) -> None:
 
 async def _reconcile_later(memo: Any, key: Key, delay: float) -> None:
     await asyncio.sleep(delay)
+    # From here on this one no longer counts as pending: a change seen while it reconciles
+    # (it may have read the world just before) schedules another one after it.
+    if memo.requeues.get(key) is asyncio.current_task():
+        del memo.requeues[key]
     try:
         await _reconcile_fresh(key, memo, logger)
     except asyncio.CancelledError:

@@ -7,8 +7,6 @@ handlers stay thin and this can be driven by any caller (kopf handlers, a timer,
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import datetime
 import logging
@@ -24,7 +22,7 @@ from moe_operator.api import group
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import actions, builders, clock, decide, diff, observe, resize
+from moe_operator.plan import actions, builders, clock, credentials, decide, diff, observe, resize
 from moe_operator.plan import status as plan_status
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
@@ -81,22 +79,27 @@ def parse_status(raw: Any, *, logger: Logger) -> status_.MoEDeploymentStatus:
 
 @dataclasses.dataclass(frozen=True)
 class Children:
-    """The children as stored (``None``: missing), and the observation planned on."""
+    """The children as stored (``None``: missing), and the observation planned on. The
+    Secret is never read back (``plan.credentials``)."""
 
     raycluster: dict[str, Any] | None
     service: dict[str, Any] | None
-    secret: dict[str, Any] | None
+    network_policy: dict[str, Any] | None
     observed: observe.Observed
 
-    def admin_token(self) -> str | None:
-        """The runtime's admin token from the Secret (``None`` when missing or unreadable)."""
-        encoded = ((self.secret or {}).get("data") or {}).get(builders.SECRET_TOKEN_KEY)
-        if not encoded:
-            return None
-        try:
-            return base64.b64decode(encoded).decode()
-        except (binascii.Error, UnicodeDecodeError):
-            return None
+
+#: The key of operators run without one (tests, one-off calls): tokens derived from it change
+#: with every process. ``handlers`` always passes the cluster's key (``k8s.api.operator_key``).
+_PROCESS_KEY: Final = secrets.token_bytes(credentials.KEY_BYTES)
+
+
+def tokens(key: bytes, owner: builders.Owner) -> tuple[str, str]:
+    """The deployment's admin token and Ray token."""
+    where = {"namespace": owner.namespace, "name": owner.name, "uid": owner.uid}
+    return (
+        credentials.derive(key, purpose=credentials.PURPOSE_ADMIN, **where),
+        credentials.derive(key, purpose=credentials.PURPOSE_RAY, **where),
+    )
 
 
 async def _ray_pods(
@@ -119,7 +122,7 @@ async def observe_children(
     *, api: k8s_api.Api, owner: builders.Owner, logger: Logger | None = None
 ) -> Children:
     log = logger or logging.getLogger(__name__)
-    ray, service, secret, pods = await asyncio.gather(
+    ray, service, policy, pods = await asyncio.gather(
         api.get(
             api_version="ray.io/v1",
             kind="RayCluster",
@@ -133,22 +136,24 @@ async def observe_children(
             name=builders.service_name(owner.name),
         ),
         api.get(
-            api_version="v1",
-            kind="Secret",
+            api_version="networking.k8s.io/v1",
+            kind="NetworkPolicy",
             namespace=owner.namespace,
-            name=builders.secret_name(owner.name),
+            name=builders.network_policy_name(owner.name),
         ),
         _ray_pods(api=api, owner=owner, logger=log),
     )
     observed = observe.Observed(
         raycluster=observe.raycluster(ray, pods=pods),
-        secret_exists=secret is not None,
+        # A head that runs has read the Secret; until then the Secret is made sure of (a
+        # create that may answer "exists": the operator cannot read Secrets back).
+        secret_exists=ray is not None and pods is not None and bool(pods.head_ready),
         service_exists=service is not None,
         worker_pods=(pods.workers if pods is not None else None) if ray is not None else (),
         leaving_pods=pods.leaving if pods is not None and ray is not None else (),
         head_restarts=pods.head_restarts if pods is not None else None,
     )
-    return Children(raycluster=ray, service=service, secret=secret, observed=observed)
+    return Children(raycluster=ray, service=service, network_policy=policy, observed=observed)
 
 
 async def observe_runtime(
@@ -212,11 +217,13 @@ async def _execute(
     owner: builders.Owner,
     spec: spec_.MoEDeploymentSpec,
     children: Children,
+    key: bytes,
 ) -> k8s_api.ApplyResult | None:
     """Run one child action (``ScaleRuntime`` is run by :func:`reconcile` itself)."""
     if isinstance(action, actions.EnsureSecret):
-        token = secrets.token_urlsafe(32)
-        return await api.create(builders.build_secret(owner=owner, token=token))
+        admin, ray = tokens(key, owner)
+        secret = builders.build_secret(owner=owner, token=admin, ray_token=ray)
+        return await api.create(secret, read_back=False)
     if isinstance(action, actions.ApplyRayCluster):
         desired = builders.build_raycluster(
             owner=owner,
@@ -226,6 +233,10 @@ async def _execute(
             head_size=action.head_size,
         )
         return await _apply_unless_current(api, desired, children.raycluster)
+    if isinstance(action, actions.ApplyNetworkPolicy):
+        return await _apply_unless_current(
+            api, builders.build_network_policy(owner=owner), children.network_policy
+        )
     if isinstance(action, actions.ApplyService):
         return await _apply_unless_current(
             api, builders.build_service(owner=owner), children.service
@@ -241,6 +252,7 @@ async def reconcile(
     logger: Logger,
     now: str | None = None,
     runtime_factory: RuntimeFactory = default_runtime_factory,
+    operator_key: bytes | None = None,
 ) -> Outcome:
     """Bring the children in line with the spec, drive a live resize one step, and write the
     status if it changed.
@@ -259,6 +271,8 @@ async def reconcile(
     current = parse_status(raw_status, logger=logger)
     children = await observe_children(api=api, owner=owner, logger=logger)
     observed = dataclasses.replace(children.observed, generation=generation, now=moment)
+    key = operator_key or _PROCESS_KEY
+    admin_token, _ = tokens(key, owner)
     ignored = runtime_client.ignored_override(meta.get("annotations"))
     if ignored is not None and (where, ignored) not in _WARNED_OVERRIDES:
         _WARNED_OVERRIDES.add((where, ignored))
@@ -279,7 +293,7 @@ async def reconcile(
     )
     if observed.raycluster is not None and observed.raycluster.head_ready:
         runtime = await observe_runtime(
-            url=url, token=children.admin_token(), factory=runtime_factory, logger=logger
+            url=url, token=admin_token, factory=runtime_factory, logger=logger
         )
         observed = dataclasses.replace(observed, runtime=runtime)
     steps = resize.plan_resize(spec, current, observed)
@@ -300,13 +314,15 @@ async def reconcile(
         elif isinstance(action, actions.ScaleRuntime):
             outcome = await scale_runtime(
                 url=url,
-                token=children.admin_token(),
+                token=admin_token,
                 new_size=action.new_size,
                 factory=runtime_factory,
             )
             logger.info("%s: asked the runtime for size %d: %s", where, action.new_size, outcome)
         else:
-            result = await _execute(action, api=api, owner=owner, spec=spec, children=children)
+            result = await _execute(
+                action, api=api, owner=owner, spec=spec, children=children, key=key
+            )
             if isinstance(action, actions.ApplyRayCluster) and result is not None:
                 logger.info(
                     "%s: applied RayCluster: worker replicas %d, workersToDelete %s",

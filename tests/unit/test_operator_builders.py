@@ -41,7 +41,8 @@ def test_every_child_is_owned_and_labelled() -> None:
     objs = [
         builders.build_raycluster(owner=OWNER, spec=make_spec()),
         builders.build_service(owner=OWNER),
-        builders.build_secret(owner=OWNER, token="s3cret"),
+        builders.build_secret(owner=OWNER, token="s3cret", ray_token="r4y"),
+        builders.build_network_policy(owner=OWNER),
     ]
     for obj in objs:
         meta = obj["metadata"]
@@ -217,15 +218,40 @@ def test_service_selects_the_head_on_port_8000() -> None:
     assert svc["spec"]["selector"].items() <= head["template"]["metadata"]["labels"].items()
 
 
-def test_secret_holds_the_token() -> None:
-    secret = builders.build_secret(owner=OWNER, token="s3cret")
+def test_secret_holds_the_tokens() -> None:
+    secret = builders.build_secret(owner=OWNER, token="s3cret", ray_token="r4y")
     assert secret["metadata"]["name"] == "tiny-admin"
-    assert secret["stringData"] == {"token": "s3cret"}
+    assert secret["stringData"] == {"token": "s3cret", "ray-token": "r4y"}
+
+
+def test_ray_runs_with_token_authentication_from_a_file() -> None:
+    """Every Ray container (KubeRay copies env and mounts into its wait-gcs-ready init
+    container) authenticates with the deployment's own token; the file holds only that one."""
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec())
+    for pod in (obj["spec"]["headGroupSpec"]["template"], worker_group(obj)["template"]):
+        container = pod["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["RAY_AUTH_MODE"] == "token"
+        assert env["RAY_AUTH_TOKEN_PATH"] == "/var/run/elastic-moe/ray-auth/token"
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "ray-auth"]
+        assert volume["secret"]["items"] == [{"key": "ray-token", "path": "token"}]
+        assert {"name": "ray-auth", "mountPath": "/var/run/elastic-moe/ray-auth",
+                "readOnly": True} in container["volumeMounts"]  # fmt: skip
+
+
+def test_network_policy_keeps_ray_ports_inside_the_raycluster() -> None:
+    policy = builders.build_network_policy(owner=OWNER)
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"ray.io/cluster": "tiny"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    same_cluster, api = spec["ingress"]
+    assert same_cluster == {"from": [{"podSelector": {"matchLabels": {"ray.io/cluster": "tiny"}}}]}
+    assert api == {"ports": [{"protocol": "TCP", "port": 8000}]}  # the runtime API, from anywhere
 
 
 def test_secret_refuses_an_empty_token() -> None:
     with pytest.raises(ValueError, match="token"):
-        builders.build_secret(owner=OWNER, token="")
+        builders.build_secret(owner=OWNER, token="", ray_token="r4y")
 
 
 def test_builders_are_deterministic() -> None:

@@ -70,3 +70,34 @@ def test_a_failed_requeued_reconcile_is_requeued(monkeypatch: pytest.MonkeyPatch
 
     asyncio.run(run())
     assert len(attempts) == 2
+
+
+def test_a_change_seen_during_a_requeued_reconcile_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pod turns Ready while a requeued reconcile runs (it read the pods just before): the
+    event must bring another reconcile, not be folded into the running one."""
+    runs: list[int] = []
+
+    async def run() -> None:
+        memo = types.SimpleNamespace(known={("ml", "a")}, requeues={})
+        started = asyncio.Event()
+        release = asyncio.Event()
+
+        async def reconcile_fresh(key: tuple[str, str], memo: Any, log: Any) -> None:
+            runs.append(1)
+            if len(runs) == 1:
+                started.set()
+                await release.wait()
+
+        monkeypatch.setattr(handlers, "_reconcile_fresh", reconcile_fresh)
+        handlers._requeue(memo, ("ml", "a"), 0.0)
+        await asyncio.wait_for(started.wait(), 5)
+        handlers._requeue(memo, ("ml", "a"), 0.0)  # the event, mid-reconcile
+        release.set()
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(runs) < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert len(runs) == 2

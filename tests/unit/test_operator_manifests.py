@@ -83,15 +83,27 @@ def test_rbac_has_no_wildcards_and_no_delete() -> None:
         assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]) or rule[
             "resources"
         ] == ["moedeployments/finalizers"]
+    # Cluster-wide, Secrets can only be created (each deployment's, never read back) ...
     secrets = [r for r in role["rules"] if r["resources"] == ["secrets"]]
-    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
+    # ... and the one Secret read is the operator's key, by name, in its own namespace.
+    key = by_kind(MANIFESTS / "rbac.yaml", "Role")
+    assert key["metadata"]["namespace"] == "elastic-moe-system"
+    reads = [r for r in key["rules"] if "get" in r["verbs"]]
+    assert reads == [{"apiGroups": [""], "resources": ["secrets"],
+                      "resourceNames": ["elastic-moe-operator-key"], "verbs": ["get"]}]  # fmt: skip
 
 
 def test_chart_rbac_matches_the_manifests() -> None:
     role = by_kind(MANIFESTS / "rbac.yaml", "ClusterRole")
     template = (CHART / "templates" / "rbac.yaml").read_text()
-    block = template.split("rules:\n", 1)[1].split("---", 1)[0]
-    assert yaml.safe_load(block) == role["rules"]
+    blocks = [
+        part.split("---", 1)[0].split("{{-", 1)[0] for part in template.split("rules:\n")[1:]
+    ]
+    cluster_rules = yaml.safe_load(blocks[0]) + yaml.safe_load(blocks[1])  # main + children
+    key = sorted(role["rules"], key=str)
+    assert sorted(cluster_rules, key=str) == key
+    assert yaml.safe_load(blocks[2]) == by_kind(MANIFESTS / "rbac.yaml", "Role")["rules"]
 
 
 def test_chart_ships_the_generated_crd() -> None:

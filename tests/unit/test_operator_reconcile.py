@@ -35,6 +35,8 @@ class FakeApi:
     async def get(
         self, *, api_version: str, kind: str, namespace: str, name: str
     ) -> dict[str, Any] | None:
+        # The operator's RBAC has no get on Secrets outside its own namespace.
+        assert kind != "Secret", "the operator must not read a deployment's Secret"
         obj = self.objects.get(self._key(kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
@@ -69,11 +71,13 @@ class FakeApi:
     async def apply(self, obj: dict[str, Any]) -> k8s_api.ApplyResult:
         return self._store(obj)
 
-    async def create(self, obj: dict[str, Any]) -> k8s_api.ApplyResult:
+    async def create(self, obj: dict[str, Any], *, read_back: bool = True) -> k8s_api.ApplyResult:
         meta = obj["metadata"]
         existing = self.objects.get(self._key(obj["kind"], meta["namespace"], meta["name"]))
         if existing is not None:
-            return k8s_api.ApplyResult(obj=copy.deepcopy(existing), created=False)
+            return k8s_api.ApplyResult(
+                obj=copy.deepcopy(existing if read_back else obj), created=False
+            )
         return self._store(obj)
 
     async def patch_status(
@@ -135,8 +139,14 @@ def run(
 def test_first_reconcile_creates_children_and_writes_status() -> None:
     api, events = FakeApi(), []
     outcome = run(api, body(), events=events)
-    assert sorted(outcome.created) == ["RayCluster/tiny", "Secret/tiny-admin", "Service/tiny-api"]
+    assert sorted(outcome.created) == [
+        "NetworkPolicy/tiny-ray",
+        "RayCluster/tiny",
+        "Secret/tiny-admin",
+        "Service/tiny-api",
+    ]
     assert sorted(m for _, m in events) == [
+        "Created NetworkPolicy tiny-ray",
         "Created RayCluster tiny",
         "Created Secret tiny-admin",
         "Created Service tiny-api",

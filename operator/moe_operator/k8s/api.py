@@ -8,9 +8,12 @@ on the operator's event loop.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import os
+import pathlib
+import secrets
 import ssl
 from collections.abc import Generator
 from typing import Any, Final
@@ -34,6 +37,7 @@ _KINDS: Final[dict[tuple[str, str], tuple[str, str]]] = {
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "Secret"): ("/api/v1", "secrets"),
     ("v1", "Pod"): ("/api/v1", "pods"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
     ("ray.io/v1", "RayCluster"): ("/apis/ray.io/v1", "rayclusters"),
     (group.API_VERSION, group.KIND): (f"/apis/{group.API_VERSION}", group.PLURAL),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): (
@@ -41,6 +45,24 @@ _KINDS: Final[dict[tuple[str, str], tuple[str, str]]] = {
         "horizontalpodautoscalers",
     ),
 }
+
+
+#: The Secret, in the operator's own namespace, that holds the key every deployment's tokens
+#: are derived from.
+OPERATOR_KEY_SECRET: Final = "elastic-moe-operator-key"
+OPERATOR_KEY_FIELD: Final = "key"
+SA_NAMESPACE_FILE: Final = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+DEFAULT_OPERATOR_NAMESPACE: Final = "elastic-moe-system"
+
+
+def operator_namespace() -> str:
+    """``$MOE_OPERATOR_NAMESPACE``, else the pod's own namespace, else elastic-moe-system."""
+    if os.environ.get("MOE_OPERATOR_NAMESPACE"):
+        return os.environ["MOE_OPERATOR_NAMESPACE"]
+    try:
+        return SA_NAMESPACE_FILE.read_text().strip() or DEFAULT_OPERATOR_NAMESPACE
+    except OSError:
+        return DEFAULT_OPERATOR_NAMESPACE
 
 
 class ApiError(Exception):
@@ -159,6 +181,29 @@ class Api:
         result: dict[str, Any] = response.json()
         return result
 
+    async def operator_key(self, *, namespace: str, name: str = OPERATOR_KEY_SECRET) -> bytes:
+        """The operator's key (``plan.credentials``): read from its Secret in the operator's
+        own namespace, made there the first time (by whichever operator gets there first)."""
+        for _ in range(3):
+            stored = await self.get(api_version="v1", kind="Secret", namespace=namespace, name=name)
+            if stored is not None:
+                encoded = (stored.get("data") or {}).get(OPERATOR_KEY_FIELD, "")
+                key = base64.b64decode(encoded) if encoded else b""
+                if len(key) < 16:
+                    raise ValueError(f"Secret {namespace}/{name} holds no usable key")
+                return key
+            fresh = base64.b64encode(secrets.token_bytes(32)).decode()
+            secret = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "Opaque",
+                "metadata": {"name": name, "namespace": namespace,
+                             "labels": {group.LABEL_MANAGED_BY: group.MANAGED_BY}},
+                "data": {OPERATOR_KEY_FIELD: fresh},
+            }  # fmt: skip
+            await self.create(secret, read_back=False)
+        raise ApiError(method="GET", url=name, status=404, body="the key Secret keeps vanishing")
+
     async def list(
         self, *, api_version: str, kind: str, namespace: str, label_selector: str | None = None
     ) -> list[dict[str, Any]]:
@@ -188,8 +233,9 @@ class Api:
         )
         return ApplyResult(obj=response.json(), created=response.status_code == 201)
 
-    async def create(self, obj: dict[str, Any]) -> ApplyResult:
-        """Create ``obj``; when it already exists, return the stored one (``created=False``)."""
+    async def create(self, obj: dict[str, Any], *, read_back: bool = True) -> ApplyResult:
+        """Create ``obj``; when it already exists, return the stored one (``created=False``),
+        or ``obj`` itself with ``read_back=False`` (a Secret the operator may not read)."""
         meta = obj["metadata"]
         kind = {"api_version": obj["apiVersion"], "kind": obj["kind"]}
         url = path(**kind, namespace=meta["namespace"])
@@ -200,6 +246,8 @@ class Api:
         except ApiError as error:
             if error.status != 409:
                 raise
+            if not read_back:
+                return ApplyResult(obj=obj, created=False)
             existing = await self.get(**kind, namespace=meta["namespace"], name=meta["name"])
             if existing is None:
                 raise

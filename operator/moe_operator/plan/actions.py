@@ -33,6 +33,11 @@ class ApplyService:
 
 
 @dataclasses.dataclass(frozen=True)
+class ApplyNetworkPolicy:
+    """Server-side apply the NetworkPolicy of the deployment's Ray pods."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ScaleRuntime:
     """Ask the runtime for a live resize (``POST /scale_elastic_ep``, no wait); fold the answer
     into the resize status with :func:`after_scale`."""
@@ -77,7 +82,15 @@ class SetPhase:
 
 
 Action = Union[
-    EnsureSecret, ApplyRayCluster, ApplyService, ScaleRuntime, SetResize, Event, Requeue, SetPhase
+    EnsureSecret,
+    ApplyRayCluster,
+    ApplyService,
+    ApplyNetworkPolicy,
+    ScaleRuntime,
+    SetResize,
+    Event,
+    Requeue,
+    SetPhase,
 ]
 
 

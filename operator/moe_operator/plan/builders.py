@@ -26,6 +26,10 @@ WORKER_GROUP: Final = "ranks"
 #: Custom Ray resource each worker pod offers once: one DP rank actor per worker.
 RANK_RESOURCE: Final = "moe_rank"
 SECRET_TOKEN_KEY: Final = "token"
+#: The Ray cluster's own token (Ray's token authentication, RAY_AUTH_MODE=token).
+SECRET_RAY_TOKEN_KEY: Final = "ray-token"
+RAY_TOKEN_VOLUME: Final = "ray-auth"
+RAY_TOKEN_DIR: Final = "/var/run/elastic-moe/ray-auth"
 RUN_AS_USER: Final = 1000
 #: The runtime image's user ``ray`` (uid 1000, gid 100 ``users``), as in rayproject/ray.
 RUN_AS_GROUP: Final = 100
@@ -184,12 +188,36 @@ def _container_security() -> dict[str, Any]:
 RAY_ENV: Final = ({"name": "RAY_kill_worker_timeout_milliseconds", "value": "200"},)
 
 
+#: Ray's token authentication (Ray 2.60): every GCS/raylet/worker connection, the
+#: ``ray health-check`` of KubeRay's init container included, carries the deployment's own
+#: token, read from a file only the Ray containers mount.
+RAY_AUTH_ENV: Final = (
+    {"name": "RAY_AUTH_MODE", "value": "token"},
+    {"name": "RAY_AUTH_TOKEN_PATH", "value": f"{RAY_TOKEN_DIR}/token"},
+)
+
+
 def _env(spec: spec_.MoEDeploymentSpec) -> list[dict[str, Any]]:
     """Ray's settings and the user's ``spec.ray.env``; a name the user sets wins (one entry
     per name: server-side apply keys the list by name)."""
     user = [e.to_wire() for e in spec.ray.env or ()]
     names = {e["name"] for e in user}
-    return [dict(e) for e in RAY_ENV if e["name"] not in names] + user
+    ours = [*RAY_ENV, *RAY_AUTH_ENV]
+    return [dict(e) for e in ours if e["name"] not in names] + user
+
+
+def _ray_token_volume(owner: Owner) -> dict[str, Any]:
+    return {
+        "name": RAY_TOKEN_VOLUME,
+        "secret": {
+            "secretName": secret_name(owner.name),
+            "items": [{"key": SECRET_RAY_TOKEN_KEY, "path": "token"}],
+            "defaultMode": 0o440,
+        },
+    }
+
+
+_RAY_TOKEN_MOUNT: Final = {"name": RAY_TOKEN_VOLUME, "mountPath": RAY_TOKEN_DIR, "readOnly": True}
 
 
 #: A worker pod being deleted stops its Ray node first: its rank dies at once and the
@@ -287,7 +315,7 @@ def _head_template(
         **_head_probes(spec),
         "resources": _resources(spec.ray.head_resources),
         "securityContext": _container_security(),
-        "volumeMounts": [dict(_SHM_MOUNT)],
+        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT)],
     }
     return {
         "metadata": {
@@ -301,7 +329,7 @@ def _head_template(
             "securityContext": _pod_security(),
             **_pod_placement(spec),
             "containers": [container],
-            "volumes": [_shm_volume(spec)],
+            "volumes": [_shm_volume(spec), _ray_token_volume(owner)],
         },
     }
 
@@ -315,7 +343,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         "env": [_pod_name_env(), *_env(spec)],
         "resources": _resources(spec.ray.worker_resources, gpus=gpus),
         "securityContext": _container_security(),
-        "volumeMounts": [dict(_SHM_MOUNT)],
+        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT)],
         "lifecycle": {"preStop": WORKER_PRESTOP},
     }
     return {
@@ -325,7 +353,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
             **_pod_placement(spec),
             "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
             "containers": [container],
-            "volumes": [_shm_volume(spec)],
+            "volumes": [_shm_volume(spec), _ray_token_volume(owner)],
         },
     }
 
@@ -406,14 +434,42 @@ def build_service(*, owner: Owner) -> dict[str, Any]:
     }
 
 
-def build_secret(*, owner: Owner, token: str) -> dict[str, Any]:
-    """The Secret holding the runtime's admin token (created once, never rotated)."""
-    if not token:
-        raise ValueError("token must not be empty")
+def network_policy_name(owner_name: str) -> str:
+    return f"{owner_name}-ray"
+
+
+def build_network_policy(*, owner: Owner) -> dict[str, Any]:
+    """Ingress to the deployment's Ray pods: anything from its own Ray pods (GCS, raylets,
+    object transfers, the ranks' collectives), and the runtime's API port from anywhere (the
+    Service's clients, the operator); nothing else reaches Ray's ports. Egress is left open.
+    It takes effect where the cluster's network plugin enforces NetworkPolicies."""
+    ray_pods = {"matchLabels": {"ray.io/cluster": raycluster_name(owner.name)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(
+            owner=owner, name=network_policy_name(owner.name), component=COMPONENT_RAY
+        ),
+        "spec": {
+            "podSelector": ray_pods,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": ray_pods}]},
+                {"ports": [{"protocol": "TCP", "port": RUNTIME_PORT}]},
+            ],
+        },
+    }
+
+
+def build_secret(*, owner: Owner, token: str, ray_token: str) -> dict[str, Any]:
+    """The Secret of a deployment: the runtime's admin token and its Ray cluster's token
+    (created once, never updated: see ``plan.credentials``)."""
+    if not token or not ray_token:
+        raise ValueError("tokens must not be empty")
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
         "metadata": _metadata(owner=owner, name=secret_name(owner.name), component=COMPONENT_ADMIN),
-        "stringData": {SECRET_TOKEN_KEY: token},
+        "stringData": {SECRET_TOKEN_KEY: token, SECRET_RAY_TOKEN_KEY: ray_token},
     }

@@ -422,6 +422,7 @@ def plan_resize(
         )
     )
     planned.append(actions.ApplyService())
+    planned.append(actions.ApplyNetworkPolicy())
     if decision.scale is not None:
         planned.append(actions.ScaleRuntime(new_size=decision.scale))
     planned.append(actions.SetResize(decision.resize))

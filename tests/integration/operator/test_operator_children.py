@@ -110,7 +110,8 @@ def test_raycluster_passes_kuberay_strict_validation(
     manifests = [
         builders.build_raycluster(owner=owner, spec=spec),
         builders.build_service(owner=owner),
-        builders.build_secret(owner=owner, token="t"),
+        builders.build_secret(owner=owner, token="t", ray_token="r"),
+        builders.build_network_policy(owner=owner),
     ]
     for manifest in manifests:
         manifest["metadata"].pop("ownerReferences")  # the uid would not resolve
