@@ -97,9 +97,7 @@ def test_rbac_has_no_wildcards_and_no_delete() -> None:
 def test_chart_rbac_matches_the_manifests() -> None:
     role = by_kind(MANIFESTS / "rbac.yaml", "ClusterRole")
     template = (CHART / "templates" / "rbac.yaml").read_text()
-    blocks = [
-        part.split("---", 1)[0].split("{{-", 1)[0] for part in template.split("rules:\n")[1:]
-    ]
+    blocks = [part.split("---", 1)[0].split("{{-", 1)[0] for part in template.split("rules:\n")[1:]]
     cluster_rules = yaml.safe_load(blocks[0]) + yaml.safe_load(blocks[1])  # main + children
     key = sorted(role["rules"], key=str)
     assert sorted(cluster_rules, key=str) == key
