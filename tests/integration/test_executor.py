@@ -292,6 +292,8 @@ def test_compiled_graph_overhead_vs_remote_calls(two_ranks: base.Executor) -> No
     expert all-to-alls of every layer), compiled graph vs plain actor calls. Rounds alternate
     and the median round is printed, as the 2 shared cores make single runs noisy."""
     step = step_mod.StepInput(0, {})
+    assert two_ranks.wait_step_graph(timeout=120)  # type: ignore[attr-defined]
+    assert two_ranks.step_graph_live()  # type: ignore[attr-defined]
     calls = {
         "compiled graph": two_ranks.execute_step,
         "plain .remote()": two_ranks.execute_step_remote,  # type: ignore[attr-defined]

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 RANK_RESOURCE = "moe_rank"
 CTL_LANE = "ctl"
 HEALTH_LANE = "health"
+#: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
+PROBE_STEP_ID = -1
 
 
 class RankActor:
@@ -54,6 +56,10 @@ class RankActor:
         return getattr(self.worker, method)(*args, **kwargs)
 
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        if step.step_id == PROBE_STEP_ID:
+            # The first execution of a fresh step graph (`ray_step`): it may run while a plain
+            # call steps the worker, so it must not touch the worker.
+            return step_mod.StepOutput(rank=-1, step_id=step.step_id)
         return self.worker.execute_step(step)
 
     def echo(self, value: Any) -> Any:

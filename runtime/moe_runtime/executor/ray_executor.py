@@ -6,11 +6,13 @@
   map ranks to pods. Ranks are ordered as vLLM's RayDistributedExecutor orders workers.
 - Each step is one execution of a compiled graph (`ray_graph`; about half the per-step
   overhead of plain actor calls, see tests/integration/test_executor.py), or plain actor calls
-  in "remote" mode.
+  in "remote" mode (`ray_step.StepPath` carries both).
 - Rules learned on Ray 2.60 (REFERENCE.md): two compiled graphs must never be live on the same
-  actors, so `switch` tears the old graph down before compiling the new one; compiling over an
-  actor that was just created is slow (~2.5 s), so `add_ranks` waits until new actors answer
-  and warms them up with a throwaway graph while the old one serves.
+  actors, and compiling takes ~0.2 s (~2.5 s over an actor that was just created). So a
+  `switch` compiles nothing: it activates the workers, and the new rank set steps through plain
+  actor calls at once while the graph over it is compiled in the background and takes over
+  (`ray_step`): the switch pause is the workers' `activate`. `warm_up(ranks)` pays a fresh
+  actor's first compile ahead (warm spare ranks).
 - Failures, measured here (3 ranks, CPU): a SIGKILLed actor makes the running compiled step
   raise `ActorDiedError` within ~0.07 s (its peers' gloo collectives fail with "Connection
   reset by peer"), and the teardown leaves the survivors alive. A SIGSTOPped actor makes the
@@ -41,7 +43,7 @@ import ray.util
 
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import base, ray_actor, ray_graph
+from moe_runtime.executor import base, ray_actor, ray_graph, ray_step
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +115,16 @@ class RayExecutor(base.Executor):
         self._lock = threading.RLock()
         self._ranks: dict[int, ray_actor.Rank] = {}
         self._active: list[int] = []
-        self._graph: Any = None
-        #: Ranks the step path runs over (the compiled graph's, or the remote calls'); None
-        #: after a teardown until the next switch.
-        self._step_ranks: list[int] | None = None
-        self._compiled_once = False
+        #: The step path (plain calls, or a compiled graph over the stepped actors); no path
+        #: after a failed step with lost ranks until the next switch.
+        self._path = ray_step.StepPath(
+            compiled=mode == STEP_COMPILED, compile_timeout=switch_timeout
+        )
         self._switching = False
-        self._fail_compile = False
         self._closed = False
         self._warming: threading.Thread | None = None
-        #: Seconds of the last switch's phases: teardown, activate, compile.
+        #: Seconds of the last switch: activate (the workers) and the whole switch. The graph
+        #: compile that follows in the background is in `last_graph_compile`.
         self.last_switch: dict[str, float] = {}
         started = self._start_ranks(num_ranks, first_label=0)
         with self._lock:
@@ -188,27 +190,22 @@ class RayExecutor(base.Executor):
         return ray_actor.get_all(refs, targets, what=method, timeout=timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
-        with self._lock:
-            graph, ranks = self._graph, self._step_ranks
+        ranks = self._path.ranks
         if ranks is None:
             lost = sorted(self.lost_ranks())
             if lost:
                 raise base.RankDied(f"no step path: ranks {lost} are lost", ranks=lost)
-            self._compile(timeout=self._switch_timeout)  # first step, or after a failure
-            with self._lock:
-                graph, ranks = self._graph, self._step_ranks
+            self._set_path()  # after a failure: plain calls now, the graph in the background
+            ranks = self._path.ranks
             assert ranks is not None
         self.clock.begin()
         try:
-            if graph is None:
-                outs = self._remote_step(step, ranks)
-            else:
-                outs = ray.get(graph.execute(step), timeout=self._step_timeout)
+            outs = self._path.execute(step, timeout=self._step_timeout)
         except Exception as exc:  # noqa: BLE001 - every step failure ends in one of two states
             self.clock.end(ok=False)
             self._step_failed(step, ranks, exc)  # always raises
         self.clock.end(ok=True)
-        return list(outs)
+        return outs
 
     def _step_failed(self, step: step_mod.StepInput, ranks: list[int], exc: Exception) -> None:
         """Known state after a failed step, then raise: with every stepped rank healthy the step
@@ -226,15 +223,12 @@ class RayExecutor(base.Executor):
         hung = [r for r in bad if health.get(r) == base.HEALTH_UNRESPONSIVE]
         if hung:
             self.fence(hung, reason="unresponsive in a failed step")
-        self._teardown()
+        self._path.clear()
         if bad:
             log.error("step %d failed; ranks %s are lost: %s", step.step_id, bad, exc)
             raise base.RankDied(f"step {step.step_id} failed: {exc}", ranks=bad) from exc
         log.error("step %d failed with every rank healthy: %s; rebuilding", step.step_id, exc)
-        try:
-            self._compile(timeout=self._switch_timeout)
-        except Exception:  # noqa: BLE001 - the next execute_step compiles again
-            log.exception("rebuilding the step path over ranks %s failed", ranks)
+        self._set_path()  # plain calls at once; a fresh graph in the background
         raise base.ExecutorError(
             f"step {step.step_id} failed: {exc} (step path rebuilt on ranks {ranks})"
         ) from exc
@@ -255,43 +249,35 @@ class RayExecutor(base.Executor):
         return outs
 
     # -- the step path -------------------------------------------------------------------
-    def _compile(self, *, timeout: float | None = None) -> None:
-        """Set up the step path over the active ranks (compile the graph in compiled mode).
-
-        timeout bounds the compile (it runs in a thread; a compile that finishes late is torn
-        down at once, so two graphs never share actors).
-        """
+    def _set_path(self) -> None:
+        """Step the active ranks from the next step on (`ray_step.StepPath.set`)."""
         with self._lock:
-            if self._step_ranks is not None:
-                raise RuntimeError("a step path is live: tear it down before compiling another")
             ranks = list(self._active)
             actors = [self._ranks[r].actor for r in ranks]
-        graph = None
-        if self._fail_compile:
-            self._fail_compile = False
-            raise base.ExecutorError(f"injected failure compiling the step graph over {ranks}")
-        if self.step_mode == STEP_COMPILED:
-            graph = ray_graph.compile_graph(actors, timeout=timeout or self._ready_timeout)
-        with self._lock:
-            self._graph, self._step_ranks = graph, ranks
-            self._compiled_once = True
+        self._path.set(ranks, actors)
 
     def fail_next_compile(self) -> None:
-        """Test hook: the next compile of the step path fails (a switch must go back)."""
-        self._fail_compile = True
+        """Test hook: the next background compile of the step graph fails (plain actor calls
+        keep serving; the compile is tried again later)."""
+        self._path.fail_next_compile()
+
+    def step_graph_live(self) -> bool:
+        """A compiled graph carries the steps now (else plain actor calls do)."""
+        return self._path.graph_live()
+
+    def wait_step_graph(self, timeout: float = 60.0) -> bool:
+        """Wait until no background compile runs (tests, benchmarks); True when none does."""
+        return self._path.wait_idle(timeout)
+
+    @property
+    def last_graph_compile(self) -> dict[str, Any]:
+        """Seconds of the last background compile (teardown, compile, probe), or its error."""
+        return dict(self._path.last_compile)
 
     def has_step_path(self) -> bool:
         with self._lock:
-            return self._step_ranks is not None or self._switching
-
-    def _teardown(self) -> None:
-        with self._lock:
-            graph, self._graph, self._step_ranks = self._graph, None, None
-        if graph is not None:
-            try:
-                graph.teardown()
-            except Exception:  # noqa: BLE001 - a broken graph is dropped anyway
-                log.exception("step graph teardown failed")
+            switching = self._switching
+        return switching or self._path.ranks is not None
 
     # -- elastic primitives --------------------------------------------------------------
     def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
@@ -303,17 +289,28 @@ class RayExecutor(base.Executor):
         with self._lock:
             for r in started:
                 self._ranks[r.label] = r
-        if self.step_mode == STEP_COMPILED:
-            self._join_warm_up()
-            self._warming = threading.Thread(
-                target=ray_graph.warm_up,
-                args=([r.actor for r in started],),
-                kwargs={"timeout": self._ready_timeout},
-                name="rank-warm-up",
-                daemon=True,
-            )
-            self._warming.start()
         return [r.label for r in started]
+
+    def warm_up(self, ranks: Sequence[int]) -> None:
+        """Pay the first compiled graph of pending workers now, in a thread (compiled mode;
+        a no-op otherwise): a throwaway graph over them only, never over stepped workers.
+        `switch` and `remove_ranks` wait for it; `prepare_switch` does so outside the pause."""
+        if self.step_mode != STEP_COMPILED or not ranks:
+            return
+        with self._lock:
+            stepped = set(self._path.ranks or [])
+            if stepped & set(ranks):
+                raise ValueError(f"warm_up: ranks {sorted(stepped & set(ranks))} are stepped")
+            actors = [self._ranks[r].actor for r in ranks]
+        self._join_warm_up()
+        self._warming = threading.Thread(
+            target=ray_graph.warm_up,
+            args=(actors,),
+            kwargs={"timeout": self._ready_timeout},
+            name="rank-warm-up",
+            daemon=True,
+        )
+        self._warming.start()
 
     def prepare_switch(self) -> None:
         self._join_warm_up()
@@ -394,13 +391,11 @@ class RayExecutor(base.Executor):
         with self._lock:
             mapping = base.check_switch(ranks, live=list(self._ranks))
             old_active = list(self._active)
-            had_path = self._step_ranks is not None
             self._switching = True
         t0 = time.monotonic()
-        relabelled = False
         try:
-            self._teardown()
-            t1 = time.monotonic()
+            # The step path in place (the old graph too) is untouched until the new one is set:
+            # a failure here goes back to it as it is.
             if epoch is not None:
                 self.collective_rpc(
                     "activate",
@@ -411,51 +406,43 @@ class RayExecutor(base.Executor):
                     num_ranks=len(ranks),
                     placement=placement,
                 )
-            t2 = time.monotonic()
-            self._relabel(mapping, active=range(len(ranks)), timeout=left())
-            relabelled = True
-            self._compile(timeout=left())
+            t1 = time.monotonic()
+            self._relabel(mapping, active=range(len(ranks)))
+            self._set_path()  # plain calls from the next step on; the graph in the background
         except BaseException as exc:
             log.error("switch to ranks %s (epoch %s) failed: %s; going back", ranks, epoch, exc)
             self._switch_back(
-                mapping if relabelled else None,
                 old_active=old_active,
                 members=ranks,
                 epoch=epoch,
-                rebuild=had_path,
                 timeout=self._switch_timeout,  # its own bound: the switch's deadline has passed
             )
             raise
         finally:
             with self._lock:
                 self._switching = False
-        t3 = time.monotonic()
-        self.last_switch = {"teardown_s": t1 - t0, "activate_s": t2 - t1, "compile_s": t3 - t2}
+        t2 = time.monotonic()
+        self.last_switch = {"activate_s": t1 - t0, "switch_s": t2 - t0}
         log.info(
-            "switched to ranks %s (old labels): teardown %.3fs, activate %.3fs, compile %.3fs",
+            "switched to ranks %s (old labels) in %.3fs (activate %.3fs); %s",
             ranks,
+            t2 - t0,
             t1 - t0,
-            t2 - t1,
-            t3 - t2,
+            "the step graph compiles in the background" if self._path.compiled else "plain calls",
         )
 
     def _switch_back(
         self,
-        mapping: dict[int, int] | None,
         *,
         old_active: list[int],
         members: list[int],
         epoch: int | None,
-        rebuild: bool,
         timeout: float,
     ) -> None:
-        """The old step path again after a failed switch: labels back, workers that activated
-        `epoch` revert, the old graph compiled (when there was one and its ranks are healthy).
-        Failures here are logged: the state is then "no step path" (has_step_path() False)."""
-        self._teardown()
-        if mapping is not None:
-            inverse = {new: old for old, new in mapping.items()}
-            self._relabel(inverse, active=old_active, timeout=timeout)
+        """The old step path again after a failed switch: workers that activated `epoch`
+        revert; the step path was not replaced (labels neither), so it serves as it was unless
+        one of its ranks is lost. Failures here are logged: the state is then "no step path"
+        (has_step_path() False)."""
         if epoch is not None:
             live = [r for r in members if r in self.rank_infos() and r not in self.lost_ranks()]
             try:
@@ -463,16 +450,13 @@ class RayExecutor(base.Executor):
                 log.info("switch back: ranks %s reverted epoch %d: %s", live, epoch, reverted)
             except Exception:  # noqa: BLE001 - the state is logged as having no step path
                 log.exception("switch back: reverting epoch %d on ranks %s failed", epoch, live)
+                self._path.clear()
                 return
-        if not rebuild or any(r in self.lost_ranks() for r in old_active):
+        if any(r in self.lost_ranks() for r in old_active):
             log.warning("switch back: no step path over ranks %s until the next switch", old_active)
-            return
-        try:
-            self._compile(timeout=timeout)
-        except Exception:  # noqa: BLE001 - known state: no step path
-            log.exception("switch back: recompiling the old step graph failed")
+            self._path.clear()
 
-    def _relabel(self, mapping: Mapping[int, int], *, active: Any, timeout: float) -> None:
+    def _relabel(self, mapping: Mapping[int, int], *, active: Any) -> None:
         """Rank labels per `mapping` (labels not in it stay), active ranks = `active`."""
         with self._lock:
             relabelled = {}
@@ -483,9 +467,10 @@ class RayExecutor(base.Executor):
             self._ranks = relabelled
             self._active = list(active)
             healthy = [r for r in relabelled.values() if r.health.state == base.HEALTH_OK]
-        # Labels only name workers in their logs: best effort, bounded.
-        refs = [r.actor.execute_method.remote("set_label", r.label) for r in healthy]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        # Labels only name workers in their logs: sent, not awaited (they run before any later
+        # call on the same lane).
+        for r in healthy:
+            r.actor.execute_method.remote("set_label", r.label)
 
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
         self._join_warm_up()
@@ -493,9 +478,8 @@ class RayExecutor(base.Executor):
             unknown = [r for r in ranks if r not in self._ranks]
             if unknown:
                 raise ValueError(f"remove_ranks: no worker for ranks {unknown}")
-            in_graph = any(r in (self._step_ranks or []) for r in ranks)
-        if in_graph:
-            self._teardown()
+        if any(r in (self._path.ranks or []) for r in ranks):
+            self._path.clear()
         with self._lock:
             removed = [self._ranks.pop(r) for r in ranks]
             self._active = [r for r in self._active if r not in ranks]
@@ -552,7 +536,7 @@ class RayExecutor(base.Executor):
         if self._closed:
             return
         self._closed = True
-        self._teardown()
+        self._path.close()
         with self._lock:
             ranks = list(self._ranks.values())
             self._ranks = {}
