@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from moe_runtime import cli
@@ -68,3 +70,40 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
 )
 def test_default_served_model_name(model: str, name: str) -> None:
     assert cli._default_name(model) == name
+
+
+def test_backpressure_drain_and_token_flags() -> None:
+    base = ["serve", "--model", "m", "--data-parallel-size", "2"]
+    args = cli.build_parser().parse_args(base)
+    assert (args.max_queued_requests, args.drain_timeout, args.admin_token_file) == (
+        cli.DEFAULT_MAX_QUEUED,
+        0,
+        None,
+    )
+    assert not args.skip_tokenizer_init
+    args = cli.build_parser().parse_args(
+        [*base, "--max-queued-requests", "0", "--drain-timeout", "120"]
+        + ["--admin-token-file", "/run/secrets/token", "--skip-tokenizer-init"]
+    )
+    assert (args.max_queued_requests, args.drain_timeout, args.admin_token_file) == (
+        0,
+        120,
+        "/run/secrets/token",
+    )
+    assert args.skip_tokenizer_init
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["--admin-token-file", "/nonexistent/token"], id="missing-token-file"),
+        pytest.param(["--admin-token", "a", "--admin-token-file", "/x"], id="token-and-file"),
+    ],
+)
+def test_serve_refuses_to_start_without_a_usable_token(flags: list[str]) -> None:
+    argv = ["serve", "--model", "synthetic://tiny?seed=0", "--data-parallel-size", "1", *flags]
+    handler = signal.getsignal(signal.SIGTERM)  # serve installs its own
+    try:
+        assert cli.serve(cli.build_parser().parse_args(argv)) == 1  # before any rank starts
+    finally:
+        signal.signal(signal.SIGTERM, handler)
