@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e e2e-local demo \
-        demo-local demo-runtime bench controlplane node-build images cluster-up cluster-down clean
+.PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e demo \
+        demo-runtime bench controlplane node-build images cluster-up cluster-down clean
 
 setup:
 	@bash scripts/venv.sh
@@ -84,21 +84,13 @@ fuzz: setup
 e2e: setup images
 	$(PY) -m pytest -q e2e/cluster $(PYTEST_ARGS)
 
-## e2e-local: the KubeRay stand-in tier (a fast inner loop; proves no Kubernetes behaviour)
-e2e-local: setup controlplane
-	$(PY) -m pytest -q e2e/local $(PYTEST_ARGS)
-
 ## demo: on the real node, a live deployment resized 2->4->2 under checked load
 demo: setup images
 	$(PY) -m e2e.cluster.demo
 
-## demo-local: the same story on the KubeRay stand-in (no kubelet)
-demo-local: setup controlplane
-	$(PY) -m e2e.local.demo
-
 ## demo-runtime: the runtime alone (no Kubernetes): moe-runtime serve at DP=2
 demo-runtime: setup
-	$(PY) -m e2e.local.demo_runtime
+	$(PY) -m e2e.demo_runtime
 
 ## bench: every benchmark, one after the other (prints figures; asserts nothing)
 bench: setup controlplane

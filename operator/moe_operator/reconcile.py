@@ -22,7 +22,17 @@ from moe_operator.api import group
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import actions, builders, clock, credentials, decide, diff, observe, resize
+from moe_operator.plan import (
+    actions,
+    builders,
+    clock,
+    credentials,
+    decide,
+    diff,
+    observe,
+    resize,
+    settings,
+)
 from moe_operator.plan import status as plan_status
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
@@ -34,6 +44,8 @@ RuntimeFactory = Callable[[str, Union[str, None]], runtime_client.RuntimeClient]
 RUNTIME_TIMEOUT_SECONDS: Final = 3.0
 #: (deployment, url) pairs warned about once per operator process.
 _WARNED_OVERRIDES: set[tuple[str, str]] = set()
+#: (deployment, generation, refusal) warned about once per operator process.
+_WARNED_SETTINGS: set[tuple[str, int, str]] = set()
 
 
 def default_runtime_factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
@@ -177,6 +189,33 @@ async def observe_runtime(
         return None
 
 
+async def sync_settings(
+    *,
+    url: str,
+    token: str | None,
+    spec: spec_.MoEDeploymentSpec,
+    runtime: observe.RuntimeObservation,
+    factory: RuntimeFactory,
+) -> tuple[dict[str, Any], str | None]:
+    """Bring the runtime's live settings to the spec (``plan.settings``): what was changed,
+    and the runtime's refusal when it refused (it then changed nothing)."""
+    async with factory(url, token) as client:
+        try:
+            current = await client.config()
+        except (httpx.HTTPError, runtime_client.RuntimeApiError, ValueError):
+            return {}, None  # an older runtime, or away: nothing to do now
+        wanted = settings.changes(spec, current, resizing=runtime.running is not None)
+        if not wanted:
+            return {}, None
+        try:
+            await client.patch_config(wanted)
+        except runtime_client.RuntimeApiError as error:
+            return {}, error.message
+        except (httpx.HTTPError, ValueError) as error:
+            return {}, f"the runtime did not answer: {error!r}"
+    return wanted, None
+
+
 async def scale_runtime(
     *,
     url: str,
@@ -296,6 +335,17 @@ async def reconcile(
             url=url, token=admin_token, factory=runtime_factory, logger=logger
         )
         observed = dataclasses.replace(observed, runtime=runtime)
+        if runtime is not None:
+            applied, refused = await sync_settings(
+                url=url, token=admin_token, spec=spec, runtime=runtime, factory=runtime_factory
+            )
+            if applied:
+                text = ", ".join(f"{k}={v}" for k, v in sorted(applied.items()))
+                logger.info("%s: runtime settings changed live: %s", where, text)
+                events("SettingsApplied", f"runtime settings changed live: {text}")
+            if refused and (where, generation, refused) not in _WARNED_SETTINGS:
+                _WARNED_SETTINGS.add((where, generation, refused))
+                events("SettingsRefused", f"the runtime refused the spec's settings: {refused}")
     steps = resize.plan_resize(spec, current, observed)
     created: list[str] = []
     phase: actions.SetPhase | None = None

@@ -191,6 +191,21 @@ class RuntimeClient:
             )
         return payload
 
+    async def config(self) -> dict[str, Any]:
+        """``GET /elastic_ep/config``: the settings a running runtime applies now."""
+        payload = await self._call("GET", "/elastic_ep/config")
+        if not isinstance(payload, dict):
+            raise RuntimeApiError(
+                method="GET", path="/elastic_ep/config", status=200, detail="not a JSON object"
+            )
+        return payload
+
+    async def patch_config(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """``PATCH /elastic_ep/config``: change settings live (400 names a refused field and
+        changes nothing)."""
+        payload = await self._call("PATCH", "/elastic_ep/config", json=changes)
+        return payload if isinstance(payload, dict) else {}
+
     async def is_scaling(self) -> bool:
         payload = await self._call("POST", "/is_scaling_elastic_ep")
         return bool(payload["is_scaling_elastic_ep"])

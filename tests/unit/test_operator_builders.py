@@ -91,15 +91,17 @@ def test_head_runs_the_runtime() -> None:
         "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000",
         "--min-data-parallel-size", "1", "--max-data-parallel-size", "4",
         "--num-redundant-experts", "0", "--eplb", "--eplb-window-size", "1000",
-        "--eplb-step-interval", "3000", "--device", "cpu", "--no-auto-recover",
+        "--eplb-step-interval", "3000", "--device", "cpu",
+        "--drain-timeout", "120", "--max-queued-requests", "1024",
+        "--admin-token-file", "/var/run/elastic-moe/admin/token", "--no-auto-recover",
     ]  # fmt: skip
     env = {e["name"]: e for e in container["env"]}
     # KubeRay sets RAY_ADDRESS=127.0.0.1:6379 on the head when the template has none.
     assert "RAY_ADDRESS" not in env
-    assert env["MOE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-        "name": "tiny-admin",
-        "key": "token",
-    }
+    # the admin token is a file only the head mounts, not an env var its processes inherit
+    assert "MOE_ADMIN_TOKEN" not in env
+    assert {"name": "admin-token", "mountPath": "/var/run/elastic-moe/admin",
+            "readOnly": True} in container["volumeMounts"]  # fmt: skip
     assert env["MOE_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     # `bash -c`: a login shell (-l) resets PATH on Debian-based images and loses the venv.
     assert container["command"] == ["/bin/bash", "-c", "--"]
@@ -150,10 +152,10 @@ def test_served_model_name_defaults_to_the_deployment_name() -> None:
 
 
 @pytest.mark.parametrize(
-    ("accelerator", "gpus"), [("cpu", None), ("nvidia.com/gpu", 2)], ids=["cpu", "gpu"]
+    ("accelerator", "gpus"), [("cpu", None), ("nvidia.com/gpu", 1)], ids=["cpu", "gpu"]
 )
 def test_gpus_per_worker_follow_tensor_parallel_size(accelerator: str, gpus: int | None) -> None:
-    spec = make_spec(tensorParallelSize=2, ray={"accelerator": accelerator})
+    spec = make_spec(tensorParallelSize=1, ray={"accelerator": accelerator})
     group = worker_group(builders.build_raycluster(owner=OWNER, spec=spec))
     resources = group["template"]["spec"]["containers"][0]["resources"]
     assert resources.get("limits", {}).get("nvidia.com/gpu") == gpus

@@ -220,7 +220,7 @@ def test_ready_raycluster_and_runtime_make_it_serving() -> None:
     assert api.status["experts"] == {"balancedness": 0.9}
     ready = {c["type"]: c for c in api.status["conditions"]}["Ready"]
     assert (ready["status"], ready["lastTransitionTime"]) == ("True", LATER)
-    (request,) = seen
+    (request,) = [r for r in seen if r.url.path == "/elastic_ep/status"]
     assert str(request.url) == "http://tiny-api.ml.svc:8000/elastic_ep/status"
     token = base64.b64decode(api.objects[("Secret", "ml", "tiny-admin")]["data"]["token"])
     assert request.headers["Authorization"] == f"Bearer {token.decode()}"
@@ -235,7 +235,7 @@ def test_runtime_url_annotation_is_ignored_with_a_warning(monkeypatch: pytest.Mo
     obj["metadata"]["annotations"] = {"elasticmoe.io/runtime-url": "http://attacker.example:80"}
     run(api, obj, events=events, factory=runtime_answering({"data_parallel_size": 2}, seen))
     run(api, obj, events=events, factory=runtime_answering({"data_parallel_size": 2}, seen))
-    assert {str(r.url) for r in seen} == {"http://tiny-api.ml.svc:8000/elastic_ep/status"}
+    assert {r.url.host for r in seen} == {"tiny-api.ml.svc"}
     warnings = [m for reason, m in events if reason == "RuntimeUrlIgnored"]
     assert len(warnings) == 1 and "attacker.example" in warnings[0]  # warned once
 

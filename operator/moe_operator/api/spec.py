@@ -114,7 +114,16 @@ class ExpertParallelSpec(ApiModel):
 class ElasticSpec(ApiModel):
     """Timeouts of live resizes."""
 
-    drain_timeout_seconds: int = pydantic.Field(default=120, ge=1, le=86_400)
+    drain_timeout_seconds: int = pydantic.Field(
+        default=120,
+        ge=0,
+        le=86_400,
+        description=(
+            "How long a shrink lets the sequences on departing ranks finish there before it "
+            "migrates the rest to the survivors (re-prefilled from prompt + generated tokens; "
+            "none is aborted). 0: migrate at once."
+        ),
+    )
     resize_timeout_seconds: int = pydantic.Field(default=600, ge=1, le=86_400)
 
 
@@ -265,7 +274,34 @@ class MoEDeploymentSpec(ApiModel):
     )
     min_data_parallel_size: int = pydantic.Field(default=1, ge=1, le=MAX_DATA_PARALLEL_SIZE)
     max_data_parallel_size: int = pydantic.Field(default=8, ge=1, le=MAX_DATA_PARALLEL_SIZE)
-    tensor_parallel_size: int = pydantic.Field(default=1, ge=1, le=MAX_TENSOR_PARALLEL_SIZE)
+    tensor_parallel_size: int = pydantic.Field(
+        default=1,
+        ge=1,
+        le=MAX_TENSOR_PARALLEL_SIZE,
+        description=(
+            "GPUs per data-parallel rank. Only 1 for now: the runtime has no tensor "
+            "parallelism inside a rank (each rank runs on one device)."
+        ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self == 1",
+                    "message": "tensorParallelSize > 1 is not supported yet: each data-parallel "
+                    "rank runs on one device (no tensor parallelism inside a rank); use more "
+                    "data-parallel ranks (dataParallelSize) instead",
+                }
+            ]
+        },
+    )
+    max_queued_requests: int = pydantic.Field(
+        default=1024,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Requests the runtime queues before it answers 429 with Retry-After (0: no bound). "
+            "Never applied to requests that arrive during a resize: those always queue."
+        ),
+    )
     expert_parallel: ExpertParallelSpec = defaulted(ExpertParallelSpec)
     elastic: ElasticSpec = defaulted(ElasticSpec)
     fault_tolerance: FaultToleranceSpec = defaulted(FaultToleranceSpec)
@@ -274,6 +310,11 @@ class MoEDeploymentSpec(ApiModel):
 
     @pydantic.model_validator(mode="after")
     def _sizes_consistent(self) -> MoEDeploymentSpec:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensorParallelSize > 1 is not supported yet: each data-parallel rank runs on "
+                "one device; use more data-parallel ranks (dataParallelSize) instead"
+            )
         if self.min_data_parallel_size > self.max_data_parallel_size:
             raise ValueError(
                 "minDataParallelSize must be less than or equal to maxDataParallelSize "

@@ -82,6 +82,8 @@ REASON_WAITING_FOR_RESIZE: Final = "WaitingForResize"
 WARNING_REASONS: Final = frozenset(
     {
         "Failed",
+        "RuntimeUrlIgnored",
+        "SettingsRefused",
         REASON_RESIZE_FAILED,
         REASON_RANK_LOST,
         REASON_RANK_UNHEALTHY,

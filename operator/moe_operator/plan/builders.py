@@ -29,6 +29,8 @@ SECRET_TOKEN_KEY: Final = "token"
 #: The Ray cluster's own token (Ray's token authentication, RAY_AUTH_MODE=token).
 SECRET_RAY_TOKEN_KEY: Final = "ray-token"
 RAY_TOKEN_VOLUME: Final = "ray-auth"
+ADMIN_TOKEN_VOLUME: Final = "admin-token"
+ADMIN_TOKEN_DIR: Final = "/var/run/elastic-moe/admin"
 RAY_TOKEN_DIR: Final = "/var/run/elastic-moe/ray-auth"
 RUN_AS_USER: Final = 1000
 #: The runtime image's user ``ray`` (uid 1000, gid 100 ``users``), as in rayproject/ray.
@@ -148,6 +150,15 @@ def serve_command(
         command += ["--max-experts-per-rank", str(experts.max_experts_per_rank)]
     # Said, not guessed: at start the head may not see the GPU workers yet.
     command += ["--device", "cuda" if spec.wants_gpus else "cpu"]
+    command += [
+        "--drain-timeout",
+        str(spec.elastic.drain_timeout_seconds),
+        "--max-queued-requests",
+        str(spec.max_queued_requests),
+        # a file, not an environment variable every process of the head would inherit
+        "--admin-token-file",
+        f"{ADMIN_TOKEN_DIR}/token",
+    ]
     # The operator owns the grow back after a lost rank (spec.faultTolerance.autoRecover, read
     # live): the runtime only shrinks around a loss and waits to be asked.
     command += ["--no-auto-recover"]
@@ -218,6 +229,25 @@ def _ray_token_volume(owner: Owner) -> dict[str, Any]:
 
 
 _RAY_TOKEN_MOUNT: Final = {"name": RAY_TOKEN_VOLUME, "mountPath": RAY_TOKEN_DIR, "readOnly": True}
+
+
+def _admin_token_volume(owner: Owner) -> dict[str, Any]:
+    """The admin token, for the head's runtime only (workers never mount it)."""
+    return {
+        "name": ADMIN_TOKEN_VOLUME,
+        "secret": {
+            "secretName": secret_name(owner.name),
+            "items": [{"key": SECRET_TOKEN_KEY, "path": "token"}],
+            "defaultMode": 0o440,
+        },
+    }
+
+
+_ADMIN_TOKEN_MOUNT: Final = {
+    "name": ADMIN_TOKEN_VOLUME,
+    "mountPath": ADMIN_TOKEN_DIR,
+    "readOnly": True,
+}
 
 
 #: A worker pod being deleted stops its Ray node first: its rank dies at once and the
@@ -302,20 +332,11 @@ def _head_template(
             {"name": "client", "containerPort": 10001},
             {"name": "http", "containerPort": RUNTIME_PORT},
         ],
-        "env": [
-            {
-                "name": "MOE_ADMIN_TOKEN",
-                "valueFrom": {
-                    "secretKeyRef": {"name": secret_name(owner.name), "key": SECRET_TOKEN_KEY}
-                },
-            },
-            _pod_name_env(),
-            *_env(spec),
-        ],
+        "env": [_pod_name_env(), *_env(spec)],
         **_head_probes(spec),
         "resources": _resources(spec.ray.head_resources),
         "securityContext": _container_security(),
-        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT)],
+        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT), dict(_ADMIN_TOKEN_MOUNT)],
     }
     return {
         "metadata": {
@@ -329,7 +350,7 @@ def _head_template(
             "securityContext": _pod_security(),
             **_pod_placement(spec),
             "containers": [container],
-            "volumes": [_shm_volume(spec), _ray_token_volume(owner)],
+            "volumes": [_shm_volume(spec), _ray_token_volume(owner), _admin_token_volume(owner)],
         },
     }
 

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from e2e import operator_proc
 from e2e.controlplane import cluster
-from e2e.local import operator_proc
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "manifests" / "samples" / "moedeployment.yaml"

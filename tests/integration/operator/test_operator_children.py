@@ -83,8 +83,9 @@ def test_raycluster_matches_the_spec(deployed: tuple[str, dict[str, Any]]) -> No
         "exec moe-runtime serve --model 'synthetic://tiny?seed=0' --data-parallel-size 2"
         in (head["args"][0])
     )
-    env = {e["name"]: e for e in head["env"]}
-    assert env["MOE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tiny-admin"
+    volumes = {v["name"]: v for v in spec["headGroupSpec"]["template"]["spec"]["volumes"]}
+    assert volumes["admin-token"]["secret"]["secretName"] == "tiny-admin"
+    assert "--admin-token-file /var/run/elastic-moe/admin/token" in head["args"][0]
     assert head["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert head["startupProbe"]["httpGet"]["path"] == "/health"
 
@@ -97,7 +98,7 @@ def test_raycluster_passes_kuberay_strict_validation(
         {
             "model": {"source": "synthetic://tiny?seed=0"},
             "dataParallelSize": 2,
-            "tensorParallelSize": 2,
+            "tensorParallelSize": 1,
             "ray": {
                 "accelerator": "nvidia.com/gpu",
                 "workerResources": {"requests": {"cpu": "2", "memory": "8Gi"}},

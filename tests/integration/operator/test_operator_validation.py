@@ -65,6 +65,14 @@ CASES = [
     pytest.param(variant("spec.minDataParallelSize", 0), "spec.minDataParallelSize", id="min-zero"),
     pytest.param(variant("spec.tensorParallelSize", 0), "spec.tensorParallelSize", id="tp-zero"),
     pytest.param(
+        variant("spec.tensorParallelSize", 2),
+        "tensorParallelSize > 1 is not supported yet",
+        id="tp-not-supported",
+    ),
+    pytest.param(
+        variant("spec.maxQueuedRequests", -1), "spec.maxQueuedRequests", id="negative-queue"
+    ),
+    pytest.param(
         variant("spec.dataParallelSize", 4096), "spec.dataParallelSize", id="dp-above-limit"
     ),
     pytest.param(variant("spec.model.source", ...), "spec.model.source", id="missing-source"),
@@ -98,9 +106,9 @@ CASES = [
         id="eplb-window-zero",
     ),
     pytest.param(
-        variant("spec.elastic", {"drainTimeoutSeconds": 0}),
+        variant("spec.elastic", {"drainTimeoutSeconds": -1}),
         "spec.elastic.drainTimeoutSeconds",
-        id="drain-timeout-zero",
+        id="drain-timeout-negative",
     ),
     pytest.param(
         variant("spec.ray", {"nodeSelector": {"pool": 1}}),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from e2e import operator_proc
 from e2e.controlplane import cluster
-from e2e.local import operator_proc
 from tests.integration.operator import conftest as ops
 
 pytestmark = pytest.mark.controlplane

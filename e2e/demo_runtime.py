@@ -3,7 +3,7 @@
 Starts `moe-runtime serve --model synthetic://tiny?seed=0 --data-parallel-size 2` (its own
 local Ray instance on 127.0.0.1), sends a few completions (one streamed), prints the answers
 and the throughput of a concurrent batch, then stops the server with SIGTERM, which also stops
-its Ray instance. `make demo` runs the whole story through the operator on Kubernetes (e2e/local/demo.py).
+its Ray instance. `make demo` runs the whole story through the operator on the real node (e2e/cluster/demo.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from e2e.controlplane import cluster
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 OPERATOR_NAMESPACE = "elastic-moe-system"
 OPERATOR_SA = "moe-operator"
 
