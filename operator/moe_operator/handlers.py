@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import time
@@ -63,6 +64,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     memo.locks = {}  # Key -> asyncio.Lock, shared by every per-object memo (shallow copies)
     memo.known = set()  # Keys of the MoEDeployments seen, for the periodic resync
     memo.requeues = {}  # Key -> asyncio.Task of the next reconcile a running resize asked for
+    memo.contexts = {}  # "kopf" -> the context of kopf's per-object tasks (see _spawn)
     memo.resync = asyncio.get_running_loop().create_task(_resync_forever(memo))
     memo.metrics_server = None
     if METRICS_ADDRESS is not None:
@@ -100,7 +102,13 @@ async def _reconcile(body: dict[str, Any], memo: Any, log: Logger) -> None:
 
     def events(reason: str, message: str) -> None:
         post = kopf.warn if reason in status_.WARNING_REASONS else kopf.info
-        post(target, reason=reason, message=message[:1000])
+        try:
+            post(target, reason=reason, message=message[:1000])
+        except LookupError:
+            # kopf's event queue lives in context variables of its per-object tasks: a
+            # reconcile outside them (none captured yet, see _spawn) cannot post. The
+            # reconcile must go on (it may have written already); the log keeps the event.
+            log.warning("event %s not posted (outside kopf's tasks): %s", reason, message)
 
     meta = body["metadata"]
     key = (meta.get("namespace") or "", meta["name"])
@@ -129,9 +137,21 @@ def _requeue(memo: Any, key: Key, delay: float) -> None:
     pending = requeues.get(key)
     if pending is not None and not pending.done() and pending is not asyncio.current_task():
         return
-    requeues[key] = asyncio.get_running_loop().create_task(
-        _reconcile_later(memo, key, delay), name=f"requeue {key[0]}/{key[1]}"
+    requeues[key] = _spawn(
+        memo, _reconcile_later(memo, key, delay), name=f"requeue {key[0]}/{key[1]}"
     )
+
+
+def _spawn(memo: Any, coro: Any, *, name: str) -> asyncio.Task[None]:
+    """A task for ``coro`` in the context kopf gives its per-object tasks (captured by
+    :func:`track`; it holds kopf's event queue): a reconcile from the resync loop, or from a
+    requeue that loop started, can then post events (``kopf.info``) like one from a handler."""
+    loop = asyncio.get_running_loop()
+    context: contextvars.Context | None = (getattr(memo, "contexts", None) or {}).get("kopf")
+    if context is None:
+        return loop.create_task(coro, name=name)
+    task: asyncio.Task[None] = context.run(loop.create_task, coro, name=name)
+    return task
 
 
 async def _reconcile_later(memo: Any, key: Key, delay: float) -> None:
@@ -183,7 +203,9 @@ async def track(
     memo: Any,
     **_: Any,
 ) -> None:
-    """Remember which deployments exist, for the periodic resync."""
+    """Remember which deployments exist, for the periodic resync (and kopf's task context,
+    for :func:`_spawn`)."""
+    memo.contexts.setdefault("kopf", contextvars.copy_context())
     key = (namespace or "", name)
     if type == "DELETED":
         METRICS.forget(*key)
@@ -247,7 +269,7 @@ async def _resync_forever(memo: Any) -> None:
         await asyncio.sleep(RESYNC_SECONDS)
         for key in sorted(memo.known):
             try:
-                await _reconcile_fresh(key, memo, logger)
+                await _spawn(memo, _reconcile_fresh(key, memo, logger), name=f"resync {key}")
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - the loop must survive every reconcile

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import types
 from typing import Any
 
@@ -101,3 +103,45 @@ def test_a_change_seen_during_a_requeued_reconcile_is_not_lost(
 
     asyncio.run(run())
     assert len(runs) == 2
+
+
+def test_requeued_and_resync_reconciles_run_in_kopfs_task_context() -> None:
+    """kopf keeps its event queue in context variables of its per-object tasks; the resync
+    loop and the requeues it starts run in that context (captured by ``track``), so their
+    reconciles can post events (a lost ScaledUp event on the real node)."""
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker")
+    seen: list[str] = []
+
+    async def reads_marker() -> None:
+        seen.append(marker.get("missing"))
+
+    async def run() -> None:
+        memo = types.SimpleNamespace(known=set(), contexts={}, locks={}, requeues={})
+        await handlers._spawn(memo, reads_marker(), name="before")  # nothing captured yet
+
+        async def kopf_task() -> None:  # kopf sets its variables in each object's task
+            marker.set("kopf")
+            await handlers.track(type="ADDED", namespace="ml", name="a", memo=memo)
+
+        await asyncio.get_running_loop().create_task(kopf_task())
+        await handlers._spawn(memo, reads_marker(), name="after")
+
+    asyncio.run(run())
+    assert seen == ["missing", "kopf"]
+
+
+def test_an_event_that_cannot_be_posted_does_not_fail_the_reconcile(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def reconcile(*, events: Any, **_: Any) -> Any:
+        events("ScaledUp", "dataParallelSize 1->2")  # outside kopf's tasks: no event queue
+        return types.SimpleNamespace(
+            requeue_after=None, previous=None, status=None, runtime_reachable=None,
+            autoscale_decision=None,
+        )  # fmt: skip
+
+    monkeypatch.setattr(handlers.reconcile, "reconcile", reconcile)
+    body = {"metadata": {"name": "a", "namespace": "ml", "uid": "u"}}
+    memo = types.SimpleNamespace(api=None, operator_key=b"k", requeues={}, contexts={})
+    asyncio.run(handlers._reconcile(body, memo, logging.getLogger("test")))
+    assert "event ScaledUp not posted" in caplog.text
