@@ -312,6 +312,43 @@ def _share_at(samples: Sequence[Sample], when: float) -> dict[str, float]:
     return best.shares
 
 
+def _event_time(event: dict[str, Any]) -> float:
+    stamp = (
+        event.get("eventTime")
+        or event.get("firstTimestamp")
+        or event["metadata"]["creationTimestamp"]
+    )
+    return float(calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")))
+
+
+def provisioning(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's ``Provisioning`` stages (new worker pods; the runtime is asked only once
+    they are ready, so its records start after them) from its stage events, as records
+    ``render`` draws bands of: from the ``resize A->B: Provisioning`` event to the next event
+    of that resize."""
+    ordered = sorted(events, key=_event_time)
+    out = []
+    for i, event in enumerate(ordered):
+        match = re.match(r"resize (\d+)->(\d+): Provisioning", event.get("message") or "")
+        if event.get("reason") != "Provisioning" or match is None:
+            continue
+        prefix = f"resize {match.group(1)}->{match.group(2)}: "
+        later = [e for e in ordered[i + 1 :] if (e.get("message") or "").startswith(prefix)]
+        if not later:
+            continue
+        began, ended = _event_time(event), _event_time(later[0])
+        out.append(
+            {
+                "from": int(match.group(1)),
+                "to": int(match.group(2)),
+                "stages": [
+                    {"stage": "Provisioning", "started_at": began, "duration_s": ended - began}
+                ],
+            }
+        )
+    return out
+
+
 def events_as_decisions(events: Sequence[dict[str, Any]]) -> list[tuple[float, str]]:
     """The autoscaler's ``ScaledUp`` / ``ScaledDown`` events (``kubectl get events -o json``
     items) as (time, label)."""
@@ -319,12 +356,7 @@ def events_as_decisions(events: Sequence[dict[str, Any]]) -> list[tuple[float, s
     for event in events:
         if event.get("reason") not in ("ScaledUp", "ScaledDown"):
             continue
-        stamp = (
-            event.get("eventTime")
-            or event.get("firstTimestamp")
-            or event["metadata"]["creationTimestamp"]
-        )
-        moment = float(calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")))
+        moment = _event_time(event)
         match = re.search(r"dataParallelSize (\d+)->(\d+)", event.get("message") or "")
         label = event["reason"] + (f" {match.group(1)}→{match.group(2)}" if match else "")
         out.append((moment, label))

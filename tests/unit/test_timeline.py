@@ -28,6 +28,20 @@ def test_decisions_come_from_the_autoscaler_events() -> None:
     assert timeline.events_as_decisions(events) == [(1767225605.0, "ScaledUp 1→2")]
 
 
+def test_provisioning_bands_come_from_the_operator_stage_events() -> None:
+    events = [
+        {"reason": "Standby", "message": "resize 1->2: Standby",
+         "metadata": {"creationTimestamp": "2026-01-01T00:00:40Z"}},
+        {"reason": "Provisioning", "message": "resize 1->2: Provisioning",
+         "metadata": {"creationTimestamp": "2026-01-01T00:00:10Z"}},
+    ]  # fmt: skip
+    (record,) = timeline.provisioning(events)
+    assert (record["from"], record["to"]) == (1, 2)
+    assert record["stages"] == [
+        {"stage": "Provisioning", "started_at": 1767225610.0, "duration_s": 30.0}
+    ]
+
+
 def run(start: float = 1000.0) -> timeline.Timeline:
     tokens = [(start + i * 0.1, 1) for i in range(600)]
     samples = [
