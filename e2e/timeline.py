@@ -29,7 +29,7 @@ import httpx
 
 #: Band colours of the resize stages (DESIGN §3 names).
 STAGE_COLOURS = {
-    "Provisioning": "#c6dbef",
+    "Provisioning": "#fee391",
     "Standby": "#9ecae1",
     "Transferring": "#6baed6",
     "Switching": "#fd8d3c",
