@@ -64,11 +64,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_operator(plane: cluster.ControlPlane, log: pathlib.Path) -> subprocess.Popen[bytes]:
-    env = {**plane.env(), "MOE_RESYNC_SECONDS": "3600", "PYTHONUNBUFFERED": "1"}
+def start_operator(
+    plane: cluster.ControlPlane, log: pathlib.Path, *, profile: pathlib.Path | None = None
+) -> subprocess.Popen[bytes]:
+    env = {
+        **plane.env(),
+        "MOE_RESYNC_SECONDS": "3600",
+        "PYTHONUNBUFFERED": "1",
+        "MOE_OPERATOR_NAMESPACE": NAMESPACE,  # its key Secret lives there
+    }
     with log.open("wb") as out:
+        prefix = ["-m", "cProfile", "-o", str(profile)] if profile else []
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_operator.cli", "run"],
+            [sys.executable, *prefix, "-m", "moe_operator.cli", "run"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -81,14 +89,14 @@ def start_operator(plane: cluster.ControlPlane, log: pathlib.Path) -> subprocess
     return proc
 
 
-def run(count: int) -> None:
+def run(count: int, *, profile: pathlib.Path | None = None) -> None:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="elastic-moe-bench-"))
     started = time.monotonic()
     plane = cluster.start(state_dir=workdir / "cp")
     print(f"control plane ready in {time.monotonic() - started:.1f}s at {plane.server}")
-    proc = start_operator(plane, workdir / "operator.log")
+    plane.kubectl("create", "namespace", NAMESPACE)
+    proc = start_operator(plane, workdir / "operator.log", profile=profile)
     try:
-        plane.kubectl("create", "namespace", NAMESPACE)
         client = kubernetes.config.new_client_from_config(config_file=str(plane.kubeconfig))
         custom = kubernetes.client.CustomObjectsApi(client)
         seen: dict[str, float] = {}
@@ -180,7 +188,7 @@ def run(count: int) -> None:
         print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
         client.close()
     finally:
-        proc.terminate()
+        proc.send_signal(2) if profile else proc.terminate()  # SIGINT lets cProfile write
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -192,8 +200,11 @@ def run(count: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--count", type=int, default=100)
+    parser.add_argument(
+        "--profile", type=pathlib.Path, default=None, help="write the operator's cProfile here"
+    )
     args = parser.parse_args()
-    run(args.count)
+    run(args.count, profile=args.profile)
     return 0
 
 

@@ -157,9 +157,10 @@ async def observe_children(
     )
     observed = observe.Observed(
         raycluster=observe.raycluster(ray, pods=pods),
-        # A head that runs has read the Secret; until then the Secret is made sure of (a
-        # create that may answer "exists": the operator cannot read Secrets back).
-        secret_exists=ray is not None and pods is not None and bool(pods.head_ready),
+        # The Secret is created in the reconcile that creates the RayCluster; it is made sure
+        # of again (a create that may answer "exists": the operator cannot read Secrets back)
+        # only while a head pod has not started, which a missing Secret would cause.
+        secret_exists=ray is not None and (pods is None or not pods.head_pending),
         service_exists=service is not None,
         worker_pods=(pods.workers if pods is not None else None) if ray is not None else (),
         leaving_pods=pods.leaving if pods is not None and ray is not None else (),

@@ -52,6 +52,8 @@ class PodsObservation:
     head_ready: bool | None = None
     #: Restarts of the head pod's containers (a restart takes the runtime and Ray's GCS).
     head_restarts: int | None = None
+    #: A head pod exists but has not started yet (Pending: e.g. waiting for its Secret).
+    head_pending: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,12 +222,14 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
     workers, ready, leaving = [], [], []
     head_ready: bool | None = None
     head_restarts: int | None = None
+    head_pending = False
     for pod in listed:
         meta = pod.get("metadata") or {}
         kind = (meta.get("labels") or {}).get(NODE_TYPE_LABEL)
         if kind == "head":
             now = _ready(pod) and not _leaving(pod)
             head_ready = now or bool(head_ready)
+            head_pending = head_pending or (pod.get("status") or {}).get("phase") == "Pending"
             if not _leaving(pod):
                 statuses = (pod.get("status") or {}).get("containerStatuses") or []
                 head_restarts = sum(int(c.get("restartCount") or 0) for c in statuses)
@@ -243,6 +247,7 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
         leaving=tuple(sorted(leaving)),
         head_ready=head_ready,
         head_restarts=head_restarts,
+        head_pending=head_pending,
     )
 
 
