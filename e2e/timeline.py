@@ -98,6 +98,7 @@ class Timeline:
         return cls(**fields)
 
     def save_json(self, path: pathlib.Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json()))
 
     def sizes(self) -> list[tuple[float, int]]:
