@@ -22,7 +22,8 @@ Every change of the live slots is all-or-nothing across ranks: `activate` runs o
 between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
 is voted on first (a min all-reduce over the step group: every rank commits, or none does).
 
-Threads: the executor calls `execute_step` from one thread and control methods
+Threads: the executor calls `execute_step` from one thread (a second one only after a failed
+step, and a lock keeps their steps apart) and control methods
 (`join_group`, `transfer_non_expert`, `stage_experts`) from another (Ray's "ctl" concurrency
 group), so they overlap. They share only `_lock`-protected dictionaries; a control call never
 uses the active step group.
@@ -97,6 +98,11 @@ class RankWorker(slots_mod.ExpertSlots):
         self._fail: dict[str, str] = {}
         self._stall: dict[str, float] = {}
         self._lock = threading.RLock()
+        #: One step at a time: after a step timed out in the driver, the rebuilt step path
+        #: (plain calls, another thread) must not start the next step on this rank while the
+        #: old one still runs in the compiled graph's loop: both would use the step group at
+        #: once and gloo aborts the process on the mismatched messages.
+        self._step_lock = threading.Lock()
         self.steps = 0
         self.total_load: torch.Tensor | None = None
 
@@ -345,6 +351,11 @@ class RankWorker(slots_mod.ExpertSlots):
 
     # -- the step ------------------------------------------------------------------------
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        """One step (`_execute_step`), never two at once on this rank."""
+        with self._step_lock:
+            return self._execute_step(step)
+
+    def _execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         """Apply step.control, free KV, run this rank's batch, sample; never raises.
 
         An idle rank (no batch) still runs the forward pass with no tokens, so it joins the
