@@ -31,14 +31,7 @@ def ray_session() -> Iterator[None]:
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,
-        _system_config={
-            "kill_worker_timeout_milliseconds": cluster.KILL_WORKER_TIMEOUT_MS,
-            # Ray's memory monitor kills the newest worker once the host passes 95 % of its
-            # memory; on a CI host shared with the node tier's pods that killed rank actors
-            # mid-test ("System error: ... OOM killing"). The tests' ranks are a few hundred
-            # MiB each: the kernel's limit is the one that matters here.
-            "memory_monitor_refresh_ms": 0,
-        },
+        _system_config={"kill_worker_timeout_milliseconds": cluster.KILL_WORKER_TIMEOUT_MS},
     )
     try:
         yield
