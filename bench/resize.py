@@ -1,27 +1,35 @@
 """Live resize figures on synthetic://small: 2→4 and 4→2 under load, against cold starts.
 
-Measured in one run, with one `moe-runtime serve` (Ray ranks, compiled step graph):
+Measured in one run, with one `moe-runtime serve` per `--warm-spare-ranks` value (Ray ranks,
+compiled step graph unless `--step-mode remote`), each resize `--repeats` times (medians):
 - total resize time and per-stage durations (from /elastic_ep/status history);
 - blackout: the longest interval in which no request made progress (server-side, from the
   step loop) and, from the clients, the longest gap between two streamed tokens of one request;
+- the switch pause: how long the switch held the step loop (`switch_pause_s` of the record);
 - cold start: wall time from `moe-runtime serve` to /health 200 of a fresh server at the target
-  size, and the ratio resize / cold start (aim: < 0.5);
+  size without spares, and the ratio resize / cold start (aim: <= 0.25 without warm spares,
+  <= 0.05 with them);
 - expert bytes moved against the lower bound for that placement change (every (layer, rank,
   expert) the new placement needs and the old one did not hold, times the bytes of one expert);
 - balancedness before and after (over the EPLB window).
 
-It also draws the run (e2e/timeline.py): tokens/s over time, per rank by their share of the
-routed tokens, the stage bands of both resizes, the size, and `requests: ok=N failed=M`, into
-`--png` (default out/resize-timeline.png).
+It also draws each server's run (e2e/timeline.py): tokens/s over time, per rank by their share
+of the routed tokens, the stage bands of both resizes, the size, and `requests: ok=N
+failed=M`, into `--png` (default out/resize-timeline.png; out/resize-timeline-spares2.png for
+the server with 2 warm spares).
 
 Run: .venv/bin/python bench/resize.py   (a few minutes on 2 cores; prints figures, asserts none)
+     .venv/bin/python bench/resize.py --warm-spare-ranks 2 --repeats 3 --step-mode remote
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import pathlib
+import statistics
 import sys
 import tempfile
 import threading
@@ -101,16 +109,34 @@ class StreamingLoad:
             t.join(timeout=600)
 
 
-def serve_args(model: str, size: int) -> list[str]:
-    return ["--model", model, "--data-parallel-size", str(size), "--max-data-parallel-size", "4"]
+def serve_args(model: str, size: int, *, step_mode: str | None = None) -> list[str]:
+    args = ["--model", model, "--data-parallel-size", str(size), "--max-data-parallel-size", "4"]
+    return args + (["--step-mode", step_mode] if step_mode else [])
 
 
-def cold_start(model: str, size: int, workdir: pathlib.Path) -> float:
+def cold_start(model: str, size: int, workdir: pathlib.Path, *, step_mode: str) -> float:
     started = time.monotonic()
-    srv = runtime_proc.start(serve_args(model, size), log=workdir / f"cold-{size}.log")
+    srv = runtime_proc.start(
+        serve_args(model, size, step_mode=step_mode), log=workdir / f"cold-{size}.log"
+    )
     seconds = time.monotonic() - started
     srv.stop()
     return seconds
+
+
+def status(url: str) -> dict[str, Any]:
+    st: dict[str, Any] = httpx.get(f"{url}/elastic_ep/status", headers=AUTH, timeout=60).json()
+    return st
+
+
+def wait_spares(url: str, count: int, deadline_s: float = 600.0) -> float:
+    """Seconds until `count` warm spare ranks are ready (0 when none are kept)."""
+    started = time.monotonic()
+    while count and sum(s["ready"] for s in status(url)["spares"]) < count:
+        if time.monotonic() - started > deadline_s:
+            raise TimeoutError(f"{count} warm spares not ready in {deadline_s}s")
+        time.sleep(0.2)
+    return time.monotonic() - started
 
 
 def resize(url: str, to: int) -> dict[str, Any]:
@@ -133,57 +159,69 @@ def bytes_per_expert(model: str) -> int:
     return 3 * cfg.hidden_size * cfg.intermediate_size * 4
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="synthetic://small?seed=0")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--step-mode", choices=("compiled", "remote"), default="compiled")
-    parser.add_argument("--json", action="store_true", help="also print the raw records")
-    parser.add_argument(
-        "--png",
-        type=pathlib.Path,
-        default=ROOT / "out" / "resize-timeline.png",
-        help="where to draw the timeline (default: out/resize-timeline.png)",
-    )
-    args = parser.parse_args()
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-resize-"))
-    per_expert = bytes_per_expert(args.model)
+@dataclasses.dataclass
+class Measured:
+    """One resize as the bench saw it: the runtime's record, the longest gap between two
+    streamed tokens of one request during it, the same figure over a window of serving just
+    before it (the machine's own noise), and the 1-minute load average when it began."""
+
+    spares: int
+    record: dict[str, Any]
+    client_gap: float
+    baseline_gap: float
+    load_average: float
+
+
+def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> list[Measured]:
+    """One server with `spares` warm spare ranks: `--repeats` times 2→4 then 4→2 under load."""
     t0 = time.monotonic()
     srv = runtime_proc.start(
-        serve_args(args.model, 2) + ["--no-eplb", "--step-mode", args.step_mode],
-        log=workdir / "serve.log",
+        serve_args(args.model, 2, step_mode=args.step_mode)
+        + ["--no-eplb", "--warm-spare-ranks", str(spares)],
+        log=workdir / f"serve-spares{spares}.log",
         env={"MOE_ADMIN_TOKEN": TOKEN},
     )
     print(
-        f"server at DP=2 ready in {time.monotonic() - t0:.1f}s ({args.model}, "
-        f"{args.step_mode} step graph, {args.clients} streaming clients)"
+        f"server at DP=2 with {spares} warm spare ranks ready in {time.monotonic() - t0:.1f}s "
+        f"({args.model}, {args.step_mode} step graph, {args.clients} streaming clients)",
+        flush=True,
     )
-    results = []
+    measured: list[Measured] = []
     sampler = timeline.Sampler(lambda: srv.url, interval_s=0.5)
     try:
         started = time.time()
         sampler.start()
-        with StreamingLoad(srv.url, args.model.split("//")[1].split("?")[0], args.clients) as load:
+        name = args.model.split("//")[1].split("?")[0]
+        with StreamingLoad(srv.url, name, args.clients) as load:
             deadline = time.monotonic() + 120
             while load.ok < args.clients and time.monotonic() < deadline:
                 time.sleep(0.1)
-            for to in (4, 2):
-                load.measure_from()
-                record = resize(srv.url, to)
-                results.append((record, load.max_gap))
+            for _ in range(args.repeats):
+                for to in (4, 2):
+                    waited = wait_spares(srv.url, spares)
+                    if spares:
+                        print(f"  {spares} spares ready after {waited:.1f}s", flush=True)
+                    load.measure_from()
+                    time.sleep(args.settle)  # the baseline window (and the graph settles)
+                    baseline = load.max_gap
+                    load.measure_from()
+                    load_average = os.getloadavg()[0]
+                    record = resize(srv.url, to)
+                    measured.append(Measured(spares, record, load.max_gap, baseline, load_average))
+                    print(f"  {record['from']}->{record['to']}: {record['duration_s']:.2f}s")
             settle = time.monotonic() + 10  # a little serving at the final size
             while time.monotonic() < settle:
                 time.sleep(0.1)
             ok, failed = load.ok, load.failed
         sampler.stop()
-        history = httpx.get(f"{srv.url}/elastic_ep/status", headers=AUTH, timeout=60).json()
         picture = timeline.Timeline(
-            title=f"bench/resize.py: {args.model}, 2→4→2 under {args.clients} streaming clients",
+            title=f"bench/resize.py: {args.model}, 2→4→2 under {args.clients} streaming clients, "
+            f"{spares} warm spares",
             start=started,
             end=time.time(),
             tokens=list(load.token_times),
             samples=list(sampler.samples),
-            resizes=history["history"],
+            resizes=status(srv.url)["history"],
             ok=ok,
             failed=failed,
             initial_size=2,
@@ -191,34 +229,87 @@ def main() -> None:
     finally:
         sampler.stop()
         srv.stop()
-    colds = {size: cold_start(args.model, size, workdir) for size in (4, 2)}
-    print()
+    png = args.png if not spares else args.png.with_stem(f"{args.png.stem}-spares{spares}")
+    print(f"  timeline: {timeline.render(picture, png)}")
+    print(f"  requests: ok={ok} failed={failed}", flush=True)
+    return measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="synthetic://small?seed=0")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--step-mode", choices=("compiled", "remote"), default="compiled")
+    parser.add_argument(
+        "--warm-spare-ranks",
+        type=int,
+        nargs="+",
+        default=[0, 2],
+        help="one server per value, each measured the same way (default: 0 2)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="2→4→2 cycles per server")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds of serving before each resize (its client gap is the baseline)",
+    )
+    parser.add_argument("--json", action="store_true", help="also print the raw records")
+    parser.add_argument(
+        "--png",
+        type=pathlib.Path,
+        default=ROOT / "out" / "resize-timeline.png",
+        help="where to draw the timeline (default: out/resize-timeline.png; -sparesK added)",
+    )
+    args = parser.parse_args()
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-resize-"))
+    per_expert = bytes_per_expert(args.model)
+    measured = [m for k in args.warm_spare_ranks for m in run_config(args, k, workdir)]
+    colds = {
+        size: cold_start(args.model, size, workdir, step_mode=args.step_mode) for size in (4, 2)
+    }
+    print(f"\ncold start (no spares): DP=4 {colds[4]:.1f}s, DP=2 {colds[2]:.1f}s")
     header = (
-        f"{'resize':>7} {'total s':>8} {'cold s':>7} {'ratio':>6} {'blackout ms':>12} "
-        f"{'client gap ms':>14} {'switch ms':>10} {'expert MB':>10} {'bound MB':>9} {'bal before':>10} "
-        f"{'bal after':>9}"
+        f"{'spares':>6} {'resize':>7} {'total s':>8} {'ratio':>6} {'blackout ms':>12} "
+        f"{'client gap ms':>14} {'baseline ms':>12} {'pause ms':>9} {'switch ms':>10} "
+        f"{'expert MB':>10} {'bound MB':>9} {'load':>5}"
     )
     print(header)
-    for record, gap in results:
-        moved = record["bytes_moved"]["expert"]
-        bound = record["expert_moves_lower_bound"] * per_expert
-        cold = colds[record["to"]]
-        bal = record["balancedness"]
-        switch = next(s["duration_s"] for s in record["stages"] if s["stage"] == "Switching")
-        print(
-            f"{record['from']}->{record['to']:<4} {record['duration_s']:8.2f} {cold:7.1f} "
-            f"{record['duration_s'] / cold:6.2f} {record['blackout_s'] * 1000:12.0f} "
-            f"{gap * 1000:14.0f} {switch * 1000:10.0f} {moved / 1e6:10.1f} {bound / 1e6:9.1f} "
-            f"{bal['before']:10.3f} {bal['after']:9.3f}"
-        )
-    for record, _ in results:
-        stages = ", ".join(f"{s['stage']} {s['duration_s']:.2f}s" for s in record["stages"])
-        print(f"  {record['from']}->{record['to']} stages: {stages}")
-        print(f"  non-expert bytes moved: {record['bytes_moved']['non_expert'] / 1e6:.1f} MB")
-    print(f"timeline: {timeline.render(picture, args.png)}")
-    print(f"requests: ok={ok} failed={failed}")
+    for spares in args.warm_spare_ranks:
+        for frm, to in ((2, 4), (4, 2)):
+            runs = [m for m in measured if m.spares == spares and m.record["from"] == frm]
+            if not runs:
+                continue
+            recs = [m.record for m in runs]
+            total = statistics.median(r["duration_s"] for r in recs)
+            switch = statistics.median(
+                next(s["duration_s"] for s in r["stages"] if s["stage"] == "Switching")
+                for r in recs
+            )
+            pause = statistics.median((r.get("switch_pause_s") or 0.0) for r in recs)
+            print(
+                f"{spares:>6} {frm}->{to:<4} {total:8.2f} {total / colds[to]:6.3f} "
+                f"{statistics.median(r['blackout_s'] for r in recs) * 1000:12.0f} "
+                f"{statistics.median(m.client_gap for m in runs) * 1000:14.0f} "
+                f"{statistics.median(m.baseline_gap for m in runs) * 1000:12.0f} "
+                f"{pause * 1000:9.0f} {switch * 1000:10.0f} "
+                f"{statistics.median(r['bytes_moved']['expert'] for r in recs) / 1e6:10.1f} "
+                f"{statistics.median(r['expert_moves_lower_bound'] for r in recs) * per_expert / 1e6:9.1f} "
+                f"{statistics.median(m.load_average for m in runs):5.1f}"
+            )
+    print(
+        "(medians of --repeats; ratio = total / cold start at the target size; blackout: "
+        "server-side, longest time no request got a token; client gap: longest gap between two "
+        "streamed tokens of one request during the resize; baseline: the same over --settle s "
+        "of serving just before it; pause: the switch's boundary call; switch: the stage, "
+        "waiting for a step boundary included; load: 1-minute load average at its start)"
+    )
+    for m in measured:
+        r = m.record
+        stages = ", ".join(f"{s['stage']} {s['duration_s']:.2f}s" for s in r["stages"])
+        print(f"  spares {m.spares} {r['from']}->{r['to']} stages: {stages}")
     if args.json:
-        print(json.dumps([r for r, _ in results], indent=2))
+        print(json.dumps([m.record for m in measured], indent=2))
 
 
 if __name__ == "__main__":

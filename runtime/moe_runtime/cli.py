@@ -136,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a heartbeat answer before a rank counts as hung and is fenced",
     )
     elastic.add_argument(
+        "--warm-spare-ranks",
+        type=_non_negative,
+        default=0,
+        help="rank workers kept started beside the active ones (non-expert weights loaded, "
+        "warmed up, in standby groups), so a grow by up to this many skips Standby; each takes "
+        "a rank slot (moe_rank) of its own (MoEDeployment elastic.warmSpareRanks)",
+    )
+    elastic.add_argument(
         "--drain-timeout",
         type=_non_negative,
         default=0,
@@ -255,7 +263,7 @@ def _build_into(
         from moe_runtime.executor import ray_executor  # imports ray: only here
 
         runtime.cluster = cluster_mod
-        slots = max(8, num_ranks, args.max_data_parallel_size or 0)
+        slots = max(8, max(num_ranks, args.max_data_parallel_size or 0) + args.warm_spare_ranks)
         runtime.owns_ray = cluster_mod.connect(num_rank_slots=slots)
         use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
         runtime.executor = ray_executor.RayExecutor(
@@ -304,6 +312,7 @@ def _build_into(
             eplb_step_interval=args.eplb_step_interval,
             auto_recover=args.auto_recover,
             hang_timeout=args.rank_hang_timeout,
+            warm_spare_ranks=args.warm_spare_ranks,
         ),
         limits=elastic_coordinator.Limits(
             min_size=args.min_data_parallel_size,

@@ -123,11 +123,14 @@ class ExpertSlots:
         new_num_ranks: int,
         stage: int | None = None,
         from_source: bool = False,
+        provided: Mapping[tuple[int, int], mixtral.ExpertWeights] | None = None,
     ) -> int:
         """Prepare this rank's slots of `new_placement` in a staging area; returns bytes received.
 
         from_source: experts that neither this rank holds nor a move brings are read from the
         model source (recovery after a rank died with the only copy); otherwise that is an error.
+        provided: experts (layer, logical) -> weights that the executor already brought by
+        another path (co-located peers, through shared memory); `moves` then leaves them out.
 
         new_rank None: this rank leaves (scale-down); it only sends and stages nothing.
 
@@ -183,7 +186,7 @@ class ExpertSlots:
             new_placement,
             rank=new_rank,
             num_ranks=new_num_ranks,
-            available={**held, **received},
+            available={**held, **received, **(provided or {})},
             source=src,
             dtype=self.dtype,
             device=self.device,
@@ -218,6 +221,18 @@ class ExpertSlots:
             self._ctx(),
         )
         return stats.bytes_received
+
+    def held_experts(self, keys: Sequence[tuple[int, int]]) -> staging_mod.Experts:
+        """{(layer, logical): weights} of the live slots for `keys` (what a peer asked for);
+        a key this rank does not hold is an error naming it."""
+        held = self._held_experts()
+        missing = [k for k in keys if k not in held]
+        if missing:
+            raise RuntimeError(
+                f"asked for (layer, expert) {missing[:5]} ({len(missing)}) that this rank does "
+                f"not hold ({self._ctx()})"
+            )
+        return {k: held[k] for k in keys}
 
     def _held_experts(self) -> staging_mod.Experts:
         """{(layer, logical): weights} of the live slots."""

@@ -27,8 +27,16 @@ def test_ranks_are_ordered_driver_node_first_then_smaller_nodes_then_ip() -> Non
         ([0, 1, 2, 3], [0, 1, 2, 3], {0: 0, 1: 1, 2: 2, 3: 3}),
         ([0, 1], [0, 1, 2, 3], {0: 0, 1: 1, 2: 2, 3: 3}),
         ([0, 2], [0, 2], {0: 0, 2: 1}),
+        ([0, 2], [0, 1, 2], {0: 0, 2: 1, 1: 3}),
+        ([0, 1, 5], [0, 1, 2, 5, 6], {0: 0, 1: 1, 5: 2, 2: 7, 6: 6}),
     ],
-    ids=["grow", "shrink-highest-leave", "renumber-after-a-death"],
+    ids=[
+        "grow",
+        "shrink-highest-leave",
+        "renumber-after-a-death",
+        "left-out-label-taken-moves-up",
+        "a-spare-below-the-new-size-moves-up",
+    ],
 )
 def test_switch_relabels(ranks: list[int], live: list[int], expected: dict[int, int]) -> None:
     assert base.check_switch(ranks, live=live) == expected
@@ -40,10 +48,54 @@ def test_switch_relabels(ranks: list[int], live: list[int], expected: dict[int, 
         ([], [0], "at least one"),
         ([0, 0], [0, 1], "distinct"),
         ([0, 5], [0, 1], "not live"),
-        ([0, 2], [0, 1, 2], "remove them first"),
     ],
-    ids=["empty", "duplicate", "unknown", "label-clash"],
+    ids=["empty", "duplicate", "unknown"],
 )
 def test_bad_switch_is_refused(ranks: list[int], live: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         base.check_switch(ranks, live=live)
+
+
+def test_moves_between_ranks_of_one_node_go_through_shared_memory() -> None:
+    from moe_runtime.eplb import moves as moves_mod
+    from moe_runtime.executor import ray_transfer
+
+    members = [10, 11, 12, 13]  # transfer-group rank i is label members[i]
+    node = {10: "a", 11: "a", 12: "b", 13: "a"}
+    moves = [
+        moves_mod.ExpertMove(layer=0, logical=1, src_rank=0, dst_rank=1, dst_slot=0),
+        moves_mod.ExpertMove(layer=0, logical=2, src_rank=0, dst_rank=2, dst_slot=0),
+        moves_mod.ExpertMove(layer=1, logical=1, src_rank=0, dst_rank=1, dst_slot=1),
+        moves_mod.ExpertMove(layer=1, logical=1, src_rank=0, dst_rank=3, dst_slot=1),
+        moves_mod.ExpertMove(layer=0, logical=3, src_rank=3, dst_rank=3, dst_slot=2),
+    ]
+    shared, rest = ray_transfer.split_moves(moves, members, node.__getitem__)
+    assert shared == {(10, 11): [moves[0], moves[2]], (10, 13): [moves[3]]}
+    assert rest == [moves[1], moves[4]]  # another node; a local copy
+    assert ray_transfer.exporters(shared) == {(10, 11): [(0, 1), (1, 1)], (10, 13): [(1, 1)]}
+    refs = {(10, 11): "r1", (12, 11): "r2", (10, 13): "r3"}
+    assert ray_transfer.received_by(refs, 11) == ["r1", "r2"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_come_back_equal_and_private(dtype: str) -> None:
+    import torch
+
+    from moe_runtime.executor import ray_transfer
+    from moe_runtime.model import mixtral
+
+    torch_dtype = getattr(torch, dtype)
+    w = mixtral.ExpertWeights(
+        w1=torch.randn(4, 3).to(torch_dtype),
+        w2=torch.randn(3, 4).to(torch_dtype),
+        w3=torch.randn(4, 3).to(torch_dtype),
+    )
+    packed = ray_transfer.pack_experts({(2, 5): w})
+    experts, nbytes = ray_transfer.unpack_experts([packed], dtype=torch_dtype, device="cpu")
+    got = experts[(2, 5)]
+    assert nbytes == 3 * 12 * torch_dtype.itemsize
+    for a, b in zip((got.w1, got.w2, got.w3), (w.w1, w.w2, w.w3), strict=True):
+        assert a.dtype == torch_dtype and torch.equal(a, b)
+        assert a.data_ptr() != b.data_ptr()  # a copy, not a view of the sender's memory
+    state, nbytes = ray_transfer.unpack_state(ray_transfer.pack_state({"x": w.w2}))
+    assert nbytes == 12 * torch_dtype.itemsize and torch.equal(state["x"], w.w2)

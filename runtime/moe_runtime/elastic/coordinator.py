@@ -270,10 +270,15 @@ class Coordinator:
                 record.enter(stages.Stage.COMPLETED)
                 self._history.append(record)
                 return record
-            record.enter(stages.stages_for(from_size, new_size)[0])
+            # Ops may shorten the stages (`EngineResizeOps.stages_for`: warm spares, no Standby).
+            order = getattr(self._ops, "stages_for", stages.stages_for)(from_size, new_size)
+            record.enter(order[0])
             self._current = record
             self._thread = threading.Thread(
-                target=self._run, args=(record,), name=f"resize-{record.resize_id}", daemon=True
+                target=self._run,
+                args=(record, order),
+                name=f"resize-{record.resize_id}",
+                daemon=True,
             )
             self._thread.start()
             return record
@@ -332,8 +337,7 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - a listener must not break a resize
                 log.exception("resize listener failed (resize %s)", record.resize_id)
 
-    def _run(self, record: records.ResizeRecord) -> None:
-        order = stages.stages_for(record.from_size, record.to_size)
+    def _run(self, record: records.ResizeRecord, order: tuple[stages.Stage, ...]) -> None:
         log.info(
             "resize %s: %d -> %d ranks, stages %s",
             record.resize_id,

@@ -1,9 +1,13 @@
 """The mechanics of each resize stage on a real engine and executor (`ResizeOps`).
 
 Scale up N→M (ranks keep their labels; the new ones are N..M-1):
-- Standby: start M-N rank workers with placeholder weights (or the model source's non-expert
-  weights with `weight_source="storage"`); build the step and transfer groups of a new epoch
-  over all M ranks in the background while the old group keeps serving.
+- With warm spare ranks covering M-N (`spares.SparePool.claim`): no Standby. The spares hold
+  the non-expert weights and a standby epoch's groups over the N ranks and them exist: the
+  resize is Transferring (experts only) + Switching (+ Reshuffling).
+- Standby: take the warm spares there are (`SparePool.take`), start the other rank workers with
+  placeholder weights (or the model source's non-expert weights with
+  `weight_source="storage"`); build the step and transfer groups of a new epoch over all M
+  ranks in the background while the old group keeps serving.
 - Transferring: non-expert weights go from old ranks to new ones over the new transfer group
   (peer to peer); the placement for M ranks is computed (`rebalance_for_resize`, which keeps
   experts where they are) and the experts every rank lacks are staged beside the live ones.
@@ -46,6 +50,7 @@ from typing import Any
 
 from moe_runtime.elastic import rebalance, records, stages
 from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -74,6 +79,12 @@ class Plan:
     old_ranks: list[int]
     generation: int
     new_labels: list[int] = dataclasses.field(default_factory=list)
+    #: new_labels that came from the warm spares (given back on rollback), and the ones
+    #: started by this resize (they need the non-expert weights).
+    from_pool: list[int] = dataclasses.field(default_factory=list)
+    fresh: list[int] = dataclasses.field(default_factory=list)
+    #: Warm spares covered the grow: their standby epoch is `epoch`, no Standby stage.
+    warm: bool = False
     departing: list[int] = dataclasses.field(default_factory=list)
     target: policy.Placement | None = None
     staged_on: list[int] = dataclasses.field(default_factory=list)
@@ -95,7 +106,9 @@ class EngineResizeOps:
         serving: serving_mod.Serving,
         config: serving_mod.ElasticConfig,
         rebalancer: rebalance.Rebalancer,
+        spares: spares_mod.SparePool | None = None,
     ) -> None:
+        self.spares = spares
         self.engine = engine
         self.executor = executor
         self.model_config = model_config
@@ -119,23 +132,46 @@ class EngineResizeOps:
     def current_size(self) -> int:
         return self.executor.num_ranks
 
+    def stages_for(self, from_size: int, to_size: int) -> tuple[stages.Stage, ...]:
+        """The stages of this resize: a grow that warm spares cover has no Standby."""
+        if self.spares is not None and self.spares.covers(to_size - from_size):
+            return stages.SCALE_UP_WARM
+        return stages.stages_for(from_size, to_size)
+
     def begin(self, record: records.ResizeRecord) -> Plan:
         if not self.mechanics.acquire(timeout=self.config.boundary_timeout):
             raise TimeoutError("an expert rebalance did not finish in time")
         try:
             record.balancedness_before = self.balancedness()
+            claim = None
+            if self.spares is not None and record.to_size > record.from_size:
+                claim = self.spares.claim(record.to_size - record.from_size)
         except Exception:
             self.mechanics.release()
             raise
-        return Plan(
+        plan = Plan(
             from_size=record.from_size,
             to_size=record.to_size,
-            epoch=self.serving.take_epoch(),
+            epoch=self.serving.take_epoch()
+            if claim is None or claim.epoch is None
+            else claim.epoch,
             old_epoch=self.serving.epoch,
             old_placement=self.serving.placement,
             old_ranks=self.executor.ranks,
             generation=self.serving.generation,
         )
+        if claim is not None:
+            plan.new_labels = list(claim.labels)
+            plan.from_pool = list(claim.labels)
+            plan.warm = True
+            plan.groups_on = list(plan.old_ranks)
+            log.info(
+                "resize %s: warm spares %s, standby epoch %d",
+                record.resize_id,
+                claim.labels,
+                plan.epoch,
+            )
+        return plan
 
     def end(self, plan: Any) -> None:
         """The resize is over (completed or rolled back): let dynamic EPLB run again."""
@@ -200,6 +236,10 @@ class EngineResizeOps:
             except Exception as exc:  # noqa: BLE001 - go on releasing the rest
                 problems.append(f"drop_epoch: {exc}")
         new = [r for r in plan.new_labels if r in set(self.executor.pending_ranks)]
+        spared = [r for r in new if r in plan.from_pool]
+        if spared and self.spares is not None and not stale:
+            self.spares.give_back(spared)  # still loaded and warm; the pool rebuilds its groups
+            new = [r for r in new if r not in spared]
         if new:
             problems += self._release(new, record)
         if plan.migrated and not stale:
@@ -310,39 +350,52 @@ class EngineResizeOps:
 
     # -- scale up ------------------------------------------------------------------------
     def _up_standby(self, plan: Plan, record: records.ResizeRecord) -> None:
+        if plan.warm:
+            return  # the warm spares' standby groups exist already
         old = self.executor.ranks
-        plan.new_labels = self.executor.add_ranks(
-            plan.to_size - plan.from_size, timeout=self.config.rpc_timeout
-        )
+        count = plan.to_size - plan.from_size
+        plan.from_pool = self.spares.take(count) if self.spares is not None else []
+        plan.new_labels = list(plan.from_pool)
+        if plan.from_pool:
+            log.info("resize %s: warm spares %s join", record.resize_id, plan.from_pool)
+        if len(plan.new_labels) < count:
+            plan.fresh = self.executor.add_ranks(
+                count - len(plan.new_labels), timeout=self.config.rpc_timeout
+            )
+            plan.new_labels += plan.fresh
         storage = self.config.weight_source == "storage"
-        loaded = self._rpc(
-            "load_weights",
-            ranks=plan.new_labels,
-            per_rank={r: {"rank": len(old) + i} for i, r in enumerate(plan.new_labels)},
-            source=self.config.source,
-            num_ranks=plan.to_size,
-            placement=None,
-            placeholder=not storage,
-        )
-        if storage:
-            record.bytes_non_expert += int(sum(int(b) for b in loaded))
+        if plan.fresh:
+            first = len(old) + len(plan.from_pool)
+            loaded = self._rpc(
+                "load_weights",
+                ranks=plan.fresh,
+                per_rank={r: {"rank": first + i} for i, r in enumerate(plan.fresh)},
+                source=self.config.source,
+                num_ranks=plan.to_size,
+                placement=None,
+                placeholder=not storage,
+            )
+            if storage:
+                record.bytes_non_expert += int(sum(int(b) for b in loaded))
         plan.groups_on = list(old)
         self.executor.build_groups(
             old + plan.new_labels, epoch=plan.epoch, timeout=self.config.rpc_timeout
         )
 
     def _up_transfer(self, plan: Plan, record: records.ResizeRecord) -> None:
+        if not plan.new_labels:
+            # Planned on warm spares that were gone by the time it began: Standby's work here.
+            log.warning("resize %s: no warm spare left; starting ranks", record.resize_id)
+            self._up_standby(plan, record)
         members = self.executor.ranks + plan.new_labels
-        if self.config.weight_source == "peer":
-            received = self._rpc(
-                "transfer_non_expert",
+        if self.config.weight_source == "peer" and plan.fresh:
+            record.bytes_non_expert += self.executor.transfer_non_expert(
                 plan.epoch,
-                ranks=members,
-                background=True,
+                members=members,
                 src_ranks=list(range(plan.from_size)),
-                dst_ranks=list(range(plan.from_size, plan.to_size)),
+                dst_ranks=[members.index(r) for r in plan.fresh],
+                timeout=self.config.rpc_timeout,
             )
-            record.bytes_non_expert += int(sum(int(b) for b in received))
         old = self.serving.placement
         plan.target = self._target_for(plan)
         self._stage_experts(
@@ -360,6 +413,7 @@ class EngineResizeOps:
         self,
         plan: Plan,
         members: list[int],
+        record: records.ResizeRecord,
         *,
         before: Callable[[], None] | None = None,
     ) -> None:
@@ -368,12 +422,23 @@ class EngineResizeOps:
         target = plan.target
 
         def switch() -> None:
+            started = time.monotonic()
+            try:
+                step_boundary()
+            finally:
+                record.switch_pause_s = time.monotonic() - started
+
+        def step_boundary() -> None:
             if before is not None:
                 before()
             self.executor.switch(
                 members, epoch=plan.epoch, placement=target, timeout=self.config.switch_timeout
             )
             plan.switched = True
+            # members[i] is rank i now: the new ranks are from_size.. (they keep those labels
+            # if the switch is undone, as ranks left out of a switch above its size do).
+            plan.new_labels = list(range(plan.from_size, len(members)))
+            plan.from_pool = [members.index(r) for r in plan.from_pool if r in members]
             self.serving.placement = target
             self.serving.num_ranks = plan.to_size
             self.serving.epoch = plan.epoch
@@ -394,7 +459,8 @@ class EngineResizeOps:
         )
 
     def _up_switch(self, plan: Plan, record: records.ResizeRecord) -> None:
-        self._switch(plan, self.executor.ranks + plan.new_labels)
+        record.warm_spares = len(plan.from_pool)
+        self._switch(plan, self.executor.ranks + plan.new_labels, record)
 
     def _up_reshuffle(self, plan: Plan, record: records.ResizeRecord) -> None:
         self.rebalancer.rebalance(record=record, force=False)
@@ -454,7 +520,7 @@ class EngineResizeOps:
             late = self.engine.migrate_from(plan.departing).result()
             record.sequences_migrated += len(late)
 
-        self._switch(plan, self.executor.ranks[: plan.to_size], before=migrate_late)
+        self._switch(plan, self.executor.ranks[: plan.to_size], record, before=migrate_late)
 
     def _down_release(self, plan: Plan, record: records.ResizeRecord) -> None:
         record.freed = self.executor.remove_ranks(plan.departing)

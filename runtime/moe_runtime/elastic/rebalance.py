@@ -57,25 +57,20 @@ def stage_experts(
     On failure every member's staged set is discarded before the error is raised.
     """
     try:
-        received = executor.collective_rpc(
-            "stage_experts",
+        return executor.stage_experts(
             epoch,
             moves,
             target,
-            ranks=list(members),
+            members=members,
+            new_num_ranks=new_num_ranks,
+            staging_id=staging_id,
             timeout=timeout,
             background=background,
-            per_rank={
-                r: {"new_rank": (i if i < new_num_ranks else None)} for i, r in enumerate(members)
-            },
-            new_num_ranks=new_num_ranks,
-            stage=staging_id,
             from_source=from_source,
         )
     except Exception:
         discard_everywhere(executor, members, timeout=timeout)
         raise
-    return int(sum(int(b) for b in received))
 
 
 def discard_everywhere(

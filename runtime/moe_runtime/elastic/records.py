@@ -82,6 +82,8 @@ class ResizeRecord:
     trigger: what started it (TRIGGER_*); recovery: set for kind "recovery". drain_timeout_s: how
     long a shrink lets sequences on departing ranks finish there before it migrates the rest;
     sequences_drained: those that finished there, sequences_migrated: those moved.
+    switch_pause_s: how long the switch held the step loop (its boundary call: no step ran);
+    warm_spares: how many warm spare ranks a grow took.
     """
 
     resize_id: str
@@ -107,6 +109,8 @@ class ResizeRecord:
     sequences_migrated: int = 0
     drain_timeout_s: float = 0.0
     sequences_drained: int = 0
+    switch_pause_s: float | None = None
+    warm_spares: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -167,5 +171,7 @@ class ResizeRecord:
                 "sequences_migrated": self.sequences_migrated,
                 "drain_timeout_s": self.drain_timeout_s,
                 "sequences_drained": self.sequences_drained,
+                "switch_pause_s": self.switch_pause_s,
+                "warm_spares": self.warm_spares,
                 "recovery": None if self.recovery is None else self.recovery.to_json(),
             }

@@ -23,7 +23,8 @@ or requests fail after `EngineConfig.max_step_retries` failed steps (the engine'
 
 Grow back (`ElasticConfig.auto_recover`): a thread asks the coordinator for the size before
 the loss (a normal resize, trigger "auto_recover") once the executor has free rank slots again
-(a replacement Ray node offers `moe_rank`). A request for that size by anyone returns the same
+(a replacement Ray node offers `moe_rank`) or warm spare ranks cover it (then at once, and the
+replacement node becomes a spare). A request for that size by anyone returns the same
 resize (the coordinator's same-target rule).
 """
 
@@ -37,6 +38,7 @@ from typing import Any
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import rebalance, records
 from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -76,6 +78,8 @@ class Recovery:
         #: The lost ranks (status entries) while the runtime serves below `full_size`.
         self.lost: list[dict[str, Any]] = []
         self.recoveries = 0
+        #: Warm spare ranks (`spares.SparePool`), when kept: a grow back may use them.
+        self.spares: spares_mod.SparePool | None = None
         self._stop = threading.Event()
         self._grow_thread: threading.Thread | None = None
         self._retry_at = 0.0
@@ -255,7 +259,8 @@ class Recovery:
         if self.coordinator.current is not None or time.monotonic() < self._retry_at:
             return
         free = self.executor.free_rank_slots()
-        if free is not None and free < target - size:
+        warm = len(self.spares.ready()) if self.spares is not None else 0
+        if free is not None and free + warm < target - size:
             return
         log.info("auto-recover: %d free rank slots; growing %d -> %d", free or 0, size, target)
         rec = self.coordinator.request(target, trigger=records.TRIGGER_AUTO_RECOVER)

@@ -21,6 +21,7 @@ from moe_runtime.elastic import admin, rebalance, records, recovery, settings, s
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import ops as ops_mod
 from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
@@ -131,6 +132,7 @@ class ElasticService:
     executor: executor_base.Executor
     live: settings.LiveSettings
     metrics: ElasticMetrics | None = None
+    spares: spares_mod.SparePool | None = None
 
     @classmethod
     def attach(
@@ -185,6 +187,16 @@ class ElasticService:
             config=config,
             coordinator=coord,
         )
+        pool = None
+        if config.warm_spare_ranks > 0:
+            pool = spares_mod.SparePool(
+                executor=executor,
+                serving=serving,
+                config=config,
+                mechanics=mechanics.mechanics,
+                busy=lambda: coord.current is not None,
+            )
+            mechanics.spares = fault.spares = pool
         service = cls(
             coordinator=coord,
             ops=mechanics,
@@ -199,6 +211,7 @@ class ElasticService:
                 rebalancer=rebalancer,
                 recovery=fault,
             ),
+            spares=pool,
         )
         engine.on_step(lambda outputs: coord.tracker.on_step(_produced(outputs), busy()))
         if registry is not None:
@@ -208,10 +221,15 @@ class ElasticService:
             service.metrics.rebalances.set_function(lambda: rebalancer.rebalances)
         coord.on_change(_log_stage)
         fault.attach()
+        if pool is not None:
+            pool.start()
         return service
 
     def close(self) -> None:
-        """Stop the heartbeat and the grow-back loop (before the executor shuts down)."""
+        """Stop the spares' upkeep, the heartbeat and the grow-back loop (before the executor
+        shuts down)."""
+        if self.spares is not None:
+            self.spares.close()
         self.recovery.close()
 
     def router(self, *, token: str | admin.TokenSource | None = None) -> fastapi.APIRouter:
@@ -247,8 +265,11 @@ class ElasticService:
         infos = self.executor.rank_infos()
         health = self.executor.health()
         slots = serving.placement.slots_per_rank(serving.num_ranks)
+        spared = self.spares.labels() if self.spares is not None else set()
         ranks = []
         for label, info in sorted(infos.items()):
+            if label in spared:
+                continue  # listed under "spares"
             h = health.get(label)
             ranks.append(
                 {
@@ -295,6 +316,11 @@ class ElasticService:
             "ready": ready,
             "ready_reason": reason,
             "auto_recover": self.recovery.status(),
+            **(
+                self.spares.status()
+                if self.spares is not None
+                else {"warm_spare_ranks": 0, "spares": []}
+            ),
             # What the operator's autoscaler decides on: sequences running + queued.
             "load": {
                 "running": engine_stats.num_running,

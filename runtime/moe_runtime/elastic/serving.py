@@ -28,7 +28,8 @@ class ElasticConfig:
     the old step path past them). auto_recover: after a rank was lost and the runtime shrank
     around it, grow back to the size before the failure when rank capacity returns.
     hang_timeout: seconds without a heartbeat answer before a rank counts as hung (it is
-    fenced); heartbeat_interval: seconds between pings.
+    fenced); heartbeat_interval: seconds between pings. warm_spare_ranks: workers kept started,
+    loaded and in standby groups beside the active ranks (`moe_runtime.elastic.spares`).
     """
 
     source: str
@@ -44,8 +45,11 @@ class ElasticConfig:
     auto_recover: bool = True
     hang_timeout: float = 3.0
     heartbeat_interval: float = 0.1
+    warm_spare_ranks: int = 0
 
     def __post_init__(self) -> None:
+        if self.warm_spare_ranks < 0:
+            raise ValueError(f"warm_spare_ranks must be >= 0, got {self.warm_spare_ranks}")
         if self.weight_source not in ("peer", "storage"):
             raise ValueError(
                 f"weight_source must be 'peer' or 'storage', got {self.weight_source!r}"
@@ -70,16 +74,23 @@ class Serving:
     next_stage: int = 1_000
     generation: int = 0
     committing: int | None = None
+    _ids: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
 
     def take_epoch(self) -> int:
-        epoch = self.next_epoch
-        self.next_epoch += 1
-        return epoch
+        """A new group epoch (resizes, recoveries and the warm spares' standby groups take
+        them from different threads)."""
+        with self._ids:
+            epoch = self.next_epoch
+            self.next_epoch += 1
+            return epoch
 
     def take_stage(self) -> int:
-        stage = self.next_stage
-        self.next_stage += 1
-        return stage
+        with self._ids:
+            stage = self.next_stage
+            self.next_stage += 1
+            return stage
 
 
 class LoadTracker:

@@ -30,6 +30,14 @@ SCALE_UP: tuple[Stage, ...] = (
 )
 """Runtime stages of N→M with M > N (the operator puts PROVISIONING before them)."""
 
+SCALE_UP_WARM: tuple[Stage, ...] = (
+    Stage.TRANSFERRING,
+    Stage.SWITCHING,
+    Stage.RESHUFFLING,
+    Stage.COMPLETED,
+)
+"""Runtime stages of N→M when warm spare ranks cover M-N: no Standby (nor Provisioning)."""
+
 SCALE_DOWN: tuple[Stage, ...] = (
     Stage.RESHUFFLING,
     Stage.MIGRATING,

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from moe_runtime import step as step_mod
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class StepClock:
         return started is not None and now - started > self.deadline()
 
 
-class Executor(abc.ABC):
+class Executor(weight_moves.WeightMoves, abc.ABC):
     """One worker per DP rank, stepped in lockstep. See the module docstring."""
 
     _async_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -264,6 +265,11 @@ class Executor(abc.ABC):
         docstring) before the error is raised; the workers keep their previous state until
         `collective_rpc("retire_previous")` confirms the switch.
         """
+
+    def warm_up(self, ranks: Sequence[int]) -> None:
+        """Pay one-time costs of pending workers ahead (RayExecutor: their first compiled
+        graph); `prepare_switch` waits for it. No-op unless an executor has any."""
+        return None
 
     def prepare_switch(self) -> None:
         """Finish background preparation of added workers (call before the step boundary of a
@@ -447,11 +453,13 @@ def extra_kwargs(per_rank: Mapping[int, Mapping[str, Any]] | None, rank: int) ->
     return dict(per_rank.get(rank, {})) if per_rank else {}
 
 
-def check_switch(ranks: Sequence[int], *, live: Sequence[int]) -> dict[int, int]:
+def check_switch(ranks: Sequence[int], *, live: Sequence[int], reserved: int = 0) -> dict[int, int]:
     """Validate a switch and return {old label: new label} for every live worker.
 
-    Workers left out keep their label; one that would collide with a new label is an error
-    (remove it first).
+    Workers left out keep their label, unless the new ranks 0..len(ranks)-1 take it: then
+    they get the next labels above every label in use and below `reserved` (labels handed out
+    to workers still starting), in the order of their old labels, so pending workers (warm
+    spares, workers being prepared) never block a switch.
     """
     if not ranks:
         raise ValueError("switch needs at least one rank")
@@ -463,12 +471,9 @@ def check_switch(ranks: Sequence[int], *, live: Sequence[int]) -> dict[int, int]
     mapping = {old: new for new, old in enumerate(ranks)}
     left_out = [r for r in live if r not in mapping]
     clash = sorted(r for r in left_out if r < len(ranks))
-    if clash:
-        raise ValueError(
-            f"ranks {clash} are left out of the switch but their labels are taken by the new "
-            f"ranks 0..{len(ranks) - 1}: remove them first"
-        )
-    mapping.update({r: r for r in left_out})
+    mapping.update({r: r for r in left_out if r not in clash})
+    free = max([len(ranks) - 1, reserved - 1, *live]) + 1
+    mapping.update({r: free + i for i, r in enumerate(clash)})
     return mapping
 
 

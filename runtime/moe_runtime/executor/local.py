@@ -50,6 +50,7 @@ class LocalExecutor(base.Executor):
         self._lock = threading.Lock()
         self._workers: dict[int, worker_mod.RankWorker] = {}
         self._health: dict[int, base.RankHealth] = {}  # by id() of the worker
+        self._uid: dict[int, int] = {}  # id() of the worker -> its uid in rank_infos
         self._active: list[int] = []
         self.clock = base.StepClock()
         for label in range(num_ranks):
@@ -59,7 +60,9 @@ class LocalExecutor(base.Executor):
         self._closed = False
 
     def _new_worker(self, label: int) -> worker_mod.RankWorker:
-        return worker_mod.RankWorker(device=self._device, dtype=self._dtype, label=label)
+        w = worker_mod.RankWorker(device=self._device, dtype=self._dtype, label=label)
+        self._uid[id(w)] = len(self._uid)
+        return w
 
     # -- ranks ---------------------------------------------------------------------------
     @property
@@ -75,7 +78,10 @@ class LocalExecutor(base.Executor):
     def rank_infos(self) -> dict[int, dict[str, Any]]:
         with self._lock:
             workers = dict(self._workers)
-        return {label: {**w.info(), "label": label} for label, w in sorted(workers.items())}
+        return {
+            label: {**w.info(), "label": label, "uid": self._uid.get(id(w))}
+            for label, w in sorted(workers.items())
+        }
 
     def worker(self, rank: int) -> worker_mod.RankWorker:
         """The worker object labelled `rank` (tests inspect it directly)."""

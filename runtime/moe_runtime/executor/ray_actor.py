@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ import ray.util.scheduling_strategies as ray_sched
 
 from moe_runtime import step as step_mod
 from moe_runtime import worker as worker_mod
-from moe_runtime.executor import base
+from moe_runtime.executor import base, ray_transfer
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class RankActor:
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self._serving = False
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
@@ -60,7 +62,48 @@ class RankActor:
             # The first execution of a fresh step graph (`ray_step`): it may run while a plain
             # call steps the worker, so it must not touch the worker.
             return step_mod.StepOutput(rank=-1, step_id=step.step_id)
+        if not self._serving:
+            self._serving = True
+            serve_at_full_priority(self.worker.label)
         return self.worker.execute_step(step)
+
+    # -- weights through the object store (`ray_transfer`, co-located ranks) ---------------
+    def export_experts(self, keys: list[tuple[int, int]]) -> ray_transfer.PackedExperts:
+        """Live experts `keys` for a co-located peer (the return value goes to shared memory)."""
+        return ray_transfer.pack_experts(self.worker.held_experts(keys))
+
+    def stage_experts_shared(
+        self,
+        epoch: int,
+        moves: list[Any],
+        new_placement: Any,
+        *parts: ray_transfer.PackedExperts,
+        **kwargs: Any,
+    ) -> int:
+        """`RankWorker.stage_experts` with the experts co-located peers exported for this rank
+        (`parts`: Ray resolved the refs); returns the bytes received by both paths."""
+        provided, shared_bytes = ray_transfer.unpack_experts(
+            parts, dtype=self.worker.dtype, device=self.worker.device
+        )
+        received = self.worker.stage_experts(
+            epoch, moves, new_placement, provided=provided, **kwargs
+        )
+        return int(received) + shared_bytes
+
+    def export_non_expert(self) -> ray_transfer.PackedState:
+        """This rank's non-expert weights for co-located new ranks."""
+        return ray_transfer.pack_state(self._model().non_expert_state())
+
+    def load_non_expert_shared(self, state: ray_transfer.PackedState) -> int:
+        """Non-expert weights a co-located peer exported (a new rank); returns bytes."""
+        tensors, nbytes = ray_transfer.unpack_state(state)
+        self._model().load_non_expert(tensors)
+        return nbytes
+
+    def _model(self) -> Any:
+        if self.worker.model is None:
+            raise RuntimeError(f"rank {self.worker.label}: no weights loaded yet")
+        return self.worker.model
 
     def echo(self, value: Any) -> Any:
         """Does nothing: the method of the throwaway graph that warms a new actor up."""
@@ -146,6 +189,26 @@ def start_ranks(
         [r.info["node_id"][:8] for r in started],
     )
     return started
+
+
+def serve_at_full_priority(label: int | None) -> None:
+    """Niceness 0 for every thread of this process (those it starts later inherit it).
+
+    Workers start below the serving ranks (`cluster.WORKER_NICENESS`), so a rank that is
+    starting or waiting as a warm spare never takes CPU from them; a rank that steps is one of
+    them. Lowering the niceness needs CAP_SYS_NICE (or RLIMIT_NICE): without it the rank keeps
+    the niceness its node gave it, as every rank of that node does.
+    """
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        if all(os.getpriority(os.PRIO_PROCESS, t) <= 0 for t in tids):
+            return
+        for tid in tids:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except (OSError, ValueError) as exc:
+        log.info("rank %s keeps its scheduling niceness: %s", label, exc)
+        return
+    log.info("rank %s steps: niceness 0 for its %d threads", label, len(tids))
 
 
 def check_health(ranks: Mapping[int, Rank], *, timeout: float) -> dict[int, str]:

@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import tempfile
@@ -43,7 +44,7 @@ import ray.util
 
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import base, ray_actor, ray_graph, ray_step
+from moe_runtime.executor import base, ray_actor, ray_graph, ray_step, ray_weights
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ STEP_COMPILED = "compiled"
 STEP_REMOTE = "remote"
 
 
-class RayExecutor(base.Executor):
+class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
     """DP ranks as Ray actors (see the module docstring).
 
     use_gpu: None = when the cluster has GPUs. ready_timeout: seconds to wait for placement
@@ -123,6 +124,9 @@ class RayExecutor(base.Executor):
         self._switching = False
         self._closed = False
         self._warming: threading.Thread | None = None
+        #: Labels held by workers that are still starting (concurrent add_ranks).
+        self._starting: set[int] = set()
+        self._uids = itertools.count()
         #: Seconds of the last switch: activate (the workers) and the whole switch. The graph
         #: compile that follows in the background is in `last_graph_compile`.
         self.last_switch: dict[str, float] = {}
@@ -155,7 +159,7 @@ class RayExecutor(base.Executor):
     def _start_ranks(self, count: int, *, first_label: int) -> list[ray_actor.Rank]:
         with self._lock:
             existing = [r.info["node_id"] for r in self._ranks.values()]
-        return ray_actor.start_ranks(
+        started = ray_actor.start_ranks(
             count,
             first_label=first_label,
             use_gpu=self.use_gpu,
@@ -164,6 +168,10 @@ class RayExecutor(base.Executor):
             driver_node=self._driver_node,
             existing_nodes=existing,
         )
+        with self._lock:
+            for r in started:
+                r.info["uid"] = next(self._uids)  # follows the worker through relabels
+        return started
 
     # -- calls ---------------------------------------------------------------------------
     def collective_rpc(
@@ -284,8 +292,14 @@ class RayExecutor(base.Executor):
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         with self._lock:
-            first = max(self._ranks, default=-1) + 1
-        started = self._start_ranks(count, first_label=first)
+            first = max([-1, *self._ranks, *self._starting]) + 1
+            labels = range(first, first + count)
+            self._starting.update(labels)  # concurrent add_ranks get other labels
+        try:
+            started = self._start_ranks(count, first_label=first)
+        finally:
+            with self._lock:
+                self._starting.difference_update(labels)
         with self._lock:
             for r in started:
                 self._ranks[r.label] = r
@@ -321,58 +335,6 @@ class RayExecutor(base.Executor):
         if warming is not None:
             warming.join(timeout=self._ready_timeout if timeout is None else timeout)
 
-    def build_groups(
-        self,
-        ranks: Sequence[int],
-        *,
-        epoch: int,
-        timeout: float | None = None,
-        background: bool = True,
-    ) -> None:
-        ranks = list(ranks)
-        with self._lock:
-            _, members = base.rpc_targets(
-                "build_groups", ranks, active=self._active, members=self._ranks
-            )
-        step_backend: group_mod.Backend = "nccl" if self.use_gpu else "gloo"
-        backends = {base.STEP_GROUP: step_backend, base.TRANSFER_GROUP: self._transfer_backend}
-        one_host = self._rendezvous == "file" or (
-            self._rendezvous == "auto" and len({m.info["ip"] for m in members}) == 1
-        )
-        for role in base.GROUP_ROLES:
-            backend = backends[role]
-            if one_host:
-                spec = group_mod.GroupSpec.local(
-                    len(ranks), epoch=epoch, backend=backend, directory=self._group_dir
-                )
-            else:
-                host, port = ray.get(
-                    members[0]
-                    .actor.free_port.options(concurrency_group=ray_actor.HEALTH_LANE)
-                    .remote(),
-                    timeout=30,
-                )
-                spec = group_mod.GroupSpec.tcp(host, port, len(ranks), epoch=epoch, backend=backend)
-            started = time.monotonic()
-            self.collective_rpc(
-                "join_group",
-                spec,
-                ranks=ranks,
-                timeout=timeout,
-                background=background,
-                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
-                role=role,
-                group_timeout=timeout,
-            )
-            log.info(
-                "epoch %d %s group over ranks %s built in %.2fs (%s)",
-                epoch,
-                role,
-                ranks,
-                time.monotonic() - started,
-                "FileStore" if one_host else f"TCPStore {spec.host}:{spec.port}",
-            )
-
     def switch(
         self,
         ranks: Sequence[int],
@@ -389,7 +351,8 @@ class RayExecutor(base.Executor):
         self._join_warm_up(timeout=left())
         ranks = list(ranks)
         with self._lock:
-            mapping = base.check_switch(ranks, live=list(self._ranks))
+            reserved = max(self._starting, default=-1) + 1
+            mapping = base.check_switch(ranks, live=list(self._ranks), reserved=reserved)
             old_active = list(self._active)
             self._switching = True
         t0 = time.monotonic()

@@ -1,0 +1,422 @@
+"""Warm spare ranks: workers started ahead of need, so that a grow skips Standby.
+
+`SparePool(size=K)` keeps K workers beside the active ranks, each:
+1. started (`Executor.add_ranks`) on a free rank slot (`moe_rank`: a worker pod the operator
+   keeps beside the active ones; a local Ray instance offers them up front);
+2. holding the non-expert weights (read from the model source with `weight_source="storage"`,
+   else sent by the active ranks over a standby group: shared memory on one node) and no
+   expert;
+3. warmed up: its first compiled graph paid (`Executor.warm_up`, compiled step mode);
+4. a member of the standby groups: for every k in 1..K, the step and transfer groups of one
+   epoch over the active ranks + the first k spares (in label order), kept ready while the
+   active ranks serve (rebuilt in the background whenever the active ranks, their epoch or the
+   spares change).
+
+A grow by k <= K ready spares (`claim(k)`) then needs no new worker and no rendezvous: the
+resize is Transferring (experts staged over the claimed epoch's transfer group) + Switching
+(that epoch's step group becomes active). A grow by more takes the ready spares it can
+(`take`) and starts the rest in Standby.
+
+Replacement: after a grow used spares, the pool starts new ones as soon as free rank slots
+exist again (on Kubernetes: the pods the operator adds), never while a resize or a recovery
+runs. A shrink never keeps a released rank as a spare: its pod is freed like any other (the
+operator's count stays active + K). A spare that dies is removed and replaced.
+
+Every step of the maintenance is best effort and ends in a known state: a spare whose
+preparation failed is removed; standby groups that could not be built are simply absent (a
+grow then runs Standby as without spares). Building groups over active ranks takes the
+resize lock (`mechanics`), so it never overlaps a resize or a rebalance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.executor import base as executor_base
+
+log = logging.getLogger(__name__)
+
+MAINTAIN_SECONDS = 0.5
+#: Seconds a standby rendezvous may take (a member that never comes must not hold the pool).
+GROUP_TIMEOUT = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Standby:
+    """Standby groups over the active ranks and the spares.
+
+    active: labels of the active ranks then; active_epoch: their epoch then; spares: uids of
+    the spares in group order (active ranks first, then these); epochs: k -> the epoch whose
+    groups cover the active ranks and spares[:k].
+    """
+
+    active: tuple[int, ...]
+    active_epoch: int
+    spares: tuple[int, ...]
+    epochs: dict[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """Spares handed to a grow: their labels (in group order) and the standby epoch whose
+    step and transfer groups cover the active ranks and them (None: no standby group)."""
+
+    labels: list[int]
+    epoch: int | None
+
+
+class SparePool:
+    """K warm spare ranks (see the module docstring). `start()` runs the maintenance loop."""
+
+    def __init__(
+        self,
+        *,
+        executor: executor_base.Executor,
+        serving: serving_mod.Serving,
+        config: serving_mod.ElasticConfig,
+        mechanics: threading.Lock,
+        busy: Callable[[], bool],
+    ) -> None:
+        self.executor = executor
+        self.serving = serving
+        self.config = config
+        self.size = config.warm_spare_ranks
+        self.mechanics = mechanics
+        self._busy = busy
+        self._lock = threading.RLock()
+        #: Uids of the spares (ready or being prepared), in the order they were started.
+        self._uids: list[int] = []
+        #: Uids whose non-expert weights are loaded and whose warm-up is done.
+        self._loaded: set[int] = set()
+        self._standby: Standby | None = None
+        #: Standby epochs no longer used (dropped on every live worker by the next pass).
+        self._stale: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Spares started since the pool began (the first K, then every replacement).
+        self.started = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.size < 1 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="warm-spares", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(MAINTAIN_SECONDS):
+            try:
+                self.maintain()
+            except Exception:  # noqa: BLE001 - the next pass starts over from what is live
+                log.exception("warm spares: maintenance failed; retrying")
+
+    # -- queries ---------------------------------------------------------------------------
+    def _labels_by_uid(self) -> dict[int, int]:
+        return {
+            int(info["uid"]): label
+            for label, info in self.executor.rank_infos().items()
+            if info.get("uid") is not None
+        }
+
+    def labels(self) -> set[int]:
+        """Labels of every pool member now (ready or not)."""
+        by_uid = self._labels_by_uid()
+        with self._lock:
+            return {by_uid[u] for u in self._uids if u in by_uid}
+
+    def _standby_current(self) -> Standby | None:
+        """The standby groups if they still cover today's active ranks and their epoch."""
+        with self._lock:
+            sb = self._standby
+        if sb is None:
+            return None
+        if sb.active != tuple(self.executor.ranks) or sb.active_epoch != self.serving.epoch:
+            return None
+        return sb
+
+    def ready(self) -> list[int]:
+        """Labels of the spares a grow can use at once (loaded, warm, in standby groups)."""
+        sb = self._standby_current()
+        if sb is None:
+            return []
+        by_uid = self._labels_by_uid()
+        health = self.executor.health()
+        with self._lock:
+            members = set(self._uids)
+        ok: list[int] = []
+        for uid in sb.spares:  # the standby epoch for k covers the first k: a healthy prefix
+            label = by_uid.get(uid)
+            h = None if label is None else health.get(label)
+            if uid not in members or h is None or h.state != executor_base.HEALTH_OK:
+                break
+            ok.append(label)  # type: ignore[arg-type]
+        return ok
+
+    def covers(self, count: int) -> bool:
+        """A grow by `count` ranks can run on ready spares (no Standby)."""
+        return 0 < count <= len(self.ready())
+
+    def status(self) -> dict[str, Any]:
+        """`warm_spare_ranks` and `spares` of GET /elastic_ep/status (no rank is called)."""
+        infos = self.executor.rank_infos()
+        by_uid = {int(i["uid"]): label for label, i in infos.items() if i.get("uid") is not None}
+        health = self.executor.health()
+        ready = set(self.ready())
+        with self._lock:
+            uids = list(self._uids)
+        spares = []
+        for uid in uids:
+            label = by_uid.get(uid)
+            if label is None:
+                continue
+            info, h = infos[label], health.get(label)
+            spares.append(
+                {
+                    "rank": label,
+                    "pod": info.get("pod"),
+                    "node_id": info.get("node_id"),
+                    "pid": info.get("pid"),
+                    "healthy": h is not None and h.state == executor_base.HEALTH_OK,
+                    "ready": label in ready,
+                }
+            )
+        return {"warm_spare_ranks": self.size, "spares": spares}
+
+    # -- what a grow takes -----------------------------------------------------------------
+    def claim(self, count: int) -> Claim | None:
+        """The first `count` ready spares and the standby epoch over the active ranks and them,
+        or None when they do not cover it. They leave the pool."""
+        with self._lock:
+            ready = self.ready()
+            sb = self._standby_current()
+            if sb is None or not 0 < count <= len(ready):
+                return None
+            taken = list(sb.spares[:count])
+            self._uids = [u for u in self._uids if u not in taken]
+            self._loaded -= set(taken)
+            self._stale |= {e for k, e in sb.epochs.items() if k != count}
+            self._standby = None
+            return Claim(labels=ready[:count], epoch=sb.epochs[count])
+
+    def take(self, most: int) -> list[int]:
+        """Up to `most` spares whose weights are loaded (standby groups or not), in label
+        order; they leave the pool (a grow by more than the ready spares uses them too)."""
+        by_uid = self._labels_by_uid()
+        health = self.executor.health()
+        with self._lock:
+            loaded = [
+                (by_uid[u], u)
+                for u in self._uids
+                if u in self._loaded
+                and u in by_uid
+                and health.get(by_uid[u], executor_base.RankHealth()).state
+                == executor_base.HEALTH_OK
+            ]
+            chosen = sorted(loaded)[: max(0, most)]
+            uids = {u for _, u in chosen}
+            self._uids = [u for u in self._uids if u not in uids]
+            self._loaded -= uids
+            if self._standby is not None and uids & set(self._standby.spares):
+                self._stale |= set(self._standby.epochs.values())
+                self._standby = None
+            return [label for label, _ in chosen]
+
+    def give_back(self, labels: Sequence[int]) -> None:
+        """Spares a failed grow had taken come back (their weights are still loaded)."""
+        infos = self.executor.rank_infos()
+        with self._lock:
+            for label in labels:
+                uid = infos.get(label, {}).get("uid")
+                if uid is not None and uid not in self._uids:
+                    self._uids.append(int(uid))
+                    self._loaded.add(int(uid))
+        log.info("warm spares: ranks %s back in the pool", list(labels))
+
+    # -- maintenance -----------------------------------------------------------------------
+    def maintain(self) -> None:
+        """One pass: drop dead spares, start missing ones, (re)build the standby groups."""
+        if self._stop.is_set() or self.size < 1:
+            return
+        self._drop_lost()
+        if self._busy():
+            return  # never beside a resize or a recovery: they own the ranks and the slots
+        self._start_missing()
+        if self._busy() or self._stop.is_set():
+            return
+        self._rebuild_standby()
+
+    def _drop_lost(self) -> None:
+        by_uid = self._labels_by_uid()
+        health = self.executor.health()
+        with self._lock:
+            uids = list(self._uids)
+        for uid in uids:
+            label = by_uid.get(uid)
+            state = None if label is None else health.get(label)
+            if label is not None and state is not None and state.state == executor_base.HEALTH_OK:
+                continue
+            with self._lock:
+                self._uids = [u for u in self._uids if u != uid]
+                self._loaded.discard(uid)
+                if self._standby is not None and uid in self._standby.spares:
+                    self._stale |= set(self._standby.epochs.values())
+                    self._standby = None
+            log.error("warm spares: spare %s (rank %s) is lost: %s", uid, label, state)
+            if label is not None:
+                try:
+                    self.executor.remove_ranks([label])
+                except Exception:  # noqa: BLE001 - it is dead already; nothing else holds it
+                    log.exception("warm spares: removing lost spare rank %s failed", label)
+
+    def _start_missing(self) -> None:
+        with self._lock:
+            short = self.size - len(self._uids)
+        if short < 1:
+            return
+        free = self.executor.free_rank_slots()
+        count = short if free is None else min(short, int(free))
+        if count < 1:
+            return
+        started = time.monotonic()
+        labels = self.executor.add_ranks(count, timeout=self.config.rpc_timeout)
+        infos = self.executor.rank_infos()
+        uids = [int(infos[label]["uid"]) for label in labels]
+        storage = self.config.weight_source == "storage"
+        try:
+            self.executor.collective_rpc(
+                "load_weights",
+                ranks=labels,
+                timeout=self.config.rpc_timeout,
+                source=self.config.source,
+                rank=0,
+                num_ranks=1,
+                placement=None,
+                placeholder=not storage,  # "peer": the active ranks send them (standby group)
+            )
+            self.executor.warm_up(labels)
+            self.executor.prepare_switch()  # waits for the warm-up (this thread only)
+        except Exception:
+            log.exception("warm spares: preparing new spares %s failed; removing them", labels)
+            self.executor.remove_ranks(labels)
+            raise
+        with self._lock:
+            self._uids += uids
+            if storage:
+                self._loaded |= set(uids)
+            if self._standby is not None:
+                self._stale |= set(self._standby.epochs.values())
+                self._standby = None  # the spare set changed
+            self.started += count
+        log.info(
+            "warm spares: started ranks %s in %.2fs (%s weights)",
+            labels,
+            time.monotonic() - started,
+            "source" if storage else "peer",
+        )
+
+    def _rebuild_standby(self) -> None:
+        with self._lock:
+            need = bool(self._uids) and self._standby_current() is None
+            need_drop = bool(self._stale)
+        if not (need or need_drop):
+            return
+        if not self.mechanics.acquire(blocking=False):
+            return  # a resize or a rebalance runs: the next pass
+        try:
+            if self._busy():
+                return
+            self._drop_stale()
+            if need:
+                self._build()
+        finally:
+            self.mechanics.release()
+
+    def _drop_stale(self) -> None:
+        with self._lock:
+            stale, self._stale = set(self._stale), set()
+        stale.discard(self.serving.epoch)
+        live = [
+            label
+            for label, h in self.executor.health().items()
+            if h.state == executor_base.HEALTH_OK
+        ]
+        for epoch in sorted(stale):
+            try:
+                self.executor.collective_rpc(
+                    "drop_epoch",
+                    epoch,
+                    ranks=live,
+                    timeout=self.config.rpc_timeout,
+                    background=True,
+                )
+            except Exception:  # noqa: BLE001 - a group left behind only costs its sockets
+                log.exception("warm spares: dropping standby epoch %d failed", epoch)
+
+    def _build(self) -> None:
+        by_uid = self._labels_by_uid()
+        with self._lock:
+            spares = sorted((by_uid[u], u) for u in self._uids if u in by_uid)
+        if not spares:
+            return
+        active = self.executor.ranks
+        active_epoch = self.serving.epoch
+        labels = [label for label, _ in spares]
+        started = time.monotonic()
+        epochs: dict[int, int] = {}
+        try:
+            for k in range(1, len(labels) + 1):
+                epoch = self.serving.take_epoch()
+                epochs[k] = epoch
+                self.executor.build_groups(active + labels[:k], epoch=epoch, timeout=GROUP_TIMEOUT)
+            with self._lock:
+                unloaded = [i for i, (_, u) in enumerate(spares) if u not in self._loaded]
+            if unloaded:
+                n = len(active)
+                self.executor.transfer_non_expert(
+                    epochs[len(labels)],
+                    members=active + labels,
+                    src_ranks=list(range(n)),
+                    dst_ranks=[n + i for i in unloaded],
+                    timeout=self.config.rpc_timeout,
+                )
+        except Exception:
+            log.exception("warm spares: building standby groups over %s failed", active + labels)
+            with self._lock:
+                self._stale |= set(epochs.values())
+            raise
+        with self._lock:
+            self._loaded |= {u for _, u in spares}
+            self._standby = Standby(
+                active=tuple(active),
+                active_epoch=active_epoch,
+                spares=tuple(u for _, u in spares),
+                epochs=epochs,
+            )
+        log.info(
+            "warm spares: ranks %s ready; standby epochs %s over active ranks %s (%.2fs)",
+            labels,
+            epochs,
+            active,
+            time.monotonic() - started,
+        )
+
+    def wait_ready(self, count: int | None = None, timeout: float = 300.0) -> bool:
+        """Wait until `count` (default: all) spares are ready (tests, benchmarks)."""
+        want = self.size if count is None else count
+        deadline = time.monotonic() + timeout
+        while len(self.ready()) < want:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True

@@ -1,0 +1,121 @@
+"""Weight moves between rank actors of one Ray node through Ray's object store (shared
+memory), instead of the transfer group's gloo connections.
+
+Measured on this machine (2 cores, CPU ranks): gloo over loopback moves ~0.27 GB/s per
+receiver and keeps both ends' CPUs busy in the TCP stack (REFERENCE.md), so the ~0.8 GB of
+experts a 2→4 grow of synthetic `small` moves took seconds of Transferring and slowed the
+serving steps meanwhile. Through the object store the sender copies each expert once into
+shared memory (memcpy speed) and the receiver copies it out once; nothing crosses a socket.
+Ranks on different nodes (different pods) and GPU ranks (NCCL) keep the transfer group.
+
+- `split_moves`: the moves whose two ranks share a node (CPU ranks only), and the rest;
+- `pack_experts` / `unpack_experts`: expert weights as raw byte arrays (any dtype, bfloat16
+  included) and back into private tensors (copied out of the object store, so nothing the
+  rank serves with stays pinned there);
+- `pack_state` / `unpack_state`: the same for non-expert weights.
+
+Every member is still called once per staging (`RankActor.stage_experts_shared`) with the
+moves left for the transfer group (the same list on every member) plus the object refs of
+what its co-located peers exported for it; Ray resolves those refs before the call runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.model import mixtral
+
+#: (layer, logical) -> (dtype name, [(shape, bytes) for w1, w2, w3]).
+PackedExperts = dict[tuple[int, int], tuple[str, list[tuple[tuple[int, ...], np.ndarray]]]]
+PackedState = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
+
+
+def split_moves(
+    moves: Sequence[moves_mod.ExpertMove],
+    members: Sequence[int],
+    node_of: Callable[[int], str],
+) -> tuple[dict[tuple[int, int], list[moves_mod.ExpertMove]], list[moves_mod.ExpertMove]]:
+    """({(src member, dst member): moves between ranks of one node}, the other moves).
+
+    A move's src_rank / dst_rank index `members` (the transfer group's order); a move to
+    itself stays with the rest (the worker copies it locally). Pure.
+    """
+    shared: dict[tuple[int, int], list[moves_mod.ExpertMove]] = {}
+    rest: list[moves_mod.ExpertMove] = []
+    for move in moves:
+        src, dst = members[move.src_rank], members[move.dst_rank]
+        if src != dst and node_of(src) == node_of(dst):
+            shared.setdefault((src, dst), []).append(move)
+        else:
+            rest.append(move)
+    return shared, rest
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def _tensor_of(dtype: str, shape: Sequence[int], data: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # The array is a read-only view of the object store; it is copied at once.
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(data)
+    return raw.view(getattr(torch, dtype)).view(tuple(shape)).clone()
+
+
+def pack_experts(experts: Mapping[tuple[int, int], mixtral.ExpertWeights]) -> PackedExperts:
+    """Expert weights as byte arrays (Ray puts numpy arrays in the object store as they are)."""
+    out: PackedExperts = {}
+    for key, w in experts.items():
+        dtype = str(w.w1.dtype).removeprefix("torch.")
+        out[key] = (dtype, [(tuple(t.shape), _bytes_of(t)) for t in (w.w1, w.w2, w.w3)])
+    return out
+
+
+def unpack_experts(
+    parts: Sequence[PackedExperts], *, dtype: torch.dtype, device: str
+) -> tuple[dict[tuple[int, int], mixtral.ExpertWeights], int]:
+    """Private copies of the experts in `parts` (packed by peers), and their bytes."""
+    out: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+    nbytes = 0
+    for part in parts:
+        for key, (name, arrays) in part.items():
+            w1, w2, w3 = (_tensor_of(name, shape, data) for shape, data in arrays)
+            nbytes += sum(int(data.nbytes) for _, data in arrays)
+            out[key] = mixtral.ExpertWeights(w1=w1, w2=w2, w3=w3).to(dtype=dtype, device=device)
+    return out, nbytes
+
+
+def pack_state(tensors: Mapping[str, torch.Tensor]) -> PackedState:
+    """Named tensors (non-expert weights) as byte arrays."""
+    return {
+        name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), _bytes_of(t))
+        for name, t in tensors.items()
+    }
+
+
+def unpack_state(state: PackedState) -> tuple[dict[str, torch.Tensor], int]:
+    """Private copies of packed named tensors, and their bytes."""
+    out = {name: _tensor_of(dtype, shape, data) for name, (dtype, shape, data) in state.items()}
+    return out, sum(int(data.nbytes) for _, _, data in state.values())
+
+
+def exporters(
+    shared: Mapping[tuple[int, int], Sequence[moves_mod.ExpertMove]],
+) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """{(src member, dst member): the (layer, logical) keys src exports for dst} (a key once)."""
+    return {
+        pair: sorted({(m.layer, m.logical) for m in pair_moves})
+        for pair, pair_moves in shared.items()
+    }
+
+
+def received_by(refs: Mapping[tuple[int, int], Any], member: int) -> list[Any]:
+    """The export refs addressed to `member`, in a fixed order."""
+    return [ref for (_, dst), ref in sorted(refs.items(), key=lambda kv: kv[0]) if dst == member]

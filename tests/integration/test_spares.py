@@ -1,0 +1,183 @@
+"""Warm spare ranks on the Ray executor (real actors, gloo groups, shared-memory moves).
+
+One deployment for the module: DP 2, one warm spare (`ElasticConfig.warm_spare_ranks=1`),
+at most 4 ranks. Under long greedy generations checked token for token:
+- the spare comes up ready (weights from the active ranks, standby groups), outside "ranks";
+- a grow by one takes it: no Standby (Transferring, Switching, Reshuffling), and a
+  replacement spare starts on a free rank slot by itself;
+- a grow by more than the spares takes the spare and starts the rest (with Standby);
+- a shrink frees the departing ranks (the spare stays a spare);
+- a failed grow gives the spare back; a spare killed for real is removed and replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from moe_runtime.elastic import coordinator, service, serving, stages
+from moe_runtime.engine import core
+from moe_runtime.eplb import policy
+from moe_runtime.model import source as source_mod
+from tests.integration import test_failures as failures
+
+pytestmark = pytest.mark.ray
+
+SOURCE = failures.SOURCE
+reference = failures.reference  # the module-scoped fixture of single-process tokens
+
+
+class SpareDeployment(failures.RayDeployment):
+    """`failures.RayDeployment` with warm spare ranks."""
+
+    def __init__(self, size: int, *, spares: int) -> None:
+        from moe_runtime.executor import ray_executor
+
+        src = source_mod.open_source(SOURCE)
+        self.cfg = src.config
+        physical = policy.num_physical_for(self.cfg.num_experts, size)
+        placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
+        self.executor = ray_executor.RayExecutor(size)
+        self.executor.start(SOURCE, placement=placement)
+        self.engine = core.Engine(
+            self.executor,
+            src.tokenizer(),
+            core.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
+        )
+        self.elastic = service.ElasticService.attach(
+            engine=self.engine,
+            executor=self.executor,
+            model_config=self.cfg,
+            placement=placement,
+            config=serving.ElasticConfig(
+                source=SOURCE, eplb_enabled=False, auto_recover=False, warm_spare_ranks=spares
+            ),
+            limits=coordinator.Limits(min_size=1, max_size=4, num_experts=self.cfg.num_experts),
+        )
+        self.engine.start()
+        self._ids = 0
+
+    def spares(self) -> list[dict[str, Any]]:
+        return list(self.elastic.status()["spares"])
+
+    def wait_spares_ready(self, count: int = 1, timeout: float = 180.0) -> list[dict[str, Any]]:
+        pool = self.elastic.spares
+        assert pool is not None and pool.wait_ready(count, timeout=timeout), self.spares()
+        return self.spares()
+
+
+@pytest.fixture(scope="module")
+def dep(ray_session: None) -> Iterator[SpareDeployment]:
+    d = SpareDeployment(2, spares=1)
+    yield d
+    d.close()
+
+
+def stage_names(record: Any) -> list[str]:
+    return [s["stage"] for s in record.to_json()["stages"]]
+
+
+def assert_spare_apart(d: SpareDeployment) -> None:
+    """The spare is listed under "spares", never under "ranks"."""
+    st = d.elastic.status()
+    spare_ranks = {s["rank"] for s in st["spares"]}
+    assert st["warm_spare_ranks"] == 1
+    assert not spare_ranks & {r["rank"] for r in st["ranks"]}, st
+
+
+def assert_serves(d: SpareDeployment, reference: dict[tuple[int, int], list[int]]) -> None:
+    """A step path, one live state per active worker (older groups retired; standby groups
+    of later epochs may be there), and the tokens of single-process generation."""
+    assert d.executor.has_step_path() and d.elastic.readiness()[0]
+    epoch = d.elastic.ops.serving.epoch
+    for state in d.executor.collective_rpc("live_state", ranks=d.executor.ranks, timeout=60):
+        assert not state["staged"] and not state["previous"] and state["epoch"] == epoch, state
+        assert min(state["group_epochs"]) == epoch, state
+    got = [d.generate(p, 16) for p in range(3)]
+    assert [g.token_ids for g in got] == [reference[(p, 16)] for p in range(3)]
+
+
+def test_a_spare_comes_up_ready_beside_the_active_ranks(dep: SpareDeployment) -> None:
+    (spare,) = dep.wait_spares_ready()
+    assert spare["ready"] and spare["healthy"] and spare["pid"] and spare["node_id"]
+    assert spare["rank"] not in dep.executor.ranks
+    assert_spare_apart(dep)
+
+
+def test_a_grow_the_spare_covers_skips_standby_and_the_spare_is_replaced(
+    dep: SpareDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    dep.ensure(2)
+    (spare,) = dep.wait_spares_ready()
+    with failures.LongRequests(dep) as running:
+        record = dep.resize(3)
+    running.check(reference)
+    assert record.succeeded, record.message
+    assert stage_names(record) == ["Transferring", "Switching", "Reshuffling"]
+    assert record.warm_spares == 1 and record.switch_pause_s is not None
+    assert spare["pid"] in [i["pid"] for i in dep.executor.rank_infos().values()]
+    (replacement,) = dep.wait_spares_ready()
+    assert replacement["pid"] != spare["pid"]
+    assert_spare_apart(dep)
+    assert_serves(dep, reference)
+
+
+def test_a_grow_beyond_the_spares_takes_them_and_starts_the_rest(
+    dep: SpareDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    dep.ensure(2)
+    (spare,) = dep.wait_spares_ready()
+    record = dep.resize(4)
+    assert record.succeeded, record.message
+    assert stage_names(record)[0] == "Standby" and record.warm_spares == 1
+    assert spare["pid"] in [i["pid"] for i in dep.executor.rank_infos().values()]
+    assert_serves(dep, reference)
+
+
+def test_a_shrink_frees_the_departing_ranks_and_keeps_the_spare(
+    dep: SpareDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    dep.ensure(3)
+    (spare,) = dep.wait_spares_ready()
+    with failures.LongRequests(dep) as running:
+        record = dep.resize(2)
+    running.check(reference)
+    assert record.succeeded and len(record.freed) == 1, record.message
+    assert spare["pid"] not in [f["pid"] for f in record.freed]
+    assert [s["pid"] for s in dep.wait_spares_ready()] == [spare["pid"]]
+    assert_serves(dep, reference)
+
+
+def test_a_failed_grow_gives_the_spare_back(
+    dep: SpareDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    dep.ensure(2)
+    (spare,) = dep.wait_spares_ready()
+    dep.elastic.coordinator.inject_failure(stages.Stage.SWITCHING)
+    with failures.LongRequests(dep) as running:
+        record = dep.resize(3)
+    running.check(reference)
+    assert record.stage is stages.Stage.FAILED, record.message
+    assert "serving at data parallel size 2" in record.message
+    assert [s["pid"] for s in dep.wait_spares_ready()] == [spare["pid"]]
+    assert_serves(dep, reference)
+
+
+def test_a_spare_killed_for_real_is_replaced(dep: SpareDeployment) -> None:
+    dep.ensure(2)
+    (spare,) = dep.wait_spares_ready()
+    os.kill(spare["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while True:
+        spares = dep.spares()
+        if spares and spares[0]["pid"] != spare["pid"] and spares[0]["ready"]:
+            break
+        assert time.monotonic() < deadline, spares
+        time.sleep(0.1)
+    assert dep.executor.num_ranks == 2 and not dep.elastic.coordinator.recovering
+    assert_spare_apart(dep)
