@@ -117,6 +117,7 @@ def test_printer_columns() -> None:
     assert list(columns) == ["DP", "TARGET", "PHASE", "STAGE", "READY", "AGE"]
     wide = {c["name"]: c["jsonPath"] for c in printed if c.get("priority") == 1}
     assert wide == {
+        "SPARES": ".status.spares.ready",
         "DESIRED": ".status.autoscaling.desiredSize",
         "IN-FLIGHT/RANK": ".status.autoscaling.metric",
         "AUTOSCALER": ".status.autoscaling.reason",

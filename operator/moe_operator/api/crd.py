@@ -65,7 +65,14 @@ PRINTER_COLUMNS: Final = [
         "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
     },
     {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-    # `kubectl get moed -o wide`: the operator's autoscaler (spec.autoscaling).
+    # `kubectl get moed -o wide`: warm spares, the operator's autoscaler (spec.autoscaling).
+    {
+        "name": "SPARES",
+        "type": "integer",
+        "priority": 1,
+        "description": "Warm spare ranks ready (spec.elastic.warmSpareRanks)",
+        "jsonPath": ".status.spares.ready",
+    },
     {
         "name": "DESIRED",
         "type": "integer",

@@ -125,6 +125,17 @@ class ElasticSpec(ApiModel):
         ),
     )
     resize_timeout_seconds: int = pydantic.Field(default=600, ge=1, le=86_400)
+    warm_spare_ranks: int = pydantic.Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=(
+            "Rank workers kept started beside the serving ones (a worker pod each, non-expert "
+            "weights loaded, warmed up, in standby communication groups), so a grow by up to "
+            "this many skips Provisioning and Standby. The RayCluster has dataParallelSize + "
+            "this many workers; a spare a grow took is replaced. Read when the head starts."
+        ),
+    )
 
 
 class FaultToleranceSpec(ApiModel):

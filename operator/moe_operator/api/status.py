@@ -206,6 +206,18 @@ class AutoscalingStatus(spec_.ApiModel):
     )
 
 
+class SparesStatus(spec_.ApiModel):
+    """Warm spare ranks (``spec.elastic.warmSpareRanks``) as the runtime reports them."""
+
+    desired: int = pydantic.Field(default=0, ge=0, description="Spares the runtime keeps.")
+    ready: int = pydantic.Field(
+        default=0, ge=0, description="Spares loaded, warmed up and in standby groups."
+    )
+    pods: list[str] | None = pydantic.Field(
+        default=None, description="Worker pods the spares run on (kept by every shrink)."
+    )
+
+
 class MoEDeploymentStatus(spec_.ApiModel):
     """What the operator observed; written only when more than timestamps changed."""
 
@@ -220,6 +232,7 @@ class MoEDeploymentStatus(spec_.ApiModel):
     experts: ExpertsStatus | None = None
     endpoint: str | None = None
     autoscaling: AutoscalingStatus | None = None
+    spares: SparesStatus | None = None
     head_restarts: int | None = pydantic.Field(
         default=None,
         ge=0,

@@ -159,6 +159,8 @@ def serve_command(
         "--admin-token-file",
         f"{ADMIN_TOKEN_DIR}/token",
     ]
+    if spec.elastic.warm_spare_ranks:
+        command += ["--warm-spare-ranks", str(spec.elastic.warm_spare_ranks)]
     # The operator owns the grow back after a lost rank (spec.faultTolerance.autoRecover, read
     # live): the runtime only shrinks around a loss and waits to be asked.
     command += ["--no-auto-recover"]
@@ -392,7 +394,8 @@ def build_raycluster(
     workers_to_delete: Sequence[str] = (),
     head_size: int | None = None,
 ) -> dict[str, Any]:
-    """The ``ray.io/v1`` RayCluster: a head running the runtime and one worker per DP rank.
+    """The ``ray.io/v1`` RayCluster: a head running the runtime and one worker per DP rank
+    (and one per warm spare rank, ``spec.elastic.warmSpareRanks``).
 
     ``worker_replicas`` overrides ``spec.dataParallelSize`` (a resize provisions workers before
     the runtime uses them, and releases them after); ``workers_to_delete`` names the pods a
@@ -400,7 +403,8 @@ def build_raycluster(
     ``head_size`` is the size the head's runtime starts at (default ``spec.dataParallelSize``;
     it stays what the RayCluster was created with, so a resize never rewrites the head).
     """
-    replicas = spec.data_parallel_size if worker_replicas is None else worker_replicas
+    spares = spec.elastic.warm_spare_ranks
+    replicas = spec.data_parallel_size + spares if worker_replicas is None else worker_replicas
     worker_params = {"resources": rank_resources_param()}
     if spec.wants_gpus:
         worker_params["num-gpus"] = str(spec.tensor_parallel_size)
@@ -408,7 +412,8 @@ def build_raycluster(
         "groupName": WORKER_GROUP,
         "replicas": replicas,
         "minReplicas": spec.min_data_parallel_size,
-        "maxReplicas": spec.max_data_parallel_size,
+        # KubeRay clamps replicas into [minReplicas, maxReplicas]: the spares ride on top.
+        "maxReplicas": spec.max_data_parallel_size + spares,
         "rayStartParams": worker_params,
         "template": _worker_template(owner=owner, spec=spec),
         # Ours to keep: KubeRay deletes the named pods but never clears the list (only its

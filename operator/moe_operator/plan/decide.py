@@ -145,33 +145,38 @@ def merge(*groups: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def excess_pods(observed: observe.Observed) -> tuple[str, ...]:
-    """Worker pods no serving rank runs on (empty when either side is unknown)."""
+    """Worker pods neither a serving rank nor a warm spare runs on (empty when either side
+    is unknown)."""
     runtime, pods = observed.runtime, observed.worker_pods
     if runtime is None or runtime.active_pods is None or pods is None:
         return ()
-    serving = set(runtime.active_pods)
-    return tuple(p for p in pods if p not in serving)
+    used = {*runtime.active_pods, *runtime.spare_pods}
+    return tuple(p for p in pods if p not in used)
 
 
 def hold(observed: observe.Observed, default: int) -> int:
-    """The worker replicas as they are (``default`` when there is no RayCluster)."""
+    """The worker replicas as they are, in ranks (the warm spares' pods not counted;
+    ``default`` when there is no RayCluster)."""
     ray = observed.raycluster
-    return ray.worker_replicas if ray is not None else default
+    if ray is None:
+        return default
+    return max(ray.worker_replicas - observed.warm_spares, 0)
 
 
 def settle(observed: observe.Observed, *, size: int) -> tuple[int, tuple[str, ...]]:
-    """Worker replicas back to ``size`` serving ranks. A shrink names the pods that do not
-    serve, so KubeRay deletes those and no random serving one; when they cannot all be named
-    (pods or the runtime's ranks unknown), the replicas stay as they are: idle pods are
-    cheaper than a killed rank."""
+    """Worker replicas back to ``size`` serving ranks (and the warm spares' pods). A shrink
+    names pods that neither serve nor hold a spare, so KubeRay deletes those and no random
+    serving one; when not enough can be named (pods or the runtime's ranks unknown), the
+    replicas stay as they are: idle pods are cheaper than a killed rank."""
     current = hold(observed, size)
     if current <= size:
         return size, pending(observed)
     pods = observed.worker_pods
     excess = excess_pods(observed)
-    if pods is None or len(pods) - len(excess) > size:
+    surplus = len(pods) - (size + observed.warm_spares) if pods is not None else 0
+    if pods is None or surplus > len(excess):
         return current, pending(observed)
-    return size, merge(pending(observed), excess)
+    return size, merge(pending(observed), excess[: max(surplus, 0)])
 
 
 def elapsed(r: status_.ResizeStatus, now: datetime.datetime) -> float:

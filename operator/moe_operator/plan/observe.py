@@ -118,6 +118,11 @@ class RuntimeObservation:
     #: Sequences running + queued in the engine (``load.in_flight``; ``None``: an older
     #: runtime that does not say). What the autoscaler decides on.
     in_flight: int | None = None
+    #: Warm spare ranks: how many the runtime keeps, the pods they run on (kept by every
+    #: shrink), and how many are ready to be taken by a grow.
+    warm_spare_ranks: int = 0
+    spare_pods: tuple[str, ...] = ()
+    spares_ready: int = 0
 
     @property
     def running(self) -> RuntimeResize | None:
@@ -150,6 +155,9 @@ class Observed:
     head_restarts: int | None = None
     #: ``metadata.generation`` of the MoEDeployment.
     generation: int = 1
+    #: Worker pods kept beside the ranks for warm spares (``spec.elastic.warmSpareRanks``):
+    #: the planner counts replicas in ranks; the RayCluster gets that many + these.
+    warm_spares: int = 0
     #: The moment of this reconcile (UTC); timeouts are measured against it.
     now: datetime.datetime = dataclasses.field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc)
@@ -327,6 +335,17 @@ def _in_flight(load: Any) -> int | None:
     return max(int(total), 0) if total is not None else None
 
 
+def _spares(payload: dict[str, Any]) -> tuple[int, tuple[str, ...], int]:
+    """``warm_spare_ranks`` and ``spares`` of ``/elastic_ep/status`` (absent: none)."""
+    spares = [s for s in payload.get("spares") or [] if isinstance(s, dict)]
+    pods = tuple(sorted(str(s["pod"]) for s in spares if s.get("pod")))
+    return (
+        int(payload.get("warm_spare_ranks") or 0),
+        pods,
+        sum(bool(s.get("ready")) for s in spares),
+    )
+
+
 def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
     """Parse the runtime's ``/elastic_ep/status`` answer (``KeyError``/``ValueError``/
     ``TypeError`` when it is malformed)."""
@@ -336,6 +355,7 @@ def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
     last = payload.get("resize")
     lost, unhealthy = _lost_and_unhealthy(payload.get("ranks"))
     ready = payload.get("ready")
+    warm, spare_pods, spares_ready = _spares(payload)
     return RuntimeObservation(
         data_parallel_size=int(payload["data_parallel_size"]),
         target_data_parallel_size=int(
@@ -353,4 +373,7 @@ def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
         ready=ready if isinstance(ready, bool) else None,
         ready_reason=str(payload["ready_reason"]) if payload.get("ready_reason") else None,
         in_flight=_in_flight(payload.get("load")),
+        warm_spare_ranks=warm,
+        spare_pods=spare_pods,
+        spares_ready=spares_ready,
     )

@@ -25,6 +25,7 @@ Live resize (DESIGN §3), one step per reconcile, while the deployment keeps ser
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 from moe_operator.api import spec as spec_
@@ -290,6 +291,11 @@ def _drive(
         if ray is not None and ready >= r.to_size and not decide.pending(observed):
             if runtime is not None:
                 decision.scale = r.to_size
+                if previous is None:
+                    # The workers were there already (warm spares' pods, or idle ones):
+                    # nothing was provisioned, so no Provisioning stage is reported.
+                    events = [e for e in events if e.reason != decide.Stage.PROVISIONING.value]
+                    decision.events = events
             else:
                 message += "; waiting for the runtime to answer"
         r = r.model_copy(update={"message": message})
@@ -405,6 +411,8 @@ def plan_resize(
     observed: observe.Observed,
 ) -> list[actions.Action]:
     """The actions of one reconcile, in order; the last one is always a ``actions.SetPhase``."""
+    # Replicas are planned in ranks; the warm spares' pods ride on top of every count.
+    observed = dataclasses.replace(observed, warm_spares=spec.elastic.warm_spare_ranks)
     planned: list[actions.Action] = []
     if not observed.secret_exists:
         planned.append(actions.EnsureSecret())
@@ -416,7 +424,7 @@ def plan_resize(
     ray = observed.raycluster
     planned.append(
         actions.ApplyRayCluster(
-            worker_replicas=decision.replicas,
+            worker_replicas=decision.replicas + observed.warm_spares,
             workers_to_delete=decision.workers_to_delete,
             head_size=ray.head_size if ray is not None else None,
         )
@@ -459,11 +467,10 @@ def after_scale(
         stage = decide.stage_of(outcome.stage or "")
         if resize.stage is decide.Stage.PROVISIONING:
             began = clock.parse(resize.stage_started_at)
-            if began is not None:
+            seconds = round((now - began).total_seconds()) if began is not None else 0
+            if seconds > 0:  # under half a second: asked in the reconcile that began it
                 durations = dict(resize.stage_durations or {})
-                durations[decide.Stage.PROVISIONING.value] = float(
-                    round((now - began).total_seconds())
-                )
+                durations[decide.Stage.PROVISIONING.value] = float(seconds)
                 update["stage_durations"] = durations
         if (
             stage is not None

@@ -119,6 +119,18 @@ def next_status(
             balancedness=observed.runtime.balancedness,
             redundant_experts=experts.redundant_experts if experts else None,
         )
+    spares = current.spares
+    if observed.runtime is not None:
+        rt = observed.runtime
+        spares = (
+            status_.SparesStatus(
+                desired=rt.warm_spare_ranks,
+                ready=rt.spares_ready,
+                pods=list(rt.spare_pods) or None,
+            )
+            if rt.warm_spare_ranks or rt.spare_pods
+            else None
+        )
     return status_.MoEDeploymentStatus(
         observed_generation=generation,
         phase=phase.phase,
@@ -133,6 +145,7 @@ def next_status(
         experts=experts,
         endpoint=builders.endpoint(owner_name=name, namespace=namespace),
         autoscaling=current.autoscaling if isinstance(autoscaling, actions.Keep) else autoscaling,
+        spares=spares,
         head_restarts=(
             observed.head_restarts if observed.head_restarts is not None else current.head_restarts
         ),
