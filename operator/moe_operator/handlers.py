@@ -1,20 +1,27 @@
 """kopf registrations, kept thin: every trigger ends in ``reconcile.reconcile``.
 
-Create, update and resume (operator restart) of a MoEDeployment, any event on a RayCluster the
-operator manages, and a periodic resync all run the same idempotent reconcile; one lock per
-deployment keeps them from racing. No timers or daemons: those make kopf put a finalizer on
-every object, so deleting a deployment would hang whenever the operator is down. kopf keeps its
-own bookkeeping in ``elasticmoe.io/*`` annotations, never in ``status`` (whose schema is closed).
+Every watch event of a MoEDeployment that is new to this process (its initial listing after a
+start: a restart resumes; ``ADDED``) or changed its spec, labels or annotations
+(``plan.changes``), any event on a RayCluster the operator manages, and a periodic resync all
+run the same idempotent reconcile; one lock per deployment keeps them from racing. Only
+``@kopf.on.event`` handlers: kopf's create/update/resume handlers would PATCH their progress and
+diff base into annotations after every handling (one more write and one more watch event per
+change), and timers or daemons would make kopf put a finalizer on every object, so deleting a
+deployment would hang whenever the operator is down. An event that changed only ``status`` (our
+own write) reconciles nothing. The reconcile starts from the watched body, not from a GET,
+unless our last status write has not come back on the watch yet (``changes.OwnWrites``).
 
-While a resize runs, a reconcile asks to be run again (``Outcome.requeue_after``, ~1 s): one
-plain asyncio task per deployment sleeps and reconciles the fresh object (no kopf retry, which
-would write progress annotations every second). A restarted operator picks the resize up from
-``status.resize`` in its resume handler and requeues from there.
+A failed reconcile is tried again after ``RETRY_BACKOFF_SECONDS`` (as kopf's handler backoff
+did); an invalid spec is not, until the spec changes. While a resize runs, a reconcile asks to
+be run again (``Outcome.requeue_after``, ~1 s): one plain asyncio task per deployment sleeps
+and reconciles the fresh object. A restarted operator picks the resize up from
+``status.resize`` when it lists the deployments and requeues from there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import contextvars
 import logging
@@ -28,6 +35,7 @@ from moe_operator import logs, metrics, reconcile
 from moe_operator.api import group
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
+from moe_operator.plan import changes
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
 Key = tuple[str, str]
@@ -50,6 +58,7 @@ METRICS_ADDRESS: tuple[str, int] | None = None
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    # No change handlers, so kopf stores nothing on the objects; these name where it would.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=group.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=group.GROUP, key="last-handled-configuration"
@@ -65,6 +74,8 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     memo.known = set()  # Keys of the MoEDeployments seen, for the periodic resync
     memo.requeues = {}  # Key -> asyncio.Task of the next reconcile a running resize asked for
     memo.contexts = {}  # "kopf" -> the context of kopf's per-object tasks (see _spawn)
+    memo.fingerprints = {}  # Key -> plan.changes.fingerprint of the body last reconciled
+    memo.writes = changes.OwnWrites()  # our status writes the watch has not delivered yet
     memo.resync = asyncio.get_running_loop().create_task(_resync_forever(memo))
     memo.metrics_server = None
     if METRICS_ADDRESS is not None:
@@ -127,6 +138,9 @@ async def _reconcile(body: dict[str, Any], memo: Any, log: Logger) -> None:
             raise
     METRICS.observe_reconcile(time.monotonic() - started, metrics.RESULT_OK)
     METRICS.observe(key[0], key[1], outcome)
+    writes: changes.OwnWrites | None = getattr(memo, "writes", None)
+    if writes is not None:
+        writes.wrote(key, outcome.resource_version)
     if outcome.requeue_after is not None:
         _requeue(memo, key, outcome.requeue_after)
 
@@ -176,23 +190,20 @@ async def _reconcile_later(memo: Any, key: Key, delay: float) -> None:
 async def _reconcile_fresh(key: Key, memo: Any, log: Logger) -> None:
     """Reconcile the current version of a deployment (read again, not from a cached body)."""
     async with _lock(memo, key):
-        body = await memo.api.get(
-            api_version=group.API_VERSION, kind=group.KIND, namespace=key[0], name=key[1]
-        )
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return
-        await _reconcile(body, memo, log)
+        await _read_and_reconcile(key, memo, log)
 
 
-@kopf.on.resume(*RESOURCE, backoff=RETRY_BACKOFF_SECONDS)
-@kopf.on.create(*RESOURCE, backoff=RETRY_BACKOFF_SECONDS)
-@kopf.on.update(*RESOURCE, backoff=RETRY_BACKOFF_SECONDS)
-async def reconcile_on_change(
-    body: kopf.Body, namespace: str | None, name: str, memo: Any, logger: Logger, **_: Any
-) -> None:
-    # The object is read again under the lock: kopf's body may predate a status another
-    # reconcile just wrote (a stale status.resize would lose its resizeId).
-    await _reconcile_fresh((namespace or "", name), memo, logger)
+async def _read_and_reconcile(key: Key, memo: Any, log: Logger) -> None:
+    """Under the deployment's lock: read it and reconcile what was read."""
+    body = await memo.api.get(
+        api_version=group.API_VERSION, kind=group.KIND, namespace=key[0], name=key[1]
+    )
+    writes: changes.OwnWrites | None = getattr(memo, "writes", None)
+    if writes is not None:
+        writes.read(key)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    await _reconcile(body, memo, log)
 
 
 @kopf.on.event(*RESOURCE)
@@ -216,6 +227,49 @@ async def track(
             pending.cancel()
     else:
         memo.known.add(key)
+
+
+@kopf.on.event(*RESOURCE)
+async def reconcile_on_change(
+    type: str | None,  # noqa: A002 - kopf's name
+    event: kopf.RawEvent,
+    namespace: str | None,
+    name: str,
+    memo: Any,
+    logger: Logger,
+    **_: Any,
+) -> None:
+    """Reconcile a deployment new to this process, or whose spec, labels or annotations
+    changed (``plan.changes``): from the watched body when it holds our last status write."""
+    key = (namespace or "", name)
+    body = cast(dict[str, Any], event["object"])
+    meta = body.get("metadata") or {}
+    writes: changes.OwnWrites = memo.writes
+    writes.seen(key, meta.get("resourceVersion"))
+    if type == "DELETED":
+        memo.fingerprints.pop(key, None)
+        writes.read(key)
+        return
+    if not changes.needs_reconcile(event_type=type, body=body, last=memo.fingerprints.get(key)):
+        return
+    memo.fingerprints[key] = changes.fingerprint(body)
+    memo.known.add(key)
+    if meta.get("deletionTimestamp"):
+        return
+    try:
+        async with _lock(memo, key):
+            if writes.current(key):
+                await _reconcile(body, memo, logger)
+            else:
+                await _read_and_reconcile(key, memo, logger)
+    except kopf.PermanentError as error:  # an invalid spec: again when the spec changes
+        logger.error("reconcile of %s/%s failed permanently: %s", key[0], key[1], error)
+    except Exception as error:  # noqa: BLE001 - tried again, as kopf's handler backoff did
+        logger.exception(
+            "reconcile of %s/%s failed (%s: %s); again in %.0fs",
+            key[0], key[1], builtins.type(error).__name__, error, RETRY_BACKOFF_SECONDS,
+        )  # fmt: skip
+        _requeue(memo, key, RETRY_BACKOFF_SECONDS)
 
 
 @kopf.on.event(*RAYCLUSTERS, labels={group.LABEL_MANAGED_BY: group.MANAGED_BY})

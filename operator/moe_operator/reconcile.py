@@ -71,6 +71,9 @@ class Outcome:
     status: status_.MoEDeploymentStatus | None = None
     runtime_reachable: bool | None = None
     autoscale_decision: str | None = None
+    #: The MoEDeployment's resourceVersion after the status write (``None``: none written);
+    #: ``handlers`` reads the object again until the watch has delivered it.
+    resource_version: str | None = None
 
 
 def parse_spec(raw: Any) -> spec_.MoEDeploymentSpec:
@@ -424,12 +427,14 @@ async def reconcile(
         autoscaling=scaler.status,
     )
     written = plan_status.needs_write(raw_status, new)
+    resource_version: str | None = None
     if written:
-        await api.patch_status(
+        stored = await api.patch_status(
             namespace=owner.namespace,
             name=owner.name,
             patch=plan_status.merge_patch(raw_status, new),
         )
+        resource_version = (stored.get("metadata") or {}).get("resourceVersion")
         logger.info(
             "%s: status: phase=%s dp=%s target=%s stage=%s",
             where,
@@ -458,4 +463,5 @@ async def reconcile(
             else None
         ),
         autoscale_decision=scaler.decision,
+        resource_version=resource_version,
     )
