@@ -2,24 +2,25 @@
 patch.
 
 Connection settings (in-cluster service account, or a kubeconfig) are read by the official
-``kubernetes`` package; requests go through one ``httpx.AsyncClient`` shared by every handler
-on the operator's event loop.
+``kubernetes`` package; requests go through one ``aiohttp.ClientSession`` shared by every
+handler on the operator's event loop (kopf's own client library). Not httpx: its connection
+pool scans every connection for every request (``_assign_requests_to_connections``), which cost
+about 1.8 ms of CPU per request with 16 connections, against 0.2 ms here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
+import json
 import logging
 import os
 import pathlib
 import secrets
 import ssl
-from collections.abc import Generator
 from typing import Any, Final
 
-import httpx
+import aiohttp
 import kubernetes
 
 from moe_operator.api import group
@@ -27,7 +28,7 @@ from moe_operator.api import group
 logger = logging.getLogger(__name__)
 
 FIELD_MANAGER: Final = "elastic-moe"
-#: Requests in flight to the API server at once (and connections kept).
+#: Requests in flight to the API server at once (and connections kept); more wait their turn.
 MAX_CONNECTIONS: Final = 16
 #: The manager of the autoscaler's writes to ``spec.dataParallelSize`` (managedFields say who
 #: set the size: this, an HPA's ``kube-controller-manager``, or a user's kubectl).
@@ -97,19 +98,24 @@ def path(
     return out
 
 
-class _ConfigAuth(httpx.Auth):
-    """Bearer token from the kubernetes Configuration, re-read per request (tokens rotate)."""
+def _authorization(config: Any) -> str | None:
+    """The bearer token of the kubernetes Configuration, read again per request (tokens rotate:
+    the in-cluster configuration re-reads the service account's token file when it expires)."""
+    token: str | None = config.get_api_key_with_prefix(
+        "BearerToken"
+    ) or config.get_api_key_with_prefix("authorization")
+    return token
 
-    def __init__(self, config: Any) -> None:
-        self._config = config
 
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        token = self._config.get_api_key_with_prefix(
-            "BearerToken"
-        ) or self._config.get_api_key_with_prefix("authorization")
-        if token:
-            request.headers["Authorization"] = token
-        yield request
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """An API server's answer, read whole."""
+
+    status_code: int
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
 
 
 def _load_configuration(kubeconfig: str | None) -> Any:
@@ -126,16 +132,23 @@ def _load_configuration(kubeconfig: str | None) -> Any:
 class Api:
     """Asynchronous client of the few API calls the operator makes."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self._client = client
-        # Requests wait here, not in httpcore's pool: its queue is scanned against every
-        # connection on each change (quadratic), which dominated the operator's CPU with
-        # hundreds of deployments reconciling at once.
-        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        host: str,
+        config: Any = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self._session = session
+        self._host = host.rstrip("/")
+        self._config = config
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
 
     @classmethod
     def from_environment(cls, *, kubeconfig: str | None = None, timeout: float = 30.0) -> Api:
-        """In-cluster config when running in a pod, else ``kubeconfig`` / ``$KUBECONFIG``."""
+        """In-cluster config when running in a pod, else ``kubeconfig`` / ``$KUBECONFIG``.
+        Called on the running event loop (the session belongs to it)."""
         config = _load_configuration(kubeconfig or os.environ.get("KUBECONFIG"))
         verify: ssl.SSLContext | bool = True
         if not config.verify_ssl:
@@ -144,20 +157,20 @@ class Api:
             verify = ssl.create_default_context(cafile=config.ssl_ca_cert)
             if config.cert_file:
                 verify.load_cert_chain(config.cert_file, config.key_file)
-        client = httpx.AsyncClient(
-            base_url=config.host,
-            verify=verify,
-            auth=_ConfigAuth(config),
-            timeout=timeout,
-            limits=httpx.Limits(
-                max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
-            ),
-            headers={"Accept": "application/json"},
+        # The connector's limit bounds the requests in flight (and the connections kept); the
+        # requests past it wait in its queue.
+        connector = aiohttp.TCPConnector(
+            limit=MAX_CONNECTIONS, limit_per_host=MAX_CONNECTIONS, ssl=verify
         )
-        return cls(client)
+        session = aiohttp.ClientSession(
+            connector=connector,
+            headers={"Accept": "application/json"},
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        return cls(session, host=config.host, config=config, timeout=timeout)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._session.close()
 
     async def _request(
         self,
@@ -167,12 +180,22 @@ class Api:
         body: Any = None,
         content_type: str = "application/json",
         params: dict[str, str] | None = None,
-    ) -> httpx.Response:
+    ) -> Response:
         headers = {"Content-Type": content_type} if body is not None else {}
-        async with self._slots:
-            response = await self._client.request(
-                method, url, json=body, headers=headers, params=params
-            )
+        token = _authorization(self._config) if self._config is not None else None
+        if token:
+            headers["Authorization"] = token
+        data = json.dumps(body).encode() if body is not None else None
+        async with self._session.request(
+            method,
+            self._host + url,
+            data=data,
+            headers=headers,
+            params=params,
+            timeout=self._timeout,
+        ) as answer:
+            raw = await answer.read()
+        response = Response(status_code=answer.status, text=raw.decode("utf-8", "replace"))
         if response.status_code >= 400:
             raise ApiError(method=method, url=url, status=response.status_code, body=response.text)
         return response
