@@ -56,11 +56,20 @@ METRICS: Final = metrics.OperatorMetrics()
 METRICS_ADDRESS: tuple[str, int] | None = None
 
 
+class _NoDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base, never built: with no change handlers registered (only
+    ``@kopf.on.event``) nothing reads it, and kopf would deep-copy every watched body (status
+    and managedFields included) to build it, for every event on every watched kind."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     # No change handlers, so kopf stores nothing on the objects; these name where it would.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=group.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = _NoDiffBase(
         prefix=group.GROUP, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{group.GROUP}/operator"
