@@ -5,7 +5,9 @@ pod), the runtime reports the spare ready, `kubectl get moed -o wide` shows it. 
 takes the spare: the operator asks the runtime at once (no Provisioning), the runtime skips
 Standby (Transferring → Switching → Reshuffling), and a 4th worker pod comes for the
 replacement spare, which the runtime makes ready by itself. A shrink 3→2 deletes exactly the
-pod the runtime freed and keeps the spare's. Every answer is checked; none may fail.
+pod the runtime freed and keeps the spare's. Between them, the pod of a serving rank is
+deleted: the runtime shrinks around it and the operator grows back onto the spare at once.
+Every answer is checked; none may fail.
 """
 
 from __future__ import annotations
@@ -141,6 +143,44 @@ def test_a_grow_by_one_takes_the_spare_and_a_new_spare_follows(
         + ", ".join(f"{s['stage']} {s['duration_s']:.2f}s" for s in record["stages"])
         + f"); a new spare ready {time.monotonic() - asked:.1f}s after the patch"
     )
+    assert load.failures == []
+
+
+def test_a_lost_rank_is_healed_by_the_spare(dep: kube.Deployment, load: load_mod.Load) -> None:
+    """Failure is another resize: the runtime shrinks around the rank of a deleted pod, and
+    the operator's grow back (autoRecover) takes the spare at once instead of waiting for
+    KubeRay's new pod; that pod becomes the next spare."""
+    status = kube.wait_for(lambda: _settled(dep, 3), timeout_s=READY_TIMEOUT_S, what="DP=3")
+    spare_pod = status["spares"]["pods"][0]
+    ranks = dep.runtime_status()["ranks"]
+    pod = next(r["pod"] for r in ranks if r.get("rank") is not None and r.get("pod"))
+    before = len(dep.runtime_status()["history"])
+    deleted_at = time.monotonic()
+    dep.kubectl("delete", "pod", pod, "-n", dep.namespace, "--wait=false")
+
+    def recovered() -> dict[str, Any] | None:
+        new = dep.runtime_status()["history"][before:]
+        return next((r for r in new if r["kind"] == "recovery" and r["stage"] == "Completed"), None)
+
+    record = kube.wait_for(recovered, timeout_s=RESIZE_TIMEOUT_S, what="the runtime's recovery")
+    assert [r["pod"] for r in record["recovery"]["ranks_lost"]] == [pod]
+    recovered_at = time.monotonic() - deleted_at
+
+    def healed() -> bool:
+        serving = {r.get("pod") for r in dep.runtime_status()["ranks"] if r.get("rank") is not None}
+        return bool(dep.serving(3)) and spare_pod in serving
+
+    kube.wait_for(healed, timeout_s=RESIZE_TIMEOUT_S, what="DP=3 again, on the spare")
+    healed_at = time.monotonic() - deleted_at
+    grow = [r for r in dep.runtime_status()["history"][before:] if r["kind"] == "resize"]
+    assert grow and grow[-1]["warm_spares"] == 1 and grow[-1]["stage"] == "Completed", grow
+    kube.wait_for(lambda: _settled(dep, 3), timeout_s=READY_TIMEOUT_S, what="a new spare")
+    print(
+        f"\n[spares] pod of a rank deleted: recovered at DP=2 {recovered_at:.1f}s after the "
+        f"delete, back at DP=3 on the spare {healed_at:.1f}s after, a new spare ready "
+        f"{time.monotonic() - deleted_at:.1f}s after"
+    )
+    assert pod not in dep.worker_pods()
     assert load.failures == []
 
 
