@@ -248,6 +248,15 @@ def run(count: int, *, profile: pathlib.Path | None = None) -> None:
             f"API requests during the run: {total} ({total / count:.1f} per deployment): "
             + ", ".join(f"{k} {v}" for k, v in sorted(requests.items(), key=lambda kv: -kv[1]) if v)
         )
+        failures = [
+            line
+            for line in (workdir / "operator.log").read_text(errors="replace").splitlines()
+            if "failed" in line and "reconcile" in line
+        ]
+        print(
+            f"operator log: {len(failures)} failed reconciles"
+            + (f" (first: {failures[0][-300:]})" if failures else "")
+        )
         print(
             "load average (1 min) before/after: "
             f"{load0[0]:.1f}/{load1[0]:.1f} on {os.cpu_count()} CPUs"
