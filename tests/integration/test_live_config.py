@@ -38,6 +38,7 @@ DEFAULTS = {
     "num_redundant_experts": 0,
     "drain_timeout": 0,
     "max_queued_requests": 0,
+    "warm_spare_ranks": 0,
 }
 
 

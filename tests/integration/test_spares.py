@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from moe_runtime.elastic import coordinator, service, serving, stages
+from moe_runtime.elastic import coordinator, service, serving, settings, stages
 from moe_runtime.engine import core
 from moe_runtime.eplb import policy
 from moe_runtime.model import source as source_mod
@@ -181,3 +181,28 @@ def test_a_spare_killed_for_real_is_replaced(dep: SpareDeployment) -> None:
         time.sleep(0.1)
     assert dep.executor.num_ranks == 2 and not dep.elastic.coordinator.recovering
     assert_spare_apart(dep)
+
+
+def test_the_spare_count_is_a_live_setting(
+    dep: SpareDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    """PATCH /elastic_ep/config warm_spare_ranks: 2 starts another spare, 0 stops them all
+    (their rank slots are free again), 1 brings one back; serving goes on throughout."""
+    dep.ensure(2)
+    dep.wait_spares_ready()
+    live = dep.elastic.live
+    with failures.LongRequests(dep) as running:
+        assert live.patch(settings.ConfigPatch(warm_spare_ranks=2))["warm_spare_ranks"] == 2
+        assert len(dep.wait_spares_ready(2)) == 2
+        live.patch(settings.ConfigPatch(warmSpareRanks=0))
+        deadline = time.monotonic() + 60
+        while dep.spares():
+            assert time.monotonic() < deadline, dep.spares()
+            time.sleep(0.1)
+        assert dep.executor.num_ranks == 2 and len(dep.executor.rank_infos()) == 2
+    running.check(reference)
+    assert dep.elastic.status()["warm_spare_ranks"] == 0
+    live.patch(settings.ConfigPatch(warm_spare_ranks=1))
+    (spare,) = dep.wait_spares_ready()
+    assert spare["ready"]
+    assert_serves(dep, reference)

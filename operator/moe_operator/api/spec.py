@@ -133,7 +133,7 @@ class ElasticSpec(ApiModel):
             "Rank workers kept started beside the serving ones (a worker pod each, non-expert "
             "weights loaded, warmed up, in standby communication groups), so a grow by up to "
             "this many skips Provisioning and Standby. The RayCluster has dataParallelSize + "
-            "this many workers; a spare a grow took is replaced. Read when the head starts."
+            "this many workers; a spare a grow took is replaced. Changes apply live."
         ),
     )
 

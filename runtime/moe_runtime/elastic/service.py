@@ -187,16 +187,15 @@ class ElasticService:
             config=config,
             coordinator=coord,
         )
-        pool = None
-        if config.warm_spare_ranks > 0:
-            pool = spares_mod.SparePool(
-                executor=executor,
-                serving=serving,
-                config=config,
-                mechanics=mechanics.mechanics,
-                busy=lambda: coord.current is not None,
-            )
-            mechanics.spares = fault.spares = pool
+        # Always there (its thread only while it keeps spares): warm_spare_ranks is live.
+        pool = spares_mod.SparePool(
+            executor=executor,
+            serving=serving,
+            config=config,
+            mechanics=mechanics.mechanics,
+            busy=lambda: coord.current is not None,
+        )
+        mechanics.spares = fault.spares = pool
         service = cls(
             coordinator=coord,
             ops=mechanics,
@@ -210,6 +209,7 @@ class ElasticService:
                 ops=mechanics,
                 rebalancer=rebalancer,
                 recovery=fault,
+                spares=pool,
             ),
             spares=pool,
         )
@@ -221,8 +221,7 @@ class ElasticService:
             service.metrics.rebalances.set_function(lambda: rebalancer.rebalances)
         coord.on_change(_log_stage)
         fault.attach()
-        if pool is not None:
-            pool.start()
+        pool.start()
         return service
 
     def close(self) -> None:

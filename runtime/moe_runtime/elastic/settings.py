@@ -10,6 +10,7 @@ Every field is applied without a restart; none needs a step boundary:
 | `num_redundant_experts` | the physical slot count changes with the next resize (or recovery): it sets how many slots that resize's placement has; refused (409) while one runs |
 | `drain_timeout` | shrinks requested from now on without their own `drain_timeout` |
 | `max_queued_requests` | arrivals from now on (0 = no bound); queued requests stay |
+| `warm_spare_ranks` | the spares' upkeep starts the missing ones (on free rank slots) or stops the extra ones within a second, never during a resize or a recovery |
 
 A PATCH names any subset of the fields, in snake_case or camelCase; it is checked whole
 against the current values (min <= max, ...) and changes nothing when refused: 400 names the
@@ -31,6 +32,7 @@ from moe_runtime import api_schema
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import ops as ops_mod
 from moe_runtime.elastic import rebalance, recovery
+from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import policy
 
@@ -42,6 +44,7 @@ MAX_SIZE = 4096
 MAX_REDUNDANT = 4096
 MAX_DRAIN_SECONDS = 86_400
 MAX_QUEUED = 1_000_000
+MAX_SPARES = 64
 
 _Int = api_schema.JsonInt
 
@@ -70,6 +73,7 @@ class ConfigPatch(pydantic.BaseModel):
     num_redundant_experts: _Int = _absent(ge=0, le=MAX_REDUNDANT)
     drain_timeout: _Int = _absent(ge=0, le=MAX_DRAIN_SECONDS, description="seconds")
     max_queued_requests: _Int = _absent(ge=0, le=MAX_QUEUED, description="0: no bound")
+    warm_spare_ranks: _Int = _absent(ge=0, le=MAX_SPARES)
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -101,6 +105,7 @@ class Config(pydantic.BaseModel):
     num_redundant_experts: int
     drain_timeout: float
     max_queued_requests: int
+    warm_spare_ranks: int
     num_physical_experts: int = pydantic.Field(description="Physical expert slots serving now.")
     pending: list[str] = pydantic.Field(
         description="Fields set but not in effect yet: they apply with the next resize."
@@ -127,7 +132,9 @@ class LiveSettings:
         ops: ops_mod.EngineResizeOps,
         rebalancer: rebalance.Rebalancer,
         recovery: recovery.Recovery,
+        spares: spares_mod.SparePool | None = None,
     ) -> None:
+        self.spares = spares
         self.coordinator = coordinator
         self.engine = engine
         self.ops = ops
@@ -152,6 +159,7 @@ class LiveSettings:
             num_redundant_experts=config.num_redundant_experts,
             drain_timeout=self.coordinator.drain_timeout,
             max_queued_requests=self.engine.queue.max_queued or 0,
+            warm_spare_ranks=self.spares.size if self.spares is not None else 0,
             num_physical_experts=physical,
             pending=["num_redundant_experts"] if wanted != physical else [],
         ).model_dump()
@@ -160,6 +168,10 @@ class LiveSettings:
         """Apply `patch` (all of it, or nothing: InvalidConfig) and return the new values."""
         given = patch.model_dump(exclude_unset=True)
         with self._lock:
+            if self.spares is None and given.get("warm_spare_ranks"):
+                raise InvalidConfig(
+                    "this process keeps no warm spare ranks", param="warm_spare_ranks"
+                )
             config, limits = self.rebalancer.config, self.coordinator.limits
             new_limits = dataclasses.replace(
                 limits,
@@ -205,6 +217,8 @@ class LiveSettings:
                 self.coordinator.drain_timeout = float(given["drain_timeout"])
             if "max_queued_requests" in given:
                 self.engine.queue.set_max_queued(given["max_queued_requests"] or None)
+            if self.spares is not None and "warm_spare_ranks" in given:
+                self.spares.set_size(given["warm_spare_ranks"])
         if given:
             log.info("live settings changed: %s", given)
         return self.get()

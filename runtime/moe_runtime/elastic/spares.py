@@ -104,10 +104,20 @@ class SparePool:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        if self.size < 1 or self._thread is not None:
+        if self.size < 1 or self._thread is not None or self._stop.is_set():
             return
         self._thread = threading.Thread(target=self._loop, name="warm-spares", daemon=True)
         self._thread.start()
+
+    def set_size(self, size: int) -> None:
+        """Keep `size` spares from now on (PATCH /elastic_ep/config `warm_spare_ranks`): the
+        next pass starts the missing ones or stops the extra ones (the newest first); spares a
+        grow has claimed are not the pool's any more."""
+        if size < 0:
+            raise ValueError(f"warm_spare_ranks must be >= 0, got {size}")
+        with self._lock:
+            self.size = size
+        self.start()
 
     def close(self) -> None:
         self._stop.set()
@@ -245,12 +255,16 @@ class SparePool:
 
     # -- maintenance -----------------------------------------------------------------------
     def maintain(self) -> None:
-        """One pass: drop dead spares, start missing ones, (re)build the standby groups."""
-        if self._stop.is_set() or self.size < 1:
+        """One pass: drop dead spares, stop extra ones, start missing ones, (re)build the
+        standby groups."""
+        if self._stop.is_set():
             return
         self._drop_lost()
         if self._busy():
             return  # never beside a resize or a recovery: they own the ranks and the slots
+        self._drop_extra()
+        if self.size < 1:
+            return
         self._start_missing()
         if self._busy() or self._stop.is_set():
             return
@@ -278,6 +292,23 @@ class SparePool:
                     self.executor.remove_ranks([label])
                 except Exception:  # noqa: BLE001 - it is dead already; nothing else holds it
                     log.exception("warm spares: removing lost spare rank %s failed", label)
+
+    def _drop_extra(self) -> None:
+        """Stop the spares beyond `size` (after it was lowered), the newest first."""
+        with self._lock:
+            extra = self._uids[self.size :]
+            if not extra:
+                return
+            self._uids = self._uids[: self.size]
+            self._loaded -= set(extra)
+            if self._standby is not None:
+                self._stale |= set(self._standby.epochs.values())
+                self._standby = None  # the spare set changed
+        by_uid = self._labels_by_uid()
+        labels = [by_uid[u] for u in extra if u in by_uid]
+        if labels:
+            self.executor.remove_ranks(labels)
+        log.info("warm spares: stopped ranks %s (%d kept from now on)", labels, self.size)
 
     def _start_missing(self) -> None:
         with self._lock:
