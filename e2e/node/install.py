@@ -101,7 +101,14 @@ def import_images(node: stack.Node) -> list[str]:
             archive = pathlib.Path(tmp) / "image.tar"
             size = delta_archive(tar, archive, name=qualified_name(name), present=blobs)
             stack.log(f"importing {name} ({size / 1e9:.2f} GB new) into the node's containerd")
-            ctr("images", "import", str(archive), paths=node.paths)
+            try:
+                ctr("images", "import", str(archive), paths=node.paths)
+            except stack.NodeError as error:
+                # A blob can outlive the snapshot unpacked from it (containerd's garbage
+                # collector drops snapshots no image references): the delta then names a
+                # parent that is not there. The whole image always imports.
+                stack.log(f"  the delta import failed ({error}); importing the whole image")
+                ctr("images", "import", str(tar), paths=node.paths)
         done[name] = want
         stamps.write_text(json.dumps(done, indent=2) + "\n")
         imported.append(name)
