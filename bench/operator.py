@@ -100,21 +100,34 @@ def watch(
     on_event: Any,
 ) -> None:
     """Watch ``plural`` in the bench namespace from now on; ``on_event(type, object)`` returns
-    True to stop."""
-    watcher = kubernetes.watch.Watch()
-    listing = custom.list_namespaced_custom_object(group, version, NAMESPACE, plural, limit=1)
+    True to stop. A watch that breaks (the apiserver ends it, a read times out under load) is
+    started again from a full listing, so no object is missed (those are timed late)."""
+    rv = custom.list_namespaced_custom_object(group, version, NAMESPACE, plural, limit=1)[
+        "metadata"
+    ]["resourceVersion"]
     ready.set()
-    for event in watcher.stream(
-        custom.list_namespaced_custom_object,
-        group,
-        version,
-        NAMESPACE,
-        plural,
-        resource_version=listing["metadata"]["resourceVersion"],
-        timeout_seconds=900,
-    ):
-        if on_event(event["type"], event["object"]):
-            watcher.stop()
+    while True:
+        watcher = kubernetes.watch.Watch()
+        try:
+            for event in watcher.stream(
+                custom.list_namespaced_custom_object,
+                group,
+                version,
+                NAMESPACE,
+                plural,
+                resource_version=rv,
+                timeout_seconds=900,
+            ):
+                if on_event(event["type"], event["object"]):
+                    watcher.stop()
+                    return
+        except Exception as error:  # noqa: BLE001 - a bench's watch must go on
+            print(f"watch of {plural} broke ({type(error).__name__}: {error}); listing again")
+        listing = custom.list_namespaced_custom_object(group, version, NAMESPACE, plural)
+        for item in listing["items"]:
+            if on_event("ADDED", item):
+                return
+        rv = listing["metadata"]["resourceVersion"]
 
 
 def start_operator(
