@@ -121,11 +121,16 @@ def _diagnose_failures(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     cluster = request.getfixturevalue("node")
     ns = request.getfixturevalue("namespace") if "namespace" in request.fixturenames else NAMESPACE
+    diagnose(cluster, ns)
+
+
+def diagnose(cluster: kube.Kubectl, ns: str, *, head_lines: int = 60) -> None:
+    """Print the deployment's objects and the last lines of the operator's and head's logs."""
     sections = [
         ("objects", ["get", "moed,raycluster,pods,events", "-n", ns, "-o", "wide"]),
         ("operator log", ["logs", "-n", config.OPERATOR_NAMESPACE, "deploy/moe-operator",
                           "--tail=40"]),
-        ("head log", ["logs", "-n", ns, "-l", "ray.io/node-type=head", "--tail=60"]),
+        ("head log", ["logs", "-n", ns, "-l", "ray.io/node-type=head", f"--tail={head_lines}"]),
     ]  # fmt: skip
     for title, args in sections:
         done = cluster.kubectl(*args, check=False)

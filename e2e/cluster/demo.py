@@ -155,6 +155,10 @@ def main() -> int:
         failed = sum(x.failed for x in loads)
         print(f"requests: ok={sum(x.ok for x in loads)} failed={failed}", flush=True)
         return 0 if failed == 0 else 1
+    except BaseException:
+        say("the demo failed; what the cluster looks like:")
+        conftest.diagnose(node, NAMESPACE, head_lines=200)
+        raise
     finally:
         for running in (lg, surge):
             if running is not None:
