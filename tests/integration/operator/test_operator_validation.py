@@ -160,7 +160,11 @@ def test_valid_spec_gets_defaults(control_plane: cluster.ControlPlane) -> None:
         "numRedundantExperts": 0,
         "eplb": {"enabled": True, "windowSize": 1000, "stepInterval": 3000},
     }
-    assert spec["elastic"] == {"drainTimeoutSeconds": 120, "resizeTimeoutSeconds": 600}
+    assert spec["elastic"] == {
+        "drainTimeoutSeconds": 120,
+        "resizeTimeoutSeconds": 600,
+        "warmSpareRanks": 0,
+    }
     assert spec["ray"]["accelerator"] == "cpu"
 
 
