@@ -128,6 +128,36 @@ def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -
         ex.shutdown()
 
 
+def test_a_pending_worker_gets_the_longer_pending_hang_timeout() -> None:
+    """A worker in no step (starting, loading, a warm spare) that answers pings slowly blocks
+    nobody: it is fenced only after `pending_hang_timeout`, not `hang_timeout`."""
+    placement = policy.identity(4, 8, 8, 2)
+    ex = local.LocalExecutor(2)
+    try:
+        ex.start(SOURCE, placement=placement)
+        (label,) = ex.add_ranks(1)
+        hung = threading.Event()
+        worker = ex.worker(label)
+        answer = worker.ping
+
+        def ping() -> dict[str, Any]:
+            hung.wait(DEADLINE)
+            return answer()
+
+        worker.ping = ping  # type: ignore[method-assign]
+        ex.pending_hang_timeout = 1.0
+        found: list[dict[int, str]] = []
+        started = time.monotonic()
+        ex.start_heartbeat(interval=0.02, hang_timeout=0.2, on_lost=found.append)
+        _poll(lambda: found, "the heartbeat to find the pending worker")
+        assert found == [{label: base.HEALTH_UNRESPONSIVE}]
+        assert time.monotonic() - started >= 1.0  # not after hang_timeout (0.2 s)
+        assert ex.health()[0].state == ex.health()[1].state == base.HEALTH_OK
+        hung.set()
+    finally:
+        ex.shutdown()
+
+
 def test_step_deadline_follows_observed_step_times() -> None:
     clock = base.StepClock()
     assert clock.deadline() == base.MIN_STEP_DEADLINE

@@ -21,7 +21,9 @@ Failures (every path ends in a known state):
   or transfer blocks. A ping that fails because the worker is gone makes it "dead"; one that
   stays unanswered for `hang_timeout` (or for `step_grace` once a step is past its deadline)
   makes it "unresponsive", and the worker is fenced (killed) at once, so no collective waits on
-  it. `on_lost` is then called; the caller shrinks around it (`moe_runtime.elastic.recovery`).
+  it. A pending worker (starting, loading, a warm spare: in no step) gets `pending_hang_timeout`
+  (30 s) instead: it blocks no step, and on a loaded node its first imports and weight loads
+  can hold its interpreter for seconds. `on_lost` is then called; the caller shrinks around it (`moe_runtime.elastic.recovery`).
 - Step deadline: derived from observed step times (`step_deadline`), not a fixed timeout.
 - A failed step: when every stepped worker is healthy the step path is rebuilt on the same
   ranks before `execute_step` raises `ExecutorError` (retry it); otherwise it raises `RankDied`
@@ -149,6 +151,8 @@ class Executor(weight_moves.WeightMoves, abc.ABC):
     _heartbeat_stop: threading.Event | None = None
     #: Seconds a ping may stay unanswered once a step is past its deadline.
     step_grace: float = 1.0
+    #: Seconds a pending worker's ping may stay unanswered (it is in no step).
+    pending_hang_timeout: float = 30.0
     #: Observed step durations and the step deadline; every executor sets its own.
     clock: StepClock
 
@@ -369,6 +373,7 @@ class Executor(weight_moves.WeightMoves, abc.ABC):
         overdue = self.clock.overdue(now)
         newly: dict[int, str] = {}
         hung: list[int] = []
+        stepping = set(self.ranks)
         for label, h in self._health_members().items():
             if h.state == HEALTH_DEAD:
                 continue
@@ -384,7 +389,12 @@ class Executor(weight_moves.WeightMoves, abc.ABC):
                         newly[label] = HEALTH_DEAD
                 else:
                     waited = now - h.ping_sent
-                    limit = min(hang_timeout, self.step_grace) if overdue else hang_timeout
+                    if label not in stepping:
+                        limit = max(hang_timeout, self.pending_hang_timeout)
+                    elif overdue:
+                        limit = min(hang_timeout, self.step_grace)
+                    else:
+                        limit = hang_timeout
                     if waited > limit and h.state == HEALTH_OK:
                         h.lose(HEALTH_UNRESPONSIVE, f"no heartbeat answer for {waited:.1f}s", now)
                         newly[label] = HEALTH_UNRESPONSIVE
