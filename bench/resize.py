@@ -11,6 +11,8 @@ compiled step graph unless `--step-mode remote`), each resize `--repeats` times 
   <= 0.05 with them);
 - expert bytes moved against the lower bound for that placement change (every (layer, rank,
   expert) the new placement needs and the old one did not hold, times the bytes of one expert);
+  a grow on warm spares that hold its experts pre-staged moves less than the bound (the bench
+  waits for the pre-staging before it, and prints how long that took);
 - balancedness before and after (over the EPLB window).
 
 It also draws each server's run (e2e/timeline.py): tokens/s over time, per rank by their share
@@ -139,6 +141,25 @@ def wait_spares(url: str, count: int, deadline_s: float = 600.0) -> float:
     return time.monotonic() - started
 
 
+def wait_prestaged(url: str, deadline_s: float = 300.0) -> float:
+    """Seconds until every spare holds the experts its grows want pre-staged (`prestaged`
+    held == wanted in /elastic_ep/status; a spare with nothing to pre-stage counts)."""
+    started = time.monotonic()
+
+    def done() -> bool:
+        for spare in status(url)["spares"]:
+            pre = spare.get("prestaged")
+            if pre is None or pre["held"] < pre["wanted"]:
+                return False
+        return True
+
+    while not done():
+        if time.monotonic() - started > deadline_s:
+            raise TimeoutError(f"warm spares not pre-staged in {deadline_s}s")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
 def resize(url: str, to: int) -> dict[str, Any]:
     r = httpx.post(
         f"{url}/scale_elastic_ep?wait=true",
@@ -200,7 +221,12 @@ def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> 
                 for to in (4, 2):
                     waited = wait_spares(srv.url, spares)
                     if spares:
-                        print(f"  {spares} spares ready after {waited:.1f}s", flush=True)
+                        pre = wait_prestaged(srv.url) if to > 2 else 0.0
+                        print(
+                            f"  {spares} spares ready after {waited:.1f}s, their experts "
+                            f"pre-staged {pre:.1f}s later",
+                            flush=True,
+                        )
                     load.measure_from()
                     time.sleep(args.settle)  # the baseline window (and the graph settles)
                     baseline = load.max_gap
@@ -208,7 +234,11 @@ def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> 
                     load_average = os.getloadavg()[0]
                     record = resize(srv.url, to)
                     measured.append(Measured(spares, record, load.max_gap, baseline, load_average))
-                    print(f"  {record['from']}->{record['to']}: {record['duration_s']:.2f}s")
+                    print(
+                        f"  {record['from']}->{record['to']}: {record['duration_s']:.2f}s "
+                        f"({record['expert_moves']} expert moves, "
+                        f"{record.get('experts_prestaged', 0)} pre-staged on spares)"
+                    )
             settle = time.monotonic() + 10  # a little serving at the final size
             while time.monotonic() < settle:
                 time.sleep(0.1)

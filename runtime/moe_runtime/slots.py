@@ -4,7 +4,10 @@
   the step group of `epoch` (the expert-parallel backend);
 - staged: slots prepared for another placement (`stage_experts`) while the live ones serve;
 - previous: the live state that the last `activate` or EPLB commit replaced, kept (with the
-  older epochs' groups) until `retire_previous`, so that `revert` can undo the change.
+  older epochs' groups) until `retire_previous`, so that `revert` can undo the change;
+- pre-staged: experts a future placement will give this rank, fetched ahead of a resize
+  (`prestage_experts`: a warm spare, in the background); `stage_experts` takes them from there
+  instead of moving them again; forgotten when the rank is activated.
 
 A change of the live slots is all-or-nothing across ranks: `activate` runs on every rank
 between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
@@ -88,6 +91,7 @@ class ExpertSlots:
     _backend: mixtral.ExpertBackend | None
     _staged: Staged | None
     _previous: Live | None
+    _prestaged: dict[tuple[int, int], mixtral.ExpertWeights]
     _origin: int | None
     _groups: dict[tuple[int, str], group_mod.StatelessGroup]
     _lock: threading.RLock
@@ -147,27 +151,9 @@ class ExpertSlots:
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
         held = self._held_experts()
-        received: staging_mod.Experts = {}
-
-        def read_expert(layer: int, logical: int) -> mixtral.ExpertWeights:
-            weights = held.get((layer, logical))
-            if weights is None:
-                raise RuntimeError(
-                    f"a move names this rank as source of expert {logical} of layer {layer}, "
-                    f"which it does not hold ({self._ctx()})"
-                )
-            return weights
-
-        def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
-            received[(move.layer, move.logical)] = weights.to(dtype=self.dtype, device=self.device)
-
-        stats = transfer_mod.execute_moves(
-            grp,
-            list(moves),
-            read_expert=read_expert,
-            write_expert=write_expert,
-            like=staging_mod.zero_expert(cfg, dtype=self.dtype, device=grp.device),
-        )
+        with self._lock:
+            prestaged = dict(self._prestaged)
+        stats, received = self._run_moves(grp, moves, held, cfg)
         self._check_fail("stage_experts")
         if new_rank is None:
             log.info(
@@ -186,7 +172,7 @@ class ExpertSlots:
             new_placement,
             rank=new_rank,
             num_ranks=new_num_ranks,
-            available={**held, **received, **(provided or {})},
+            available={**prestaged, **held, **received, **(provided or {})},
             source=src,
             dtype=self.dtype,
             device=self.device,
@@ -221,6 +207,77 @@ class ExpertSlots:
             self._ctx(),
         )
         return stats.bytes_received
+
+    def _run_moves(
+        self,
+        grp: group_mod.StatelessGroup,
+        moves: Sequence[moves_mod.ExpertMove],
+        held: staging_mod.Experts,
+        cfg: config_mod.ModelConfig,
+    ) -> tuple[transfer_mod.TransferStats, staging_mod.Experts]:
+        """This rank's part of `moves` over `grp`: sends from `held`; returns what it got."""
+        received: staging_mod.Experts = {}
+
+        def read_expert(layer: int, logical: int) -> mixtral.ExpertWeights:
+            weights = held.get((layer, logical))
+            if weights is None:
+                raise RuntimeError(
+                    f"a move names this rank as source of expert {logical} of layer {layer}, "
+                    f"which it does not hold ({self._ctx()})"
+                )
+            return weights
+
+        def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
+            received[(move.layer, move.logical)] = weights.to(dtype=self.dtype, device=self.device)
+
+        stats = transfer_mod.execute_moves(
+            grp,
+            list(moves),
+            read_expert=read_expert,
+            write_expert=write_expert,
+            like=staging_mod.zero_expert(cfg, dtype=self.dtype, device=grp.device),
+        )
+        return stats, received
+
+    # -- pre-staging (ahead of a resize) -------------------------------------------------
+    def prestage_experts(
+        self,
+        epoch: int,
+        moves: Sequence[moves_mod.ExpertMove],
+        *,
+        provided: Mapping[tuple[int, int], mixtral.ExpertWeights] | None = None,
+    ) -> int:
+        """Keep the experts `moves` bring to this rank (and `provided`: brought by the executor
+        another way) beside the live slots, for a later `stage_experts`; returns the bytes
+        received. Every member of epoch's transfer group that a move names calls it with the
+        same `moves` (as `stage_experts`); a move's dst_slot is not used."""
+        cfg, _ = self._require_model()
+        grp, _me = self._group(epoch, TRANSFER_ROLE)
+        stats, received = self._run_moves(grp, moves, self._held_experts(), cfg)
+        extra = {k: w.to(dtype=self.dtype, device=self.device) for k, w in (provided or {}).items()}
+        with self._lock:
+            self._prestaged.update(received)
+            self._prestaged.update(extra)
+            count = len(self._prestaged)
+        log.info(
+            "pre-staged %d experts (%d held now) (%s)",
+            len(received) + len(extra),
+            count,
+            self._ctx(),
+        )
+        return stats.bytes_received
+
+    def prestaged_keys(self) -> list[tuple[int, int]]:
+        """The (layer, logical) keys of the pre-staged experts."""
+        with self._lock:
+            return sorted(self._prestaged)
+
+    def drop_prestaged(self, keep: Sequence[tuple[int, int]] = ()) -> int:
+        """Forget the pre-staged experts not in `keep`; returns how many are left."""
+        wanted = {(int(a), int(b)) for a, b in keep}
+        with self._lock:
+            self._prestaged = {k: w for k, w in self._prestaged.items() if k in wanted}
+            return len(self._prestaged)
 
     def held_experts(self, keys: Sequence[tuple[int, int]]) -> staging_mod.Experts:
         """{(layer, logical): weights} of the live slots for `keys` (what a peer asked for);
@@ -355,6 +412,7 @@ class ExpertSlots:
         live = Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
         with self._lock:
             self._staged = None
+            self._prestaged = {}  # what it needed is in its slots now
         self._become(live, previous=before)
         log.info("activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._ctx())
 

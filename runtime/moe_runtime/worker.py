@@ -94,6 +94,7 @@ class RankWorker(slots_mod.ExpertSlots):
         self._group_ranks: dict[tuple[int, str], int] = {}
         self._staged: slots_mod.Staged | None = None
         self._previous: slots_mod.Live | None = None
+        self._prestaged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
         self._origin: int | None = None
         self._fail: dict[str, str] = {}
         self._stall: dict[str, float] = {}
@@ -184,6 +185,7 @@ class RankWorker(slots_mod.ExpertSlots):
                 "num_ranks": self.num_ranks,
                 "phy2log": None if placement is None else placement.phy2log.tolist(),
                 "staged": self._staged is not None,
+                "prestaged": len(self._prestaged),
                 "previous": self._previous is not None,
                 "group_epochs": sorted({epoch for epoch, _ in self._groups}),
             }

@@ -127,6 +127,27 @@ def test_a_grow_the_spare_covers_skips_standby_and_the_spare_is_replaced(
     assert_serves(dep, reference)
 
 
+def test_a_grow_on_a_prestaged_spare_moves_only_what_it_lacks(
+    dep: SpareDeployment, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    dep.ensure(2)
+    dep.wait_spares_ready()
+    pool = dep.elastic.spares
+    assert pool is not None
+    deadline = time.monotonic() + 120
+    while not pool.prestaged():
+        assert time.monotonic() < deadline, dep.spares()
+        time.sleep(0.05)
+    (spare,) = dep.spares()
+    assert spare["prestaged"]["held"] == spare["prestaged"]["wanted"] > 0, spare
+    record = dep.resize(3)
+    assert record.succeeded, record.message
+    # What the spare held was not moved again (truthful: moves + pre-staged >= lower bound).
+    assert record.experts_prestaged > 0
+    assert record.expert_moves + record.experts_prestaged >= record.expert_moves_lower_bound
+    assert_serves(dep, reference)
+
+
 def test_a_grow_beyond_the_spares_takes_them_and_starts_the_rest(
     dep: SpareDeployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:

@@ -72,9 +72,15 @@ def test_moves_between_ranks_of_one_node_go_through_shared_memory() -> None:
     shared, rest = ray_transfer.split_moves(moves, members, node.__getitem__)
     assert shared == {(10, 11): [moves[0], moves[2]], (10, 13): [moves[3]]}
     assert rest == [moves[1], moves[4]]  # another node; a local copy
-    assert ray_transfer.exporters(shared) == {(10, 11): [(0, 1), (1, 1)], (10, 13): [(1, 1)]}
-    refs = {(10, 11): "r1", (12, 11): "r2", (10, 13): "r3"}
-    assert ray_transfer.received_by(refs, 11) == ["r1", "r2"]
+    assert ray_transfer.exporters(shared) == [((10, 11), [(0, 1), (1, 1)]), ((10, 13), [(1, 1)])]
+    # chunks of one pair alternate with the other pairs' (every receiver starts early)
+    assert ray_transfer.exporters(shared, chunk=1) == [
+        ((10, 11), [(0, 1)]),
+        ((10, 13), [(1, 1)]),
+        ((10, 11), [(1, 1)]),
+    ]
+    refs = [((10, 11), "r1"), ((12, 11), "r2"), ((10, 13), "r3"), ((10, 11), "r4")]
+    assert ray_transfer.received_by(refs, 11) == ["r1", "r2", "r4"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -3,7 +3,9 @@
 Scale up N→M (ranks keep their labels; the new ones are N..M-1):
 - With warm spare ranks covering M-N (`spares.SparePool.claim`): no Standby. The spares hold
   the non-expert weights and a standby epoch's groups over the N ranks and them exist: the
-  resize is Transferring (experts only) + Switching (+ Reshuffling).
+  resize is Transferring (experts only) + Switching (+ Reshuffling). When the spares hold the
+  experts of this grow pre-staged (`prestage`), its target is the pre-staged one and only what
+  they still lack moves (`record.experts_prestaged` counts the moves they made unneeded).
 - Standby: take the warm spares there are (`SparePool.take`), start the other rank workers with
   placeholder weights (or the model source's non-expert weights with
   `weight_source="storage"`); build the step and transfer groups of a new epoch over all M
@@ -85,6 +87,9 @@ class Plan:
     fresh: list[int] = dataclasses.field(default_factory=list)
     #: Warm spares covered the grow: their standby epoch is `epoch`, no Standby stage.
     warm: bool = False
+    #: The spares' pre-staged target for this grow and the keys each of them holds.
+    prestaged_target: policy.Placement | None = None
+    prestaged: dict[int, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     departing: list[int] = dataclasses.field(default_factory=list)
     target: policy.Placement | None = None
     staged_on: list[int] = dataclasses.field(default_factory=list)
@@ -165,6 +170,7 @@ class EngineResizeOps:
             plan.from_pool = list(claim.labels)
             plan.warm = True
             plan.groups_on = list(plan.old_ranks)
+            plan.prestaged_target, plan.prestaged = claim.target, claim.prestaged
             log.info(
                 "resize %s: warm spares %s, standby epoch %d",
                 record.resize_id,
@@ -328,10 +334,17 @@ class EngineResizeOps:
         new_num_ranks: int,
         record: records.ResizeRecord,
     ) -> None:
-        """Stage `target` on the members of epoch's transfer group (member i = rank i)."""
-        moves = moves_mod.plan_moves(
+        """Stage `target` on the members of epoch's transfer group (member i = rank i); a move
+        to a member that holds its expert pre-staged (`plan.prestaged`) is left out."""
+        planned = moves_mod.plan_moves(
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )
+        moves = [
+            m
+            for m in planned
+            if (m.layer, m.logical) not in plan.prestaged.get(members[m.dst_rank], ())
+        ]
+        record.experts_prestaged += len(planned) - len(moves)
         record.expert_moves += len(moves)
         record.expert_moves_lower_bound += moves_mod.lower_bound_moves(
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
@@ -397,7 +410,11 @@ class EngineResizeOps:
                 timeout=self.config.rpc_timeout,
             )
         old = self.serving.placement
-        plan.target = self._target_for(plan)
+        plan.target = (
+            plan.prestaged_target
+            if plan.prestaged_target is not None
+            else self.target_for(plan.from_size, plan.to_size)
+        )
         self._stage_experts(
             plan,
             epoch=plan.epoch,
@@ -448,15 +465,28 @@ class EngineResizeOps:
         self._at_boundary(switch)
         plan.staged_on = []
 
-    def _target_for(self, plan: Plan) -> policy.Placement:
-        """The placement for the new size that keeps experts where they are when it can."""
+    def target_for(self, from_size: int, to_size: int) -> policy.Placement:
+        """The placement for `to_size` ranks from the live one over `from_size` (the current
+        load) that keeps experts where they are when it can (also the spares' pre-staging)."""
         return moves_mod.rebalance_for_resize(
             self.load.total(),
             self.serving.placement,
-            old_num_ranks=plan.from_size,
-            new_num_ranks=plan.to_size,
-            num_physical=self.num_physical_for(plan.to_size),
+            old_num_ranks=from_size,
+            new_num_ranks=to_size,
+            num_physical=self.num_physical_for(to_size),
         )
+
+    def fits(self, target: policy.Placement, from_size: int, to_size: int) -> bool:
+        """A target made earlier (the spares' pre-staging) is as good for today's load as a
+        fresh one, within twice `eplb_min_gain` of balancedness (Reshuffling improves it after;
+        a tighter bound re-fetched half the spares' experts every few seconds under a load
+        that drifts, since balanced packing is chaotic)."""
+        load = self.load.total()
+        fresh = self.target_for(from_size, to_size)
+        gain = policy.balancedness(load, fresh, to_size) - policy.balancedness(
+            load, target, to_size
+        )
+        return gain < 2 * self.config.eplb_min_gain
 
     def _up_switch(self, plan: Plan, record: records.ResizeRecord) -> None:
         record.warm_spares = len(plan.from_pool)
@@ -472,7 +502,7 @@ class EngineResizeOps:
         plan.departing = members[plan.to_size :]
         survivors = members[: plan.to_size]
         old = self.serving.placement
-        plan.target = self._target_for(plan)
+        plan.target = self.target_for(plan.from_size, plan.to_size)
         self._stage_experts(
             plan,
             epoch=self.serving.epoch,

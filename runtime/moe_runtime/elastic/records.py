@@ -83,7 +83,9 @@ class ResizeRecord:
     long a shrink lets sequences on departing ranks finish there before it migrates the rest;
     sequences_drained: those that finished there, sequences_migrated: those moved.
     switch_pause_s: how long the switch held the step loop (its boundary call: no step ran);
-    warm_spares: how many warm spare ranks a grow took.
+    warm_spares: how many warm spare ranks a grow took; experts_prestaged: expert moves of
+    the placement change that the warm spares made unneeded (they held those experts
+    pre-staged: expert_moves + experts_prestaged >= expert_moves_lower_bound).
     """
 
     resize_id: str
@@ -102,6 +104,7 @@ class ResizeRecord:
     bytes_expert: int = 0
     expert_moves: int = 0
     expert_moves_lower_bound: int = 0
+    experts_prestaged: int = 0
     blackout_s: float = 0.0
     balancedness_before: float | None = None
     balancedness_after: float | None = None
@@ -162,6 +165,7 @@ class ResizeRecord:
                 "bytes_moved": {"non_expert": self.bytes_non_expert, "expert": self.bytes_expert},
                 "expert_moves": self.expert_moves,
                 "expert_moves_lower_bound": self.expert_moves_lower_bound,
+                "experts_prestaged": self.experts_prestaged,
                 "blackout_s": self.blackout_s,
                 "balancedness": {
                     "before": self.balancedness_before,

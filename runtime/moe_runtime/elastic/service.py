@@ -196,6 +196,9 @@ class ElasticService:
             busy=lambda: coord.current is not None,
         )
         mechanics.spares = fault.spares = pool
+        pool.prestager.target_for = mechanics.target_for
+        pool.prestager.fits = mechanics.fits
+        pool.prestager.max_size = lambda: coord.limits.max_size
         service = cls(
             coordinator=coord,
             ops=mechanics,

@@ -10,12 +10,15 @@
 4. a member of the standby groups: for every k in 1..K, the step and transfer groups of one
    epoch over the active ranks + the first k spares (in label order), kept ready while the
    active ranks serve (rebuilt in the background whenever the active ranks, their epoch or the
-   spares change).
+   spares change);
+5. holding, pre-staged, the experts every grow by k would give it (`prestage.Prestager`,
+   in the background once the standby groups are ready).
 
 A grow by k <= K ready spares (`claim(k)`) then needs no new worker and no rendezvous: the
-resize is Transferring (experts staged over the claimed epoch's transfer group) + Switching
-(that epoch's step group becomes active). A grow by more takes the ready spares it can
-(`take`) and starts the rest in Standby.
+resize is Transferring (experts staged over the claimed epoch's transfer group; with the
+pre-staged target nothing, or only what the spares still lack, moves) + Switching (that
+epoch's step group becomes active). A grow by more takes the ready spares it can (`take`) and
+starts the rest in Standby.
 
 Replacement: after a grow used spares, the pool starts new ones as soon as free rank slots
 exist again (on Kubernetes: the pods the operator adds), never while a resize or a recovery
@@ -37,7 +40,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from moe_runtime.elastic import prestage as prestage_mod
 from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
 
 log = logging.getLogger(__name__)
@@ -65,10 +70,13 @@ class Standby:
 @dataclasses.dataclass(frozen=True)
 class Claim:
     """Spares handed to a grow: their labels (in group order) and the standby epoch whose
-    step and transfer groups cover the active ranks and them (None: no standby group)."""
+    step and transfer groups cover the active ranks and them (None: no standby group); the
+    pre-staged target of this grow (None: none) and the keys each spare holds pre-staged."""
 
     labels: list[int]
     epoch: int | None
+    target: policy.Placement | None = None
+    prestaged: dict[int, set[prestage_mod.Key]] = dataclasses.field(default_factory=dict)
 
 
 class SparePool:
@@ -101,6 +109,12 @@ class SparePool:
         self._thread: threading.Thread | None = None
         #: Spares started since the pool began (the first K, then every replacement).
         self.started = 0
+        #: Pre-staging (its target_for and max_size are set by whoever owns the resizes).
+        self.prestager = prestage_mod.Prestager(
+            executor=executor,
+            num_layers=serving.placement.num_layers,
+            timeout=config.rpc_timeout,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -199,9 +213,17 @@ class SparePool:
                     "pid": info.get("pid"),
                     "healthy": h is not None and h.state == executor_base.HEALTH_OK,
                     "ready": label in ready,
+                    "prestaged": self._prestaged_count(label),
                 }
             )
         return {"warm_spare_ranks": self.size, "spares": spares}
+
+    def _prestaged_count(self, label: int) -> dict[str, int] | None:
+        plan = self.prestager.plan
+        if plan is None or label not in plan.spares:
+            return None
+        wanted = plan.wanted.get(label, set())
+        return {"held": len(wanted & plan.have.get(label, set())), "wanted": len(wanted)}
 
     # -- what a grow takes -----------------------------------------------------------------
     def claim(self, count: int) -> Claim | None:
@@ -217,7 +239,11 @@ class SparePool:
             self._loaded -= set(taken)
             self._stale |= {e for k, e in sb.epochs.items() if k != count}
             self._standby = None
-            return Claim(labels=ready[:count], epoch=sb.epochs[count])
+            labels = ready[:count]
+            target, held = self.prestager.take(
+                labels, active=sb.active, live=self.serving.placement
+            )
+            return Claim(labels=labels, epoch=sb.epochs[count], target=target, prestaged=held)
 
     def take(self, most: int) -> list[int]:
         """Up to `most` spares whose weights are loaded (standby groups or not), in label
@@ -269,6 +295,36 @@ class SparePool:
         if self._busy() or self._stop.is_set():
             return
         self._rebuild_standby()
+        while not self._stop.is_set() and self._prestage():
+            pass  # batch after batch; the resize lock is let go between them
+
+    def _prestage(self) -> bool:
+        """One pre-staging pass (`prestage.Prestager.step`) when every spare is ready."""
+        sb = self._standby_current()
+        if sb is None or self._busy():
+            return False
+        ready = self.ready()
+        if len(ready) != len(sb.spares):
+            return False
+        if not self.mechanics.acquire(blocking=False):
+            return False
+        try:
+            if self._busy() or self._standby_current() is not sb:
+                return False
+            return self.prestager.step(
+                active=sb.active,
+                live=self.serving.placement,
+                spares=ready,
+                epoch=sb.epochs[len(sb.spares)],
+            )
+        finally:
+            self.mechanics.release()
+
+    def prestaged(self) -> bool:
+        """Every ready spare holds the experts of every grow it may serve (tests, benches)."""
+        ready = self.ready()
+        plan = self.prestager.current(self.executor.ranks, self.serving.placement)
+        return bool(ready) and plan is not None and plan.spares == tuple(ready) and plan.complete()
 
     def _drop_lost(self) -> None:
         by_uid = self._labels_by_uid()

@@ -1,9 +1,11 @@
 """The rank actor of `RayExecutor` and the plain Ray calls around it.
 
 - `RankActor`: the actor body, a `RankWorker` plus what only Ray knows (node id, address), with
-  three concurrency lanes: the default one (the compiled step graph's loop and plain control
+  four concurrency lanes: the default one (the compiled step graph's loop and plain control
   calls made while no step runs), `CTL_LANE` (one thread: background control calls that overlap
-  steps) and `HEALTH_LANE` (pings, never queued behind a transfer);
+  steps), `EXPORT_LANE` (one thread: experts a co-located peer asked for, so an export never
+  waits behind a staging call that waits for exports) and `HEALTH_LANE` (pings, never queued
+  behind a transfer);
 - `Rank`: one DP rank as the executor keeps it (actor, placement group, info, health);
 - `start_ranks`, `check_health`, `ping` / `poll` (the heartbeat's calls), `get_all` (results
   with errors naming the rank: `RankDied` for a dead actor).
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 
 RANK_RESOURCE = "moe_rank"
 CTL_LANE = "ctl"
+EXPORT_LANE = "export"
 HEALTH_LANE = "health"
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
@@ -77,18 +80,40 @@ class RankActor:
         epoch: int,
         moves: list[Any],
         new_placement: Any,
-        *parts: ray_transfer.PackedExperts,
+        parts: list[Any],
         **kwargs: Any,
     ) -> int:
-        """`RankWorker.stage_experts` with the experts co-located peers exported for this rank
-        (`parts`: Ray resolved the refs); returns the bytes received by both paths."""
-        provided, shared_bytes = ray_transfer.unpack_experts(
-            parts, dtype=self.worker.dtype, device=self.worker.device
-        )
+        """`RankWorker.stage_experts` with the experts co-located peers export for this rank
+        (`parts`: refs of `export_experts`, copied out as each arrives); returns the bytes
+        received by both paths. A rank that will serve takes full CPU priority first."""
+        if kwargs.get("new_rank") is not None and not self._serving:
+            self._serving = True
+            serve_at_full_priority(self.worker.label)
+        provided, shared_bytes = self._receive(parts)
         received = self.worker.stage_experts(
             epoch, moves, new_placement, provided=provided, **kwargs
         )
         return int(received) + shared_bytes
+
+    def prestage_experts_shared(self, epoch: int, moves: list[Any], parts: list[Any]) -> int:
+        """`RankWorker.prestage_experts` with what co-located peers exported (refs)."""
+        provided, shared_bytes = self._receive(parts)
+        return int(self.worker.prestage_experts(epoch, moves, provided=provided)) + shared_bytes
+
+    def _receive(self, parts: list[Any]) -> tuple[dict[Any, Any], int]:
+        """Private copies of the exported experts behind `parts` (refs), each unpacked as soon
+        as it is in the object store (the copy overlaps the peers' later exports)."""
+        provided: dict[Any, Any] = {}
+        nbytes = 0
+        pending = list(parts)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            experts, size = ray_transfer.unpack_experts(
+                [ray.get(ready[0])], dtype=self.worker.dtype, device=self.worker.device
+            )
+            provided.update(experts)
+            nbytes += size
+        return provided, nbytes
 
     def export_non_expert(self) -> ray_transfer.PackedState:
         """This rank's non-expert weights for co-located new ranks."""
@@ -111,7 +136,7 @@ class RankActor:
 
 
 RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
-    num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
+    num_cpus=0, concurrency_groups={CTL_LANE: 1, EXPORT_LANE: 1, HEALTH_LANE: 1}
 )(RankActor)
 
 

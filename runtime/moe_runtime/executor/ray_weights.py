@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -127,39 +127,97 @@ class GroupsAndWeights:
         from_source: bool = False,
     ) -> int:
         members = list(members)
+        return self._move_experts(
+            "stage_experts",
+            epoch,
+            moves,
+            members=members,
+            call_all=True,
+            timeout=timeout,
+            background=background,
+            call=lambda actor, i, lane, rest, parts: actor.stage_experts_shared.options(
+                **lane
+            ).remote(
+                epoch,
+                rest,
+                target,
+                parts,
+                new_rank=(i if i < new_num_ranks else None),
+                new_num_ranks=new_num_ranks,
+                stage=staging_id,
+                from_source=from_source,
+            ),
+        )
+
+    def prestage_experts(
+        self,
+        epoch: int,
+        moves: Sequence[Any],
+        *,
+        members: Sequence[int],
+        timeout: float | None = None,
+    ) -> int:
+        return self._move_experts(
+            "prestage_experts",
+            epoch,
+            moves,
+            members=list(members),
+            call_all=False,
+            timeout=timeout,
+            background=True,
+            call=lambda actor, _i, lane, rest, parts: actor.prestage_experts_shared.options(
+                **lane
+            ).remote(epoch, rest, parts),
+        )
+
+    def _move_experts(
+        self,
+        what: str,
+        epoch: int,
+        moves: Sequence[Any],
+        *,
+        members: list[int],
+        call_all: bool,
+        timeout: float | None,
+        background: bool,
+        call: Callable[[Any, int, dict[str, Any], list[Any], list[Any]], Any],
+    ) -> int:
+        """The moves between co-located members through the object store (exports on the
+        senders' `EXPORT_LANE`), the rest over epoch's transfer group; `call(actor, member
+        index, its lane options, the other moves, export refs for it)` starts each member's part. Members are
+        all called (`call_all`, or when some moves use the transfer group), else only the
+        destinations of the moves. Returns the bytes received."""
         actors, nodes = self._actors_and_nodes(members)
         if self._shared_memory():
             shared, rest = ray_transfer.split_moves(moves, members, nodes.__getitem__)
         else:
             shared, rest = {}, list(moves)
-        lane = {"concurrency_group": ray_actor.CTL_LANE} if background else {}
+        lane: dict[str, Any] = {"concurrency_group": ray_actor.CTL_LANE} if background else {}
+        export = {"concurrency_group": ray_actor.EXPORT_LANE}
         started = time.monotonic()
-        refs = {
-            pair: actors[pair[0]].export_experts.options(**lane).remote(keys)
-            for pair, keys in ray_transfer.exporters(shared).items()
-        }
-        calls = [
-            actors[r]
-            .stage_experts_shared.options(**lane)
-            .remote(
-                epoch,
-                rest,
-                target,
-                *ray_transfer.received_by(refs, r),
-                new_rank=(i if i < new_num_ranks else None),
-                new_num_ranks=new_num_ranks,
-                stage=staging_id,
-                from_source=from_source,
-            )
-            for i, r in enumerate(members)
+        refs = [
+            (pair, actors[pair[0]].export_experts.options(**export).remote(keys))
+            for pair, keys in ray_transfer.exporters(shared)
         ]
-        received = ray_actor.get_all(calls, members, what="stage_experts", timeout=timeout)
+        if call_all or rest:
+            called = list(members)
+        else:
+            wanted = {dst for (_, dst) in shared}
+            called = [r for r in members if r in wanted]
+        calls = [
+            call(actors[r], i, lane, rest, ray_transfer.received_by(refs, r))
+            for i, r in enumerate(members)
+            if r in called
+        ]
+        received = ray_actor.get_all(calls, called, what=what, timeout=timeout)
         log.info(
-            "staged experts on ranks %s in %.2fs: %d moves through shared memory, %d over the "
+            "%s on ranks %s in %.2fs: %d moves through shared memory (%d exports), %d over the "
             "transfer group of epoch %d",
-            members,
+            what,
+            called,
             time.monotonic() - started,
             sum(len(m) for m in shared.values()),
+            len(refs),
             len(rest),
             epoch,
         )

@@ -59,6 +59,27 @@ class WeightMoves:
         )
         return int(sum(int(b) for b in received))
 
+    def prestage_experts(
+        self,
+        epoch: int,
+        moves: Sequence[Any],
+        *,
+        members: Sequence[int],
+        timeout: float | None = None,
+    ) -> int:
+        """Every member runs its part of `moves` (which index members) and keeps what it
+        receives pre-staged (`RankWorker.prestage_experts`), in the background; returns the
+        bytes received. Here over epoch's transfer group (every member is called)."""
+        received = self.collective_rpc(
+            "prestage_experts",
+            epoch,
+            list(moves),
+            ranks=list(members),
+            timeout=timeout,
+            background=True,
+        )
+        return int(sum(int(b) for b in received))
+
     def transfer_non_expert(
         self,
         epoch: int,
