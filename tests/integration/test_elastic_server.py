@@ -25,7 +25,7 @@ pytestmark = pytest.mark.ray
 MODEL = "synthetic://tiny?seed=0"
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-LONG = 32
+LONG = 160  # long enough to still be decoding when a shrink reaches Migrating, under load
 LENGTHS = (8, 16, 24)  # of the checked load (greedy and seeded, streamed or not)
 Reference = dict[tuple[int, int, int | None], list[int]]
 

@@ -51,6 +51,8 @@ OPERATIONS = [
 CAPS = [
     ("max_data_parallel_size", "maxDataParallelSize", 2, live_settings.MAX_SIZE),
     ("eplb_window_size", "eplbWindowSize", 1000, live_settings.MAX_WINDOW_SIZE),
+    # each spare is a worker started in this process: one is enough to exercise it
+    ("warm_spare_ranks", "warmSpareRanks", 1, live_settings.MAX_SPARES),
 ]
 
 

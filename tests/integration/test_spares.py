@@ -223,6 +223,8 @@ def test_the_spare_count_is_a_live_setting(
         assert dep.executor.num_ranks == 2 and len(dep.executor.rank_infos()) == 2
     running.check(reference)
     assert dep.elastic.status()["warm_spare_ranks"] == 0
+    with pytest.raises(settings.InvalidConfig, match="must be <= max_data_parallel_size"):
+        live.patch(settings.ConfigPatch(warm_spare_ranks=5))  # max_data_parallel_size is 4
     live.patch(settings.ConfigPatch(warm_spare_ranks=1))
     (spare,) = dep.wait_spares_ready()
     assert spare["ready"]

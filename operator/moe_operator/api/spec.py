@@ -269,6 +269,14 @@ _SPEC_RULES: list[pydantic.JsonValue] = [
         "fieldPath": ".dataParallelSize",
         "reason": "FieldValueInvalid",
     },
+    {
+        "rule": "!has(self.elastic) || !has(self.elastic.warmSpareRanks) || "
+        "self.elastic.warmSpareRanks <= self.maxDataParallelSize",
+        "message": "elastic.warmSpareRanks must be at most maxDataParallelSize (a grow never "
+        "uses more spares)",
+        "fieldPath": ".elastic.warmSpareRanks",
+        "reason": "FieldValueInvalid",
+    },
 ]
 
 
@@ -338,6 +346,12 @@ class MoEDeploymentSpec(ApiModel):
                 f"dataParallelSize must be within [minDataParallelSize, maxDataParallelSize] = "
                 f"[{self.min_data_parallel_size}, {self.max_data_parallel_size}] "
                 f"(got {self.data_parallel_size})"
+            )
+        if self.elastic.warm_spare_ranks > self.max_data_parallel_size:
+            raise ValueError(
+                "elastic.warmSpareRanks must be at most maxDataParallelSize (a grow never uses "
+                f"more spares; got {self.elastic.warm_spare_ranks} > "
+                f"{self.max_data_parallel_size})"
             )
         return self
 

@@ -193,6 +193,19 @@ class LiveSettings:
                     f"max_data_parallel_size ({new_limits.max_size})",
                     param=param,
                 )
+            spares = given.get(
+                "warm_spare_ranks", self.spares.size if self.spares is not None else 0
+            )
+            if spares > new_limits.max_size:
+                raise InvalidConfig(
+                    f"warm_spare_ranks ({spares}) must be <= max_data_parallel_size "
+                    f"({new_limits.max_size}): a grow never uses more",
+                    param=(
+                        "warm_spare_ranks"
+                        if "warm_spare_ranks" in given
+                        else "max_data_parallel_size"
+                    ),
+                )
             redundant = given.get("num_redundant_experts", config.num_redundant_experts)
             if redundant != config.num_redundant_experts and self.coordinator.is_scaling:
                 raise InvalidConfig(

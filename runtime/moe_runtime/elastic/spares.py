@@ -48,6 +48,8 @@ from moe_runtime.executor import base as executor_base
 log = logging.getLogger(__name__)
 
 MAINTAIN_SECONDS = 0.5
+#: Seconds `close` waits for a maintenance pass to end.
+CLOSE_TIMEOUT = 120.0
 #: Seconds a standby rendezvous may take (a member that never comes must not hold the pool).
 GROUP_TIMEOUT = 60.0
 
@@ -134,9 +136,13 @@ class SparePool:
         self.start()
 
     def close(self) -> None:
+        """Stop the upkeep; waits for a pass in progress (it may be starting a spare, which
+        must not outlive the executor it runs on)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=CLOSE_TIMEOUT)
+            if self._thread.is_alive():
+                log.warning("warm spares: the upkeep did not stop in %.0fs", CLOSE_TIMEOUT)
 
     def _loop(self) -> None:
         while not self._stop.wait(MAINTAIN_SECONDS):
@@ -374,6 +380,8 @@ class SparePool:
         free = self.executor.free_rank_slots()
         count = short if free is None else min(short, int(free))
         if count < 1:
+            return
+        if self._stop.is_set():
             return
         started = time.monotonic()
         labels = self.executor.add_ranks(count, timeout=self.config.rpc_timeout)

@@ -65,6 +65,11 @@ CASES = [
     pytest.param(variant("spec.minDataParallelSize", 0), "spec.minDataParallelSize", id="min-zero"),
     pytest.param(variant("spec.tensorParallelSize", 0), "spec.tensorParallelSize", id="tp-zero"),
     pytest.param(
+        variant("spec.elastic.warmSpareRanks", 5),
+        "elastic.warmSpareRanks must be at most maxDataParallelSize",
+        id="spares-above-max",
+    ),
+    pytest.param(
         variant("spec.tensorParallelSize", 2),
         "tensorParallelSize > 1 is not supported yet",
         id="tp-not-supported",
