@@ -23,6 +23,7 @@ from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
 from moe_operator.plan import (
+    access,
     actions,
     builders,
     clock,
@@ -31,6 +32,7 @@ from moe_operator.plan import (
     diff,
     observe,
     resize,
+    scale_answer,
     settings,
 )
 from moe_operator.plan import status as plan_status
@@ -154,7 +156,7 @@ async def observe_children(
             api_version="networking.k8s.io/v1",
             kind="NetworkPolicy",
             namespace=owner.namespace,
-            name=builders.network_policy_name(owner.name),
+            name=access.network_policy_name(owner.name),
         ),
         _ray_pods(api=api, owner=owner, logger=log),
     )
@@ -265,7 +267,7 @@ async def _execute(
     """Run one child action (``ScaleRuntime`` is run by :func:`reconcile` itself)."""
     if isinstance(action, actions.EnsureSecret):
         admin, ray = tokens(key, owner)
-        secret = builders.build_secret(owner=owner, token=admin, ray_token=ray)
+        secret = access.build_secret(owner=owner, token=admin, ray_token=ray)
         return await api.create(secret, read_back=False)
     if isinstance(action, actions.ApplyRayCluster):
         desired = builders.build_raycluster(
@@ -278,12 +280,10 @@ async def _execute(
         return await _apply_unless_current(api, desired, children.raycluster)
     if isinstance(action, actions.ApplyNetworkPolicy):
         return await _apply_unless_current(
-            api, builders.build_network_policy(owner=owner), children.network_policy
+            api, access.build_network_policy(owner=owner), children.network_policy
         )
     if isinstance(action, actions.ApplyService):
-        return await _apply_unless_current(
-            api, builders.build_service(owner=owner), children.service
-        )
+        return await _apply_unless_current(api, access.build_service(owner=owner), children.service)
     return None
 
 
@@ -392,10 +392,10 @@ async def reconcile(
     if phase is None:  # plan_resize always ends with one; keep the status honest regardless
         phase = actions.SetPhase(current.phase or status_.Phase.PENDING, "Unknown", "")
     if outcome is not None and isinstance(planned, status_.ResizeStatus):
-        planned, more = resize.after_scale(planned, outcome, now=moment)
+        planned, more = scale_answer.after_scale(planned, outcome, now=moment)
         for event in more:
             events(event.reason, event.message)
-        phase = resize.phase_after_scale(planned, phase)
+        phase = scale_answer.phase_after_scale(planned, phase)
         requeue = decide.REQUEUE_SECONDS
     resize_now = current.resize if isinstance(planned, actions.Keep) else planned
     logs.bind(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from moe_operator.api import spec as spec_
-from moe_operator.plan import builders
+from moe_operator.plan import access, builders
 
 OWNER = builders.Owner(name="tiny", namespace="ml", uid="1234")
 
@@ -40,9 +40,9 @@ def head_container(obj: dict[str, Any]) -> dict[str, Any]:
 def test_every_child_is_owned_and_labelled() -> None:
     objs = [
         builders.build_raycluster(owner=OWNER, spec=make_spec()),
-        builders.build_service(owner=OWNER),
-        builders.build_secret(owner=OWNER, token="s3cret", ray_token="r4y"),
-        builders.build_network_policy(owner=OWNER),
+        access.build_service(owner=OWNER),
+        access.build_secret(owner=OWNER, token="s3cret", ray_token="r4y"),
+        access.build_network_policy(owner=OWNER),
     ]
     for obj in objs:
         meta = obj["metadata"]
@@ -207,7 +207,7 @@ def test_workers_to_delete_is_always_written() -> None:
 
 
 def test_service_selects_the_head_on_port_8000() -> None:
-    svc = builders.build_service(owner=OWNER)
+    svc = access.build_service(owner=OWNER)
     assert svc["metadata"]["name"] == "tiny-api"
     assert svc["spec"]["selector"] == {
         "elasticmoe.io/deployment": "tiny",
@@ -221,7 +221,7 @@ def test_service_selects_the_head_on_port_8000() -> None:
 
 
 def test_secret_holds_the_tokens() -> None:
-    secret = builders.build_secret(owner=OWNER, token="s3cret", ray_token="r4y")
+    secret = access.build_secret(owner=OWNER, token="s3cret", ray_token="r4y")
     assert secret["metadata"]["name"] == "tiny-admin"
     assert secret["stringData"] == {"token": "s3cret", "ray-token": "r4y"}
 
@@ -242,7 +242,7 @@ def test_ray_runs_with_token_authentication_from_a_file() -> None:
 
 
 def test_network_policy_keeps_ray_ports_inside_the_raycluster() -> None:
-    policy = builders.build_network_policy(owner=OWNER)
+    policy = access.build_network_policy(owner=OWNER)
     spec = policy["spec"]
     assert spec["podSelector"] == {"matchLabels": {"ray.io/cluster": "tiny"}}
     assert spec["policyTypes"] == ["Ingress"]
@@ -253,7 +253,7 @@ def test_network_policy_keeps_ray_ports_inside_the_raycluster() -> None:
 
 def test_secret_refuses_an_empty_token() -> None:
     with pytest.raises(ValueError, match="token"):
-        builders.build_secret(owner=OWNER, token="", ray_token="r4y")
+        access.build_secret(owner=OWNER, token="", ray_token="r4y")
 
 
 def test_builders_are_deterministic() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import actions, observe, resize
+from moe_operator.plan import actions, observe, resize, scale_answer
 from moe_operator.plan import status as plan_status
 
 Stage = status_.Stage
@@ -384,13 +384,13 @@ def test_a_down_target_while_provisioning_turns_into_a_scale_down() -> None:
 # -- failures ------------------------------------------------------------------------------------
 def test_a_refusal_fails_the_resize_with_the_runtime_message() -> None:
     r = active(2, 1, Stage.RESHUFFLING)
-    failed, events = resize.after_scale(
+    failed, events = scale_answer.after_scale(
         r, actions.ScaleRefused("too small to hold every expert"), now=LATER
     )
     assert failed.stage is Stage.FAILED
     assert failed.message is not None and "too small to hold every expert" in failed.message
     assert [e.reason for e in events] == ["Failed"]
-    phase = resize.phase_after_scale(failed, actions.SetPhase(Phase.RESIZING, "x", "y"))
+    phase = scale_answer.phase_after_scale(failed, actions.SetPhase(Phase.RESIZING, "x", "y"))
     assert (phase.phase, phase.reason, phase.ready) == (Phase.DEGRADED, "ResizeFailed", True)
 
 
@@ -505,7 +505,7 @@ def test_a_runtime_first_seen_at_another_size_is_resized() -> None:
 # -- folding the runtime's answer ----------------------------------------------------------------
 def test_an_accepted_scale_records_the_resize_id_and_the_provisioning_time() -> None:
     r = active(2, 4, Stage.PROVISIONING)
-    got, events = resize.after_scale(r, actions.ScaleAccepted("abc", "Standby"), now=LATER)
+    got, events = scale_answer.after_scale(r, actions.ScaleAccepted("abc", "Standby"), now=LATER)
     assert (got.resize_id, got.stage) == ("abc", Stage.STANDBY)
     assert got.stage_durations == {"Provisioning": 30.0}
     assert [e.reason for e in events] == ["Standby"]
@@ -513,7 +513,7 @@ def test_an_accepted_scale_records_the_resize_id_and_the_provisioning_time() -> 
 
 def test_a_deferred_scale_keeps_the_stage_and_asks_again_later() -> None:
     r = active(4, 2, Stage.RESHUFFLING)
-    got, events = resize.after_scale(r, actions.ScaleDeferred("busy"), now=LATER)
+    got, events = scale_answer.after_scale(r, actions.ScaleDeferred("busy"), now=LATER)
     assert (got.stage, got.resize_id, events) == (Stage.RESHUFFLING, None, [])
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import actions, builders, observe, resize
+from moe_operator.plan import actions, builders, observe, resize, scale_answer
 from moe_operator.plan import status as plan_status
 from tests.unit import test_operator_resize as base
 
@@ -86,7 +86,7 @@ def test_a_grow_the_spares_cover_is_asked_for_at_once_without_provisioning() -> 
     assert p.raycluster.worker_replicas == 4
     assert "Provisioning" not in p.events
     accepted = actions.ScaleAccepted(resize_id="r1", stage="Transferring")
-    folded, events = resize.after_scale(p.resize, accepted, now=base.LATER)
+    folded, events = scale_answer.after_scale(p.resize, accepted, now=base.LATER)
     assert folded.stage is Stage.TRANSFERRING and [e.reason for e in events] == ["Transferring"]
     assert "Provisioning" not in (folded.stage_durations or {})
 

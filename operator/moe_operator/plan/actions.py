@@ -40,7 +40,7 @@ class ApplyNetworkPolicy:
 @dataclasses.dataclass(frozen=True)
 class ScaleRuntime:
     """Ask the runtime for a live resize (``POST /scale_elastic_ep``, no wait); fold the answer
-    into the resize status with :func:`after_scale`."""
+    into the resize status with :func:`plan.scale_answer.after_scale`."""
 
     new_size: int
 

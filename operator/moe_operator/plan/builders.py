@@ -102,7 +102,7 @@ def labels(owner_name: str, component: str) -> dict[str, str]:
     }
 
 
-def _metadata(*, owner: Owner, name: str, component: str) -> dict[str, Any]:
+def metadata(*, owner: Owner, name: str, component: str) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": owner.namespace,
@@ -424,7 +424,7 @@ def build_raycluster(
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
-        "metadata": _metadata(
+        "metadata": metadata(
             owner=owner, name=raycluster_name(owner.name), component=COMPONENT_RAY
         ),
         "spec": {
@@ -438,64 +438,4 @@ def build_raycluster(
             },
             "workerGroupSpecs": [worker_group],
         },
-    }
-
-
-def build_service(*, owner: Owner) -> dict[str, Any]:
-    """The ClusterIP Service in front of the head's runtime API (port 8000)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(owner=owner, name=service_name(owner.name), component=COMPONENT_API),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": {
-                group.LABEL_DEPLOYMENT: owner.name,
-                group.LABEL_COMPONENT: COMPONENT_HEAD,
-            },
-            "ports": [
-                {"name": "http", "port": RUNTIME_PORT, "targetPort": "http", "protocol": "TCP"}
-            ],
-        },
-    }
-
-
-def network_policy_name(owner_name: str) -> str:
-    return f"{owner_name}-ray"
-
-
-def build_network_policy(*, owner: Owner) -> dict[str, Any]:
-    """Ingress to the deployment's Ray pods: anything from its own Ray pods (GCS, raylets,
-    object transfers, the ranks' collectives), and the runtime's API port from anywhere (the
-    Service's clients, the operator); nothing else reaches Ray's ports. Egress is left open.
-    It takes effect where the cluster's network plugin enforces NetworkPolicies."""
-    ray_pods = {"matchLabels": {"ray.io/cluster": raycluster_name(owner.name)}}
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _metadata(
-            owner=owner, name=network_policy_name(owner.name), component=COMPONENT_RAY
-        ),
-        "spec": {
-            "podSelector": ray_pods,
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": ray_pods}]},
-                {"ports": [{"protocol": "TCP", "port": RUNTIME_PORT}]},
-            ],
-        },
-    }
-
-
-def build_secret(*, owner: Owner, token: str, ray_token: str) -> dict[str, Any]:
-    """The Secret of a deployment: the runtime's admin token and its Ray cluster's token
-    (created once, never updated: see ``plan.credentials``)."""
-    if not token or not ray_token:
-        raise ValueError("tokens must not be empty")
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": _metadata(owner=owner, name=secret_name(owner.name), component=COMPONENT_ADMIN),
-        "stringData": {SECRET_TOKEN_KEY: token, SECRET_RAY_TOKEN_KEY: ray_token},
     }

@@ -12,7 +12,7 @@ import yaml
 
 from e2e.controlplane import cluster
 from moe_operator.api import spec as spec_
-from moe_operator.plan import builders
+from moe_operator.plan import access, builders
 from tests.integration.operator import conftest as ops
 
 pytestmark = pytest.mark.controlplane
@@ -110,9 +110,9 @@ def test_raycluster_passes_kuberay_strict_validation(
     owner = builders.Owner(name="strict", namespace=namespace, uid="0000")
     manifests = [
         builders.build_raycluster(owner=owner, spec=spec),
-        builders.build_service(owner=owner),
-        builders.build_secret(owner=owner, token="t", ray_token="r"),
-        builders.build_network_policy(owner=owner),
+        access.build_service(owner=owner),
+        access.build_secret(owner=owner, token="t", ray_token="r"),
+        access.build_network_policy(owner=owner),
     ]
     for manifest in manifests:
         manifest["metadata"].pop("ownerReferences")  # the uid would not resolve
