@@ -1,0 +1,211 @@
+"""What every resize stage works with: the `Plan` of a resize and the primitives its stages
+share (inherited by `grow.GrowStages`, `shrink.ShrinkStages` and so by `ops.EngineResizeOps`).
+
+- `Plan`: one resize in progress, what `EngineResizeOps.rollback` must undo;
+- `ResizeBase`: the figures (`num_physical_for`, `balancedness`), the placement a resize
+  aims at (`target_for`, and `fits` for a target made earlier), and the calls the stages are
+  made of: `_rpc` (a bounded `collective_rpc`), `_at_boundary` (a bounded boundary call),
+  `_stage_experts` (stage a target, leaving out what warm spares hold pre-staged) and
+  `_switch` (the step graph over new members at one step boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from moe_runtime.elastic import rebalance, records
+from moe_runtime.elastic import serving as serving_mod
+from moe_runtime.elastic import spares as spares_mod
+from moe_runtime.engine import core as engine_core
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.eplb import policy
+from moe_runtime.executor import base as executor_base
+from moe_runtime.model import config as config_mod
+
+
+@dataclasses.dataclass
+class Plan:
+    """One resize in progress (what `rollback` must undo).
+
+    old_*: what served when it began (the switch-back target); generation: the serving
+    generation then (a recovery since makes the plan stale); confirmed: the switch was
+    confirmed (workers retired their previous state) and cannot be undone any more.
+    """
+
+    from_size: int
+    to_size: int
+    epoch: int
+    old_epoch: int
+    old_placement: policy.Placement
+    old_ranks: list[int]
+    generation: int
+    new_labels: list[int] = dataclasses.field(default_factory=list)
+    #: new_labels that came from the warm spares (given back on rollback), and the ones
+    #: started by this resize (they need the non-expert weights).
+    from_pool: list[int] = dataclasses.field(default_factory=list)
+    fresh: list[int] = dataclasses.field(default_factory=list)
+    #: Warm spares covered the grow: their standby epoch is `epoch`, no Standby stage.
+    warm: bool = False
+    #: The spares' pre-staged target for this grow and the keys each of them holds.
+    prestaged_target: policy.Placement | None = None
+    prestaged: dict[int, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    departing: list[int] = dataclasses.field(default_factory=list)
+    target: policy.Placement | None = None
+    staged_on: list[int] = dataclasses.field(default_factory=list)
+    groups_on: list[int] = dataclasses.field(default_factory=list)
+    switched: bool = False
+    confirmed: bool = False
+    migrated: bool = False
+
+
+class ResizeBase:
+    """State and shared primitives of the resize stages; the state is `EngineResizeOps`'s."""
+
+    spares: spares_mod.SparePool | None
+    engine: engine_core.Engine
+    executor: executor_base.Executor
+    model_config: config_mod.ModelConfig
+    serving: serving_mod.Serving
+    config: serving_mod.ElasticConfig
+    rebalancer: rebalance.Rebalancer
+    load: serving_mod.LoadTracker
+    mechanics: threading.Lock
+
+    # -- figures -------------------------------------------------------------------------
+    def num_physical_for(self, size: int) -> int:
+        return policy.num_physical_for(
+            self.model_config.num_experts, size, self.config.num_redundant_experts
+        )
+
+    def balancedness(self) -> float:
+        placement, n = self.serving.placement, self.serving.num_ranks
+        return policy.balancedness(self.load.total(), placement, n)
+
+    # -- placements ----------------------------------------------------------------------
+    def target_for(self, from_size: int, to_size: int) -> policy.Placement:
+        """The placement for `to_size` ranks from the live one over `from_size` (the current
+        load) that keeps experts where they are when it can (also the spares' pre-staging)."""
+        return moves_mod.rebalance_for_resize(
+            self.load.total(),
+            self.serving.placement,
+            old_num_ranks=from_size,
+            new_num_ranks=to_size,
+            num_physical=self.num_physical_for(to_size),
+        )
+
+    def fits(self, target: policy.Placement, from_size: int, to_size: int) -> bool:
+        """A target made earlier (the spares' pre-staging) is as good for today's load as a
+        fresh one, within twice `eplb_min_gain` of balancedness (Reshuffling improves it after;
+        a tighter bound re-fetched half the spares' experts every few seconds under a load
+        that drifts, since balanced packing is chaotic)."""
+        load = self.load.total()
+        fresh = self.target_for(from_size, to_size)
+        gain = policy.balancedness(load, fresh, to_size) - policy.balancedness(
+            load, target, to_size
+        )
+        return gain < 2 * self.config.eplb_min_gain
+
+    # -- helpers -------------------------------------------------------------------------
+    def _rpc(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Sequence[int],
+        background: bool = False,
+        per_rank: dict[int, dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        return self.executor.collective_rpc(
+            method,
+            *args,
+            ranks=list(ranks),
+            timeout=self.config.rpc_timeout,
+            background=background,
+            per_rank=per_rank,
+            **kwargs,
+        )
+
+    def _at_boundary(self, fn: Callable[[], Any]) -> Any:
+        return self.engine.run_at_boundary(fn, timeout=self.config.boundary_timeout)
+
+    def _stage_experts(
+        self,
+        plan: Plan,
+        *,
+        epoch: int,
+        members: Sequence[int],
+        old: policy.Placement,
+        old_num_ranks: int,
+        target: policy.Placement,
+        new_num_ranks: int,
+        record: records.ResizeRecord,
+    ) -> None:
+        """Stage `target` on the members of epoch's transfer group (member i = rank i); a move
+        to a member that holds its expert pre-staged (`plan.prestaged`) is left out."""
+        planned = moves_mod.plan_moves(
+            old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
+        )
+        moves = [
+            m
+            for m in planned
+            if (m.layer, m.logical) not in plan.prestaged.get(members[m.dst_rank], ())
+        ]
+        record.experts_prestaged += len(planned) - len(moves)
+        record.expert_moves += len(moves)
+        record.expert_moves_lower_bound += moves_mod.lower_bound_moves(
+            old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
+        )
+        plan.staged_on = list(members)
+        record.bytes_expert += rebalance.stage_experts(
+            self.executor,
+            epoch=epoch,
+            moves=moves,
+            target=target,
+            members=members,
+            new_num_ranks=new_num_ranks,
+            staging_id=None,
+            timeout=self.config.rpc_timeout,
+        )
+
+    def _switch(
+        self,
+        plan: Plan,
+        members: list[int],
+        record: records.ResizeRecord,
+        *,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """At one step boundary: graph over `members` under the new epoch and placement."""
+        assert plan.target is not None
+        target = plan.target
+
+        def switch() -> None:
+            started = time.monotonic()
+            try:
+                step_boundary()
+            finally:
+                record.switch_pause_s = time.monotonic() - started
+
+        def step_boundary() -> None:
+            if before is not None:
+                before()
+            self.executor.switch(
+                members, epoch=plan.epoch, placement=target, timeout=self.config.switch_timeout
+            )
+            plan.switched = True
+            # members[i] is rank i now: the new ranks are from_size.. (they keep those labels
+            # if the switch is undone, as ranks left out of a switch above its size do).
+            plan.new_labels = list(range(plan.from_size, len(members)))
+            plan.from_pool = [members.index(r) for r in plan.from_pool if r in members]
+            self.serving.placement = target
+            self.serving.num_ranks = plan.to_size
+            self.serving.epoch = plan.epoch
+            self.engine.set_active_ranks(range(plan.to_size))
+
+        self.executor.prepare_switch()  # outside the pause
+        self._at_boundary(switch)
+        plan.staged_on = []

@@ -1,0 +1,87 @@
+"""The scale-down stages of a resize M→N (`ShrinkStages`, inherited by `ops.EngineResizeOps`).
+
+The highest ranks leave.
+- Reshuffling: the placement for the N survivors is staged on them (experts on departing
+  ranks are copied to survivors first; the live placement keeps serving); the survivors build
+  the next epoch's groups in the background.
+- Migrating: departing ranks take no new sequence; the sequences on them get up to the
+  record's `drain_timeout_s` to finish there (`drain_timeout` of the request, else
+  `--drain-timeout`), then the rest move to survivors at a step boundary and are re-prefilled
+  there with prompt + tokens generated so far (none is aborted).
+- Switching: at one boundary the graph is rebuilt over the N survivors under the new epoch.
+- Releasing: the departing workers stop; the record names their pods (`freed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from moe_runtime.elastic import records, resize_base
+
+log = logging.getLogger(__name__)
+
+DRAIN_POLL_SECONDS = 0.01
+
+
+class ShrinkStages(resize_base.ResizeBase):
+    """Reshuffling, Migrating, Switching and Releasing of a shrink (see the module docstring)."""
+
+    def _down_reshuffle(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+        members = self.executor.ranks
+        plan.departing = members[plan.to_size :]
+        survivors = members[: plan.to_size]
+        old = self.serving.placement
+        plan.target = self.target_for(plan.from_size, plan.to_size)
+        self._stage_experts(
+            plan,
+            epoch=self.serving.epoch,
+            members=members,
+            old=old,
+            old_num_ranks=plan.from_size,
+            target=plan.target,
+            new_num_ranks=plan.to_size,
+            record=record,
+        )
+        plan.groups_on = list(survivors)
+        self.executor.build_groups(survivors, epoch=plan.epoch, timeout=self.config.rpc_timeout)
+
+    def _down_migrate(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+        plan.migrated = True  # from here on, rollback clears the draining marks
+        there: set[str] = set()
+        if record.drain_timeout_s > 0:
+            there = set(self._at_boundary(lambda: self.engine.drain(plan.departing).result()))
+            self._wait_drained(plan, record.drain_timeout_s)
+        moved = self._at_boundary(lambda: self.engine.migrate_from(plan.departing).result())
+        record.sequences_migrated += len(moved)
+        record.sequences_drained += len(there - set(moved))
+        log.info(
+            "resize %s: migrated %d sequences off ranks %s",
+            record.resize_id,
+            len(moved),
+            plan.departing,
+        )
+
+    def _wait_drained(self, plan: resize_base.Plan, timeout: float) -> None:
+        """Until no sequence runs on the departing ranks, or `timeout` s (the engine steps)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if plan.generation != self.serving.generation:
+                raise RuntimeError("a rank was lost and the runtime recovered meanwhile")
+            per_rank = self.engine.stats().seqs_per_rank
+            if not any(per_rank.get(r, 0) for r in plan.departing):
+                return
+            time.sleep(DRAIN_POLL_SECONDS)
+
+    def _down_switch(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+        def migrate_late() -> None:
+            # Sequences still on departing ranks (none after Migrating, unless one arrived
+            # between the two boundaries) move now, in the same pause.
+            late = self.engine.migrate_from(plan.departing).result()
+            record.sequences_migrated += len(late)
+
+        self._switch(plan, self.executor.ranks[: plan.to_size], record, before=migrate_late)
+
+    def _down_release(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+        record.freed = self.executor.remove_ranks(plan.departing)
+        record.balancedness_after = self.balancedness()
