@@ -20,6 +20,7 @@ from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base, local
+from moe_runtime.executor import health as health_mod
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 from tests.unit import test_engine as fake
@@ -116,10 +117,10 @@ def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -
         found: list[dict[int, str]] = []
         ex.start_heartbeat(interval=0.02, hang_timeout=0.3, on_lost=found.append)
         _poll(lambda: found, "the heartbeat to find rank 1")
-        assert found == [{1: base.HEALTH_UNRESPONSIVE}]
+        assert found == [{1: health_mod.HEALTH_UNRESPONSIVE}]
         lost = ex.lost_ranks()
         assert list(lost) == [1] and lost[1].fenced and "no heartbeat answer" in lost[1].reason
-        assert ex.health()[0].state == base.HEALTH_OK
+        assert ex.health()[0].state == health_mod.HEALTH_OK
         with pytest.raises(base.RankDied) as raised:
             ex.execute_step(step_mod.StepInput(0, {}))
         assert raised.value.ranks == [1]
@@ -150,22 +151,22 @@ def test_a_pending_worker_gets_the_longer_pending_hang_timeout() -> None:
         started = time.monotonic()
         ex.start_heartbeat(interval=0.02, hang_timeout=0.2, on_lost=found.append)
         _poll(lambda: found, "the heartbeat to find the pending worker")
-        assert found == [{label: base.HEALTH_UNRESPONSIVE}]
+        assert found == [{label: health_mod.HEALTH_UNRESPONSIVE}]
         assert time.monotonic() - started >= 1.0  # not after hang_timeout (0.2 s)
-        assert ex.health()[0].state == ex.health()[1].state == base.HEALTH_OK
+        assert ex.health()[0].state == ex.health()[1].state == health_mod.HEALTH_OK
         hung.set()
     finally:
         ex.shutdown()
 
 
 def test_step_deadline_follows_observed_step_times() -> None:
-    clock = base.StepClock()
-    assert clock.deadline() == base.MIN_STEP_DEADLINE
+    clock = health_mod.StepClock()
+    assert clock.deadline() == health_mod.MIN_STEP_DEADLINE
     clock.begin()
     clock._recent.append(2.0)  # a slow step was observed
-    assert clock.deadline() == pytest.approx(base.DEADLINE_FACTOR * 2.0)
+    assert clock.deadline() == pytest.approx(health_mod.DEADLINE_FACTOR * 2.0)
     assert not clock.overdue(time.monotonic())
-    assert clock.overdue(time.monotonic() + base.DEADLINE_FACTOR * 2.0 + 1)
+    assert clock.overdue(time.monotonic() + health_mod.DEADLINE_FACTOR * 2.0 + 1)
     clock.end(ok=True)
     assert not clock.overdue(time.monotonic() + 1000)  # no step is running
 

@@ -25,6 +25,7 @@ from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import health as executor_health
 from moe_runtime.model import config as config_mod
 
 log = logging.getLogger(__name__)
@@ -280,8 +281,8 @@ class ElasticService:
                     "node_id": info.get("node_id"),
                     "pod": info.get("pod"),
                     "pid": info.get("pid"),
-                    "healthy": h is not None and h.state == executor_base.HEALTH_OK,
-                    "state": h.state if h is not None else executor_base.HEALTH_OK,
+                    "healthy": h is not None and h.state == executor_health.HEALTH_OK,
+                    "state": h.state if h is not None else executor_health.HEALTH_OK,
                     "num_experts": slots if label in active else 0,
                 }
             )
@@ -298,7 +299,7 @@ class ElasticService:
                         "pod": lost.get("pod"),
                         "pid": lost.get("pid"),
                         "healthy": False,
-                        "state": lost.get("state", executor_base.HEALTH_DEAD),
+                        "state": lost.get("state", executor_health.HEALTH_DEAD),
                         "num_experts": 0,
                     }
                 )

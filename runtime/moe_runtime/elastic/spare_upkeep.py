@@ -24,6 +24,7 @@ from collections.abc import Callable
 from moe_runtime.elastic import prestage as prestage_mod
 from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import health as executor_health
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class SpareUpkeep:
         for uid in uids:
             label = by_uid.get(uid)
             state = None if label is None else health.get(label)
-            if label is not None and state is not None and state.state == executor_base.HEALTH_OK:
+            if label is not None and state is not None and state.state == executor_health.HEALTH_OK:
                 continue
             with self._lock:
                 self._uids = [u for u in self._uids if u != uid]
@@ -226,7 +227,7 @@ class SpareUpkeep:
         live = [
             label
             for label, h in self.executor.health().items()
-            if h.state == executor_base.HEALTH_OK
+            if h.state == executor_health.HEALTH_OK
         ]
         for epoch in sorted(stale):
             try:

@@ -39,6 +39,7 @@ from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.elastic import spare_upkeep
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import health as executor_health
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class SparePool(spare_upkeep.SpareUpkeep):
         for uid in sb.spares:  # the standby epoch for k covers the first k: a healthy prefix
             label = by_uid.get(uid)
             h = None if label is None else health.get(label)
-            if uid not in members or h is None or h.state != executor_base.HEALTH_OK:
+            if uid not in members or h is None or h.state != executor_health.HEALTH_OK:
                 break
             ok.append(label)  # type: ignore[arg-type]
         return ok
@@ -195,7 +196,7 @@ class SparePool(spare_upkeep.SpareUpkeep):
                     "pod": info.get("pod"),
                     "node_id": info.get("node_id"),
                     "pid": info.get("pid"),
-                    "healthy": h is not None and h.state == executor_base.HEALTH_OK,
+                    "healthy": h is not None and h.state == executor_health.HEALTH_OK,
                     "ready": label in ready,
                     "prestaged": self._prestaged_count(label),
                 }
@@ -240,8 +241,8 @@ class SparePool(spare_upkeep.SpareUpkeep):
                 for u in self._uids
                 if u in self._loaded
                 and u in by_uid
-                and health.get(by_uid[u], executor_base.RankHealth()).state
-                == executor_base.HEALTH_OK
+                and health.get(by_uid[u], executor_health.RankHealth()).state
+                == executor_health.HEALTH_OK
             ]
             chosen = sorted(loaded)[: max(0, most)]
             uids = {u for _, u in chosen}

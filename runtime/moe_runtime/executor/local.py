@@ -22,6 +22,7 @@ from moe_runtime import step as step_mod
 from moe_runtime import worker as worker_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base
+from moe_runtime.executor import health as health_mod
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,10 @@ class LocalExecutor(base.Executor):
         )
         self._lock = threading.Lock()
         self._workers: dict[int, worker_mod.RankWorker] = {}
-        self._health: dict[int, base.RankHealth] = {}  # by id() of the worker
+        self._health: dict[int, health_mod.RankHealth] = {}  # by id() of the worker
         self._uid: dict[int, int] = {}  # id() of the worker -> its uid in rank_infos
         self._active: list[int] = []
-        self.clock = base.StepClock()
+        self.clock = health_mod.StepClock()
         for label in range(num_ranks):
             self._workers[label] = self._new_worker(label)
         self._active = list(range(num_ranks))
@@ -136,15 +137,15 @@ class LocalExecutor(base.Executor):
         if dead:
             raise base.RankDied(f"{what}: ranks {dead} were fenced", ranks=dead)
 
-    def _health_of(self, w: worker_mod.RankWorker) -> base.RankHealth:
+    def _health_of(self, w: worker_mod.RankWorker) -> health_mod.RankHealth:
         with self._lock:
-            return self._health.setdefault(id(w), base.RankHealth())
+            return self._health.setdefault(id(w), health_mod.RankHealth())
 
     def has_step_path(self) -> bool:
         with self._lock:
             return bool(self._active) and not self._needs_switch
 
-    def _health_members(self) -> dict[int, base.RankHealth]:
+    def _health_members(self) -> dict[int, health_mod.RankHealth]:
         with self._lock:
             workers = dict(self._workers)
         return {label: self._health_of(w) for label, w in workers.items()}
@@ -161,7 +162,7 @@ class LocalExecutor(base.Executor):
     def _poll_ping(self, handle: Any) -> str | None:
         if not handle.done():
             return None
-        return base.HEALTH_DEAD if handle.exception() is not None else base.HEALTH_OK
+        return health_mod.HEALTH_DEAD if handle.exception() is not None else health_mod.HEALTH_OK
 
     def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
         now = time.monotonic()
@@ -169,7 +170,7 @@ class LocalExecutor(base.Executor):
             workers = [self._workers[r] for r in ranks if r in self._workers]
         for w in workers:
             h = self._health_of(w)
-            h.lose(base.HEALTH_DEAD, reason, now)
+            h.lose(health_mod.HEALTH_DEAD, reason, now)
             h.fenced = True
         log.error("fenced ranks %s: %s", list(ranks), reason)
 
@@ -270,9 +271,9 @@ class LocalExecutor(base.Executor):
         report = {}
         for label, f in sorted(futures.items()):
             if f not in done:
-                report[label] = base.HEALTH_UNRESPONSIVE
+                report[label] = health_mod.HEALTH_UNRESPONSIVE
             else:
-                report[label] = self._poll_ping(f) or base.HEALTH_UNRESPONSIVE
+                report[label] = self._poll_ping(f) or health_mod.HEALTH_UNRESPONSIVE
         return report
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ import ray.util.scheduling_strategies as ray_sched
 from moe_runtime import step as step_mod
 from moe_runtime import worker as worker_mod
 from moe_runtime.executor import base, ray_transfer
+from moe_runtime.executor import health as health_mod
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class Rank:
     actor: Any
     pg: Any
     info: dict[str, Any]
-    health: base.RankHealth = dataclasses.field(default_factory=base.RankHealth)
+    health: health_mod.RankHealth = dataclasses.field(default_factory=health_mod.RankHealth)
 
 
 def start_ranks(
@@ -266,17 +267,17 @@ def ping(actor: Any) -> Any:
 
 
 def poll(ref: Any) -> str | None:
-    """None while the ping is pending, else base.HEALTH_OK or base.HEALTH_DEAD."""
+    """None while the ping is pending, else health_mod.HEALTH_OK or health_mod.HEALTH_DEAD."""
     ready, _ = ray.wait([ref], timeout=0)
     if not ready:
         return None
     try:
         ray.get(ref)
     except ray.exceptions.RayActorError:
-        return base.HEALTH_DEAD
+        return health_mod.HEALTH_DEAD
     except ray.exceptions.RayError:
-        return base.HEALTH_OK  # it answered (with an error): alive
-    return base.HEALTH_OK
+        return health_mod.HEALTH_OK  # it answered (with an error): alive
+    return health_mod.HEALTH_OK
 
 
 def get_all(

@@ -45,6 +45,7 @@ import ray.util
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, ray_actor, ray_graph, ray_step, ray_weights
+from moe_runtime.executor import health as health_mod
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
     deadlock), at the cost of staging weights through host memory. "nccl" is faster.
     step_timeout is the hard limit of one step whose ranks all stay healthy; a hung or dead rank
     is found much sooner, from the heartbeat and the deadline derived from observed step times
-    (`base.StepClock`). switch_timeout bounds a `switch` called without a timeout.
+    (`health_mod.StepClock`). switch_timeout bounds a `switch` called without a timeout.
     step_mode: "compiled" (a Ray compiled graph per step; the default) or "remote" (plain actor
     calls). Measured on Ray 2.60: while a compiled graph is live, each idle actor busy-waits
     on its input channel (~0.45 of a core, sched_yield loop), so on hosts with fewer cores
@@ -110,7 +111,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
         self._ready_timeout = ready_timeout
         self._step_timeout = step_timeout
         self._switch_timeout = switch_timeout
-        self.clock = base.StepClock()
+        self.clock = health_mod.StepClock()
         self._group_dir = group_dir or tempfile.gettempdir()
         self._driver_node = ray.get_runtime_context().get_node_id()
         self._lock = threading.RLock()
@@ -220,15 +221,17 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
         path is rebuilt on the same ranks (ExecutorError: retry); otherwise no step path until
         a switch (RankDied naming the lost ranks)."""
         health = self.check_health(timeout=1.0)
-        bad = sorted(r for r in ranks if health.get(r) != base.HEALTH_OK or r in self.lost_ranks())
+        bad = sorted(
+            r for r in ranks if health.get(r) != health_mod.HEALTH_OK or r in self.lost_ranks()
+        )
         now = time.monotonic()
         with self._lock:
             for r in bad:
                 if r in self._ranks:
-                    state = health.get(r, base.HEALTH_DEAD)
+                    state = health.get(r, health_mod.HEALTH_DEAD)
                     reason = f"step {step.step_id} failed: {ray_actor.first_line(exc)}"
                     self._ranks[r].health.lose(state, reason, now)
-        hung = [r for r in bad if health.get(r) == base.HEALTH_UNRESPONSIVE]
+        hung = [r for r in bad if health.get(r) == health_mod.HEALTH_UNRESPONSIVE]
         if hung:
             self.fence(hung, reason="unresponsive in a failed step")
         self._path.clear()
@@ -429,7 +432,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
                 relabelled[r.label] = r
             self._ranks = relabelled
             self._active = list(active)
-            healthy = [r for r in relabelled.values() if r.health.state == base.HEALTH_OK]
+            healthy = [r for r in relabelled.values() if r.health.state == health_mod.HEALTH_OK]
         # Labels only name workers in their logs: sent, not awaited (they run before any later
         # call on the same lane).
         for r in healthy:
@@ -446,7 +449,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
         with self._lock:
             removed = [self._ranks.pop(r) for r in ranks]
             self._active = [r for r in self._active if r not in ranks]
-        healthy = [r for r in removed if r.health.state == base.HEALTH_OK]
+        healthy = [r for r in removed if r.health.state == health_mod.HEALTH_OK]
         refs = [r.actor.execute_method.remote("shutdown") for r in healthy]
         ray.wait(refs, num_returns=len(refs), timeout=10.0)
         infos = []
@@ -462,7 +465,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
             ranks = dict(self._ranks)
         return ray_actor.check_health(ranks, timeout=timeout)
 
-    def _health_members(self) -> dict[int, base.RankHealth]:
+    def _health_members(self) -> dict[int, health_mod.RankHealth]:
         with self._lock:
             return {label: r.health for label, r in self._ranks.items()}
 
@@ -479,7 +482,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
         with self._lock:
             targets = [self._ranks[r] for r in ranks if r in self._ranks]
         for r in targets:
-            r.health.lose(base.HEALTH_UNRESPONSIVE, reason, now)
+            r.health.lose(health_mod.HEALTH_UNRESPONSIVE, reason, now)
             r.health.fenced = True
             log.error(
                 "fencing rank %d (pid %s, %s): %s",
