@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from moe_runtime import sampling
+from moe_runtime import faults, rank_groups, sampling
 from moe_runtime import slots as slots_mod
 from moe_runtime import staging as staging_mod
 from moe_runtime import step as step_mod
@@ -53,16 +53,10 @@ from moe_runtime.model import source as source_mod
 
 log = logging.getLogger(__name__)
 
-ROLES = (slots_mod.STEP_ROLE, slots_mod.TRANSFER_ROLE)
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class InjectedFailure(RuntimeError):
-    """Raised by an operation armed with `RankWorker.fail_next` (tests of Failed resizes)."""
-
-
-class RankWorker(slots_mod.ExpertSlots):
+class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlots):
     """One DP rank. See the module docstring; methods are called through an Executor."""
 
     def __init__(
@@ -117,7 +111,7 @@ class RankWorker(slots_mod.ExpertSlots):
         return {
             "pid": os.getpid(),
             "host": host,
-            "ip": _host_ip(),
+            "ip": rank_groups.host_ip(),
             "pod": os.environ.get("MOE_POD_NAME") or host,
             "device": self.device,
             "rank": self.rank,
@@ -135,43 +129,6 @@ class RankWorker(slots_mod.ExpertSlots):
     def ping(self) -> dict[str, Any]:
         """Cheap liveness answer for health checks."""
         return {"pid": os.getpid(), "rank": self.rank, "epoch": self.epoch, "steps": self.steps}
-
-    def free_port(self, host: str | None = None) -> tuple[str, int]:
-        """(address, port) of a port free on this host now, for a TCPStore this rank hosts."""
-        address = host or _host_ip()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((address, 0))
-            return address, int(sock.getsockname()[1])
-
-    # -- test hook -----------------------------------------------------------------------
-    def fail_next(self, operation: str, message: str = "injected failure") -> None:
-        """Make the next call of `operation` (a method name) fail with InjectedFailure.
-
-        Collective operations fail after their collective part, so peers never hang.
-        """
-        with self._lock:
-            self._fail[operation] = message
-
-    def disarm(self) -> None:
-        """Forget every armed failure and stall (a test that did not trigger them)."""
-        with self._lock:
-            self._fail.clear()
-            self._stall.clear()
-
-    def stall_next(self, operation: str, seconds: float) -> None:
-        """Make the next call of `operation` hang for `seconds` first (a hung rank, in tests)."""
-        with self._lock:
-            self._stall[operation] = seconds
-
-    def _check_fail(self, operation: str) -> None:
-        with self._lock:
-            message = self._fail.pop(operation, None)
-            stall = self._stall.pop(operation, 0.0)
-        if stall:
-            log.warning("%s: stalling %.1fs as armed (%s)", operation, stall, self._ctx())
-            time.sleep(stall)  # the armed hang itself
-        if message is not None:
-            raise InjectedFailure(f"{operation}: {message} ({self._ctx()})")
 
     def live_state(self) -> dict[str, Any]:
         """What serves now, for tests and debugging: epoch, origin, rank, placement (phy2log
@@ -258,98 +215,6 @@ class RankWorker(slots_mod.ExpertSlots):
         if self.config is None or self.model is None:
             raise RuntimeError(f"no weights loaded yet ({self._ctx()})")
         return self.config, self.model
-
-    # -- groups --------------------------------------------------------------------------
-    def join_group(
-        self,
-        spec: group_mod.GroupSpec,
-        rank: int,
-        *,
-        role: str = slots_mod.STEP_ROLE,
-        group_timeout: float | None = None,
-    ) -> None:
-        """Build the `role` group of `spec.epoch` as member `rank` (blocks until all joined).
-
-        Runs in the background while this rank serves steps on its active group. group_timeout:
-        seconds the rendezvous and each later collective of the group may take (None: the
-        group's default), so a member that never comes does not hold this rank for long.
-        """
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        started = time.monotonic()
-        if group_timeout is None:
-            built = group_mod.StatelessGroup(spec, rank)
-        else:
-            built = group_mod.StatelessGroup(spec, rank, timeout=group_timeout)
-        key = (spec.epoch, role)
-        with self._lock:
-            old = self._groups.pop(key, None)
-            self._groups[key] = built
-            self._group_ranks[key] = rank
-        if old is not None:
-            old.destroy()
-        log.info(
-            "joined %s group of epoch %d as %d/%d in %.2fs (%s)",
-            role,
-            spec.epoch,
-            rank,
-            spec.world_size,
-            time.monotonic() - started,
-            self._ctx(),
-        )
-        try:
-            self._check_fail("join_group")
-        except InjectedFailure:
-            self._drop_group(key)
-            raise
-
-    def _group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
-        with self._lock:
-            key = (epoch, role)
-            if key not in self._groups:
-                raise RuntimeError(f"no {role} group for epoch {epoch} ({self._ctx()})")
-            return self._groups[key], self._group_ranks[key]
-
-    def _drop_group(self, key: tuple[int, str]) -> None:
-        with self._lock:
-            dropped = self._groups.pop(key, None)
-            self._group_ranks.pop(key, None)
-        if dropped is not None:
-            dropped.destroy()
-
-    def groups(self) -> list[tuple[int, str]]:
-        """The (epoch, role) of every group this rank holds."""
-        with self._lock:
-            return sorted(self._groups)
-
-    # -- non-expert transfer -------------------------------------------------------------
-    def transfer_non_expert(
-        self, epoch: int, *, src_ranks: Sequence[int], dst_ranks: Sequence[int]
-    ) -> int:
-        """Copy the non-expert weights from src_ranks to dst_ranks over epoch's transfer group.
-
-        Peer to peer: receivers are spread over senders (`staging.senders_for`: the first
-        ``len(dst) % len(src)`` senders get one extra), each sender sends its whole state as one
-        flat buffer to each of its receivers at once. Ranks are ranks of that group; members
-        that neither send nor receive return at once. Returns the bytes this rank received.
-        """
-        _, model = self._require_model()
-        grp, me = self._group(epoch, slots_mod.TRANSFER_ROLE)
-        started = time.monotonic()
-        tag = 1_000_000 + epoch  # apart from expert-move tags (move indices)
-        sent_to, received = staging_mod.exchange_non_expert(
-            grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self.dtype
-        )
-        log.info(
-            "non-expert transfer epoch %d: sent to %s, received %d B in %.2fs (%s)",
-            epoch,
-            sent_to,
-            received,
-            time.monotonic() - started,
-            self._ctx(),
-        )
-        self._check_fail("transfer_non_expert")
-        return received
 
     # -- the step ------------------------------------------------------------------------
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
@@ -488,19 +353,6 @@ class RankWorker(slots_mod.ExpertSlots):
         """Tokens routed per logical expert [L, E] by this rank since its weights loaded."""
         return None if self.total_load is None else self.total_load.clone()
 
-    def drop_epoch(self, epoch: int) -> None:
-        """Destroy the step and transfer groups of `epoch` (a resize undone before its switch).
-
-        The active epoch cannot be dropped.
-        """
-        if epoch == self.epoch:
-            raise ValueError(f"epoch {epoch} is the active one ({self._ctx()})")
-        with self._lock:
-            if self._previous is not None and self._previous.epoch == epoch:
-                self._previous = None  # nothing to go back to without its groups
-        for role in ROLES:
-            self._drop_group((epoch, role))
-
     def shutdown(self) -> None:
         """Destroy every group and drop weights."""
         with self._lock:
@@ -512,14 +364,3 @@ class RankWorker(slots_mod.ExpertSlots):
             self._staged = None
             self._previous = None
         log.info("shut down (%s)", self._ctx())
-
-
-def _host_ip() -> str:
-    """This host's address for peers: env MOE_POD_IP, else the host name's address."""
-    env = os.environ.get("MOE_POD_IP")
-    if env:
-        return env
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
