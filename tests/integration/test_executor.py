@@ -6,8 +6,6 @@ the compiled graph's per-step overhead is printed next to plain actor calls."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -285,47 +283,3 @@ def test_killed_actor_is_reported_dead_and_survivors_recover(
         assert [got["a"], got["b"]] == mixtral.generate_greedy(SOURCE, PROMPTS[:2], MAX_TOKENS)
     finally:
         ex.shutdown()
-
-
-def test_compiled_graph_overhead_vs_remote_calls(two_ranks: base.Executor) -> None:
-    """A figure, not an assertion: per-step time of an empty step (idle ranks still run the
-    expert all-to-alls of every layer), compiled graph vs plain actor calls. Rounds alternate
-    and the median round is printed, as the 2 shared cores make single runs noisy."""
-    step = step_mod.StepInput(0, {})
-    assert two_ranks.wait_step_graph(timeout=120)  # type: ignore[attr-defined]
-    assert two_ranks.step_graph_live()  # type: ignore[attr-defined]
-    calls = {
-        "compiled graph": two_ranks.execute_step,
-        "plain .remote()": two_ranks.execute_step_remote,  # type: ignore[attr-defined]
-    }
-    for call in calls.values():
-        for _ in range(3):
-            call(step)
-    rounds: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(5):
-        for name, call in calls.items():
-            started = time.perf_counter()
-            for _ in range(10):
-                outs = call(step)
-            rounds[name].append((time.perf_counter() - started) / 10 * 1e3)
-            assert all(o.error is None for o in outs)
-    print(
-        "\nper-step time, 2 ranks, empty step, median of 5 rounds of 10: "
-        + ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in rounds.items())
-    )
-    pids = [info["pid"] for info in two_ranks.rank_infos().values()]
-    if all(os.path.exists(f"/proc/{pid}/stat") for pid in pids):
-        before, started = [_cpu_seconds(pid) for pid in pids], time.monotonic()
-        time.sleep(1.0)  # the measurement window itself (no condition is awaited)
-        elapsed = time.monotonic() - started
-        idle = [(_cpu_seconds(p) - b) / elapsed for p, b in zip(pids, before, strict=True)]
-        print(
-            "idle CPU per rank actor with a live compiled graph: "
-            + ", ".join(f"{c:.2f} cores" for c in idle)
-        )
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -59,7 +59,7 @@ def reference() -> dict[tuple[int, int], list[int]]:
 class RayDeployment:
     """Engine + RayExecutor + elastic service in this process (what `moe-runtime serve` wires)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, spares: int = 0, max_size: int = 3) -> None:
         from moe_runtime.executor import ray_executor
 
         src = source_mod.open_source(SOURCE)
@@ -78,8 +78,12 @@ class RayDeployment:
             executor=self.executor,
             model_config=self.cfg,
             placement=placement,
-            config=serving.ElasticConfig(source=SOURCE, eplb_enabled=False, auto_recover=False),
-            limits=coordinator.Limits(min_size=1, max_size=3, num_experts=self.cfg.num_experts),
+            config=serving.ElasticConfig(
+                source=SOURCE, eplb_enabled=False, auto_recover=False, warm_spare_ranks=spares
+            ),
+            limits=coordinator.Limits(
+                min_size=1, max_size=max_size, num_experts=self.cfg.num_experts
+            ),
         )
         self.engine.start()
         self._ids = 0
@@ -408,8 +412,11 @@ def test_a_killed_rank_is_shrunk_around_and_stays_smaller_without_auto_recover(
     status = dep.elastic.status()
     assert [r["lost_rank"] for r in status["ranks"] if r["rank"] is None] == [1]
     assert status["auto_recover"] == {"enabled": False, "target": None}
-    time.sleep(2.0)  # the grow-back loop polls every 0.5 s: with autoRecover off it must not act
-    assert dep.executor.num_ranks == 2 and not dep.elastic.coordinator.is_scaling
+    # the grow-back loop polls every 0.5 s: with autoRecover off it must not act, for 4 rounds
+    quiet_until = time.monotonic() + 2.0
+    while time.monotonic() < quiet_until:
+        assert dep.executor.num_ranks == 2 and not dep.elastic.coordinator.is_scaling
+        time.sleep(0.05)
     assert_clean(dep, 2, reference)
     dep.ensure(3)  # someone asks for the old size: the normal grow path
     assert [r for r in dep.elastic.status()["ranks"] if r["rank"] is None] == []

@@ -20,10 +20,7 @@ from typing import Any
 
 import pytest
 
-from moe_runtime.elastic import coordinator, service, serving, settings, stages
-from moe_runtime.engine import core
-from moe_runtime.eplb import policy
-from moe_runtime.model import source as source_mod
+from moe_runtime.elastic import settings, stages
 from tests.integration import test_failures as failures
 
 pytestmark = pytest.mark.ray
@@ -36,31 +33,7 @@ class SpareDeployment(failures.RayDeployment):
     """`failures.RayDeployment` with warm spare ranks."""
 
     def __init__(self, size: int, *, spares: int) -> None:
-        from moe_runtime.executor import ray_executor
-
-        src = source_mod.open_source(SOURCE)
-        self.cfg = src.config
-        physical = policy.num_physical_for(self.cfg.num_experts, size)
-        placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
-        self.executor = ray_executor.RayExecutor(size)
-        self.executor.start(SOURCE, placement=placement)
-        self.engine = core.Engine(
-            self.executor,
-            src.tokenizer(),
-            core.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
-        )
-        self.elastic = service.ElasticService.attach(
-            engine=self.engine,
-            executor=self.executor,
-            model_config=self.cfg,
-            placement=placement,
-            config=serving.ElasticConfig(
-                source=SOURCE, eplb_enabled=False, auto_recover=False, warm_spare_ranks=spares
-            ),
-            limits=coordinator.Limits(min_size=1, max_size=4, num_experts=self.cfg.num_experts),
-        )
-        self.engine.start()
-        self._ids = 0
+        super().__init__(size, spares=spares, max_size=4)
 
     def spares(self) -> list[dict[str, Any]]:
         return list(self.elastic.status()["spares"])
