@@ -31,7 +31,10 @@ def ray_session() -> Iterator[None]:
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,
-        _system_config={"kill_worker_timeout_milliseconds": cluster.KILL_WORKER_TIMEOUT_MS},
+        _system_config={
+            "kill_worker_timeout_milliseconds": cluster.KILL_WORKER_TIMEOUT_MS,
+            "worker_niceness": cluster.WORKER_NICENESS,  # as `moe-runtime serve` starts Ray
+        },
     )
     try:
         yield

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from moe_runtime.elastic import settings, stages
+from moe_runtime.executor import ray_actor
 from tests.integration import test_failures as failures
 
 pytestmark = pytest.mark.ray
@@ -80,6 +81,11 @@ def test_a_spare_comes_up_ready_beside_the_active_ranks(dep: SpareDeployment) ->
     assert spare["ready"] and spare["healthy"] and spare["pid"] and spare["node_id"]
     assert spare["rank"] not in dep.executor.ranks
     assert_spare_apart(dep)
+    # It waits below the serving ranks' CPU priority (they start, and step, at 0).
+    assert os.getpriority(os.PRIO_PROCESS, spare["pid"]) == ray_actor.SPARE_NICENESS
+    for info in dep.executor.rank_infos().values():
+        if info["pid"] != spare["pid"]:
+            assert os.getpriority(os.PRIO_PROCESS, info["pid"]) == 0
 
 
 def test_a_grow_the_spare_covers_skips_standby_and_the_spare_is_replaced(
@@ -94,6 +100,7 @@ def test_a_grow_the_spare_covers_skips_standby_and_the_spare_is_replaced(
     assert stage_names(record) == ["Transferring", "Switching", "Reshuffling"]
     assert record.warm_spares == 1 and record.switch_pause_s is not None
     assert spare["pid"] in [i["pid"] for i in dep.executor.rank_infos().values()]
+    assert os.getpriority(os.PRIO_PROCESS, spare["pid"]) == 0  # it serves now
     (replacement,) = dep.wait_spares_ready()
     assert replacement["pid"] != spare["pid"]
     assert_spare_apart(dep)

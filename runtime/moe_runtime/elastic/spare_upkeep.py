@@ -167,7 +167,7 @@ class SpareUpkeep:
         if self._stop.is_set():
             return
         started = time.monotonic()
-        labels = self.executor.add_ranks(count, timeout=self.config.rpc_timeout)
+        labels = self.executor.add_ranks(count, timeout=self.config.rpc_timeout, spare=True)
         infos = self.executor.rank_infos()
         uids = [int(infos[label]["uid"]) for label in labels]
         storage = self.config.weight_source == "storage"

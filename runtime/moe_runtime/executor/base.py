@@ -141,8 +141,14 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
 
     # -- elastic primitives --------------------------------------------------------------
     @abc.abstractmethod
-    def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
-        """Start `count` workers, wait until each answers, return their (pending) rank labels."""
+    def add_ranks(
+        self, count: int, *, timeout: float | None = None, spare: bool = False
+    ) -> list[int]:
+        """Start `count` workers, wait until each answers, return their (pending) rank labels.
+
+        `spare`: they will wait as warm spares, so they run below the serving ranks' CPU
+        priority once started, where the executor can (Ray: `ray_actor.SPARE_NICENESS`); a
+        grow's new ranks start at the serving ranks' priority, the grow waits for them."""
 
     @abc.abstractmethod
     def build_groups(

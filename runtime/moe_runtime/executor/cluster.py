@@ -17,13 +17,14 @@ log = logging.getLogger(__name__)
 
 #: Milliseconds the raylet waits for a killed worker to exit before it SIGKILLs it.
 KILL_WORKER_TIMEOUT_MS = 200
-#: Scheduling niceness of the local instance's worker processes. Ray's default is 15, below
-#: everything else on the host: measured here on 2 shared cores (load ~14), `small` at DP=2
-#: under 4 streaming clients served 12.8 tokens/s with its ranks at 15 and 22.0 tokens/s at 0.
-#: So a worker starts at 10 (a rank that is starting, importing torch for seconds, or a warm
-#: spare yields to the serving ranks) and a rank raises itself to 0 at its first step
-#: (`ray_actor.RankActor`, where the host allows it).
-WORKER_NICENESS = 10
+#: Scheduling niceness of the local instance's worker processes (Ray's default is 15, below
+#: everything else on the host). 0: a rank a grow waits for starts (Python, Ray, torch: seconds
+#: of CPU) at the serving ranks' priority. Measured here (2 cores, `small` 2->4 under 4
+#: streaming clients): Standby 12.5 s with new workers at 10, 9.9 s when they raised themselves
+#: in `__init__` (the imports before it dominate), 4.3 s at 0, with no longer blackout. A warm
+#: spare lowers itself to `ray_actor.SPARE_NICENESS` once started, so its idle life and
+#: pre-staging yield to serving; a rank at 15 served `small` at 12.8 tokens/s against 22.0 at 0.
+WORKER_NICENESS = 0
 
 
 def connect(*, num_rank_slots: int, address: str | None = None) -> bool:

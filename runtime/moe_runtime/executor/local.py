@@ -175,7 +175,9 @@ class LocalExecutor(base.Executor):
         log.error("fenced ranks %s: %s", list(ranks), reason)
 
     # -- elastic primitives --------------------------------------------------------------
-    def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
+    def add_ranks(
+        self, count: int, *, timeout: float | None = None, spare: bool = False
+    ) -> list[int]:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         with self._lock:

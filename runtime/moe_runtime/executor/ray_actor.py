@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,13 @@ RANK_RESOURCE = "moe_rank"
 CTL_LANE = "ctl"
 EXPORT_LANE = "export"
 HEALTH_LANE = "health"
+#: Niceness a warm spare takes once started (`yield_to_serving`): it waits, or pre-stages
+#: experts, below the serving ranks, and takes 0 again when it is claimed.
+SPARE_NICENESS = 10
+#: Niceness of a serving rank's threads other than its step thread while they move weights
+#: (exports, staging, pre-staging, background control calls): a step waits for its slowest
+#: rank, so the copies take what CPU the step threads leave (`RankActor._in_background`).
+BACKGROUND_NICENESS = 10
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
 
@@ -42,13 +50,30 @@ PROBE_STEP_ID = -1
 class RankActor:
     """The actor body: a RankWorker plus what only Ray knows (node id and address)."""
 
-    def __init__(self, *, label: int, device: str, dtype: str) -> None:
+    def __init__(self, *, label: int, device: str, dtype: str, spare: bool = False) -> None:
+        if spare:
+            set_niceness(label, SPARE_NICENESS, why="waits as a warm spare")
         self.worker = worker_mod.RankWorker(
             device=device, dtype=dtype, torch_threads=1, label=label
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._serving = False
+        #: native id of the thread that runs this rank's steps (the default lane), once it has
+        self._step_thread: int | None = None
+
+    def _in_background(self) -> None:
+        """A call that overlaps steps (another lane than the steps'): on a rank that serves,
+        its thread yields the CPU to the step thread (BACKGROUND_NICENESS). A rank that does not
+        step yet (starting, a spare being claimed) keeps full priority: a grow waits on it."""
+        tid = threading.get_native_id()
+        if not self._serving or tid == self._step_thread:
+            return
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICENESS:
+                os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICENESS)
+        except OSError as exc:  # a niceness is never refused going down; log, do not fail
+            log.debug("rank %s: background thread keeps its niceness: %s", self.worker.label, exc)
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
@@ -59,6 +84,7 @@ class RankActor:
         return self.worker.free_port(self.node_ip)
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._in_background()
         return getattr(self.worker, method)(*args, **kwargs)
 
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
@@ -68,12 +94,14 @@ class RankActor:
             return step_mod.StepOutput(rank=-1, step_id=step.step_id)
         if not self._serving:
             self._serving = True
-            serve_at_full_priority(self.worker.label)
+            set_niceness(self.worker.label, 0, why="steps")
+        self._step_thread = threading.get_native_id()
         return self.worker.execute_step(step)
 
     # -- weights through the object store (`ray_transfer`, co-located ranks) ---------------
     def export_experts(self, keys: list[tuple[int, int]]) -> ray_transfer.PackedExperts:
         """Live experts `keys` for a co-located peer (the return value goes to shared memory)."""
+        self._in_background()
         return ray_transfer.pack_experts(self.worker.held_experts(keys))
 
     def stage_experts_shared(
@@ -89,7 +117,8 @@ class RankActor:
         received by both paths. A rank that will serve takes full CPU priority first."""
         if kwargs.get("new_rank") is not None and not self._serving:
             self._serving = True
-            serve_at_full_priority(self.worker.label)
+            set_niceness(self.worker.label, 0, why="will serve")
+        self._in_background()
         provided, shared_bytes = self._receive(parts)
         received = self.worker.stage_experts(
             epoch, moves, new_placement, provided=provided, **kwargs
@@ -98,6 +127,7 @@ class RankActor:
 
     def prestage_experts_shared(self, epoch: int, moves: list[Any], parts: list[Any]) -> int:
         """`RankWorker.prestage_experts` with what co-located peers exported (refs)."""
+        self._in_background()
         provided, shared_bytes = self._receive(parts)
         return int(self.worker.prestage_experts(epoch, moves, provided=provided)) + shared_bytes
 
@@ -118,6 +148,7 @@ class RankActor:
 
     def export_non_expert(self) -> ray_transfer.PackedState:
         """This rank's non-expert weights for co-located new ranks."""
+        self._in_background()
         return ray_transfer.pack_state(self._model().non_expert_state())
 
     def load_non_expert_shared(self, state: ray_transfer.PackedState) -> int:
@@ -161,9 +192,11 @@ def start_ranks(
     timeout: float,
     driver_node: str,
     existing_nodes: Sequence[str],
+    spare: bool = False,
 ) -> list[Rank]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
-    the nodes of existing ranks counted); label from first_label."""
+    the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
+    spares (below the serving ranks' CPU priority)."""
     bundle: dict[str, float] = {RANK_RESOURCE: 1}
     if use_gpu:
         bundle["GPU"] = 1
@@ -188,7 +221,7 @@ def start_ranks(
                     scheduling_strategy=strategy,
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
-                ).remote(label=first_label + i, device=device, dtype=dtype)
+                ).remote(label=first_label + i, device=device, dtype=dtype, spare=spare)
             )
         infos = get_all(
             [a.ready.remote() for a in actors],
@@ -217,24 +250,25 @@ def start_ranks(
     return started
 
 
-def serve_at_full_priority(label: int | None) -> None:
-    """Niceness 0 for every thread of this process (those it starts later inherit it).
+def set_niceness(label: int | None, niceness: int, *, why: str) -> None:
+    """`niceness` for every thread of this process (threads it starts later inherit it).
 
-    Workers start below the serving ranks (`cluster.WORKER_NICENESS`), so a rank that is
-    starting or waiting as a warm spare never takes CPU from them; a rank that steps is one of
-    them. Lowering the niceness needs CAP_SYS_NICE (or RLIMIT_NICE): without it the rank keeps
-    the niceness its node gave it, as every rank of that node does.
+    Workers start at the serving ranks' priority (`cluster.WORKER_NICENESS`); a warm spare
+    lowers itself (`SPARE_NICENESS`) so it never takes CPU from them, and takes 0 again when it
+    steps or stages for a grow. Raising the priority back needs CAP_SYS_NICE (or RLIMIT_NICE):
+    without it the rank keeps the niceness it has (in a pod of its own, its cgroup's CPU share
+    is what counts, not its niceness beside the pod's other processes).
     """
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
-        if all(os.getpriority(os.PRIO_PROCESS, t) <= 0 for t in tids):
+        if all(os.getpriority(os.PRIO_PROCESS, t) == niceness for t in tids):
             return
         for tid in tids:
-            os.setpriority(os.PRIO_PROCESS, tid, 0)
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
     except (OSError, ValueError) as exc:
-        log.info("rank %s keeps its scheduling niceness: %s", label, exc)
+        log.info("rank %s keeps its scheduling niceness (wanted %d): %s", label, niceness, exc)
         return
-    log.info("rank %s steps: niceness 0 for its %d threads", label, len(tids))
+    log.info("rank %s %s: niceness %d for its %d threads", label, why, niceness, len(tids))
 
 
 def check_health(ranks: Mapping[int, Rank], *, timeout: float) -> dict[int, str]:

@@ -157,7 +157,9 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
         with self._lock:
             return self._ranks[rank].actor
 
-    def _start_ranks(self, count: int, *, first_label: int) -> list[ray_actor.Rank]:
+    def _start_ranks(
+        self, count: int, *, first_label: int, spare: bool = False
+    ) -> list[ray_actor.Rank]:
         with self._lock:
             existing = [r.info["node_id"] for r in self._ranks.values()]
         started = ray_actor.start_ranks(
@@ -168,6 +170,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
             timeout=self._ready_timeout,
             driver_node=self._driver_node,
             existing_nodes=existing,
+            spare=spare,
         )
         with self._lock:
             for r in started:
@@ -291,7 +294,9 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
         return switching or self._path.ranks is not None
 
     # -- elastic primitives --------------------------------------------------------------
-    def add_ranks(self, count: int, *, timeout: float | None = None) -> list[int]:
+    def add_ranks(
+        self, count: int, *, timeout: float | None = None, spare: bool = False
+    ) -> list[int]:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         with self._lock:
@@ -299,7 +304,7 @@ class RayExecutor(ray_weights.GroupsAndWeights, base.Executor):
             labels = range(first, first + count)
             self._starting.update(labels)  # concurrent add_ranks get other labels
         try:
-            started = self._start_ranks(count, first_label=first)
+            started = self._start_ranks(count, first_label=first, spare=spare)
         finally:
             with self._lock:
                 self._starting.difference_update(labels)
