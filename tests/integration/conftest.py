@@ -31,10 +31,10 @@ def ray_session() -> Iterator[None]:
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,
-        _system_config={
-            "kill_worker_timeout_milliseconds": cluster.KILL_WORKER_TIMEOUT_MS,
-            "worker_niceness": cluster.WORKER_NICENESS,  # as `moe-runtime serve` starts Ray
-        },
+        # Workers keep Ray's default niceness (15) here: ranks raise themselves to 0 when they
+        # step, a warm spare takes SPARE_NICENESS, and workers other tests leave behind never
+        # take CPU from the in-process ranks of the local-executor tests.
+        _system_config={"kill_worker_timeout_milliseconds": cluster.KILL_WORKER_TIMEOUT_MS},
     )
     try:
         yield

@@ -81,8 +81,9 @@ def test_a_spare_comes_up_ready_beside_the_active_ranks(dep: SpareDeployment) ->
     assert spare["ready"] and spare["healthy"] and spare["pid"] and spare["node_id"]
     assert spare["rank"] not in dep.executor.ranks
     assert_spare_apart(dep)
-    # It waits below the serving ranks' CPU priority (they start, and step, at 0).
+    # It waits below the serving ranks' CPU priority (they step at 0).
     assert os.getpriority(os.PRIO_PROCESS, spare["pid"]) == ray_actor.SPARE_NICENESS
+    dep.generate(0, 4)
     for info in dep.executor.rank_infos().values():
         if info["pid"] != spare["pid"]:
             assert os.getpriority(os.PRIO_PROCESS, info["pid"]) == 0
