@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from moe_runtime.executor import base, ray_actor, ray_graph, ray_step
 from moe_runtime.executor import health as health_mod
@@ -38,24 +38,11 @@ class SwitchAndWarmUp:
     _switch_timeout: float
     last_switch: dict[str, float]
 
-    if TYPE_CHECKING:  # the executor's (declared for the type checker only: no shadowing)
-
-        def collective_rpc(
-            self,
-            method: str,
-            *args: Any,
-            ranks: Sequence[int] | None = None,
-            timeout: float | None = None,
-            background: bool = False,
-            per_rank: Mapping[int, Mapping[str, Any]] | None = None,
-            **kwargs: Any,
-        ) -> list[Any]: ...
-
-        def rank_infos(self) -> dict[int, dict[str, Any]]: ...
-
-        def lost_ranks(self) -> dict[int, health_mod.RankHealth]: ...
-
-        def _set_path(self) -> None: ...
+    # The executor's, called here (annotations only: nothing is shadowed at run time).
+    collective_rpc: Callable[..., list[Any]]
+    rank_infos: Callable[[], dict[int, dict[str, Any]]]
+    lost_ranks: Callable[[], dict[int, health_mod.RankHealth]]
+    _set_path: Callable[[], None]
 
     def warm_up(self, ranks: Sequence[int]) -> None:
         """Pay the first compiled graph of pending workers now, in a thread (compiled mode;
