@@ -74,13 +74,16 @@ def api(runtime: cli.Runtime) -> Any:
 
 
 def _cap(body: Any) -> None:
+    """Caps the valid values of CAPS (an int, or a float with no fraction: JSON Schema's and the
+    API's integer) and leaves every invalid one as it is."""
     if not isinstance(body, dict):
         return
     for snake, camel, cap, largest in CAPS:
         for key in (snake, camel):
             value = body.get(key)
-            if type(value) is int and 1 <= value <= largest:
-                body[key] = min(value, cap)
+            integral = type(value) is int or (type(value) is float and value.is_integer())
+            if integral and 1 <= value <= largest:
+                body[key] = min(int(value), cap)
 
 
 def _headers(case: Any) -> dict[str, str]:
@@ -129,3 +132,7 @@ def test_fuzzing_left_the_server_serving(runtime: cli.Runtime) -> None:
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) == 4
+    # The caps held: never more in-process ranks than the capped size and spares allow.
+    caps = {snake: cap for snake, _, cap, _ in CAPS}
+    ranks = runtime.executor.rank_infos()
+    assert len(ranks) <= caps["max_data_parallel_size"] + caps["warm_spare_ranks"], ranks

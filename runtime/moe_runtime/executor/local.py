@@ -5,6 +5,11 @@ The fast path for unit tests of the engine and the resize coordinator: no Ray, r
 every rank's `execute_step` at once on one thread per rank, because the expert collectives need
 every rank inside them together. Control calls (`collective_rpc`) also run one thread per rank;
 with `background=True` they may overlap steps, as on Ray.
+
+Each call runs on a thread of its own (`_submit`), never on a bounded pool: a collective over N
+ranks needs all N inside it at once, and with a pool, calls queued behind the members of an
+unfinished rendezvous would never start (a group join over more ranks than free pool threads
+waited out its whole timeout).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from moe_runtime import step as step_mod
@@ -45,9 +50,6 @@ class LocalExecutor(base.Executor):
         self._dtype = dtype
         self._step_timeout = step_timeout
         self._tmp = tempfile.mkdtemp(prefix="elastic-moe-local-")
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=64, thread_name_prefix="local-rank"
-        )
         self._lock = threading.Lock()
         self._workers: dict[int, worker_mod.RankWorker] = {}
         self._health: dict[int, health_mod.RankHealth] = {}  # by id() of the worker
@@ -59,6 +61,24 @@ class LocalExecutor(base.Executor):
         self._active = list(range(num_ranks))
         self._needs_switch = False  # an active rank was removed: steps wait for a switch
         self._closed = False
+
+    def _submit(
+        self, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        """`fn(*args, **kwargs)` on a new thread (see the module docstring); its future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(exc)
+
+        name = f"local-rank-{getattr(fn, '__name__', 'call')}"
+        threading.Thread(target=run, name=name, daemon=True).start()
+        return future
 
     def _new_worker(self, label: int) -> worker_mod.RankWorker:
         w = worker_mod.RankWorker(device=self._device, dtype=self._dtype, label=label)
@@ -108,7 +128,7 @@ class LocalExecutor(base.Executor):
         futures = []
         for label, w in zip(targets, workers, strict=True):
             extra = base.extra_kwargs(per_rank, label)
-            futures.append(self._pool.submit(getattr(w, method), *args, **kwargs, **extra))
+            futures.append(self._submit(getattr(w, method), *args, **kwargs, **extra))
         return _gather(futures, targets, what=method, timeout=timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
@@ -119,7 +139,7 @@ class LocalExecutor(base.Executor):
             raise base.ExecutorError("no step path: switch to a set of ranks first")
         self._check_fenced(active, workers, what="execute_step")
         self.clock.begin()
-        futures = [self._pool.submit(w.execute_step, step) for w in workers]
+        futures = [self._submit(w.execute_step, step) for w in workers]
         try:
             outs: list[step_mod.StepOutput] = _gather(
                 futures, active, what="execute_step", timeout=self._step_timeout
@@ -157,7 +177,7 @@ class LocalExecutor(base.Executor):
             failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
             failed.set_exception(base.RankDied(f"rank {label} was fenced", ranks=[label]))
             return failed
-        return self._pool.submit(w.ping)
+        return self._submit(w.ping)
 
     def _poll_ping(self, handle: Any) -> str | None:
         if not handle.done():
@@ -290,7 +310,6 @@ class LocalExecutor(base.Executor):
         for w in workers:
             w.shutdown()
         self._close_async_pool()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
