@@ -38,6 +38,7 @@ class RankGroups:
     epoch: int | None
     dtype: torch.dtype
     _groups: dict[tuple[int, str], group_mod.StatelessGroup]
+    _aborted_joins: set[int]
     _group_ranks: dict[tuple[int, str], int]
     _previous: slots_mod.Live | None
     _lock: threading.RLock
@@ -71,14 +72,23 @@ class RankGroups:
         Runs in the background while this rank serves steps on its active group. group_timeout:
         seconds the rendezvous and each later collective of the group may take (None: the
         group's default), so a member that never comes does not hold this rank for long.
+        `abort_join(spec.epoch)` calls it off (`group.JoinAborted`), also before it began.
         """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         started = time.monotonic()
+        epoch = spec.epoch
+
+        def aborted() -> bool:
+            with self._lock:
+                return epoch in self._aborted_joins
+
+        if aborted():
+            raise group_mod.JoinAborted(f"the join of epoch {epoch} was called off ({self._ctx()})")
         if group_timeout is None:
-            built = group_mod.StatelessGroup(spec, rank)
+            built = group_mod.StatelessGroup(spec, rank, aborted=aborted)
         else:
-            built = group_mod.StatelessGroup(spec, rank, timeout=group_timeout)
+            built = group_mod.StatelessGroup(spec, rank, timeout=group_timeout, aborted=aborted)
         key = (spec.epoch, role)
         with self._lock:
             old = self._groups.pop(key, None)
@@ -100,6 +110,13 @@ class RankGroups:
         except faults.InjectedFailure:
             self._drop_group(key)
             raise
+
+    def abort_join(self, epoch: int) -> None:
+        """Call off this rank's joins of `epoch`'s groups, running or still to come (a member
+        died before joining; epochs are never reused). Quick: it only marks the epoch."""
+        with self._lock:
+            self._aborted_joins.add(epoch)
+        log.info("joins of epoch %d called off (%s)", epoch, self._ctx())
 
     def _group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
         with self._lock:

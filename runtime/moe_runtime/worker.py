@@ -85,6 +85,7 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         self.experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
         self._backend: mixtral.ExpertBackend | None = None
         self._groups: dict[tuple[int, str], group_mod.StatelessGroup] = {}
+        self._aborted_joins: set[int] = set()
         self._group_ranks: dict[tuple[int, str], int] = {}
         self._staged: slots_mod.Staged | None = None
         self._previous: slots_mod.Live | None = None

@@ -1,11 +1,14 @@
 """RayExecutor on a local Ray instance: generation equals the single-process model, the elastic
 primitives grow 2 -> 4 and shrink 4 -> 2 ranks mid-generation with identical tokens (no engine:
-a small lockstep loop drives the steps), a killed actor is reported by the health check, and
-the compiled graph's per-step overhead is printed next to plain actor calls."""
+a small lockstep loop drives the steps), a killed actor is reported by the health check, a new
+rank lost before it joins fails the group build at once, and the compiled graph's per-step
+overhead is printed next to plain actor calls."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -283,3 +286,32 @@ def test_killed_actor_is_reported_dead_and_survivors_recover(
         assert [got["a"], got["b"]] == mixtral.generate_greedy(SOURCE, PROMPTS[:2], MAX_TOKENS)
     finally:
         ex.shutdown()
+
+
+def test_a_new_rank_lost_before_it_joins_fails_the_build_at_once(
+    two_ranks: base.Executor, reference: list[list[int]]
+) -> None:
+    """A grow's new rank dies (its pod was lost) before the standby groups form: the build
+    fails within seconds naming it, instead of holding the serving ranks' control lanes in a
+    rendezvous until the resize's timeout, and those ranks take the next calls at once."""
+    new = two_ranks.add_ranks(1, timeout=120)
+    os.kill(int(two_ranks.rank_infos()[new[0]]["pid"]), signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(base.RankDied) as info:
+        two_ranks.build_groups([0, 1, *new], epoch=7, timeout=120)
+    took = time.monotonic() - started
+    assert info.value.ranks == new
+    assert took < 20, took
+    started = time.monotonic()
+    groups = two_ranks.collective_rpc("groups", ranks=[0, 1], background=True, timeout=20)
+    assert all(7 not in {epoch for epoch, _ in g} for g in groups), groups
+    print(
+        f"\nbuild failed in {took:.2f}s; control lanes answered in "
+        f"{time.monotonic() - started:.2f}s"
+    )
+    two_ranks.remove_ranks(new)
+    run = lockstep.Lockstep(two_ranks)
+    for i, prompt in enumerate(PROMPTS):
+        run.add(f"n{i}", prompt, rank=i % 2, max_tokens=MAX_TOKENS)
+    got = run.run()
+    assert [got[f"n{i}"] for i in range(len(PROMPTS))] == reference

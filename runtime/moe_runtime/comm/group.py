@@ -18,6 +18,12 @@ TCPStore hosted by group rank 0 on ``host:port`` and bound to that address only 
 interface). The coordinator obtains the port from rank 0 with ``free_port(host)`` beforehand.
 Gloo's own connections are bound to ``127.0.0.1`` for local groups.
 
+Joining is cancellable: before the backend is built, every member announces itself in the store
+and waits, in short polls, until all have (``wait_for_members``). A member that never comes (its
+process died, its pod was lost) makes the others fail with ``JoinTimeout`` naming it, or sooner
+with ``JoinAborted`` once whoever drives the join says so (``aborted``). The c10d backend's own
+rendezvous, which cannot be interrupted, only starts once every member is there.
+
 Tensor shapes are the caller's; each method states how its arguments relate (W = world size).
 """
 
@@ -27,7 +33,9 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,6 +45,23 @@ from torch._C import _distributed_c10d as c10d
 
 Backend = Literal["gloo", "nccl"]
 LOOPBACK = "127.0.0.1"
+#: Longest wait between two looks at the store while members gather (the first are shorter).
+MEMBER_POLL_SECONDS = 0.05
+#: Longest single attempt of a TCPStore client to reach rank 0's store (retried until the
+#: join's timeout, looking at `aborted` between attempts).
+CONNECT_ATTEMPT_SECONDS = 1.0
+
+
+class JoinAborted(RuntimeError):
+    """The join was called off (`aborted` said so) before every member came."""
+
+
+class JoinTimeout(TimeoutError):
+    """Members did not come within the join's timeout; `missing` names them (group ranks)."""
+
+    def __init__(self, message: str, *, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -104,6 +129,10 @@ class StatelessGroup:
 
     Every call blocks until done (``wait()``), except ``isend``/``irecv`` which return the work
     handle. All members must make the same collective calls in the same order.
+
+    The constructor joins (see the module docstring): timeout bounds the wait for the other
+    members and every later collective; aborted, polled while members gather, calls the join
+    off (``JoinAborted``).
     """
 
     def __init__(
@@ -113,6 +142,7 @@ class StatelessGroup:
         *,
         timeout: float = 300.0,
         bind_host: str | None = None,
+        aborted: Callable[[], bool] | None = None,
     ) -> None:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank must be in [0, {spec.world_size}), got {rank}")
@@ -120,7 +150,12 @@ class StatelessGroup:
         self.rank = rank
         self.world_size = spec.world_size
         self.timeout = datetime.timedelta(seconds=timeout)
-        self._store: Any = c10d.PrefixStore(f"elastic-moe/epoch-{spec.epoch}/", self._make_store())
+        deadline = time.monotonic() + timeout
+        self._aborted = aborted or (lambda: False)
+        self._store: Any = c10d.PrefixStore(
+            f"elastic-moe/epoch-{spec.epoch}/", self._make_store(deadline)
+        )
+        self.wait_for_members(deadline)
         self._pg: Any = self._make_backend(bind_host)
         self._destroyed = False
 
@@ -133,7 +168,39 @@ class StatelessGroup:
 
     # --- construction ---------------------------------------------------------------------
 
-    def _make_store(self) -> c10d.Store:
+    def wait_for_members(self, deadline: float) -> None:
+        """Announce this member in the store, then wait until every member has (or JoinAborted /
+        JoinTimeout)."""
+        self._store.set(f"members/{self.rank}", "1")
+        keys = [f"members/{r}" for r in range(self.world_size)]
+        pause = 0.002
+        while not self._store.check(keys):
+            self._check_join(deadline)
+            time.sleep(pause)
+            pause = min(pause * 2, MEMBER_POLL_SECONDS)
+
+    def _check_join(self, deadline: float) -> None:
+        if self._aborted():
+            raise JoinAborted(f"{self._what()}: the join was called off")
+        if time.monotonic() >= deadline:
+            missing = (
+                [r for r in range(self.world_size) if not self._store.check([f"members/{r}"])]
+                if getattr(self, "_store", None) is not None
+                else [0]
+            )
+            raise JoinTimeout(
+                f"{self._what()}: members {missing} did not join within "
+                f"{self.timeout.total_seconds():g}s",
+                missing=missing,
+            )
+
+    def _what(self) -> str:
+        return (
+            f"group of epoch {self.spec.epoch} (member {self.rank} of {self.world_size}, "
+            f"{self.spec.backend})"
+        )
+
+    def _make_store(self, deadline: float) -> c10d.Store:
         spec = self.spec
         if spec.store_path is not None:
             return c10d.FileStore(spec.store_path, spec.world_size)
@@ -145,15 +212,32 @@ class StatelessGroup:
                 listen.bind((spec.host, spec.port))
                 listen.listen(max(128, spec.world_size))
                 listen_fd = listen.detach()
+            # No wait for the workers here (it cannot be called off): wait_for_members does it.
             return c10d.TCPStore(
                 spec.host,
                 spec.port,
                 spec.world_size,
                 True,
                 self.timeout,
+                wait_for_workers=False,
                 master_listen_fd=listen_fd,
             )
-        return c10d.TCPStore(spec.host, spec.port, spec.world_size, False, self.timeout)
+        while True:  # short attempts, so that a call-off is seen while rank 0 is not there
+            attempt = min(CONNECT_ATTEMPT_SECONDS, max(0.05, deadline - time.monotonic()))
+            try:
+                store = c10d.TCPStore(
+                    spec.host,
+                    spec.port,
+                    spec.world_size,
+                    False,
+                    datetime.timedelta(seconds=attempt),
+                    wait_for_workers=False,
+                )
+            except (RuntimeError, TimeoutError):  # DistNetworkError / DistStoreError
+                self._check_join(deadline)
+                continue
+            store.set_timeout(self.timeout)
+            return store
 
     def _make_backend(self, bind_host: str | None) -> Any:
         spec = self.spec

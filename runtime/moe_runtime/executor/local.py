@@ -26,7 +26,7 @@ from typing import Any
 from moe_runtime import step as step_mod
 from moe_runtime import worker as worker_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import base
+from moe_runtime.executor import base, joins
 from moe_runtime.executor import health as health_mod
 
 log = logging.getLogger(__name__)
@@ -217,19 +217,37 @@ class LocalExecutor(base.Executor):
         background: bool = True,
     ) -> None:
         ranks = list(ranks)
+        with self._lock:
+            targets, workers = base.rpc_targets(
+                "join_group", ranks, active=self._active, members=self._workers
+            )
+        self._check_fenced(targets, workers, what="join_group")
+        by_label = dict(zip(targets, workers, strict=True))
+
+        def wait(pending: list[Any], timeout: float) -> list[Any]:
+            done, _ = concurrent.futures.wait(
+                pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            return list(done)
+
+        def result(label: int, future: Any) -> object:
+            return _gather([future], [label], what="join_group", timeout=0)[0]
+
+        def abort(labels: list[int]) -> None:
+            for label in labels:
+                by_label[label].abort_join(epoch)
+
+        calls = joins.JoinCalls(wait=wait, result=result, abort=abort, lost=self.lost_ranks)
         for role in base.GROUP_ROLES:
             spec = group_mod.GroupSpec.local(
                 len(ranks), epoch=epoch, backend=self._backend, directory=self._tmp
             )
-            self.collective_rpc(
-                "join_group",
-                spec,
-                ranks=ranks,
-                timeout=timeout,
-                background=background,
-                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
-                role=role,
-                group_timeout=timeout,
+            handles = {
+                r: self._submit(by_label[r].join_group, spec, i, role=role, group_timeout=timeout)
+                for i, r in enumerate(targets)
+            }
+            joins.gather_joins(
+                handles, calls, what=f"join_group (epoch {epoch}, {role})", timeout=timeout
             )
 
     def switch(

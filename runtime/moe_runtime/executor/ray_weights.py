@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import base, ray_actor, ray_transfer
+from moe_runtime.executor import base, joins, ray_actor, ray_transfer
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class GroupsAndWeights:
     _transfer_backend: group_mod.Backend
     _group_dir: str
     use_gpu: bool
+    lost_ranks: Callable[[], Mapping[int, Any]]  # the executor's (health.HealthMonitor)
     #: Weight moves between ranks of one node go through the object store (`ray_transfer`).
     shared_memory_moves: bool = True
 
@@ -81,15 +82,18 @@ class GroupsAndWeights:
                 )
                 spec = group_mod.GroupSpec.tcp(host, port, len(ranks), epoch=epoch, backend=backend)
             started = time.monotonic()
-            self.collective_rpc(
-                "join_group",
-                spec,
-                ranks=ranks,
+            lane = {"concurrency_group": ray_actor.CTL_LANE} if background else {}
+            handles = {
+                r: m.actor.execute_method.options(**lane).remote(
+                    "join_group", spec, rank=i, role=role, group_timeout=timeout
+                )
+                for i, (r, m) in enumerate(zip(ranks, members, strict=True))
+            }
+            joins.gather_joins(
+                handles,
+                self._join_calls(members, ranks, epoch),
+                what=f"join_group (epoch {epoch}, {role})",
                 timeout=timeout,
-                background=background,
-                per_rank={r: {"rank": i} for i, r in enumerate(ranks)},
-                role=role,
-                group_timeout=timeout,
             )
             log.info(
                 "epoch %d %s group over ranks %s built in %.2fs (%s)",
@@ -99,6 +103,28 @@ class GroupsAndWeights:
                 time.monotonic() - started,
                 "FileStore" if one_host else f"TCPStore {spec.host}:{spec.port}",
             )
+
+    def _join_calls(
+        self, members: Sequence[Any], ranks: Sequence[int], epoch: int
+    ) -> joins.JoinCalls[Any]:
+        actors = dict(zip(ranks, (m.actor for m in members), strict=True))
+
+        def wait(pending: list[Any], timeout: float) -> list[Any]:
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            return list(done)
+
+        def result(label: int, ref: Any) -> object:
+            return ray_actor.get_all([ref], [label], what="join_group", timeout=0)[0]
+
+        def abort(labels: list[int]) -> None:
+            health = {"concurrency_group": ray_actor.HEALTH_LANE}
+            refs = [
+                actors[r].execute_method.options(**health).remote("abort_join", epoch)
+                for r in labels
+            ]
+            ray.wait(refs, num_returns=len(refs), timeout=joins.ABORT_GRACE_SECONDS)
+
+        return joins.JoinCalls(wait=wait, result=result, abort=abort, lost=self.lost_ranks)
 
     # -- weight moves ----------------------------------------------------------------------
     def _actors_and_nodes(self, labels: Sequence[int]) -> tuple[dict[int, Any], dict[int, str]]:
