@@ -12,7 +12,8 @@ every failure path ends in a serving engine with the tokens of single-process ge
   changes its placement; a commit every rank makes moves them all;
 - a rank actor killed with SIGKILL (its pid from rank_infos) while requests run: the runtime
   shrinks around it, no request fails, and with autoRecover off it stays smaller until asked;
-  killed during a resize's Standby: the resize fails, the runtime recovers, nothing is left.
+  killed during a resize's Standby: the resize fails, the runtime recovers, nothing is left;
+  a grow's new rank killed before it joins the standby groups: the grow fails in seconds.
 
 One deployment for the module (DP 2, at most 3 ranks); each test first brings it to the size
 it starts from, so the tests do not depend on their order.
@@ -421,6 +422,42 @@ def test_a_killed_rank_is_shrunk_around_and_stays_smaller_without_auto_recover(
     dep.ensure(3)  # someone asks for the old size: the normal grow path
     assert [r for r in dep.elastic.status()["ranks"] if r["rank"] is None] == []
     assert_clean(dep, 3, reference)
+
+
+def test_a_new_rank_lost_before_it_joins_fails_the_grow_at_once(
+    dep: RayDeployment,
+    reference: dict[tuple[int, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The grow's new rank dies between its start and the standby groups (its pod was lost):
+    the grow fails within seconds naming it, not at the resize's rpc timeout, and the old size
+    serves on, clean; the next grow works."""
+    dep.ensure(2)
+    real = dep.executor.build_groups
+    killed: list[int] = []
+
+    def build_groups(ranks: Any, **kwargs: Any) -> None:
+        new = [r for r in ranks if r in dep.executor.pending_ranks]
+        if new and not killed:
+            killed.append(int(dep.executor.rank_infos()[new[-1]]["pid"]))
+            os.kill(killed[0], signal.SIGKILL)
+        real(ranks, **kwargs)
+
+    monkeypatch.setattr(dep.executor, "build_groups", build_groups)
+    with LongRequests(dep) as running:
+        record = dep.resize(3)
+    monkeypatch.undo()
+    running.check(reference)
+    assert killed, "the grow built no group over a new rank"
+    assert record.stage is stages.Stage.FAILED, record.message
+    assert "Standby failed" in record.message and "rank 2" in record.message, record.message
+    standby = [s for s in record.stages if s.stage is stages.Stage.STANDBY]
+    assert standby and standby[0].duration_s is not None and standby[0].duration_s < 30, standby
+    assert "serving at data parallel size 2" in record.message, record.message
+    assert_clean(dep, 2, reference)
+    dep.ensure(3)
+    got = [dep.generate(p, 16) for p in range(3)]
+    assert [g.token_ids for g in got] == [reference[(p, 16)] for p in range(3)]
 
 
 def test_a_rank_killed_during_a_resize_fails_the_resize_and_the_runtime_recovers(
