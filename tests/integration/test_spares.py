@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import ray
 
 from moe_runtime.elastic import settings, stages
 from moe_runtime.executor import ray_actor
@@ -102,6 +103,13 @@ def test_a_grow_the_spare_covers_skips_standby_and_the_spare_is_replaced(
     assert record.warm_spares == 1 and record.switch_pause_s is not None
     assert spare["pid"] in [i["pid"] for i in dep.executor.rank_infos().values()]
     assert os.getpriority(os.PRIO_PROCESS, spare["pid"]) == 0  # it serves now
+    # ... and so does the thread that runs its steps (every step waits for the slowest rank).
+    dep.generate(0, 4)
+    niceness = {
+        label: ray.get(dep.executor.actor(label).step_niceness.remote(), timeout=30)
+        for label in dep.executor.ranks
+    }
+    assert set(niceness.values()) == {0}, niceness
     (replacement,) = dep.wait_spares_ready()
     assert replacement["pid"] != spare["pid"]
     assert_spare_apart(dep)

@@ -98,6 +98,11 @@ class RankActor:
         self._step_thread = threading.get_native_id()
         return self.worker.execute_step(step)
 
+    def step_niceness(self) -> int | None:
+        """The niceness of the thread that runs this rank's steps (None before the first)."""
+        tid = self._step_thread
+        return None if tid is None else os.getpriority(os.PRIO_PROCESS, tid)
+
     # -- weights through the object store (`ray_transfer`, co-located ranks) ---------------
     def export_experts(self, keys: list[tuple[int, int]]) -> ray_transfer.PackedExperts:
         """Live experts `keys` for a co-located peer (the return value goes to shared memory)."""
