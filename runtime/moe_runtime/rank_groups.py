@@ -83,8 +83,6 @@ class RankGroups:
             with self._lock:
                 return epoch in self._aborted_joins
 
-        if aborted():
-            raise group_mod.JoinAborted(f"the join of epoch {epoch} was called off ({self._ctx()})")
         if group_timeout is None:
             built = group_mod.StatelessGroup(spec, rank, aborted=aborted)
         else:

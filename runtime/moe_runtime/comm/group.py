@@ -152,6 +152,7 @@ class StatelessGroup:
         self.timeout = datetime.timedelta(seconds=timeout)
         deadline = time.monotonic() + timeout
         self._aborted = aborted or (lambda: False)
+        self._check_join(deadline, missing=lambda: list(range(spec.world_size)))  # called off?
         self._store: Any = c10d.PrefixStore(
             f"elastic-moe/epoch-{spec.epoch}/", self._make_store(deadline)
         )
@@ -173,25 +174,27 @@ class StatelessGroup:
         JoinTimeout)."""
         self._store.set(f"members/{self.rank}", "1")
         keys = [f"members/{r}" for r in range(self.world_size)]
+
+        def missing() -> list[int]:
+            return [r for r, key in enumerate(keys) if not self._store.check([key])]
+
         pause = 0.002
         while not self._store.check(keys):
-            self._check_join(deadline)
+            self._check_join(deadline, missing=missing)
             time.sleep(pause)
             pause = min(pause * 2, MEMBER_POLL_SECONDS)
 
-    def _check_join(self, deadline: float) -> None:
+    def _check_join(self, deadline: float, *, missing: Callable[[], list[int]]) -> None:
+        """JoinAborted if called off; past the deadline, JoinTimeout naming `missing()` (the
+        group ranks not there)."""
         if self._aborted():
             raise JoinAborted(f"{self._what()}: the join was called off")
         if time.monotonic() >= deadline:
-            missing = (
-                [r for r in range(self.world_size) if not self._store.check([f"members/{r}"])]
-                if getattr(self, "_store", None) is not None
-                else [0]
-            )
+            absent = missing()
             raise JoinTimeout(
-                f"{self._what()}: members {missing} did not join within "
+                f"{self._what()}: members {absent} did not join within "
                 f"{self.timeout.total_seconds():g}s",
-                missing=missing,
+                missing=absent,
             )
 
     def _what(self) -> str:
@@ -234,7 +237,7 @@ class StatelessGroup:
                     wait_for_workers=False,
                 )
             except (RuntimeError, TimeoutError):  # DistNetworkError / DistStoreError
-                self._check_join(deadline)
+                self._check_join(deadline, missing=lambda: [0])  # rank 0's store is not up
                 continue
             store.set_timeout(self.timeout)
             return store

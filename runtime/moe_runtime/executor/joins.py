@@ -51,35 +51,38 @@ def gather_joins(
     """Wait for every member's join (`handles`: label -> its call); the first failure calls the
     rest off and is raised (see the module docstring). timeout: TimeoutError naming the members
     still joining past it (their joins are called off too)."""
-    by_handle = {id(h): label for label, h in handles.items()}
+    label_of = {h: label for label, h in handles.items()}  # refs and futures hash
     pending = list(handles.values())
     deadline = None if timeout is None else time.monotonic() + timeout
     failure: BaseException | None = None
     while pending and failure is None:
         left = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
         if left <= 0:
-            late = sorted(by_handle[id(h)] for h in pending)
+            late = sorted(label_of[h] for h in pending)
             failure = TimeoutError(f"{what}: ranks {late} did not join within {timeout}s")
             break
         done = calls.wait(pending, left)
-        pending = [h for h in pending if all(h is not d for d in done)]
+        pending = _without(pending, done)
         for handle in done:
             try:
-                calls.result(by_handle[id(handle)], handle)
+                calls.result(label_of[handle], handle)
             except Exception as exc:  # noqa: BLE001 - raised below, once the rest let go
                 failure = exc
                 break
         if failure is None:
-            lost = sorted(set(calls.lost()) & {by_handle[id(h)] for h in pending})
+            lost = sorted(set(calls.lost()) & {label_of[h] for h in pending})
             if lost:
                 failure = base.RankDied(f"{what}: ranks {lost} were lost while joining", ranks=lost)
     if failure is None:
         return
-    others = sorted(by_handle[id(h)] for h in pending)
-    if others:
-        calls.abort(others)
+    if pending:
+        calls.abort(sorted(label_of[h] for h in pending))
         grace = time.monotonic() + ABORT_GRACE_SECONDS
         while pending and time.monotonic() < grace:
-            done = calls.wait(pending, POLL_SECONDS)
-            pending = [h for h in pending if all(h is not d for d in done)]
+            pending = _without(pending, calls.wait(pending, POLL_SECONDS))
     raise failure
+
+
+def _without(pending: list[H], done: list[H]) -> list[H]:
+    finished = set(done)
+    return [h for h in pending if h not in finished]
