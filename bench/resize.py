@@ -237,7 +237,8 @@ def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> 
                     print(
                         f"  {record['from']}->{record['to']}: {record['duration_s']:.2f}s "
                         f"({record['expert_moves']} expert moves, "
-                        f"{record.get('experts_prestaged', 0)} pre-staged on spares)"
+                        f"{record.get('experts_prestaged', 0)} pre-staged on spares, "
+                        f"{record.get('experts_retained', 0)} retained by survivors)"
                     )
             settle = time.monotonic() + 10  # a little serving at the final size
             while time.monotonic() < settle:

@@ -123,12 +123,19 @@ class RankGroups:
                 raise RuntimeError(f"no {role} group for epoch {epoch} ({self._ctx()})")
             return self._groups[key], self._group_ranks[key]
 
-    def _drop_group(self, key: tuple[int, str]) -> None:
+    def _drop_group(self, key: tuple[int, str], *, wait: bool = True) -> None:
+        """Forget the group of `key` at once and destroy it: here, or with wait False in a
+        thread of its own (a gloo group whose peers are leaving takes up to ~0.5 s to close,
+        which a confirmed switch need not wait for)."""
         with self._lock:
             dropped = self._groups.pop(key, None)
             self._group_ranks.pop(key, None)
-        if dropped is not None:
+        if dropped is None:
+            return
+        if wait:
             dropped.destroy()
+        else:
+            threading.Thread(target=dropped.destroy, name=f"destroy-{key}", daemon=True).start()
 
     def groups(self) -> list[tuple[int, str]]:
         """The (epoch, role) of every group this rank holds."""

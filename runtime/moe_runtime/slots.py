@@ -7,7 +7,10 @@
   older epochs' groups) until `retire_previous`, so that `revert` can undo the change;
 - pre-staged: experts a future placement will give this rank, fetched ahead of a resize
   (`prestage_experts`: a warm spare, in the background); `stage_experts` takes them from there
-  instead of moving them again; forgotten when the rank is activated.
+  instead of moving them again; forgotten when the rank is activated;
+- retained: experts a confirmed change took off the live slots (`retention.Retained`, bounded
+  by the most the rank held live), kept for a later `stage_experts` (a shrink back after a
+  grow moves nothing for them; `retained_keys` tells the planner).
 
 A change of the live slots is all-or-nothing across ranks: `activate` runs on every rank
 between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
@@ -25,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from moe_runtime import retention
 from moe_runtime import staging as staging_mod
 from moe_runtime.comm import ep as ep_mod
 from moe_runtime.comm import group as group_mod
@@ -92,6 +96,7 @@ class ExpertSlots:
     _staged: Staged | None
     _previous: Live | None
     _prestaged: dict[tuple[int, int], mixtral.ExpertWeights]
+    _retained: retention.Retained
     _origin: int | None
     _groups: dict[tuple[int, str], group_mod.StatelessGroup]
     _lock: threading.RLock
@@ -108,7 +113,7 @@ class ExpertSlots:
     def _group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
         raise NotImplementedError
 
-    def _drop_group(self, key: tuple[int, str]) -> None:
+    def _drop_group(self, key: tuple[int, str], *, wait: bool = True) -> None:
         raise NotImplementedError
 
     def _require_epoch(self) -> int:
@@ -153,6 +158,7 @@ class ExpertSlots:
         held = self._held_experts()
         with self._lock:
             prestaged = dict(self._prestaged)
+            retained = dict(self._retained.experts)
         stats, received = self._run_moves(grp, moves, held, cfg)
         self._check_fail("stage_experts")
         if new_rank is None:
@@ -172,7 +178,7 @@ class ExpertSlots:
             new_placement,
             rank=new_rank,
             num_ranks=new_num_ranks,
-            available={**prestaged, **held, **received, **(provided or {})},
+            available={**retained, **prestaged, **held, **received, **(provided or {})},
             source=src,
             dtype=self.dtype,
             device=self.device,
@@ -279,6 +285,11 @@ class ExpertSlots:
             self._prestaged = {k: w for k, w in self._prestaged.items() if k in wanted}
             return len(self._prestaged)
 
+    def retained_keys(self) -> list[tuple[int, int]]:
+        """The (layer, logical) keys of the retained experts (module docstring)."""
+        with self._lock:
+            return self._retained.keys()
+
     def held_experts(self, keys: Sequence[tuple[int, int]]) -> staging_mod.Experts:
         """{(layer, logical): weights} of the live slots for `keys` (what a peer asked for);
         a key this rank does not hold is an error naming it."""
@@ -340,14 +351,21 @@ class ExpertSlots:
         return True
 
     def retire_previous(self) -> None:
-        """The last change is confirmed: forget the previous state and destroy the groups of
-        epochs older than the active one."""
+        """The last change is confirmed: forget the previous state (retaining the experts it
+        served that the live slots do not) and destroy the groups of epochs older than the
+        active one (in the background: nothing waits for their peers to close)."""
         with self._lock:
-            self._previous = None
+            previous, self._previous = self._previous, None
+            if previous is not None:
+                before = staging_mod.held_experts(
+                    previous.placement, previous.rank, previous.num_ranks, previous.experts
+                )
+                count = self._retained.absorb(before, self._held_experts())
+                log.debug("retaining %d experts (%s)", count, self._ctx())
             active = self.epoch
             old_keys = [key for key in self._groups if active is not None and key[0] < active]
         for key in old_keys:
-            self._drop_group(key)
+            self._drop_group(key, wait=False)  # nothing uses them: closed in the background
 
     # -- activation ----------------------------------------------------------------------
     def activate(

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from moe_runtime import faults, rank_groups, sampling
+from moe_runtime import faults, rank_groups, retention, sampling
 from moe_runtime import slots as slots_mod
 from moe_runtime import staging as staging_mod
 from moe_runtime import step as step_mod
@@ -90,6 +90,7 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         self._staged: slots_mod.Staged | None = None
         self._previous: slots_mod.Live | None = None
         self._prestaged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        self._retained = retention.Retained()
         self._origin: int | None = None
         self._fail: dict[str, str] = {}
         self._stall: dict[str, float] = {}
@@ -144,6 +145,7 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
                 "phy2log": None if placement is None else placement.phy2log.tolist(),
                 "staged": self._staged is not None,
                 "prestaged": len(self._prestaged),
+                "retained": len(self._retained),
                 "previous": self._previous is not None,
                 "group_epochs": sorted({epoch for epoch, _ in self._groups}),
             }
@@ -199,6 +201,7 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
             self.rank = rank
             self.num_ranks = num_ranks
             self.total_load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+            self._retained.reset(experts.values() if placeholder else ())
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
         nbytes += sum(w.nbytes for w in experts.values())
         log.info(
@@ -355,13 +358,15 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         return None if self.total_load is None else self.total_load.clone()
 
     def shutdown(self) -> None:
-        """Destroy every group and drop weights."""
+        """Destroy every group (in the background: the process is about to stop, nothing
+        waits for its peers to close) and drop weights."""
         with self._lock:
             keys = list(self._groups)
         for key in keys:
-            self._drop_group(key)
+            self._drop_group(key, wait=False)
         with self._lock:
             self._backend = None
             self._staged = None
             self._previous = None
+            self._retained.reset()
         log.info("shut down (%s)", self._ctx())

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from moe_runtime import staging
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, service, serving, stages
 from moe_runtime.engine import core
@@ -44,6 +45,7 @@ class Deployment:
         *,
         max_experts_per_rank: int | None = None,
         weight_source: str = "peer",
+        eplb_min_gain: float = 0.02,
     ) -> None:
         src = source_mod.open_source(SOURCE)
         self.cfg = src.config
@@ -65,6 +67,7 @@ class Deployment:
                 source=SOURCE,
                 eplb_step_interval=40,
                 eplb_window_size=40,
+                eplb_min_gain=eplb_min_gain,
                 weight_source=weight_source,
             ),
             limits=coordinator.Limits(
@@ -203,6 +206,72 @@ def test_shrink_moves_long_generations_off_departing_ranks(
     assert sorted(i["rank"] for i in record.freed) == [2, 3]
     assert {p: r.token_ids for p, r in results.items()} == {p: reference[(p, 24)] for p in range(8)}
     assert all(r.error is None for r in results.values())
+
+
+def test_a_shrink_back_after_a_grow_copies_no_expert(
+    reference: dict[tuple[int, int], list[int]],
+) -> None:
+    """The survivors retain the experts a grow took off them: 2→4→2→4→2 under load, each
+    shrink takes the placement of size 2 again and moves no expert, and every answer is the
+    greedy reference."""
+    dep = Deployment(2, eplb_min_gain=1.0)  # no EPLB commit: size 2's placement always fits
+    try:
+        at_two = dep.elastic.rebalancer.serving.placement
+        workers = (dep.executor.worker(0), dep.executor.worker(1))
+
+        def held(w: Any) -> set[tuple[int, int]]:  # (layer, logical) experts it serves with
+            return set(staging.held_experts(w.placement, w.rank, w.num_ranks, w.experts))
+
+        before = [held(w) for w in workers]
+        with Load(dep, reference, clients=4) as load:
+            for _ in range(2):
+                grow = resize(dep, 4)
+                assert grow.expert_moves > 0 and grow.experts_retained == 0
+                deadline = time.monotonic() + 30  # the grow is confirmed by its Reshuffling
+                while any(w.live_state()["retained"] == 0 for w in workers):
+                    assert time.monotonic() < deadline, "the survivors retained nothing"
+                    time.sleep(0.01)
+                for w, at_two_held in zip(workers, before, strict=True):
+                    kept = set(w.retained_keys())
+                    assert kept >= at_two_held - held(w) and not kept & held(w)  # given away
+                at_four = [held(w) for w in workers]
+                shrink = resize(dep, 2)
+                assert shrink.expert_moves == 0 and shrink.bytes_expert == 0
+                assert shrink.experts_retained == shrink.expert_moves_lower_bound > 0
+                assert dep.elastic.rebalancer.serving.placement.equals(at_two)
+                for w, at_two_held, at_four_held in zip(workers, before, at_four, strict=True):
+                    assert held(w) == at_two_held  # all it gave away serves again, ...
+                    assert set(w.retained_keys()) >= at_four_held - at_two_held  # ... and back
+            deadline = time.monotonic() + 60
+            while load.ok < 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert load.failed == []
+        assert load.ok >= 20
+    finally:
+        dep.close()
+
+
+def test_a_shrink_to_a_placement_that_no_longer_fits_takes_a_fresh_one(
+    reference: dict[tuple[int, int], list[int]],
+) -> None:
+    """With no tolerance for a worse balance, the shrink back balances afresh: it moves what
+    the survivors do not retain, and answers stay the greedy reference."""
+    dep = Deployment(2, eplb_min_gain=0.0)
+    try:
+        at_two = dep.elastic.rebalancer.serving.placement
+        with Load(dep, reference, clients=3) as load:
+            resize(dep, 4)
+            shrink = resize(dep, 2)
+            deadline = time.monotonic() + 60
+            while load.ok < 10 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert not dep.elastic.rebalancer.serving.placement.equals(at_two)
+        assert shrink.experts_retained > 0 and shrink.expert_moves > 0
+        assert shrink.expert_moves + shrink.experts_retained == shrink.expert_moves_lower_bound
+        assert load.failed == []
+        assert load.ok >= 10
+    finally:
+        dep.close()
 
 
 def test_injected_failure_leaves_old_size_serving_and_next_resize_works(

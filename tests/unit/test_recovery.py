@@ -232,7 +232,7 @@ def test_a_recovery_is_the_current_record_and_joins_the_history() -> None:
         "detection_s": pytest.approx(0.2),
         "recovery_s": 1.5,
         "ranks_lost": info.ranks_lost,
-        "experts_restored": {"from_replicas": 0, "from_source": 12},
+        "experts_restored": {"from_replicas": 0, "from_source": 12, "from_retained": 0},
         "requests_rerun": 4,
     }
 
@@ -240,14 +240,16 @@ def test_a_recovery_is_the_current_record_and_joins_the_history() -> None:
 # ------------------------------------------------ a shrink around a fenced in-process rank
 
 
-def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> None:
-    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(6)]
-    torch.set_num_threads(1)
-    want = mixtral.generate_greedy(SOURCE, prompts, 24)
+def _deployment(
+    size: int, **config: Any
+) -> tuple[local.LocalExecutor, core.Engine, service.ElasticService, policy.Placement]:
+    """An in-process deployment of `size` ranks (identity placement, no EPLB, no
+    autoRecover, sizes 1..3), its engine started."""
     src = source_mod.open_source(SOURCE)
     cfg = src.config
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, 9, 3)
-    ex = local.LocalExecutor(3)
+    physical = policy.num_physical_for(cfg.num_experts, size)
+    placement = policy.identity(cfg.num_layers, cfg.num_experts, physical, size)
+    ex = local.LocalExecutor(size)
     ex.start(SOURCE, placement=placement)
     engine = core.Engine(ex, src.tokenizer(), core.EngineConfig(max_model_len=512))
     elastic = service.ElasticService.attach(
@@ -255,24 +257,41 @@ def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> No
         executor=ex,
         model_config=cfg,
         placement=placement,
-        config=serving.ElasticConfig(source=SOURCE, eplb_enabled=False, auto_recover=False),
+        config=serving.ElasticConfig(
+            source=SOURCE, eplb_enabled=False, auto_recover=False, **config
+        ),
         limits=coordinator.Limits(min_size=1, max_size=3, num_experts=cfg.num_experts),
     )
     engine.start()
-    try:
-        handles = [
-            engine.add_request(
-                req_mod.Request(
-                    request_id=f"r{i}",
-                    prompt_token_ids=p,
-                    sampling=step_mod.SamplingParams(),
-                    max_tokens=24,
-                    ignore_eos=True,
-                )
+    return ex, engine, elastic, placement
+
+
+def _submit(engine: core.Engine, prompts: list[list[int]]) -> list[Any]:
+    """Seeded-sampling requests of 24 tokens for `prompts`, once the engine has stepped a few
+    times (they are running when the test fences a rank)."""
+    handles = [
+        engine.add_request(
+            req_mod.Request(
+                request_id=f"r{i}",
+                prompt_token_ids=p,
+                sampling=step_mod.SamplingParams(),
+                max_tokens=24,
+                ignore_eos=True,
             )
-            for i, p in enumerate(prompts)
-        ]
-        _poll(lambda: engine.stats().step_count >= 4, "a few steps")
+        )
+        for i, p in enumerate(prompts)
+    ]
+    _poll(lambda: engine.stats().step_count >= 4, "a few steps")
+    return handles
+
+
+def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> None:
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(6)]
+    torch.set_num_threads(1)
+    want = mixtral.generate_greedy(SOURCE, prompts, 24)
+    ex, engine, elastic, _ = _deployment(3)
+    try:
+        handles = _submit(engine, prompts)
         ex.fence([1], reason="test")
         got = [h.result(DEADLINE) for h in handles]
         assert [g.error for g in got] == [None] * len(prompts)
@@ -285,6 +304,37 @@ def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> No
         lost = [r for r in status["ranks"] if r["rank"] is None]
         assert lost and lost[0]["lost_rank"] == 1 and not lost[0]["healthy"]
         assert elastic.readiness() == (True, "serving")
+    finally:
+        elastic.close()
+        engine.stop()
+        ex.shutdown()
+
+
+def test_a_rank_lost_after_a_grow_heals_from_what_the_survivors_retain() -> None:
+    """2 -> 3, then the new rank is lost under load: the survivors take size 2's placement
+    again, whose experts they retain, so nothing is copied or read from the model source."""
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(4 + i)] for i in range(6)]
+    torch.set_num_threads(1)
+    want = mixtral.generate_greedy(SOURCE, prompts, 24)
+    # no tolerance limit: size 2's placement always fits the load
+    ex, engine, elastic, placement = _deployment(2, eplb_min_gain=1.0)
+    try:
+        grow = elastic.coordinator.request(3)
+        assert elastic.coordinator.wait(grow, timeout=DEADLINE) and grow.succeeded, grow.message
+        _poll(lambda: all(ex.worker(r).live_state()["retained"] for r in (0, 1)), "retained")
+        handles = _submit(engine, prompts)
+        ex.fence([2], reason="test")
+        got = [h.result(DEADLINE) for h in handles]
+        assert [g.error for g in got] == [None] * len(prompts)
+        assert [g.token_ids for g in got] == want
+        status = elastic.status()
+        assert status["data_parallel_size"] == 2
+        (rec,) = [h for h in status["history"] if h["kind"] == "recovery"]
+        assert rec["stage"] == "Completed", rec["message"]
+        restored = rec["recovery"]["experts_restored"]
+        assert restored["from_source"] == 0 and restored["from_retained"] > 0, restored
+        assert rec["expert_moves"] == 0 and rec["bytes_moved"]["expert"] == 0
+        assert elastic.rebalancer.serving.placement.equals(placement)
     finally:
         elastic.close()
         engine.stop()

@@ -1,4 +1,6 @@
-"""Dynamic EPLB while serving, and the expert staging that resizes and recoveries share.
+"""Dynamic EPLB while serving, and the expert staging that resizes and recoveries share
+(`stage_experts`; `outstanding`: the moves left once ranks' retained and pre-staged experts
+are counted, `retained_keys`).
 
 A rebalance is prepare-then-commit, all or nothing across ranks:
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from moe_runtime import step as step_mod
@@ -34,8 +36,54 @@ from moe_runtime.executor import base as executor_base
 log = logging.getLogger(__name__)
 
 
+Key = tuple[int, int]
+
+
 class CommitRefused(RuntimeError):
     """An EPLB commit that some rank could not make: no rank changed its placement."""
+
+
+def outstanding(
+    planned: Sequence[moves_mod.ExpertMove],
+    members: Sequence[int],
+    prestaged: Mapping[int, set[Key]],
+    retained: Mapping[int, set[Key]],
+) -> tuple[list[moves_mod.ExpertMove], int, int]:
+    """The moves of `planned` still needed when each member (label; member i = rank i of the
+    moves) already holds the keys it has `prestaged` or `retained`; also how many each of those
+    made unneeded. Pure."""
+    moves: list[moves_mod.ExpertMove] = []
+    by_prestage = by_retention = 0
+    for m in planned:
+        key, dst = (m.layer, m.logical), members[m.dst_rank]
+        if key in prestaged.get(dst, ()):
+            by_prestage += 1
+        elif key in retained.get(dst, ()):
+            by_retention += 1
+        else:
+            moves.append(m)
+    return moves, by_prestage, by_retention
+
+
+def retained_keys(
+    executor: executor_base.Executor,
+    labels: Iterable[int],
+    *,
+    timeout: float,
+    background: bool = True,
+) -> dict[int, set[Key]]:
+    """label -> the (layer, logical) keys it retains (`moe_runtime.retention`), for the
+    serving ranks among `labels` (a rank started by a resize retains nothing)."""
+    ranks = sorted(set(labels) & set(executor.ranks))
+    if not ranks:
+        return {}
+    answers = executor.collective_rpc(
+        "retained_keys", ranks=ranks, timeout=timeout, background=background
+    )
+    return {
+        label: {(int(a), int(b)) for a, b in keys}
+        for label, keys in zip(ranks, answers, strict=True)
+    }
 
 
 def stage_experts(
@@ -165,13 +213,17 @@ class Rebalancer:
         if not force and after - before < self.config.eplb_min_gain:
             self.last_rebalance = result
             return result
-        moves = moves_mod.plan_moves(old, target, old_num_ranks=n, new_num_ranks=n)
-        if not moves and target.equals(old):
+        planned = moves_mod.plan_moves(old, target, old_num_ranks=n, new_num_ranks=n)
+        if not planned and target.equals(old):
             self.last_rebalance = result
             return result
         started = time.monotonic()
         staging_id = self.serving.take_stage()
         members = self.executor.ranks
+        held = retained_keys(
+            self.executor, {members[m.dst_rank] for m in planned}, timeout=self.config.rpc_timeout
+        )
+        moves, _, kept = outstanding(planned, members, {}, held)
         nbytes = stage_experts(
             self.executor,
             epoch=self.serving.epoch,
@@ -196,12 +248,14 @@ class Rebalancer:
         if record is not None:
             record.bytes_expert += nbytes
             record.expert_moves += len(moves)
+            record.experts_retained += kept
         log.info(
-            "EPLB: balancedness %.3f -> %.3f, %d expert moves (%d B) in %.2fs",
+            "EPLB: balancedness %.3f -> %.3f, %d expert moves (%d B; %d retained) in %.2fs",
             before,
             after,
             len(moves),
             nbytes,
+            kept,
             result["seconds"],
         )
         return result

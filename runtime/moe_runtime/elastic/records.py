@@ -45,8 +45,9 @@ class RecoveryInfo:
     last_heartbeat_at: the lost ranks' last answered heartbeat (the loss happened after it);
     detected_at: when the runtime knew; recovered_at: when the survivors served again.
     ranks_lost: {"rank", "pod", "node_id", "pid", "reason"} of each lost rank (labels before
-    the recovery). experts_restored: lost experts that survivors also held (from_replicas) and
-    those read from the model source (from_source). requests_rerun: sequences that were on the
+    the recovery). experts_restored: lost experts that survivors also held (from_replicas),
+    those read from the model source (from_source) and those the survivors that needed them
+    retained from an earlier placement (from_retained: no read, no copy). requests_rerun: sequences that were on the
     lost ranks and re-ran on survivors from prompt + generated tokens.
     """
 
@@ -56,6 +57,7 @@ class RecoveryInfo:
     ranks_lost: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     experts_from_replicas: int = 0
     experts_from_source: int = 0
+    experts_from_retained: int = 0
     requests_rerun: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -70,6 +72,7 @@ class RecoveryInfo:
             "experts_restored": {
                 "from_replicas": self.experts_from_replicas,
                 "from_source": self.experts_from_source,
+                "from_retained": self.experts_from_retained,
             },
             "requests_rerun": self.requests_rerun,
         }
@@ -85,7 +88,9 @@ class ResizeRecord:
     switch_pause_s: how long the switch held the step loop (its boundary call: no step ran);
     warm_spares: how many warm spare ranks a grow took; experts_prestaged: expert moves of
     the placement change that the warm spares made unneeded (they held those experts
-    pre-staged: expert_moves + experts_prestaged >= expert_moves_lower_bound).
+    pre-staged); experts_retained: the moves that ranks made unneeded by retaining those
+    experts from an earlier placement (a shrink back after a grow: `retention`).
+    expert_moves + experts_prestaged + experts_retained >= expert_moves_lower_bound.
     """
 
     resize_id: str
@@ -105,6 +110,7 @@ class ResizeRecord:
     expert_moves: int = 0
     expert_moves_lower_bound: int = 0
     experts_prestaged: int = 0
+    experts_retained: int = 0
     blackout_s: float = 0.0
     balancedness_before: float | None = None
     balancedness_after: float | None = None
@@ -166,6 +172,7 @@ class ResizeRecord:
                 "expert_moves": self.expert_moves,
                 "expert_moves_lower_bound": self.expert_moves_lower_bound,
                 "experts_prestaged": self.experts_prestaged,
+                "experts_retained": self.experts_retained,
                 "blackout_s": self.blackout_s,
                 "balancedness": {
                     "before": self.balancedness_before,

@@ -165,13 +165,14 @@ class Recovery:
         self.coordinator.end_recovery(record)
         log.warning(
             "recovery %s: serving at %d ranks %.2fs after the loss was detected "
-            "(%d sequences re-run, experts %d from replicas, %d from the source)",
+            "(%d sequences re-run, experts %d from replicas, %d from the source, %d retained)",
             record.resize_id,
             len(survivors),
             info.recovered_at - info.detected_at,
             info.requests_rerun,
             info.experts_from_replicas,
             info.experts_from_source,
+            info.experts_from_retained,
         )
 
     def _shrink(
@@ -190,6 +191,7 @@ class Recovery:
         info.requests_rerun += len(moved)
         record.sequences_migrated += len(moved)
         self.serving.generation += 1  # a resize or rebalance planned before this is stale
+        left, self.serving.left = self.serving.left, {}  # the survivors are renumbered
         if self.serving.committing is not None:
             self.executor.collective_rpc(
                 "revert", self.serving.committing, ranks=survivors, timeout=timeout
@@ -207,17 +209,22 @@ class Recovery:
                 self.model_config.num_experts, n, self.config.num_redundant_experts
             ),
         )
+        # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
+        retained = rebalance.retained_keys(
+            self.executor, survivors, timeout=timeout, background=False
+        )
+        target, moves, reads = self._choose(plan, left, survivors, old_n, retained)
         info.experts_from_replicas = plan.from_replicas
-        info.experts_from_source = plan.from_source
-        record.expert_moves += len(plan.moves)
+        info.experts_from_source, info.experts_from_retained = reads
+        record.expert_moves += len(moves)
         epoch = self.serving.take_epoch()
         # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
         self.executor.build_groups(survivors, epoch=epoch, timeout=timeout, background=False)
         record.bytes_expert += rebalance.stage_experts(
             self.executor,
             epoch=epoch,
-            moves=plan.moves,
-            target=plan.target,
+            moves=moves,
+            target=target,
             members=survivors,
             new_num_ranks=n,
             staging_id=None,
@@ -226,14 +233,78 @@ class Recovery:
             from_source=True,
         )
         self.executor.switch(
-            survivors, epoch=epoch, placement=plan.target, timeout=self.config.switch_timeout
+            survivors, epoch=epoch, placement=target, timeout=self.config.switch_timeout
         )
-        self.serving.placement, self.serving.num_ranks, self.serving.epoch = plan.target, n, epoch
+        self.serving.placement, self.serving.num_ranks, self.serving.epoch = target, n, epoch
         # Confirmed: the old groups go in the background (destroying one with a dead peer takes
         # ~0.5 s) while the survivors serve.
         self.executor.collective_rpc_async("retire_previous", ranks=list(range(n)))
         self.engine.set_active_ranks(survivors).result()
         self.engine.relabel_ranks({old: new for new, old in enumerate(survivors)}).result()
+
+    def _choose(
+        self,
+        plan: moves_mod.RecoveryPlan,
+        left: dict[int, policy.Placement],
+        survivors: list[int],
+        old_n: int,
+        retained: dict[int, set[rebalance.Key]],
+    ) -> tuple[policy.Placement, list[moves_mod.ExpertMove], tuple[int, int]]:
+        """The survivors' placement, its moves (less what they retain) and its source reads
+        (`_source_reads`): the recovery plan's, or, when the lost ranks were the highest (the
+        survivors keep their ranks) and this size served before (`Serving.left`), that size's
+        placement if it fits the load and costs fewer copies and reads: a rank lost after a
+        grow then heals like a shrink back, from what the survivors retain."""
+        n = len(survivors)
+        fresh = (plan.target, plan.moves)
+        options = [fresh]
+        earlier = left.get(n) if survivors == list(range(n)) else None
+        if earlier is not None and earlier.num_physical == plan.target.num_physical:
+            load = self.load.total()
+            gain = policy.balancedness(load, plan.target, n) - policy.balancedness(load, earlier, n)
+            if gain < 2 * self.config.eplb_min_gain:
+                planned = moves_mod.plan_moves(
+                    self.serving.placement,
+                    earlier,
+                    old_num_ranks=old_n,
+                    new_num_ranks=n,
+                    senders=range(n),
+                )
+                options.append((earlier, planned))
+        best: tuple[int, policy.Placement, list[moves_mod.ExpertMove], tuple[int, int]] | None
+        best = None
+        for target, planned in options:
+            moves = rebalance.outstanding(planned, survivors, {}, retained)[0]
+            reads = self._source_reads(target, plan.lost_only, survivors, retained)
+            cost = len(moves) + reads[0]
+            if best is None or cost < best[0]:
+                best = (cost, target, moves, reads)
+        assert best is not None
+        if best[1] is not plan.target:
+            log.info(
+                "recovery: the placement size %d served with costs %d copies/reads", n, best[0]
+            )
+        return best[1], best[2], best[3]
+
+    @staticmethod
+    def _source_reads(
+        target: policy.Placement,
+        lost_only: frozenset[rebalance.Key],
+        survivors: list[int],
+        retained: dict[int, set[rebalance.Key]],
+    ) -> tuple[int, int]:
+        """(experts only the lost ranks held that some survivor must read from the model
+        source under `target`, those that every survivor needing them retains)."""
+        n = len(survivors)
+        read: set[rebalance.Key] = set()
+        kept: set[rebalance.Key] = set()
+        for i, label in enumerate(survivors):
+            for layer in range(target.num_layers):
+                for logical in target.experts_on_rank(layer, i, n):
+                    key = (layer, logical)
+                    if key in lost_only:
+                        (kept if key in retained.get(label, ()) else read).add(key)
+        return len(read), len(kept - read)
 
     # -- grow back -----------------------------------------------------------------------
     def _grow_back_loop(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from moe_runtime.elastic import rebalance, records
@@ -25,6 +25,8 @@ from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
 from moe_runtime.model import config as config_mod
+
+Key = rebalance.Key
 
 
 @dataclasses.dataclass
@@ -143,18 +145,20 @@ class ResizeBase:
         target: policy.Placement,
         new_num_ranks: int,
         record: records.ResizeRecord,
+        retained: Mapping[int, set[Key]] | None = None,
     ) -> None:
         """Stage `target` on the members of epoch's transfer group (member i = rank i); a move
-        to a member that holds its expert pre-staged (`plan.prestaged`) is left out."""
+        to a member that holds its expert already beside its live slots is left out: a warm
+        spare's pre-staged experts (`plan.prestaged`), a serving rank's retained ones
+        (`retained`, asked from the serving members when not given)."""
         planned = moves_mod.plan_moves(
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )
-        moves = [
-            m
-            for m in planned
-            if (m.layer, m.logical) not in plan.prestaged.get(members[m.dst_rank], ())
-        ]
-        record.experts_prestaged += len(planned) - len(moves)
+        if retained is None:
+            retained = self._retained_keys({members[m.dst_rank] for m in planned})
+        moves, prestaged, kept = rebalance.outstanding(planned, members, plan.prestaged, retained)
+        record.experts_prestaged += prestaged
+        record.experts_retained += kept
         record.expert_moves += len(moves)
         record.expert_moves_lower_bound += moves_mod.lower_bound_moves(
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
@@ -170,6 +174,9 @@ class ResizeBase:
             staging_id=None,
             timeout=self.config.rpc_timeout,
         )
+
+    def _retained_keys(self, labels: Iterable[int]) -> dict[int, set[Key]]:
+        return rebalance.retained_keys(self.executor, labels, timeout=self.config.rpc_timeout)
 
     def _switch(
         self,
@@ -201,6 +208,7 @@ class ResizeBase:
             # if the switch is undone, as ranks left out of a switch above its size do).
             plan.new_labels = list(range(plan.from_size, len(members)))
             plan.from_pool = [members.index(r) for r in plan.from_pool if r in members]
+            self.serving.left[plan.from_size] = self.serving.placement
             self.serving.placement = target
             self.serving.num_ranks = plan.to_size
             self.serving.epoch = plan.epoch

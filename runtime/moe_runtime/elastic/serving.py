@@ -65,6 +65,9 @@ class Serving:
     generation: bumped by every recovery, so a resize or rebalance that began before one knows
     that what it planned from is gone (it then only releases what it allocated). committing:
     the staging id of an EPLB commit whose step is in flight (a recovery reverts it first).
+    left: size -> the placement that size served with when a resize left it (ranks keep their
+    index across resizes; a recovery, which renumbers them, clears it): a shrink back to that
+    size may take it again, its ranks retain those experts (`retention`).
     """
 
     placement: policy.Placement
@@ -74,6 +77,7 @@ class Serving:
     next_stage: int = 1_000
     generation: int = 0
     committing: int | None = None
+    left: dict[int, policy.Placement] = dataclasses.field(default_factory=dict)
     _ids: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
     )

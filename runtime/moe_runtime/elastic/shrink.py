@@ -3,7 +3,9 @@
 The highest ranks leave.
 - Reshuffling: the placement for the N survivors is staged on them (experts on departing
   ranks are copied to survivors first; the live placement keeps serving); the survivors build
-  the next epoch's groups in the background.
+  the next epoch's groups in the background. A survivor copies nothing it retains
+  (`retention`); shrinking back to a size it served at, it may take that size's placement
+  again (`_shrink_target`), whose experts the survivors retain.
 - Migrating: departing ranks take no new sequence; the sequences on them get up to the
   record's `drain_timeout_s` to finish there (`drain_timeout` of the request, else
   `--drain-timeout`), then the rest move to survivors at a step boundary and are re-prefilled
@@ -17,7 +19,9 @@ from __future__ import annotations
 import logging
 import time
 
-from moe_runtime.elastic import records, resize_base
+from moe_runtime.elastic import rebalance, records, resize_base
+from moe_runtime.eplb import moves as moves_mod
+from moe_runtime.eplb import policy
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,8 @@ class ShrinkStages(resize_base.ResizeBase):
         plan.departing = members[plan.to_size :]
         survivors = members[: plan.to_size]
         old = self.serving.placement
-        plan.target = self.target_for(plan.from_size, plan.to_size)
+        retained = self._retained_keys(survivors)
+        plan.target = self._shrink_target(plan, members, retained)
         self._stage_experts(
             plan,
             epoch=self.serving.epoch,
@@ -42,9 +47,45 @@ class ShrinkStages(resize_base.ResizeBase):
             target=plan.target,
             new_num_ranks=plan.to_size,
             record=record,
+            retained=retained,
         )
         plan.groups_on = list(survivors)
         self.executor.build_groups(survivors, epoch=plan.epoch, timeout=self.config.rpc_timeout)
+
+    def _shrink_target(
+        self,
+        plan: resize_base.Plan,
+        members: list[int],
+        retained: dict[int, set[resize_base.Key]],
+    ) -> policy.Placement:
+        """A fresh target for the survivors, or the placement this size served with when a
+        resize left it (`Serving.left`; a shrink back after a grow) when that still fits the
+        load and needs fewer moves: the survivors retain its experts, so usually none."""
+        fresh = self.target_for(plan.from_size, plan.to_size)
+        earlier = self.serving.left.get(plan.to_size)
+        if earlier is None or earlier.num_physical != fresh.num_physical:
+            return fresh
+        if not self.fits(earlier, plan.from_size, plan.to_size):
+            log.info("shrink to %d: the placement it served with no longer fits", plan.to_size)
+            return fresh
+
+        def needed(target: policy.Placement) -> int:
+            planned = moves_mod.plan_moves(
+                self.serving.placement,
+                target,
+                old_num_ranks=plan.from_size,
+                new_num_ranks=plan.to_size,
+            )
+            return len(rebalance.outstanding(planned, members, {}, retained)[0])
+
+        before, now = needed(earlier), needed(fresh)
+        log.info(
+            "shrink to %d: the placement it served with needs %d moves, a fresh one %d",
+            plan.to_size,
+            before,
+            now,
+        )
+        return earlier if before < now else fresh
 
     def _down_migrate(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
         plan.migrated = True  # from here on, rollback clears the draining marks
@@ -75,10 +116,17 @@ class ShrinkStages(resize_base.ResizeBase):
 
     def _down_switch(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
         def migrate_late() -> None:
-            # Sequences still on departing ranks (none after Migrating, unless one arrived
-            # between the two boundaries) move now, in the same pause.
+            # Sequences still on departing ranks move now, in the same pause: all of them
+            # without a drain, else any that arrived between the two boundaries.
             late = self.engine.migrate_from(plan.departing).result()
             record.sequences_migrated += len(late)
+            if late:
+                log.info(
+                    "resize %s: migrated %d sequences off ranks %s in the switch",
+                    record.resize_id,
+                    len(late),
+                    plan.departing,
+                )
 
         self._switch(plan, self.executor.ranks[: plan.to_size], record, before=migrate_late)
 

@@ -145,13 +145,15 @@ class RecoveryPlan:
     target: the placement over the survivors (survivor i becomes rank i); moves: transfers
     between survivors (src_rank / dst_rank are those new ranks); from_replicas: (layer, logical)
     pairs the lost ranks held that a survivor holds too (redundant replicas); from_source: pairs
-    only the lost ranks held (the survivors that need them read them from the model source).
+    only the lost ranks held (the survivors that need them read them from the model source, or
+    take a copy they retain); lost_only: those (layer, logical) pairs.
     """
 
     target: policy.Placement
     moves: list[ExpertMove]
     from_replicas: int
     from_source: int
+    lost_only: frozenset[tuple[int, int]] = frozenset()
 
 
 def plan_recovery(
@@ -181,13 +183,14 @@ def plan_recovery(
         load, view, old_num_ranks=old_num_ranks, new_num_ranks=n, num_physical=num_physical
     )
     moves = plan_moves(view, target, old_num_ranks=old_num_ranks, new_num_ranks=n, senders=range(n))
-    from_replicas = from_source = 0
-    for layer_sets in _holders(view, old_num_ranks):
+    from_replicas = 0
+    lost_only: set[tuple[int, int]] = set()
+    for layer, layer_sets in enumerate(_holders(view, old_num_ranks)):
         kept = set().union(*layer_sets[:n])
         lost = set().union(*layer_sets[n:])
         from_replicas += len(lost & kept)
-        from_source += len(lost - kept)
-    return RecoveryPlan(target, moves, from_replicas, from_source)
+        lost_only |= {(layer, e) for e in lost - kept}
+    return RecoveryPlan(target, moves, from_replicas, len(lost_only), frozenset(lost_only))
 
 
 def bytes_moved(moves: list[ExpertMove], bytes_per_expert: int) -> int:
