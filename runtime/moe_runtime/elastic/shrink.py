@@ -9,7 +9,9 @@ The highest ranks leave.
 - Migrating: departing ranks take no new sequence; the sequences on them get up to the
   record's `drain_timeout_s` to finish there (`drain_timeout` of the request, else
   `--drain-timeout`), then the rest move to survivors at a step boundary and are re-prefilled
-  there with prompt + tokens generated so far (none is aborted).
+  there with prompt + tokens generated so far (none is aborted). Without a drain (0, the
+  default) they move inside the switch's pause instead: the survivors re-prefill them at the
+  new size, and the switch waits for no re-prefill step of the old size.
 - Switching: at one boundary the graph is rebuilt over the N survivors under the new epoch.
 - Releasing: the departing workers stop; the record names their pods (`freed`).
 """
@@ -89,10 +91,13 @@ class ShrinkStages(resize_base.ResizeBase):
 
     def _down_migrate(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
         plan.migrated = True  # from here on, rollback clears the draining marks
-        there: set[str] = set()
-        if record.drain_timeout_s > 0:
-            there = set(self._at_boundary(lambda: self.engine.drain(plan.departing).result()))
-            self._wait_drained(plan, record.drain_timeout_s)
+        if record.drain_timeout_s <= 0:
+            # No drain: the sequences move inside the switch's pause (`_down_switch`), so the
+            # survivors re-prefill them in their first step at the new size, and the switch
+            # does not wait for a re-prefill step of the old one.
+            return
+        there = set(self._at_boundary(lambda: self.engine.drain(plan.departing).result()))
+        self._wait_drained(plan, record.drain_timeout_s)
         moved = self._at_boundary(lambda: self.engine.migrate_from(plan.departing).result())
         record.sequences_migrated += len(moved)
         record.sequences_drained += len(there - set(moved))

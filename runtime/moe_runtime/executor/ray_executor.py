@@ -314,6 +314,7 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
         return [r.label for r in started]
 
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
+        started = time.monotonic()
         self._join_warm_up()
         with self._lock:
             unknown = [r for r in ranks if r not in self._ranks]
@@ -326,13 +327,22 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
             self._active = [r for r in self._active if r not in ranks]
         healthy = [r for r in removed if r.health.state == health_mod.HEALTH_OK]
         refs = [r.actor.execute_method.remote("shutdown") for r in healthy]
+        asked = time.monotonic()
         ray.wait(refs, num_returns=len(refs), timeout=10.0)
+        shut = time.monotonic()
         infos = []
         for r in removed:
             ray.kill(r.actor, no_restart=True)
             ray.util.remove_placement_group(r.pg)
             infos.append(dict(r.info))
-        log.info("removed ranks %s: pods %s", list(ranks), [i.get("pod") for i in infos])
+        log.info(
+            "removed ranks %s in %.2fs (their shutdown %.2fs, waiting before it %.2fs): pods %s",
+            list(ranks),
+            time.monotonic() - started,
+            shut - asked,
+            asked - started,
+            [i.get("pod") for i in infos],
+        )
         return infos
 
     def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
