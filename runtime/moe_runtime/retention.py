@@ -17,12 +17,9 @@ of a rank loaded to receive its experts from peers) are never retained.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 
 from moe_runtime.model import mixtral
-
-log = logging.getLogger(__name__)
 
 Key = tuple[int, int]
 

@@ -9,7 +9,7 @@
   (`prestage_experts`: a warm spare, in the background); `stage_experts` takes them from there
   instead of moving them again; forgotten when the rank is activated;
 - retained: experts a confirmed change took off the live slots (`retention.Retained`, bounded
-  by the most the rank held live), kept for a later `stage_experts` (a shrink back after a
+  by the most the rank held at once), kept for a later `stage_experts` (a shrink back after a
   grow moves nothing for them; `retained_keys` tells the planner).
 
 A change of the live slots is all-or-nothing across ranks: `activate` runs on every rank

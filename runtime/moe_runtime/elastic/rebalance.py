@@ -65,6 +65,45 @@ def outstanding(
     return moves, by_prestage, by_retention
 
 
+def fits(
+    load: Any,
+    target: policy.Placement,
+    fresh: policy.Placement,
+    num_ranks: int,
+    *,
+    min_gain: float,
+) -> bool:
+    """A placement made earlier (`target`: the spares' pre-staged one, or the one a size
+    served with before) is as good for `load` as a `fresh` one: within twice `min_gain` of
+    its balancedness."""
+    gain = policy.balancedness(load, fresh, num_ranks) - policy.balancedness(
+        load, target, num_ranks
+    )
+    return gain < 2 * min_gain
+
+
+def moves_needed(
+    current: policy.Placement,
+    target: policy.Placement,
+    *,
+    old_num_ranks: int,
+    new_num_ranks: int,
+    members: Sequence[int],
+    retained: Mapping[int, set[Key]],
+    senders: Sequence[int] | None = None,
+) -> list[moves_mod.ExpertMove]:
+    """The moves from `current` to `target` that still need doing once the members' (labels;
+    member i = rank i of the moves) `retained` experts are counted. Pure."""
+    planned = moves_mod.plan_moves(
+        current,
+        target,
+        old_num_ranks=old_num_ranks,
+        new_num_ranks=new_num_ranks,
+        senders=senders,
+    )
+    return outstanding(planned, members, {}, retained)[0]
+
+
 def retained_keys(
     executor: executor_base.Executor,
     labels: Iterable[int],

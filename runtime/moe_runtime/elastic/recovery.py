@@ -256,35 +256,39 @@ class Recovery:
         placement if it fits the load and costs fewer copies and reads: a rank lost after a
         grow then heals like a shrink back, from what the survivors retain."""
         n = len(survivors)
-        fresh = (plan.target, plan.moves)
-        options = [fresh]
+        options = [(plan.target, rebalance.outstanding(plan.moves, survivors, {}, retained)[0])]
         earlier = left.get(n) if survivors == list(range(n)) else None
-        if earlier is not None and earlier.num_physical == plan.target.num_physical:
-            load = self.load.total()
-            gain = policy.balancedness(load, plan.target, n) - policy.balancedness(load, earlier, n)
-            if gain < 2 * self.config.eplb_min_gain:
-                planned = moves_mod.plan_moves(
-                    self.serving.placement,
-                    earlier,
-                    old_num_ranks=old_n,
-                    new_num_ranks=n,
-                    senders=range(n),
-                )
-                options.append((earlier, planned))
-        best: tuple[int, policy.Placement, list[moves_mod.ExpertMove], tuple[int, int]] | None
-        best = None
-        for target, planned in options:
-            moves = rebalance.outstanding(planned, survivors, {}, retained)[0]
-            reads = self._source_reads(target, plan.lost_only, survivors, retained)
-            cost = len(moves) + reads[0]
-            if best is None or cost < best[0]:
-                best = (cost, target, moves, reads)
-        assert best is not None
-        if best[1] is not plan.target:
-            log.info(
-                "recovery: the placement size %d served with costs %d copies/reads", n, best[0]
+        if (
+            earlier is not None
+            and earlier.num_physical == plan.target.num_physical
+            and rebalance.fits(
+                self.load.total(), earlier, plan.target, n, min_gain=self.config.eplb_min_gain
             )
-        return best[1], best[2], best[3]
+        ):
+            moves = rebalance.moves_needed(
+                self.serving.placement,
+                earlier,
+                old_num_ranks=old_n,
+                new_num_ranks=n,
+                members=survivors,
+                retained=retained,
+                senders=range(n),
+            )
+            options.append((earlier, moves))
+        costs = [
+            (len(moves), self._source_reads(target, plan.lost_only, survivors, retained))
+            for target, moves in options
+        ]
+        best = min(range(len(options)), key=lambda k: costs[k][0] + costs[k][1][0])
+        (target, moves), reads = options[best], costs[best][1]
+        if best:
+            log.info(
+                "recovery: size %d's earlier placement: %d copies, %d source reads",
+                n,
+                len(moves),
+                reads[0],
+            )
+        return target, moves, reads
 
     @staticmethod
     def _source_reads(

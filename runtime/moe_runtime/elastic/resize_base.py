@@ -104,12 +104,10 @@ class ResizeBase:
         fresh one, within twice `eplb_min_gain` of balancedness (Reshuffling improves it after;
         a tighter bound re-fetched half the spares' experts every few seconds under a load
         that drifts, since balanced packing is chaotic)."""
-        load = self.load.total()
         fresh = self.target_for(from_size, to_size)
-        gain = policy.balancedness(load, fresh, to_size) - policy.balancedness(
-            load, target, to_size
+        return rebalance.fits(
+            self.load.total(), target, fresh, to_size, min_gain=self.config.eplb_min_gain
         )
-        return gain < 2 * self.config.eplb_min_gain
 
     # -- helpers -------------------------------------------------------------------------
     def _rpc(

@@ -22,7 +22,6 @@ import logging
 import time
 
 from moe_runtime.elastic import rebalance, records, resize_base
-from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 
 log = logging.getLogger(__name__)
@@ -72,13 +71,16 @@ class ShrinkStages(resize_base.ResizeBase):
             return fresh
 
         def needed(target: policy.Placement) -> int:
-            planned = moves_mod.plan_moves(
-                self.serving.placement,
-                target,
-                old_num_ranks=plan.from_size,
-                new_num_ranks=plan.to_size,
+            return len(
+                rebalance.moves_needed(
+                    self.serving.placement,
+                    target,
+                    old_num_ranks=plan.from_size,
+                    new_num_ranks=plan.to_size,
+                    members=members,
+                    retained=retained,
+                )
             )
-            return len(rebalance.outstanding(planned, members, {}, retained)[0])
 
         before, now = needed(earlier), needed(fresh)
         log.info(
