@@ -334,7 +334,12 @@ def test_a_rank_lost_after_a_grow_heals_from_what_the_survivors_retain() -> None
         restored = rec["recovery"]["experts_restored"]
         assert restored["from_source"] == 0 and restored["from_retained"] > 0, restored
         assert rec["expert_moves"] == 0 and rec["bytes_moved"]["expert"] == 0
-        assert elastic.rebalancer.serving.placement.equals(placement)
+        # size 2's placement again, or one at least as balanced that needs no copy either
+        healed = elastic.rebalancer.serving.placement
+        load = elastic.rebalancer.load.total()
+        assert healed.equals(placement) or policy.balancedness(
+            load, healed, 2
+        ) >= policy.balancedness(load, placement, 2)
     finally:
         elastic.close()
         engine.stop()

@@ -12,7 +12,8 @@ Ranks keep their labels; the new ones are N..M-1.
   ranks in the background while the old group keeps serving.
 - Transferring: non-expert weights go from old ranks to new ones over the new transfer group
   (peer to peer); the placement for M ranks is computed (`rebalance_for_resize`, which keeps
-  experts where they are) and the experts every rank lacks are staged beside the live ones.
+  experts where they are held: live, retained, pre-staged) and the experts every rank lacks
+  are staged beside the live ones.
 - Switching: at one step boundary, the step graph is torn down, every rank activates the new
   epoch (staged experts become live), the graph is compiled over M ranks and the engine starts
   giving sequences to the new ranks. Requests that arrive meanwhile wait in the queue.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 
-from moe_runtime.elastic import records, resize_base
+from moe_runtime.elastic import rebalance, records, resize_base
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,16 @@ class GrowStages(resize_base.ResizeBase):
                 timeout=self.config.rpc_timeout,
             )
         old = self.serving.placement
-        plan.target = (
-            plan.prestaged_target
-            if plan.prestaged_target is not None
-            else self.target_for(plan.from_size, plan.to_size)
-        )
+        retained = self._retained_keys(self.executor.ranks)
+        if plan.prestaged_target is not None:
+            plan.target = plan.prestaged_target
+        else:
+            # Experts stay where they are held: live or retained on the serving ranks, or
+            # pre-staged on warm spares whose pre-staged target no longer fits.
+            held = {**retained, **plan.prestaged}
+            plan.target = self.target_for(
+                plan.from_size, plan.to_size, held=rebalance.by_index(members, held)
+            )
         self._stage_experts(
             plan,
             epoch=plan.epoch,
@@ -94,6 +100,7 @@ class GrowStages(resize_base.ResizeBase):
             target=plan.target,
             new_num_ranks=plan.to_size,
             record=record,
+            retained=retained,
         )
 
     def _up_switch(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:

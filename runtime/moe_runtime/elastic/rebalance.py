@@ -104,6 +104,12 @@ def moves_needed(
     return outstanding(planned, members, {}, retained)[0]
 
 
+def by_index(labels: Sequence[int], keys: Mapping[int, set[Key]]) -> dict[int, set[Key]]:
+    """{i: keys[labels[i]]} for the labels that have keys: what a placement's rank i (member
+    labels[i]) holds beside its live slots, as ``moves.rebalance_for_resize`` takes it. Pure."""
+    return {i: keys[label] for i, label in enumerate(labels) if keys.get(label)}
+
+
 def retained_keys(
     executor: executor_base.Executor,
     labels: Iterable[int],
@@ -239,6 +245,8 @@ class Rebalancer:
         old = self.serving.placement
         generation = self.serving.generation
         before = policy.balancedness(load, old, n)
+        members = self.executor.ranks
+        held = retained_keys(self.executor, members, timeout=self.config.rpc_timeout)
         target = moves_mod.rebalance_for_resize(
             load,
             old,
@@ -246,6 +254,7 @@ class Rebalancer:
             new_num_ranks=n,
             num_physical=old.num_physical,
             tolerance=0.0 if force else self.config.eplb_min_gain,
+            held=by_index(members, held),
         )
         after = policy.balancedness(load, target, n)
         result: dict[str, Any] = {"before": before, "after": after, "applied": False}
@@ -258,10 +267,6 @@ class Rebalancer:
             return result
         started = time.monotonic()
         staging_id = self.serving.take_stage()
-        members = self.executor.ranks
-        held = retained_keys(
-            self.executor, {members[m.dst_rank] for m in planned}, timeout=self.config.rpc_timeout
-        )
         moves, _, kept = outstanding(planned, members, {}, held)
         nbytes = stage_experts(
             self.executor,

@@ -200,6 +200,10 @@ class Recovery:
         if dead:
             record.freed = self.executor.remove_ranks(dead)
         n = len(survivors)
+        # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
+        retained = rebalance.retained_keys(
+            self.executor, survivors, timeout=timeout, background=False
+        )
         plan = moves_mod.plan_recovery(
             self.load.total(),
             self.serving.placement,
@@ -208,10 +212,8 @@ class Recovery:
             num_physical=policy.num_physical_for(
                 self.model_config.num_experts, n, self.config.num_redundant_experts
             ),
-        )
-        # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
-        retained = rebalance.retained_keys(
-            self.executor, survivors, timeout=timeout, background=False
+            held=rebalance.by_index(survivors, retained),
+            tolerance=self.config.eplb_min_gain,
         )
         target, moves, reads = self._choose(plan, left, survivors, old_n, retained)
         info.experts_from_replicas = plan.from_replicas
@@ -253,8 +255,9 @@ class Recovery:
         """The survivors' placement, its moves (less what they retain) and its source reads
         (`_source_reads`): the recovery plan's, or, when the lost ranks were the highest (the
         survivors keep their ranks) and this size served before (`Serving.left`), that size's
-        placement if it fits the load and costs fewer copies and reads: a rank lost after a
-        grow then heals like a shrink back, from what the survivors retain."""
+        placement if it fits the load and costs fewer copies and reads (as many: the better
+        balanced one): a rank lost after a grow then heals like a shrink back, from what the
+        survivors retain."""
         n = len(survivors)
         options = [(plan.target, rebalance.outstanding(plan.moves, survivors, {}, retained)[0])]
         earlier = left.get(n) if survivors == list(range(n)) else None
@@ -279,7 +282,16 @@ class Recovery:
             (len(moves), self._source_reads(target, plan.lost_only, survivors, retained))
             for target, moves in options
         ]
-        best = min(range(len(options)), key=lambda k: costs[k][0] + costs[k][1][0])
+        # Fewest copies and source reads; as many (often none: the recovery plan keeps what
+        # the survivors retain too), the better balanced placement.
+        load = self.load.total()
+        best = min(
+            range(len(options)),
+            key=lambda k: (
+                costs[k][0] + costs[k][1][0],
+                -policy.balancedness(load, options[k][0], n),
+            ),
+        )
         (target, moves), reads = options[best], costs[best][1]
         if best:
             log.info(

@@ -88,15 +88,23 @@ class ResizeBase:
         return policy.balancedness(self.load.total(), placement, n)
 
     # -- placements ----------------------------------------------------------------------
-    def target_for(self, from_size: int, to_size: int) -> policy.Placement:
+    def target_for(
+        self, from_size: int, to_size: int, *, held: Mapping[int, set[Key]] | None = None
+    ) -> policy.Placement:
         """The placement for `to_size` ranks from the live one over `from_size` (the current
-        load) that keeps experts where they are when it can (also the spares' pre-staging)."""
+        load) that keeps experts where they are when it can (also the spares' pre-staging):
+        where they live, or where `held` says a rank holds them beside its live slots (new rank
+        index -> keys it retains or has pre-staged), at up to `eplb_min_gain` of balancedness
+        (`moves.rebalance_for_resize`'s tolerance: the gain a periodic rebalance would not
+        move experts for)."""
         return moves_mod.rebalance_for_resize(
             self.load.total(),
             self.serving.placement,
             old_num_ranks=from_size,
             new_num_ranks=to_size,
             num_physical=self.num_physical_for(to_size),
+            tolerance=self.config.eplb_min_gain,
+            held=held,
         )
 
     def fits(self, target: policy.Placement, from_size: int, to_size: int) -> bool:

@@ -59,10 +59,16 @@ class ShrinkStages(resize_base.ResizeBase):
         members: list[int],
         retained: dict[int, set[resize_base.Key]],
     ) -> policy.Placement:
-        """A fresh target for the survivors, or the placement this size served with when a
-        resize left it (`Serving.left`; a shrink back after a grow) when that still fits the
-        load and needs fewer moves: the survivors retain its experts, so usually none."""
-        fresh = self.target_for(plan.from_size, plan.to_size)
+        """A fresh target for the survivors (it keeps experts on the survivors that hold them,
+        live or retained, where balance allows), or the placement this size served with when
+        a resize left it (`Serving.left`; a shrink back after a grow) when that still fits the
+        load and needs fewer moves (as many: the better balanced one): the survivors retain
+        its experts, so usually none."""
+        fresh = self.target_for(
+            plan.from_size,
+            plan.to_size,
+            held=rebalance.by_index(members[: plan.to_size], retained),
+        )
         earlier = self.serving.left.get(plan.to_size)
         if earlier is None or earlier.num_physical != fresh.num_physical:
             return fresh
@@ -89,7 +95,15 @@ class ShrinkStages(resize_base.ResizeBase):
             before,
             now,
         )
-        return earlier if before < now else fresh
+        if before != now:
+            return earlier if before < now else fresh
+        # As many moves (often none: the fresh target keeps what the survivors retain too):
+        # the better balanced one.
+        load = self.load.total()
+        earlier_balance = policy.balancedness(load, earlier, plan.to_size)
+        return (
+            earlier if earlier_balance >= policy.balancedness(load, fresh, plan.to_size) else fresh
+        )
 
     def _down_migrate(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
         plan.migrated = True  # from here on, rollback clears the draining marks

@@ -25,7 +25,7 @@ Shapes: placements carry phy2log [L, P], log2phy [L, E, R], logcnt [L, E] (int64
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -34,8 +34,11 @@ import numpy.typing as npt
 import torch
 
 from moe_runtime.eplb import policy
+from moe_runtime.eplb import settle as settle_mod
 
 _I64: TypeAlias = npt.NDArray[np.int64]
+_F64: TypeAlias = npt.NDArray[np.float64]
+Key: TypeAlias = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -163,12 +166,15 @@ def plan_recovery(
     old_num_ranks: int,
     survivors: Sequence[int],
     num_physical: int,
+    held: Mapping[int, Iterable[Key]] | None = None,
+    tolerance: float = 0.0,
 ) -> RecoveryPlan:
     """The placement and moves that let `survivors` (old ranks, in their new order) serve alone.
 
     The old placement is seen with the survivors' slot blocks first and the lost ranks' last,
     which makes the recovery a shrink in which the lost ranks are the departing ones; then
-    `rebalance_for_resize` keeps experts where they are and only survivors send.
+    `rebalance_for_resize` (with `held`, keyed by new rank, and `tolerance`) keeps experts
+    where they are and only survivors send.
     """
     if not survivors:
         raise ValueError("a recovery needs at least one surviving rank")
@@ -180,7 +186,13 @@ def plan_recovery(
     view = policy.Placement.from_phy2log(blocks.reshape(old.num_layers, -1), old.num_logical)
     n = len(survivors)
     target = rebalance_for_resize(
-        load, view, old_num_ranks=old_num_ranks, new_num_ranks=n, num_physical=num_physical
+        load,
+        view,
+        old_num_ranks=old_num_ranks,
+        new_num_ranks=n,
+        num_physical=num_physical,
+        tolerance=tolerance,
+        held=held,
     )
     moves = plan_moves(view, target, old_num_ranks=old_num_ranks, new_num_ranks=n, senders=range(n))
     from_replicas = 0
@@ -208,15 +220,68 @@ def rebalance_for_resize(
     num_nodes: int = 1,
     num_groups: int = 1,
     tolerance: float = 0.0,
+    held: Mapping[int, Iterable[Key]] | None = None,
+) -> policy.Placement:
+    """The placement for new_num_ranks that a resize (or a periodic rebalance) takes:
+    ``relabel_for_resize`` (``policy.rebalance``, its packs given to the ranks that hold most of
+    their experts), then ``settle.settle`` (swaps of slots between ranks that leave experts where they
+    are held, while no layer's busiest rank gets more than ``tolerance`` busier than under the
+    plain rebalance).
+
+    held: {new rank index: (layer, logical) keys it holds beyond its live slots in ``old``}
+    (experts it retains from an earlier placement, or pre-staged on a warm spare): placing such
+    an expert there costs no move either.
+    """
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    relabelled, kept = _relabel(
+        load,
+        old,
+        old_num_ranks=old_num_ranks,
+        new_num_ranks=new_num_ranks,
+        num_physical=num_physical,
+        num_nodes=num_nodes,
+        num_groups=num_groups,
+        tolerance=tolerance,
+        held=held,
+    )
+    rows = relabelled.phy2log.numpy()
+    nodes = num_nodes if num_nodes >= 1 and new_num_ranks % num_nodes == 0 else 1
+    settled = settle_mod.settle(
+        rows,
+        _as_f64(load, rows.shape[0], old.num_logical),
+        _holdings(old, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks, held=held),
+        num_ranks=new_num_ranks,
+        tolerance=tolerance,
+        nodes=nodes,
+        frozen=kept,
+    )
+    if np.array_equal(settled, rows):
+        return relabelled
+    return policy.Placement.from_phy2log(torch.from_numpy(settled), old.num_logical)
+
+
+def relabel_for_resize(
+    load: torch.Tensor,
+    old: policy.Placement,
+    *,
+    old_num_ranks: int,
+    new_num_ranks: int,
+    num_physical: int,
+    num_nodes: int = 1,
+    num_groups: int = 1,
+    tolerance: float = 0.0,
+    held: Mapping[int, Iterable[Key]] | None = None,
 ) -> policy.Placement:
     """``policy.rebalance`` for new_num_ranks, relabelled to keep experts where they are.
 
     The rank loads of a placement do not change when, within one layer, the packs of slots
     are given to different ranks, nor when slots are reordered inside a rank. So per layer this
     gives each new pack the rank (within the same node) that already holds most of its experts
-    (greedy matching on the overlap), then puts each expert back at its old local offset when
-    it can. Same balancedness as plain ``rebalance``, never more moves in practice, usually far
-    fewer. Old ranks >= new_num_ranks (departing on a shrink) keep nothing.
+    (greedy matching on the overlap; ``held`` as in ``rebalance_for_resize`` counts too), then
+    puts each expert back at its old local offset when it can. Same balancedness as plain
+    ``rebalance``, never more moves in practice, usually far fewer. Old ranks >= new_num_ranks
+    (departing on a shrink) keep nothing.
 
     When the rank count and P are unchanged (a periodic rebalance), a layer keeps its old slots
     outright if its busiest rank would not be more than ``tolerance`` (a fraction) busier than
@@ -226,51 +291,107 @@ def rebalance_for_resize(
     Vectorised across layers and packs except for the greedy matching (one short loop per
     layer); the placements equal those of the per-layer loops kept in ``eplb.reference``.
     """
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    return _relabel(
+        load,
+        old,
+        old_num_ranks=old_num_ranks,
+        new_num_ranks=new_num_ranks,
+        num_physical=num_physical,
+        num_nodes=num_nodes,
+        num_groups=num_groups,
+        tolerance=tolerance,
+        held=held,
+    )[0]
+
+
+def _relabel(
+    load: torch.Tensor,
+    old: policy.Placement,
+    *,
+    old_num_ranks: int,
+    new_num_ranks: int,
+    num_physical: int,
+    num_nodes: int,
+    num_groups: int,
+    tolerance: float,
+    held: Mapping[int, Iterable[Key]] | None,
+) -> tuple[policy.Placement, npt.NDArray[np.bool_]]:
+    """``relabel_for_resize``, and which layers kept their old slots outright ([L] bool)."""
     new = policy.rebalance(load, num_physical, new_num_ranks, num_nodes, num_groups)
     _check_pair(old, new, old_num_ranks, new_num_ranks)
     old_per = old.slots_per_rank(old_num_ranks)
     new_per = new.slots_per_rank(new_num_ranks)
     nodes = num_nodes if num_nodes >= 1 and new_num_ranks % num_nodes == 0 else 1
-    if tolerance < 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     num_layers = new.num_layers
     keep = np.zeros(num_layers, dtype=bool)
     if old_num_ranks == new_num_ranks and old.num_physical == new.num_physical:
         old_max = old.rank_slot_load(load, old_num_ranks).numpy().max(axis=-1)
         new_max = new.rank_slot_load(load, new_num_ranks).numpy().max(axis=-1)
         keep = old_max <= new_max * (1.0 + tolerance) + 1e-9
-    # packs [L, N, S]: the new placement's slots of each rank; held [L, N, S_old]: what new
-    # rank label j held before (-1 for labels that are new ranks).
+    # packs [L, N, S]: the new placement's slots of each rank; held_local [L, N, S_old]: what
+    # new rank label j held before (-1 for labels that are new ranks).
     old_rows = old.phy2log.cpu().numpy()
     packs = new.phy2log.cpu().numpy().reshape(num_layers, new_num_ranks, new_per)
-    held = np.full((num_layers, new_num_ranks, old_per), -1, dtype=np.int64)
+    held_local = np.full((num_layers, new_num_ranks, old_per), -1, dtype=np.int64)
     kept_ranks = min(old_num_ranks, new_num_ranks)
-    held[:, :kept_ranks] = old_rows.reshape(num_layers, old_num_ranks, old_per)[:, :kept_ranks]
-    gain = _overlap(packs, held, num_experts=new.num_logical)
+    held_local[:, :kept_ranks] = old_rows.reshape(num_layers, old_num_ranks, old_per)[
+        :, :kept_ranks
+    ]
+    holds = _holdings(old, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks, held=held)
+    gain = _overlap(packs, holds)
     node = np.arange(new_num_ranks) // (new_num_ranks // nodes)
     gain[:, node[:, None] != node[None, :]] = -1  # a pack stays on its node
     label = np.stack([_match(layer_gain) for layer_gain in gain])  # [L, N]
-    aligned = _align(packs, np.take_along_axis(held, label[:, :, None], axis=1))
+    aligned = _align(packs, np.take_along_axis(held_local, label[:, :, None], axis=1))
     out = np.empty_like(packs)
     np.put_along_axis(out, label[:, :, None], aligned, axis=1)
     out_rows = out.reshape(num_layers, -1)
     if keep.any():  # only when P is unchanged
         out_rows[keep] = old_rows[keep]
-    return policy.Placement.from_phy2log(torch.from_numpy(out_rows), new.num_logical)
+    placement = policy.Placement.from_phy2log(torch.from_numpy(out_rows), new.num_logical)
+    return placement, keep
 
 
-def _overlap(packs: _I64, held: _I64, *, num_experts: int) -> _I64:
+def _holdings(
+    old: policy.Placement,
+    *,
+    old_num_ranks: int,
+    new_num_ranks: int,
+    held: Mapping[int, Iterable[Key]] | None,
+) -> npt.NDArray[np.bool_]:
+    """holds [L, E, N]: new rank j holds logical expert e of layer l already: its live slots
+    in ``old`` (ranks kept by the resize) or ``held[j]``."""
+    num_layers, num_experts = old.num_layers, old.num_logical
+    holds = np.zeros((num_layers, num_experts, new_num_ranks), dtype=bool)
+    kept = min(old_num_ranks, new_num_ranks)
+    per = old.slots_per_rank(old_num_ranks)
+    rows = old.phy2log.cpu().numpy().reshape(num_layers, old_num_ranks, per)[:, :kept]
+    layer = np.arange(num_layers)[:, None, None]
+    holds[layer, rows, np.arange(kept)[None, :, None]] = True
+    for rank, keys in (held or {}).items():
+        if not 0 <= rank < new_num_ranks:
+            continue
+        pairs = np.array(sorted(keys), dtype=np.int64).reshape(-1, 2)
+        holds[pairs[:, 0], pairs[:, 1], rank] = True
+    return holds
+
+
+def _as_f64(load: torch.Tensor, num_layers: int, num_experts: int) -> _F64:
+    values: _F64 = load.detach().to(torch.float64).cpu().numpy().reshape(num_layers, num_experts)
+    return values
+
+
+def _overlap(packs: _I64, holds: npt.NDArray[np.bool_]) -> _I64:
     """gain [L, N, N]: distinct experts of pack i (packs [L, N, S]) that label j already holds
-    (held [L, N, S_old], -1 = nothing).
+    (holds [L, E, N]).
 
     Gathers and sums of booleans, not a matrix product: numpy's BLAS threads made a [58, 64,
     256] product take ~0.9 s on a busy 2-core machine (~20 ms on one thread; this: ~9 ms).
     """
     num_layers, num_ranks, size = packs.shape
     layer = np.arange(num_layers)[:, None, None]
-    # holds[l, e, j]: label j holds expert e in layer l (-1 lands in the spare last row)
-    holds = np.zeros((num_layers, num_experts + 1, num_ranks), dtype=bool)
-    holds[layer, held, np.arange(num_ranks)[None, :, None]] = True
     earlier = np.tril(np.ones((size, size), dtype=bool), k=-1)
     repeat = ((packs[..., :, None] == packs[..., None, :]) & earlier).any(-1)  # [L, N, S]
     hits = holds[layer, packs] & ~repeat[..., None]  # [L, N, S, N]: count each expert once
