@@ -13,9 +13,12 @@ Zipf(0.5) skew per layer, shuffled over the experts (the hottest expert ~8x the 
 ``--runs`` calls of ``policy.rebalance`` (vectorised across layers) and of
 ``reference.rebalance`` (the loop-by-loop original it replaced), their ratio, whether the
 placements are identical, and the balancedness (mean / max rank load; 1.0 is perfect) of the
-result and of the identity placement. Then the periodic path, ``moves.rebalance_for_resize`` at
-an unchanged size after a 30% load drift, which calls ``rebalance`` and then relabels ranks to
-keep experts in place (vectorised too; before = ``reference.rebalance_for_resize``). Both tables are printed with torch's default thread count and with one
+result and of the identity placement. Then the periodic path at an unchanged size after a 30%
+load drift: ``moves.relabel_for_resize`` (``rebalance``, then ranks relabelled to keep experts in
+place; vectorised too; before = ``reference.rebalance_for_resize``) and
+``moves.rebalance_for_resize`` (that, then ``settle``: slot swaps that keep more experts in place
+within ``--tolerance`` of balance), with the expert moves of each. Both tables are printed with
+torch's default thread count and with one
 thread: on a busy machine torch's intra-op threads make every tiny op of the original cost
 milliseconds, so the one-thread table is the fairer comparison of the algorithms.
 
@@ -93,7 +96,11 @@ def periodic_table(load: torch.Tensor, args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(args.seed + 1)
     drift = 1.0 + 0.3 * torch.randn(LAYERS, EXPERTS, generator=gen, dtype=torch.float64)
     drifted = (load.to(torch.float64) * drift).clamp(min=0)
-    print("periodic rebalance (rebalance_for_resize at the same size after a 30% drift):")
+    print(
+        "periodic rebalance at the same size after a 30% drift, tolerance "
+        f"{args.tolerance}: relabel_for_resize (policy.rebalance + relabelling), then "
+        "rebalance_for_resize (+ settle: swaps that keep experts in place):"
+    )
     for ranks, slots, groups in CASES:
         old = policy.rebalance(load, slots, ranks, NODES, groups)
         kw: dict[str, Any] = {
@@ -102,25 +109,35 @@ def periodic_table(load: torch.Tensor, args: argparse.Namespace) -> None:
             "num_physical": slots,
             "num_nodes": NODES,
             "num_groups": groups,
+            "tolerance": args.tolerance,
         }
 
-        def new_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
+        def relabel_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
+            return moves.relabel_for_resize(drifted, o, **kw)
+
+        def settle_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
             return moves.rebalance_for_resize(drifted, o, **kw)
 
         def old_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
             return reference.rebalance_for_resize(drifted, o, **kw)
 
-        kept = new_fn()
+        relabelled, settled = relabel_fn(), settle_fn()
         runs = max(3, args.runs // 2)
         old_text = "-"
         if not args.no_reference:
-            same = "same" if kept.equals(old_fn()) else "DIFFERENT"
+            same = "same" if relabelled.equals(old_fn()) else "DIFFERENT"
             old_text = f"{median_ms(old_fn, runs):6.1f} ms before ({same})"
-        plan = moves.plan_moves(old, kept, old_num_ranks=ranks, new_num_ranks=ranks)
+
+        def moved(target: policy.Placement, o: policy.Placement = old, n: int = ranks) -> int:
+            return len(moves.plan_moves(o, target, old_num_ranks=n, new_num_ranks=n))
+
         print(
-            f"  ranks {ranks:>2} slots {slots} groups {groups}: {median_ms(new_fn, runs):6.1f} "
-            f"ms, {old_text}; balancedness {policy.balancedness(drifted, old, ranks):.4f} -> "
-            f"{policy.balancedness(drifted, kept, ranks):.4f}, {len(plan)} expert moves"
+            f"  ranks {ranks:>2} slots {slots} groups {groups}: relabel "
+            f"{median_ms(relabel_fn, runs):6.1f} ms, {old_text}; with settle "
+            f"{median_ms(settle_fn, runs):6.1f} ms; expert moves {moved(relabelled)} -> "
+            f"{moved(settled)}; balancedness {policy.balancedness(drifted, old, ranks):.4f} -> "
+            f"{policy.balancedness(drifted, relabelled, ranks):.4f} / "
+            f"{policy.balancedness(drifted, settled, ranks):.4f}"
         )
 
 
@@ -130,6 +147,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--no-reference", action="store_true", help="skip the slow loop-by-loop original"
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="the periodic path's tolerance (the runtime's eplb_min_gain, 0.02)",
     )
     args = parser.parse_args()
     load = zipf_load(LAYERS, EXPERTS, args.seed)

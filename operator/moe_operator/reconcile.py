@@ -255,6 +255,15 @@ async def _apply_unless_current(
     return await api.apply(desired)
 
 
+#: The actions that write a child; they do not depend on each other.
+CHILD_ACTIONS: Final = (
+    actions.ApplyRayCluster,
+    actions.EnsureSecret,
+    actions.ApplyService,
+    actions.ApplyNetworkPolicy,
+)
+
+
 async def _execute(
     action: actions.Action,
     *,
@@ -277,7 +286,10 @@ async def _execute(
             workers_to_delete=action.workers_to_delete,
             head_size=action.head_size,
         )
-        return await _apply_unless_current(api, desired, children.raycluster)
+        if children.raycluster is not None and diff.contains(children.raycluster, desired):
+            return None
+        # Ahead of every other request waiting for a connection: pods start from it.
+        return await api.apply(desired, priority=k8s_api.PRIORITY_FIRST)
     if isinstance(action, actions.ApplyNetworkPolicy):
         return await _apply_unless_current(
             api, access.build_network_policy(owner=owner), children.network_policy
@@ -312,7 +324,16 @@ async def reconcile(
     spec = parse_spec(body.get("spec"))
     raw_status = body.get("status") or {}
     current = parse_status(raw_status, logger=logger)
-    children = await observe_children(api=api, owner=owner, logger=logger)
+    if raw_status:
+        children = await observe_children(api=api, owner=owner, logger=logger)
+    else:
+        # Never reconciled (no operator wrote a status yet): its children do not exist, or
+        # are ours from a reconcile that stopped before its status write, which applying
+        # them again puts right. Reading them would cost four requests per new deployment
+        # before its RayCluster is even asked for, when many are applied at once.
+        children = Children(
+            raycluster=None, service=None, network_policy=None, observed=observe.Observed()
+        )
     observed = dataclasses.replace(children.observed, generation=generation, now=moment)
     key = operator_key or _PROCESS_KEY
     admin_token, _ = tokens(key, owner)
@@ -356,6 +377,40 @@ async def reconcile(
     planned: status_.ResizeStatus | None | actions.Keep = actions.KEEP
     outcome: actions.ScaleOutcome | None = None
     requeue: float | None = None
+    writes = sorted(
+        (a for a in steps if isinstance(a, CHILD_ACTIONS)),
+        key=lambda a: CHILD_ACTIONS.index(type(a)),
+    )
+    # Independent writes, sent at once: the RayCluster (the slowest to come up) first.
+    results = await asyncio.gather(
+        *(
+            _execute(write, api=api, owner=owner, spec=spec, children=children, key=key)
+            for write in writes
+        ),
+        return_exceptions=True,
+    )
+    made: list[str] = []
+    failure: BaseException | None = None
+    for write, result in zip(writes, results, strict=True):
+        if isinstance(result, BaseException):
+            failure = failure or result
+            continue
+        if isinstance(write, actions.ApplyRayCluster) and result is not None:
+            logger.info(
+                "%s: applied RayCluster: worker replicas %d, workersToDelete %s",
+                where,
+                write.worker_replicas,
+                list(write.workers_to_delete),
+            )
+        if result is not None and result.created:
+            kind, name = result.obj["kind"], result.obj["metadata"]["name"]
+            created.append(f"{kind}/{name}")
+            made.append(f"{kind} {name}")
+            logger.info("created %s %s/%s", kind, owner.namespace, name)
+    if made:
+        events("Created", "Created " + ", ".join(made))
+    if failure is not None:
+        raise failure  # what was created is reported; the retry applies the rest
     for action in steps:
         if isinstance(action, actions.SetPhase):
             phase = action
@@ -373,22 +428,6 @@ async def reconcile(
                 factory=runtime_factory,
             )
             logger.info("%s: asked the runtime for size %d: %s", where, action.new_size, outcome)
-        else:
-            result = await _execute(
-                action, api=api, owner=owner, spec=spec, children=children, key=key
-            )
-            if isinstance(action, actions.ApplyRayCluster) and result is not None:
-                logger.info(
-                    "%s: applied RayCluster: worker replicas %d, workersToDelete %s",
-                    where,
-                    action.worker_replicas,
-                    list(action.workers_to_delete),
-                )
-            if result is not None and result.created:
-                kind, name = result.obj["kind"], result.obj["metadata"]["name"]
-                created.append(f"{kind}/{name}")
-                logger.info("created %s %s/%s", kind, owner.namespace, name)
-                events("Created", f"Created {kind} {name}")
     if phase is None:  # plan_resize always ends with one; keep the status honest regardless
         phase = actions.SetPhase(current.phase or status_.Phase.PENDING, "Unknown", "")
     if outcome is not None and isinstance(planned, status_.ResizeStatus):

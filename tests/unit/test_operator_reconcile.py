@@ -68,7 +68,9 @@ class FakeApi:
             and all(obj["metadata"].get("labels", {}).get(a) == b for a, b in wanted.items())
         ]
 
-    async def apply(self, obj: dict[str, Any]) -> k8s_api.ApplyResult:
+    async def apply(
+        self, obj: dict[str, Any], *, priority: int = k8s_api.PRIORITY_DEFAULT
+    ) -> k8s_api.ApplyResult:
         return self._store(obj)
 
     async def create(self, obj: dict[str, Any], *, read_back: bool = True) -> k8s_api.ApplyResult:
@@ -145,13 +147,51 @@ def test_first_reconcile_creates_children_and_writes_status() -> None:
         "Secret/tiny-admin",
         "Service/tiny-api",
     ]
-    assert sorted(m for _, m in events) == [
-        "Created NetworkPolicy tiny-ray",
-        "Created RayCluster tiny",
-        "Created Secret tiny-admin",
-        "Created Service tiny-api",
+    # one event names every child it created
+    assert events == [
+        (
+            "Created",
+            "Created RayCluster tiny, Secret tiny-admin, Service tiny-api, NetworkPolicy tiny-ray",
+        )
     ]
     assert outcome.status_written and api.status["phase"] == "Provisioning"
+
+
+def test_a_new_deployment_reads_nothing_before_its_raycluster() -> None:
+    """A deployment no operator reconciled yet has no children: its first reconcile sends its
+    writes at once, RayCluster first, without reading anything."""
+    api, events = FakeApi(), []
+    reads: list[str] = []
+    get, listing = api.get, api.list
+
+    async def counted_get(**kw: Any) -> dict[str, Any] | None:
+        reads.append(f"get {kw['kind']}")
+        return await get(**kw)
+
+    async def counted_list(**kw: Any) -> list[dict[str, Any]]:
+        reads.append(f"list {kw['kind']}")
+        return await listing(**kw)
+
+    api.get, api.list = counted_get, counted_list  # type: ignore[method-assign]
+    run(api, body(), events=events)
+    assert reads == []
+    assert api.writes[0] == "RayCluster/tiny"
+    assert api.writes[-1] == "status/tiny"
+    # once it has a status, the children are read (and found as they should be)
+    api.writes.clear()
+    run(api, body(status=api.status), events=events, now=LATER)
+    assert "get RayCluster" in reads and api.writes == []
+
+
+def test_children_of_a_deployment_with_no_status_are_applied_again() -> None:
+    """A reconcile that stopped before its status write left children behind: the next one
+    (still no status) applies them again and creates nothing twice."""
+    api, events = FakeApi(), []
+    run(api, body(), events=events)
+    events.clear()
+    outcome = run(api, body(), events=events, now=LATER)
+    assert outcome.created == () and events == []
+    assert api.objects[("RayCluster", "ml", "tiny")]["spec"]["workerGroupSpecs"][0]["replicas"] == 2
 
 
 def test_second_reconcile_writes_nothing() -> None:

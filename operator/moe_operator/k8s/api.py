@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -20,6 +23,7 @@ import pathlib
 import secrets
 import ssl
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import aiohttp
@@ -30,8 +34,11 @@ from moe_operator.api import group
 logger = logging.getLogger(__name__)
 
 FIELD_MANAGER: Final = "elastic-moe"
-#: Requests in flight to the API server at once (and connections kept); more wait their turn.
+#: Requests in flight to the API server at once (and connections kept); more wait their turn,
+#: by priority (``PRIORITY_FIRST`` before ``PRIORITY_DEFAULT``), then in arrival order.
 MAX_CONNECTIONS: Final = 16
+PRIORITY_FIRST: Final = 0
+PRIORITY_DEFAULT: Final = 1
 #: The manager of the autoscaler's writes to ``spec.dataParallelSize`` (managedFields say who
 #: set the size: this, an HPA's ``kube-controller-manager``, or a user's kubectl).
 AUTOSCALER_FIELD_MANAGER: Final = "elastic-moe-autoscaler"
@@ -73,6 +80,47 @@ def operator_namespace() -> str:
         return SA_NAMESPACE_FILE.read_text().strip() or DEFAULT_OPERATOR_NAMESPACE
     except OSError:
         return DEFAULT_OPERATOR_NAMESPACE
+
+
+class Slots:
+    """At most ``limit`` holders at once; waiters get a slot by priority (lower first), then
+    in arrival order. ``asyncio.Semaphore`` with priorities: with a thousand deployments
+    reconciling at once, the RayCluster a new one waits for must not queue behind hundreds of
+    reads and status writes."""
+
+    def __init__(self, limit: int) -> None:
+        self._free = limit
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap
+        self._arrivals = itertools.count()
+
+    async def acquire(self, priority: int = PRIORITY_DEFAULT) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._arrivals), turn))
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # handed a slot as it was cancelled: pass it on
+            raise  # a cancelled waiter left in the heap is skipped by release
+
+    def release(self) -> None:
+        while self._waiters:
+            _, _, turn = heapq.heappop(self._waiters)
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1
+
+    @contextlib.asynccontextmanager
+    async def held(self, priority: int = PRIORITY_DEFAULT) -> AsyncIterator[None]:
+        await self.acquire(priority)
+        try:
+            yield
+        finally:
+            self.release()
 
 
 class ApiError(Exception):
@@ -155,7 +203,7 @@ class Api:
         # Requests wait their turn here, before the timeout starts: in the connector's queue
         # the wait would count against it, and with a thousand deployments reconciling at once
         # requests timed out before they were sent.
-        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._slots = Slots(MAX_CONNECTIONS)
 
     def _bearer(self) -> str | None:
         if self._config is None:
@@ -198,6 +246,7 @@ class Api:
         body: Any = None,
         content_type: str = "application/json",
         params: dict[str, str] | None = None,
+        priority: int = PRIORITY_DEFAULT,
     ) -> Response:
         headers = {"Content-Type": content_type} if body is not None else {}
         token = self._bearer()
@@ -205,7 +254,7 @@ class Api:
             headers["Authorization"] = token
         data = json.dumps(body).encode() if body is not None else None
         async with (
-            self._slots,
+            self._slots.held(priority),
             self._session.request(
                 method,
                 self._host + url,
@@ -271,7 +320,7 @@ class Api:
         items: list[dict[str, Any]] = response.json().get("items") or []
         return items
 
-    async def apply(self, obj: dict[str, Any]) -> ApplyResult:
+    async def apply(self, obj: dict[str, Any], *, priority: int = PRIORITY_DEFAULT) -> ApplyResult:
         """Server-side apply ``obj`` as field manager ``elastic-moe`` (conflicts forced)."""
         meta = obj["metadata"]
         url = path(
@@ -286,6 +335,7 @@ class Api:
             body=obj,
             content_type=APPLY_PATCH,
             params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            priority=priority,
         )
         return ApplyResult(obj=response.json(), created=response.status_code == 201)
 

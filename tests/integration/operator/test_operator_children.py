@@ -155,8 +155,9 @@ def test_describe_shows_events(
 
     def described() -> str | None:
         out = control_plane.kubectl("describe", "moed", "tiny", "-n", namespace).stdout
-        wanted = ("Created RayCluster tiny", "Created Service tiny-api", "Created Secret")
-        return out if all(w in out for w in wanted) else None
+        created = [line for line in out.splitlines() if "Created" in line]
+        wanted = ("RayCluster tiny", "Service tiny-api", "Secret tiny-admin")
+        return out if any(all(w in line for w in wanted) for line in created) else None
 
     ops.wait_for(described, what="Created events in kubectl describe")
 
@@ -214,7 +215,7 @@ def test_restart_changes_nothing(
     namespace, objs = deployed
     ops.wait_for(
         lambda: (
-            "Created RayCluster tiny"
+            "Created RayCluster tiny,"
             in control_plane.kubectl("describe", "moed", "tiny", "-n", namespace).stdout
         ),
         what="events posted",
