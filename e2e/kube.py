@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import datetime
 import json
 import re
 import subprocess
@@ -31,6 +32,15 @@ class Kubectl(Protocol):
     ) -> subprocess.CompletedProcess[str]: ...
 
     def env(self) -> dict[str, str]: ...
+
+
+def seconds_between(start: str, end: str) -> float:
+    """Seconds from one of the API's RFC 3339 timestamps (whole seconds) to another."""
+
+    def parse(moment: str) -> datetime.datetime:
+        return datetime.datetime.fromisoformat(moment.replace("Z", "+00:00"))
+
+    return (parse(end) - parse(start)).total_seconds()
 
 
 def wait_for(

@@ -112,6 +112,14 @@ def _assert_stages(
     assert positions == sorted(positions), seen
 
 
+def _seconds_to_ready(pod: dict[str, Any]) -> float:
+    """From the pod's Ray container starting to the pod's Ready condition turning True."""
+    started = pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+    (ready,) = [c for c in pod["status"]["conditions"] if c["type"] == "Ready"]
+    assert ready["status"] == "True", ready
+    return kube.seconds_between(started, ready["lastTransitionTime"])
+
+
 def _workers_to_delete(dep: kube.Deployment) -> list[str]:
     group = dep.raycluster()["spec"]["workerGroupSpecs"][0]
     names: list[str] = (group.get("scaleStrategy") or {}).get("workersToDelete") or []
@@ -176,6 +184,7 @@ def test_grow_to_three_after_a_shrink_survives_the_operator_pod_being_deleted(
     node: kube.Kubectl, dep: kube.Deployment, load: load_mod.Load, watch: kube.StageWatch
 ) -> None:
     asked_before = len(_history(dep))
+    before = set(dep.worker_pods())
     _resize(dep, 3, how="patch")
     # once the runtime was asked (resizeId recorded), kill our operator's pod
     kube.wait_for(
@@ -196,6 +205,12 @@ def test_grow_to_three_after_a_shrink_survives_the_operator_pod_being_deleted(
     _assert_stages(dep, watch, 1, 3, UP)
     assert watch.stages(3)[0] == "Provisioning"
     assert len(dep.ready_worker_pods()) == 3
+    # The new pods are Ready as soon as their raylet answers, not after KubeRay's 10 s probe
+    # delay (its probes are injected only into containers that have none).
+    new_pods = [p for p in dep.pods() if p["metadata"]["name"] not in before]
+    delays = [_seconds_to_ready(p) for p in new_pods]
+    print(f"\n[cluster] grow 1->3: new worker pods Ready {delays} s after their container started")
+    assert new_pods and all(d < 10 for d in delays), delays
     assert load.failures == []
 
 

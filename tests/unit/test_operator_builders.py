@@ -304,3 +304,16 @@ def test_the_users_env_overrides_ray_settings() -> None:
     default = builders.build_raycluster(owner=OWNER, spec=make_spec())
     env = worker_group(default)["template"]["spec"]["containers"][0]["env"]
     assert {"name": "RAY_kill_worker_timeout_milliseconds", "value": "200"} in env
+
+
+def test_a_worker_is_ready_when_its_raylet_answers_not_after_kuberays_delay() -> None:
+    """KubeRay injects its probes (a first readiness check after 10 s) only into containers
+    that have none: ours check the raylet's health endpoint from the first second on."""
+    container = worker_group(builders.build_raycluster(owner=OWNER, spec=make_spec()))["template"][
+        "spec"
+    ]["containers"][0]
+    ready, live = container["readinessProbe"], container["livenessProbe"]
+    for probe in (ready, live):
+        assert probe["httpGet"] == {"path": "/api/local_raylet_healthz", "port": 52365}
+    assert ready["initialDelaySeconds"] + ready["periodSeconds"] < 10
+    assert live["initialDelaySeconds"] >= 30  # a slow start is not a dead raylet

@@ -41,6 +41,15 @@ SHM_VOLUME: Final = "dshm"
 WORKER_GRACE_SECONDS: Final = 10
 #: Period of the head's startup probe; ``model.loadTimeoutSeconds`` sets how many it may fail.
 STARTUP_PERIOD_SECONDS: Final = 10
+#: The raylet's health check, served by Ray's dashboard agent on every node (KubeRay passes
+#: ``--dashboard-agent-listen-port=52365``): 200 "success", or 503 when the raylet is down.
+RAYLET_HEALTH_PATH: Final = "/api/local_raylet_healthz"
+DASHBOARD_AGENT_PORT: Final = 52365
+#: A worker's readiness probe: its first check 1 s after start, then every 2 s. KubeRay's own
+#: (injected when a container has none) waits 10 s first: every grow without warm spares
+#: waited that long for its new pods.
+WORKER_READY_DELAY_SECONDS: Final = 1
+WORKER_READY_PERIOD_SECONDS: Final = 2
 #: KubeRay annotation: run our command after KubeRay's generated ``ray start`` (head only).
 OVERWRITE_CMD_ANNOTATION: Final = "ray.io/overwrite-container-cmd"
 #: Environment variable in which KubeRay passes its generated ``ray start`` command.
@@ -295,6 +304,30 @@ def _http_probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def _worker_probes() -> dict[str, Any]:
+    """Readiness and liveness of a worker: its raylet answers (what KubeRay's injected probes
+    check, with a wget in the container; an httpGet needs no process in it). Readiness is
+    checked at once and often (see WORKER_READY_DELAY_SECONDS); liveness keeps KubeRay's
+    defaults (30 s first, every 5 s, 120 failures)."""
+    check = {"path": RAYLET_HEALTH_PATH, "port": DASHBOARD_AGENT_PORT}
+    return {
+        "readinessProbe": {
+            "httpGet": dict(check),
+            "initialDelaySeconds": WORKER_READY_DELAY_SECONDS,
+            "periodSeconds": WORKER_READY_PERIOD_SECONDS,
+            "timeoutSeconds": 2,
+            "failureThreshold": 10,
+        },
+        "livenessProbe": {
+            "httpGet": dict(check),
+            "initialDelaySeconds": 30,
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 120,
+        },
+    }
+
+
 def _head_probes(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
     """Startup allows ``model.loadTimeoutSeconds`` to load the model (the server answers only
     once it serves); then liveness is the process and its loop, readiness that it serves."""
@@ -364,6 +397,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         "image": spec.ray.image,
         "imagePullPolicy": spec.ray.image_pull_policy,
         "env": [_pod_name_env(), *_env(spec)],
+        **_worker_probes(),
         "resources": _resources(spec.ray.worker_resources, gpus=gpus),
         "securityContext": _container_security(),
         "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT)],
