@@ -23,6 +23,7 @@ def ray_session() -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    cluster.keep_on_loopback()
     ray.init(
         _node_ip_address="127.0.0.1",
         num_cpus=2,
