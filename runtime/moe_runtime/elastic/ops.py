@@ -208,8 +208,7 @@ class EngineResizeOps(grow.GrowStages, shrink.ShrinkStages):
                 placement=plan.old_placement,
                 timeout=self.config.switch_timeout,
             )
-            self.serving.placement = plan.old_placement
-            self.serving.num_ranks = len(old)
+            self.serving.serve(plan.old_placement, len(old))
             self.serving.epoch = plan.old_epoch
             self.engine.set_active_ranks(old)  # sequences on the new ranks re-run on the old
             plan.switched = False

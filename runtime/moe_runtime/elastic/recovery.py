@@ -237,7 +237,8 @@ class Recovery:
         self.executor.switch(
             survivors, epoch=epoch, placement=target, timeout=self.config.switch_timeout
         )
-        self.serving.placement, self.serving.num_ranks, self.serving.epoch = target, n, epoch
+        self.serving.serve(target, n)
+        self.serving.epoch = epoch
         # Confirmed: the old groups go in the background (destroying one with a dead peer takes
         # ~0.5 s) while the survivors serve.
         self.executor.collective_rpc_async("retire_previous", ranks=list(range(n)))

@@ -84,7 +84,7 @@ class ResizeBase:
         )
 
     def balancedness(self) -> float:
-        placement, n = self.serving.placement, self.serving.num_ranks
+        placement, n = self.serving.layout()
         return policy.balancedness(self.load.total(), placement, n)
 
     # -- placements ----------------------------------------------------------------------
@@ -215,8 +215,7 @@ class ResizeBase:
             plan.new_labels = list(range(plan.from_size, len(members)))
             plan.from_pool = [members.index(r) for r in plan.from_pool if r in members]
             self.serving.left[plan.from_size] = self.serving.placement
-            self.serving.placement = target
-            self.serving.num_ranks = plan.to_size
+            self.serving.serve(target, plan.to_size)
             self.serving.epoch = plan.epoch
             self.engine.set_active_ranks(range(plan.to_size))
 

@@ -267,7 +267,8 @@ class ElasticService:
         active = set(self.executor.ranks)
         infos = self.executor.rank_infos()
         health = self.executor.health()
-        slots = serving.placement.slots_per_rank(serving.num_ranks)
+        placement, num_ranks = serving.layout()
+        slots = placement.slots_per_rank(num_ranks)
         spared = self.spares.labels() if self.spares is not None else set()
         ranks = []
         for label, info in sorted(infos.items()):

@@ -81,6 +81,20 @@ class Serving:
     _ids: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
     )
+    _layout: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    def serve(self, placement: policy.Placement, num_ranks: int) -> None:
+        """A new placement over a new rank count, both at once for `layout` readers."""
+        with self._layout:
+            self.placement, self.num_ranks = placement, num_ranks
+
+    def layout(self) -> tuple[policy.Placement, int]:
+        """(placement, num_ranks) of one moment: another thread (the status route, while a
+        resize or a recovery switches) never sees a placement with the other's rank count."""
+        with self._layout:
+            return self.placement, self.num_ranks
 
     def take_epoch(self) -> int:
         """A new group epoch (resizes, recoveries and the warm spares' standby groups take
