@@ -34,8 +34,6 @@ from moe_runtime.model import tokenizer as tokenizer_mod
 
 log = logging.getLogger("moe_runtime.cli")
 
-LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
-LOG_DATEFMT = "%Y-%m-%dT%H:%M:%S"
 DEFAULT_MAX_QUEUED = 1024
 #: The running resize, for the JSON log lines (``--log-format json``).
 RESIZE_CONTEXT = logs.ResizeContext()
@@ -428,9 +426,12 @@ def _default_name(model: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, datefmt=LOG_DATEFMT)
-    if getattr(args, "log_format", "text") == "json":
-        logs.use_json(RESIZE_CONTEXT)
+    json_lines = getattr(args, "log_format", "text") == "json"
+    logs.configure(args.log_level, json_lines=json_lines, context=RESIZE_CONTEXT)
+    # the rank processes of a local Ray instance inherit these
+    os.environ[logs.LEVEL_ENV] = args.log_level.upper()
+    if json_lines:
+        os.environ[logs.FORMAT_ENV] = "json"
     if args.command == "serve":
         return serve(args)
     return 2

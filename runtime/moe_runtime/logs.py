@@ -22,6 +22,11 @@ from typing import Any, Final
 FIELDS: Final = ("deployment", "pod", "rank", "stage", "resize_id")
 FORMATS: Final = ("text", "json")
 FORMAT_ENV: Final = "MOE_LOG_FORMAT"
+#: The level of the rank processes' logs (``moe-runtime serve --log-level`` sets it for the
+#: ranks of a local instance; in the pods it comes from their environment; default INFO).
+LEVEL_ENV: Final = "MOE_LOG_LEVEL"
+TEXT_FORMAT: Final = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT: Final = "%Y-%m-%dT%H:%M:%S"
 
 
 class ResizeContext:
@@ -83,3 +88,17 @@ def use_json(context: ResizeContext | None = None) -> None:
     """Format every handler of the root logger as JSON lines."""
     for handler in logging.getLogger().handlers:
         handler.setFormatter(JsonFormatter(context=context))
+
+
+def configure(level: str, *, json_lines: bool, context: ResizeContext | None = None) -> None:
+    """The root logger at `level`, in text lines (TEXT_FORMAT) or JSON lines."""
+    logging.basicConfig(level=level.upper(), format=TEXT_FORMAT, datefmt=DATE_FORMAT)
+    if json_lines:
+        use_json(context)
+
+
+def configure_rank() -> None:
+    """A rank process's logs, from ``$MOE_LOG_LEVEL`` and ``$MOE_LOG_FORMAT``: without it a
+    rank's INFO lines (staging, group joins, its niceness) were dropped. Ray forwards them to
+    the driver's output, prefixed with the actor and its pid."""
+    configure(os.environ.get(LEVEL_ENV, "INFO"), json_lines=os.environ.get(FORMAT_ENV) == "json")

@@ -77,6 +77,19 @@ def assert_serves(d: SpareDeployment, reference: dict[tuple[int, int], list[int]
     assert [g.token_ids for g in got] == [reference[(p, 16)] for p in range(3)]
 
 
+def assert_steps_at_full_priority(d: SpareDeployment) -> None:
+    """Once the compiled graph carries the steps again, every serving rank's step thread runs
+    at niceness 0: a step waits for its slowest rank (a thread that had run background calls
+    at BACKGROUND_NICENESS used to keep it when steps moved onto it)."""
+    assert d.executor.wait_step_graph(120)
+    d.generate(0, 4)
+    niceness = {
+        label: ray.get(d.executor.actor(label).step_niceness.remote(), timeout=30)
+        for label in d.executor.ranks
+    }
+    assert set(niceness.values()) == {0}, niceness
+
+
 def test_a_spare_comes_up_ready_beside_the_active_ranks(dep: SpareDeployment) -> None:
     (spare,) = dep.wait_spares_ready()
     assert spare["ready"] and spare["healthy"] and spare["pid"] and spare["node_id"]
@@ -104,12 +117,7 @@ def test_a_grow_the_spare_covers_skips_standby_and_the_spare_is_replaced(
     assert spare["pid"] in [i["pid"] for i in dep.executor.rank_infos().values()]
     assert os.getpriority(os.PRIO_PROCESS, spare["pid"]) == 0  # it serves now
     # ... and so does the thread that runs its steps (every step waits for the slowest rank).
-    dep.generate(0, 4)
-    niceness = {
-        label: ray.get(dep.executor.actor(label).step_niceness.remote(), timeout=30)
-        for label in dep.executor.ranks
-    }
-    assert set(niceness.values()) == {0}, niceness
+    assert_steps_at_full_priority(dep)
     (replacement,) = dep.wait_spares_ready()
     assert replacement["pid"] != spare["pid"]
     assert_spare_apart(dep)
@@ -163,6 +171,7 @@ def test_a_shrink_frees_the_departing_ranks_and_keeps_the_spare(
     assert spare["pid"] not in [f["pid"] for f in record.freed]
     assert [s["pid"] for s in dep.wait_spares_ready()] == [spare["pid"]]
     assert_serves(dep, reference)
+    assert_steps_at_full_priority(dep)
 
 
 def test_a_failed_grow_gives_the_spare_back(

@@ -25,6 +25,7 @@ import ray.exceptions
 import ray.util
 import ray.util.scheduling_strategies as ray_sched
 
+from moe_runtime import logs
 from moe_runtime import step as step_mod
 from moe_runtime import worker as worker_mod
 from moe_runtime.executor import base, ray_transfer
@@ -51,6 +52,7 @@ class RankActor:
     """The actor body: a RankWorker plus what only Ray knows (node id and address)."""
 
     def __init__(self, *, label: int, device: str, dtype: str, spare: bool = False) -> None:
+        logs.configure_rank()
         if spare:
             set_niceness(label, SPARE_NICENESS, why="waits as a warm spare")
         self.worker = worker_mod.RankWorker(
@@ -69,11 +71,7 @@ class RankActor:
         tid = threading.get_native_id()
         if not self._serving or tid == self._step_thread:
             return
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICENESS:
-                os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICENESS)
-        except OSError as exc:  # a niceness is never refused going down; log, do not fail
-            log.debug("rank %s: background thread keeps its niceness: %s", self.worker.label, exc)
+        _thread_niceness(self.worker.label, tid, BACKGROUND_NICENESS, only_up=True)
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
@@ -95,7 +93,13 @@ class RankActor:
         if not self._serving:
             self._serving = True
             set_niceness(self.worker.label, 0, why="steps")
-        self._step_thread = threading.get_native_id()
+        tid = threading.get_native_id()
+        if tid != self._step_thread:
+            # Steps moved to another thread (plain calls while a new step graph compiles, then
+            # the graph's): it may have run background calls before, at BACKGROUND_NICENESS
+            # (the survivors of a shrink stepped at 10 after the grow before it).
+            self._step_thread = tid
+            _thread_niceness(self.worker.label, tid, 0)
         return self.worker.execute_step(step)
 
     def step_niceness(self) -> int | None:
@@ -253,6 +257,19 @@ def start_ranks(
         [r.info["node_id"][:8] for r in started],
     )
     return started
+
+
+def _thread_niceness(label: int | None, tid: int, niceness: int, *, only_up: bool = False) -> None:
+    """`niceness` for one thread of this process (`only_up`: unless it is nicer already).
+    Without CAP_SYS_NICE a thread cannot take a lower niceness back: it keeps its own."""
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        if now != niceness and not (only_up and now >= niceness):
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except OSError as exc:
+        log.debug(
+            "rank %s: thread %d keeps its niceness (wanted %d): %s", label, tid, niceness, exc
+        )
 
 
 def set_niceness(label: int | None, niceness: int, *, why: str) -> None:
