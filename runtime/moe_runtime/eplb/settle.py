@@ -44,25 +44,62 @@ def settle(
     moves never grow, and balancedness never drops by more than ``tolerance`` (with 0, no
     layer's busiest rank gets busier). ``frozen`` [L] bool: layers left as they are.
 
-    Vectorised across layers (one swap per layer per round), over the slots whose rank lacks
-    their expert against all slots ([L, M, P] per round).
+    Vectorised across (layer, node) blocks, several swaps per block and round (on pairwise
+    different ranks), over the slots whose rank lacks their expert against the block's slots
+    ([L x nodes, M, P / nodes] per round).
     """
+    num_layers, num_physical = rows.shape
+    nodes = nodes if nodes >= 1 and num_ranks % nodes == 0 else 1
+    layer = np.arange(num_layers)
+    logcnt = np.zeros(load.shape, dtype=np.int64)
+    np.add.at(logcnt, (layer[:, None], rows), 1)
+    weight = np.take_along_axis(load / np.maximum(logcnt, 1), rows, axis=1)  # [L, P]
+    per = num_physical // num_ranks
+    top = weight.reshape(num_layers, num_ranks, per).sum(-1).max(axis=-1)  # [L]
+    cap = top * (1.0 + tolerance) + 1e-9 * np.maximum(top, 1.0)
+    # Swaps never leave a node: each (layer, node) block of ranks is settled on its own.
+    ranks = num_ranks // nodes
+    width = num_physical // nodes
+    blocks = rows.reshape(num_layers * nodes, width)
+    block_holds = (
+        holds.reshape(num_layers, holds.shape[1], nodes, ranks)
+        .transpose(0, 2, 1, 3)
+        .reshape(num_layers * nodes, holds.shape[1], ranks)
+    )
+    stuck = np.zeros(num_layers, dtype=bool) if frozen is None else frozen
+    settled = _settle_blocks(
+        blocks,
+        weight.reshape(num_layers * nodes, width),
+        block_holds,
+        num_ranks=ranks,
+        cap=np.repeat(cap, nodes),
+        frozen=np.repeat(stuck, nodes),
+    )
+    return settled.reshape(num_layers, num_physical)
+
+
+def _settle_blocks(
+    rows: _I64,
+    weight: _F64,
+    holds: npt.NDArray[np.bool_],
+    *,
+    num_ranks: int,
+    cap: _F64,
+    frozen: npt.NDArray[np.bool_],
+) -> _I64:
+    """``settle`` over independent blocks: rows [B, P] (slot weights [B, P], holds [B, E, N],
+    cap [B]); the swaps of every block in rounds, vectorised across blocks."""
     num_layers, num_physical = rows.shape
     per = num_physical // num_ranks
     out = rows.copy()
+    weight = weight.copy()
     layer = np.arange(num_layers)
-    logcnt = np.zeros(load.shape, dtype=np.int64)
-    np.add.at(logcnt, (layer[:, None], out), 1)
-    weight = np.take_along_axis(load / np.maximum(logcnt, 1), out, axis=1)  # [L, P]
     rank_of = np.arange(num_physical) // per  # [P]
-    node_of = rank_of // max(1, num_ranks // max(1, nodes))
-    rank_load = weight.reshape(num_layers, num_ranks, per).sum(-1)  # [L, N]
-    top = rank_load.max(axis=-1)
-    cap = top * (1.0 + tolerance) + 1e-9 * np.maximum(top, 1.0)  # [L]
+    rank_load = weight.reshape(num_layers, num_ranks, per).sum(-1)  # [B, N]
     scale = np.where(cap > 0, cap, 1.0)
-    in_pack = np.zeros((num_layers, load.shape[1], num_ranks), dtype=np.int64)  # copies
+    in_pack = np.zeros((num_layers, holds.shape[1], num_ranks), dtype=np.int64)  # copies
     np.add.at(in_pack, (layer[:, None], out, rank_of[None, :]), 1)
-    active = np.ones(num_layers, dtype=bool) if frozen is None else ~frozen
+    active = ~frozen
     while active.any():
         lay = np.flatnonzero(active)
         cur = out[lay]  # [A, P]
@@ -94,7 +131,6 @@ def settle(
         ok = (
             real[:, :, None]
             & (gain > 0)
-            & (node_of[order][:, :, None] == node_of[None, None, :])
             & (r_p[:, :, None] != rank_of[None, None, :])
             & (e_p[:, :, None] != cur[:, None, :])
             & (busier <= cap[lay][:, None, None])
