@@ -14,7 +14,7 @@ Zipf(0.5) skew per layer, shuffled over the experts (the hottest expert ~8x the 
 ``reference.rebalance`` (the loop-by-loop original it replaced), their ratio, whether the
 placements are identical, and the balancedness (mean / max rank load; 1.0 is perfect) of the
 result and of the identity placement. Then the periodic path at an unchanged size after a 30%
-load drift: ``moves.relabel_for_resize`` (``rebalance``, then ranks relabelled to keep experts in
+load drift: ``moves.rebalance_for_resize(..., settle=False)`` (``rebalance``, then ranks relabelled to keep experts in
 place; vectorised too; before = ``reference.rebalance_for_resize``) and
 ``moves.rebalance_for_resize`` (that, then ``settle``: slot swaps that keep more experts in place
 within ``--tolerance`` of balance), with the expert moves of each. Both tables are printed with
@@ -98,8 +98,8 @@ def periodic_table(load: torch.Tensor, args: argparse.Namespace) -> None:
     drifted = (load.to(torch.float64) * drift).clamp(min=0)
     print(
         "periodic rebalance at the same size after a 30% drift, tolerance "
-        f"{args.tolerance}: relabel_for_resize (policy.rebalance + relabelling), then "
-        "rebalance_for_resize (+ settle: swaps that keep experts in place):"
+        f"{args.tolerance}: rebalance_for_resize with settle=False (policy.rebalance + "
+        "relabelling), then with settle (swaps that keep experts in place):"
     )
     for ranks, slots, groups in CASES:
         old = policy.rebalance(load, slots, ranks, NODES, groups)
@@ -113,7 +113,7 @@ def periodic_table(load: torch.Tensor, args: argparse.Namespace) -> None:
         }
 
         def relabel_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
-            return moves.relabel_for_resize(drifted, o, **kw)
+            return moves.rebalance_for_resize(drifted, o, **kw, settle=False)
 
         def settle_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
             return moves.rebalance_for_resize(drifted, o, **kw)

@@ -221,39 +221,56 @@ def rebalance_for_resize(
     num_groups: int = 1,
     tolerance: float = 0.0,
     held: Mapping[int, Iterable[Key]] | None = None,
+    settle: bool = True,
 ) -> policy.Placement:
-    """The placement for new_num_ranks that a resize (or a periodic rebalance) takes:
-    ``relabel_for_resize`` (``policy.rebalance``, its packs given to the ranks that hold most of
-    their experts), then ``settle.settle`` (swaps of slots between ranks that leave experts where they
-    are held, while no layer's busiest rank gets more than ``tolerance`` busier than under the
-    plain rebalance).
+    """The placement for new_num_ranks that a resize (or a periodic rebalance) takes.
+
+    First ``policy.rebalance``, relabelled to keep experts where they are: the rank loads of a
+    placement do not change when, within one layer, the packs of slots are given to different
+    ranks, nor when slots are reordered inside a rank. So per layer this gives each new pack
+    the rank (within the same node) that already holds most of its experts (greedy matching on
+    the overlap), then puts each expert back at its old local offset when it can. Same
+    balancedness as plain ``rebalance``, never more moves in practice, usually far fewer. Old
+    ranks >= new_num_ranks (departing on a shrink) keep nothing. When the rank count and P are
+    unchanged (a periodic rebalance), a layer keeps its old slots outright if its busiest rank
+    would not be more than ``tolerance`` (a fraction) busier than under the new placement:
+    balanced packing is chaotic, and a 1% drift in load would otherwise move most experts for
+    no gain. Vectorised across layers and packs except for the greedy matching (one short loop
+    per layer); with ``settle=False`` the placements equal those of the per-layer loops kept
+    in ``eplb.reference``.
+
+    Then (``settle``) ``eplb.settle``: swaps of slots between ranks that leave more experts
+    where they are held, while no layer's busiest rank gets more than ``tolerance`` busier than
+    under the relabelled rebalance.
 
     held: {new rank index: (layer, logical) keys it holds beyond its live slots in ``old``}
     (experts it retains from an earlier placement, or pre-staged on a warm spare): placing such
-    an expert there costs no move either.
+    an expert there costs no move either (both steps count it).
     """
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    holds = _holdings(old, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks, held=held)
     relabelled, kept = _relabel(
         load,
         old,
+        holds,
         old_num_ranks=old_num_ranks,
         new_num_ranks=new_num_ranks,
         num_physical=num_physical,
         num_nodes=num_nodes,
         num_groups=num_groups,
         tolerance=tolerance,
-        held=held,
     )
+    if not settle:
+        return relabelled
     rows = relabelled.phy2log.numpy()
-    nodes = num_nodes if num_nodes >= 1 and new_num_ranks % num_nodes == 0 else 1
     settled = settle_mod.settle(
         rows,
         _as_f64(load, rows.shape[0], old.num_logical),
-        _holdings(old, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks, held=held),
+        holds,
         num_ranks=new_num_ranks,
         tolerance=tolerance,
-        nodes=nodes,
+        nodes=num_nodes,
         frozen=kept,
     )
     if np.array_equal(settled, rows):
@@ -261,54 +278,10 @@ def rebalance_for_resize(
     return policy.Placement.from_phy2log(torch.from_numpy(settled), old.num_logical)
 
 
-def relabel_for_resize(
-    load: torch.Tensor,
-    old: policy.Placement,
-    *,
-    old_num_ranks: int,
-    new_num_ranks: int,
-    num_physical: int,
-    num_nodes: int = 1,
-    num_groups: int = 1,
-    tolerance: float = 0.0,
-    held: Mapping[int, Iterable[Key]] | None = None,
-) -> policy.Placement:
-    """``policy.rebalance`` for new_num_ranks, relabelled to keep experts where they are.
-
-    The rank loads of a placement do not change when, within one layer, the packs of slots
-    are given to different ranks, nor when slots are reordered inside a rank. So per layer this
-    gives each new pack the rank (within the same node) that already holds most of its experts
-    (greedy matching on the overlap; ``held`` as in ``rebalance_for_resize`` counts too), then
-    puts each expert back at its old local offset when it can. Same balancedness as plain
-    ``rebalance``, never more moves in practice, usually far fewer. Old ranks >= new_num_ranks
-    (departing on a shrink) keep nothing.
-
-    When the rank count and P are unchanged (a periodic rebalance), a layer keeps its old slots
-    outright if its busiest rank would not be more than ``tolerance`` (a fraction) busier than
-    under the new placement: balanced packing is chaotic, and a 1% drift in load would
-    otherwise move most experts for no gain.
-
-    Vectorised across layers and packs except for the greedy matching (one short loop per
-    layer); the placements equal those of the per-layer loops kept in ``eplb.reference``.
-    """
-    if tolerance < 0:
-        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
-    return _relabel(
-        load,
-        old,
-        old_num_ranks=old_num_ranks,
-        new_num_ranks=new_num_ranks,
-        num_physical=num_physical,
-        num_nodes=num_nodes,
-        num_groups=num_groups,
-        tolerance=tolerance,
-        held=held,
-    )[0]
-
-
 def _relabel(
     load: torch.Tensor,
     old: policy.Placement,
+    holds: npt.NDArray[np.bool_],
     *,
     old_num_ranks: int,
     new_num_ranks: int,
@@ -316,9 +289,9 @@ def _relabel(
     num_nodes: int,
     num_groups: int,
     tolerance: float,
-    held: Mapping[int, Iterable[Key]] | None,
 ) -> tuple[policy.Placement, npt.NDArray[np.bool_]]:
-    """``relabel_for_resize``, and which layers kept their old slots outright ([L] bool)."""
+    """The relabelled rebalance of ``rebalance_for_resize`` (holds [L, E, N]: `_holdings`),
+    and which layers kept their old slots outright ([L] bool)."""
     new = policy.rebalance(load, num_physical, new_num_ranks, num_nodes, num_groups)
     _check_pair(old, new, old_num_ranks, new_num_ranks)
     old_per = old.slots_per_rank(old_num_ranks)
@@ -339,7 +312,6 @@ def _relabel(
     held_local[:, :kept_ranks] = old_rows.reshape(num_layers, old_num_ranks, old_per)[
         :, :kept_ranks
     ]
-    holds = _holdings(old, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks, held=held)
     gain = _overlap(packs, holds)
     node = np.arange(new_num_ranks) // (new_num_ranks // nodes)
     gain[:, node[:, None] != node[None, :]] = -1  # a pack stays on its node
