@@ -14,12 +14,12 @@ Zipf(0.5) skew per layer, shuffled over the experts (the hottest expert ~8x the 
 ``reference.rebalance`` (the loop-by-loop original it replaced), their ratio, whether the
 placements are identical, and the balancedness (mean / max rank load; 1.0 is perfect) of the
 result and of the identity placement. Then the periodic path at an unchanged size after a 30%
-load drift: ``moves.rebalance_for_resize(..., settle=False)`` (``rebalance``, then ranks relabelled to keep experts in
-place; vectorised too; before = ``reference.rebalance_for_resize``) and
-``moves.rebalance_for_resize`` (that, then ``settle``: slot swaps that keep more experts in place
-within ``--tolerance`` of balance), with the expert moves of each. Both tables are printed with
-torch's default thread count and with one
-thread: on a busy machine torch's intra-op threads make every tiny op of the original cost
+load drift: ``moves.rebalance_for_resize(..., settle=False)`` (``rebalance``, then ranks
+relabelled to keep experts in place; vectorised too; before =
+``reference.rebalance_for_resize``) and ``moves.rebalance_for_resize`` (that, then ``settle``:
+slot swaps that keep more experts in place within ``--tolerance`` of balance), with the expert
+moves of each. Both tables are printed with torch's default thread count and with one thread:
+on a busy machine torch's intra-op threads make every tiny op of the original cost
 milliseconds, so the one-thread table is the fairer comparison of the algorithms.
 
     .venv/bin/python bench/eplb.py              # ~30 s on 2 busy cores
