@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -156,13 +157,29 @@ class RankActor:
         provided: dict[Any, Any] = {}
         nbytes = 0
         pending = list(parts)
+        started = time.monotonic()
+        waited = 0.0
         while pending:
+            asked = time.monotonic()
             ready, pending = ray.wait(pending, num_returns=1)
+            got = time.monotonic()
+            waited += got - asked
             experts, size = ray_transfer.unpack_experts(
                 [ray.get(ready[0])], dtype=self.worker.dtype, device=self.worker.device
             )
             provided.update(experts)
             nbytes += size
+        if parts:
+            log.info(
+                "rank %s: %d experts (%d B) from co-located peers in %.2fs (%.2fs waiting for "
+                "their exports, %.2fs copying)",
+                self.worker.label,
+                len(provided),
+                nbytes,
+                time.monotonic() - started,
+                waited,
+                time.monotonic() - started - waited,
+            )
         return provided, nbytes
 
     def export_non_expert(self) -> ray_transfer.PackedState:
