@@ -247,12 +247,16 @@ async def scale_runtime(
 
 
 async def _apply_unless_current(
-    api: k8s_api.Api, desired: dict[str, Any], stored: dict[str, Any] | None
+    api: k8s_api.Api,
+    desired: dict[str, Any],
+    stored: dict[str, Any] | None,
+    *,
+    priority: int = k8s_api.PRIORITY_DEFAULT,
 ) -> k8s_api.ApplyResult | None:
     """Server-side apply ``desired``; ``None`` when the stored object already holds it."""
     if stored is not None and diff.contains(stored, desired):
         return None
-    return await api.apply(desired)
+    return await api.apply(desired, priority=priority)
 
 
 #: The actions that write a child; they do not depend on each other.
@@ -286,10 +290,10 @@ async def _execute(
             workers_to_delete=action.workers_to_delete,
             head_size=action.head_size,
         )
-        if children.raycluster is not None and diff.contains(children.raycluster, desired):
-            return None
         # Ahead of every other request waiting for a connection: pods start from it.
-        return await api.apply(desired, priority=k8s_api.PRIORITY_FIRST)
+        return await _apply_unless_current(
+            api, desired, children.raycluster, priority=k8s_api.PRIORITY_FIRST
+        )
     if isinstance(action, actions.ApplyNetworkPolicy):
         return await _apply_unless_current(
             api, access.build_network_policy(owner=owner), children.network_policy
