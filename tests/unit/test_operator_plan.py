@@ -34,8 +34,8 @@ def phase_of(steps: list[actions.Action]) -> actions.SetPhase:
 def test_first_reconcile_creates_every_child() -> None:
     steps = resize.plan_resize(SPEC, EMPTY, observe.Observed())
     assert steps[:3] == [
-        actions.EnsureSecret(),
         actions.ApplyRayCluster(worker_replicas=2),
+        actions.EnsureSecret(),
         actions.ApplyService(),
     ]
     assert phase_of(steps).phase == status_.Phase.PROVISIONING
