@@ -81,6 +81,7 @@ WARNING_REASONS: Final = frozenset(
         "RuntimeUrlIgnored",
         "SettingsRefused",
         REASON_RESIZE_FAILED,
+        REASON_INVALID_SPEC,
         REASON_RANK_LOST,
         REASON_RANK_UNHEALTHY,
         REASON_RUNTIME_RESTARTED,
