@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from moe_contract import status as runtime_status
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.plan import actions, diff, observe, resize
@@ -169,10 +170,13 @@ def test_observe_parses_a_raycluster() -> None:
 
 
 def test_observe_parses_the_runtime_status() -> None:
-    got = observe.runtime(
-        {"data_parallel_size": 2, "target_data_parallel_size": 4, "stage": "Standby",
-         "eplb": {"balancedness": 0.8}}
-    )  # fmt: skip
+    sent = runtime_status.ElasticStatus(
+        data_parallel_size=2,
+        target_data_parallel_size=4,
+        stage="Standby",
+        eplb=runtime_status.Eplb(balancedness=0.8),
+    )
+    got = observe.runtime(sent.to_json())
     assert got == observe.RuntimeObservation(2, 4, "Standby", 0.8)
 
 
