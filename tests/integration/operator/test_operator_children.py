@@ -13,7 +13,7 @@ import yaml
 from e2e.controlplane import cluster
 from moe_operator.api import spec as spec_
 from moe_operator.plan import access, builders
-from tests.integration.operator import conftest as ops
+from tests.support import operator_ops as ops
 
 pytestmark = pytest.mark.controlplane
 
