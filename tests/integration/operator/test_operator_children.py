@@ -224,10 +224,7 @@ def test_restart_changes_nothing(
     token = objs["secret"]["data"]["token"]
     operator.restart()
     ops.wait_for(
-        lambda: (
-            "Handler 'reconcile_on_change' succeeded" in operator.current_log()
-            and f"{namespace}/tiny" in operator.current_log()
-        ),
+        lambda: f"reconciled {namespace}/tiny:" in operator.current_log(),
         what="the resumed reconcile of tiny",
     )
     after = resource_versions(control_plane, namespace)
