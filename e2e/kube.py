@@ -43,6 +43,17 @@ def seconds_between(start: str, end: str) -> float:
     return (parse(end) - parse(start)).total_seconds()
 
 
+def seconds_to_ready(pod: dict[str, Any]) -> float | None:
+    """From a pod's first container starting to its Ready condition turning True (``None``
+    while it is not Ready, or has not started); a figure to print, not to assert on."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    running = ((statuses[0].get("state") or {}).get("running") or {}) if statuses else {}
+    ready = [c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"]
+    if not running.get("startedAt") or not ready or ready[0]["status"] != "True":
+        return None
+    return seconds_between(running["startedAt"], ready[0]["lastTransitionTime"])
+
+
 def wait_for(
     check: Callable[[], T | None],
     *,

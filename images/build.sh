@@ -39,7 +39,7 @@ elapsed() { echo "$(($(date +%s) - t0))s"; }
 
 # --- inputs and their stamps -------------------------------------------------------------------
 hash_files() { sha256sum "$@" | sha256sum | cut -c1-16; }
-app_hash="$(cd "$ROOT" && git ls-files -z -- pyproject.toml runtime operator 2>/dev/null |
+app_hash="$(cd "$ROOT" && git ls-files -z -- pyproject.toml contract runtime operator 2>/dev/null |
   xargs -0 sha256sum | sha256sum | cut -c1-16)"
 freeze="$("$ROOT/.venv/bin/pip" freeze --exclude-editable 2>/dev/null | grep -v -i '^elastic-moe')"
 deps_hash="$(printf '%s\n' "$freeze" | sha256sum | cut -c1-16)"

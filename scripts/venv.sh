@@ -33,8 +33,9 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 
-# Point the editable install at this checkout (cheap when it already does).
-WHERE="$("$VENV/bin/python" -c 'import moe_runtime, os; print(os.path.dirname(os.path.dirname(os.path.abspath(moe_runtime.__file__))))' 2>/dev/null || true)"
+# Point the editable install at this checkout (cheap when it already does); an install made
+# before a package was added (moe_contract) cannot import it and is made again.
+WHERE="$("$VENV/bin/python" -c 'import moe_contract, moe_runtime, os; print(os.path.dirname(os.path.dirname(os.path.abspath(moe_runtime.__file__))))' 2>/dev/null || true)"
 if [ "$WHERE" != "$ROOT/runtime" ] || [ ! -x "$VENV/bin/moe-runtime" ]; then
     echo "venv: pointing the editable install at $ROOT"
     "$VENV/bin/pip" install -q --no-deps -e .

@@ -8,9 +8,10 @@ seeded, streamed) is checked token for token; `kubectl patch` 2→4 and `kubectl
 printing `kubectl get moed` as the stages pass. Then the load decides: `spec.autoscaling` is
 switched on (15 s up, 45 s down window), the 4 clients ask for one rank (the operator shrinks
 2→1 after the down window), 16 clients ask for two (it grows 1→2 after the up window). It ends
-with the figures (apply → Ready, each resize and its stages, the stack's memory and idle CPU),
-a PNG timeline of the whole run (out/demo-timeline.png: tokens/s per rank, stage bands, the
-autoscaler's decisions) and `requests: ok=N failed=M`, and stops what it started.
+with the figures (apply → Ready, how soon the grow's new worker pods were Ready, each resize and
+its stages, the stack's memory and idle CPU), a PNG timeline of the whole run
+(out/demo-timeline.png: tokens/s per rank, stage bands, the autoscaler's decisions) and
+`requests: ok=N failed=M`, and stops what it started.
 """
 
 from __future__ import annotations
@@ -106,9 +107,13 @@ def main() -> int:
         say(f"serving: {lg.summary()}")
         say('kubectl patch moed tiny --type=merge -p \'{"spec":{"dataParallelSize":4}}\'')
         body = json.dumps({"spec": {"dataParallelSize": 4}})
+        before = set(dep.worker_pods())
         dep.kubectl("patch", "moed", NAME, "-n", NAMESPACE, "--type=merge", "-p", body)
         follow(dep, 4)
         say(f"grown to 4: {lg.summary()}")
+        new_pods = [p for p in dep.pods() if p["metadata"]["name"] not in before]
+        delays = [kube.seconds_to_ready(p) for p in new_pods]
+        say(f"new worker pods Ready {delays} s after their container started (our probe: 1 s)")
         say("kubectl scale moed tiny --replicas=2")
         dep.kubectl("scale", "moed", NAME, "-n", NAMESPACE, "--replicas=2")
         follow(dep, 2)

@@ -8,6 +8,8 @@ import os
 import pathlib
 import sys
 
+from moe_contract import logs as logs_contract
+
 
 def _crd(args: argparse.Namespace) -> int:
     from moe_operator.api import crd
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument(
         "--log-format",
-        choices=("text", "json"),
+        choices=logs_contract.FORMATS,
         default="text",
         help="json: one JSON object per line (time, level, logger, message, deployment, "
         "stage, resize_id)",

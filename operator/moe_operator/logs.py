@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import datetime
-import json
 import logging
 from collections.abc import Iterator
 from typing import Any, Final
 
+from moe_contract import logs as contract
+
 #: The fields a line may carry beyond time, level, logger and message.
 FIELDS: Final = ("deployment", "rank", "stage", "resize_id")
-FORMATS: Final = ("text", "json")
+FORMATS: Final = contract.FORMATS
 
 _context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "moe_operator_log_context", default=None
@@ -42,32 +42,22 @@ def bind(**fields: Any) -> None:
     _context.set({k: v for k, v in merged.items() if v is not None})
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ``time`` (RFC 3339, UTC, ms), ``level``, ``logger``,
-    ``message``, the context fields that are set, and ``exception`` when there is one."""
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = dict(_context.get() or {})
+    ref = getattr(record, "k8s_ref", None)
+    if isinstance(ref, dict) and ref.get("name"):
+        where = f"{ref.get('namespace')}/{ref['name']}" if ref.get("namespace") else ref["name"]
+        fields.setdefault("deployment", where)
+    return fields
 
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, tz=datetime.timezone.utc)
-            .isoformat(timespec="milliseconds")
-            .replace("+00:00", "Z"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        fields = dict(_context.get() or {})
-        ref = getattr(record, "k8s_ref", None)
-        if isinstance(ref, dict) and ref.get("name"):
-            where = f"{ref.get('namespace')}/{ref['name']}" if ref.get("namespace") else ref["name"]
-            fields.setdefault("deployment", where)
-        for name in FIELDS:
-            value = getattr(record, name, None)
-            if value is not None:
-                fields[name] = value
-        line.update({k: v for k, v in fields.items() if k in FIELDS and v is not None})
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+
+class JsonFormatter(contract.JsonFormatter):
+    """The contract's JSON line (``moe_contract.logs``, the runtime's too) with the operator's
+    fields: those of :func:`context` / :func:`bind`, else the deployment of kopf's
+    ``k8s_ref``."""
+
+    def __init__(self) -> None:
+        super().__init__(fields=FIELDS, context=_fields)
 
 
 def use_json(logger: logging.Logger | None = None) -> None:

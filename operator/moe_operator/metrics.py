@@ -16,6 +16,7 @@ from typing import Any, Final, Protocol
 
 import prometheus_client
 
+from moe_contract import stages
 from moe_operator.api import status as status_
 from moe_operator.plan import autoscale
 
@@ -26,7 +27,7 @@ RESULT_OK: Final = "ok"
 RESULT_ERROR: Final = "error"
 RESULT_INVALID_SPEC: Final = "invalid_spec"
 #: ``stage`` of ``moe_operator_resize_stage``: Idle, then every resize stage.
-STAGES: Final = ("Idle", *(s.value for s in status_.Stage))
+STAGES: Final = (stages.Stage.IDLE.value, *(s.value for s in stages.RESIZE_STAGES))
 
 
 class ReconcileOutcome(Protocol):

@@ -25,6 +25,8 @@ from typing import Any, Final
 import httpx
 import pydantic
 
+from moe_contract import names
+from moe_contract import status as runtime_status
 from moe_operator.api import group
 from moe_operator.plan import builders
 
@@ -80,26 +82,6 @@ class ScaleAccepted(_Response):
     to_size: int | None = pydantic.Field(default=None, alias="to")
     stage: str | None = None
     message: str | None = None
-
-
-class RankInfo(_Response):
-    rank: int
-    node_id: str | None = None
-    pod: str | None = None
-    healthy: bool = True
-    num_experts: int | None = None
-
-
-class ElasticStatus(_Response):
-    """Answer of ``GET /elastic_ep/status``."""
-
-    data_parallel_size: int
-    target_data_parallel_size: int | None = None
-    stage: str | None = None
-    resize: dict[str, Any] | None = None
-    history: list[dict[str, Any]] = pydantic.Field(default_factory=list)
-    ranks: list[RankInfo] = pydantic.Field(default_factory=list)
-    eplb: dict[str, Any] | None = None
 
 
 class RuntimeApiError(Exception):
@@ -174,40 +156,41 @@ class RuntimeClient:
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200; False on any error or transport failure."""
         try:
-            response = await self._client.get("/health")
+            response = await self._client.get(names.HEALTH_PATH)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
-    async def status(self) -> ElasticStatus:
-        return ElasticStatus.model_validate(await self._call("GET", "/elastic_ep/status"))
+    async def status(self) -> runtime_status.ElasticStatus:
+        """``GET /elastic_ep/status`` read into the contract's model."""
+        return runtime_status.ElasticStatus.model_validate(await self.status_json())
 
     async def status_json(self) -> dict[str, Any]:
         """``GET /elastic_ep/status`` as the runtime sent it (records included)."""
-        payload = await self._call("GET", "/elastic_ep/status")
+        payload = await self._call("GET", names.STATUS_PATH)
         if not isinstance(payload, dict):
             raise RuntimeApiError(
-                method="GET", path="/elastic_ep/status", status=200, detail="not a JSON object"
+                method="GET", path=names.STATUS_PATH, status=200, detail="not a JSON object"
             )
         return payload
 
     async def config(self) -> dict[str, Any]:
         """``GET /elastic_ep/config``: the settings a running runtime applies now."""
-        payload = await self._call("GET", "/elastic_ep/config")
+        payload = await self._call("GET", names.CONFIG_PATH)
         if not isinstance(payload, dict):
             raise RuntimeApiError(
-                method="GET", path="/elastic_ep/config", status=200, detail="not a JSON object"
+                method="GET", path=names.CONFIG_PATH, status=200, detail="not a JSON object"
             )
         return payload
 
     async def patch_config(self, changes: dict[str, Any]) -> dict[str, Any]:
         """``PATCH /elastic_ep/config``: change settings live (400 names a refused field and
         changes nothing)."""
-        payload = await self._call("PATCH", "/elastic_ep/config", json=changes)
+        payload = await self._call("PATCH", names.CONFIG_PATH, json=changes)
         return payload if isinstance(payload, dict) else {}
 
     async def is_scaling(self) -> bool:
-        payload = await self._call("POST", "/is_scaling_elastic_ep")
+        payload = await self._call("POST", names.IS_SCALING_PATH)
         return bool(payload["is_scaling_elastic_ep"])
 
     async def scale(
@@ -221,5 +204,5 @@ class RuntimeClient:
             body["drain_timeout"] = drain_timeout
         params = {"wait": "true"} if wait else None
         return ScaleAccepted.model_validate(
-            await self._call("POST", "/scale_elastic_ep", json=body, params=params)
+            await self._call("POST", names.SCALE_PATH, json=body, params=params)
         )

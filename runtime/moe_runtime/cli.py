@@ -21,6 +21,8 @@ from typing import Any
 import fastapi
 import uvicorn
 
+from moe_contract import names
+from moe_contract import serve as flags
 from moe_runtime import logs, server
 from moe_runtime import metrics as metrics_mod
 from moe_runtime.elastic import admin as elastic_admin
@@ -40,30 +42,32 @@ RESIZE_CONTEXT = logs.ResizeContext()
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of `moe-runtime`; the `serve` flags the operator passes are named by
+    `moe_contract.serve` (a test parses the operator's command line with this parser)."""
     parser = argparse.ArgumentParser(prog="moe-runtime", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     serve.add_argument(
-        "--model",
+        flags.MODEL,
         required=True,
         help="synthetic://NAME?seed=S or a directory holding a Mixtral-format checkpoint",
     )
-    serve.add_argument("--data-parallel-size", type=_positive, required=True, help="DP ranks")
+    serve.add_argument(flags.DATA_PARALLEL_SIZE, type=_positive, required=True, help="DP ranks")
     serve.add_argument(
-        "--num-redundant-experts",
+        flags.NUM_REDUNDANT_EXPERTS,
         type=_non_negative,
         default=0,
         help="extra expert slots; raised to the next value that fills every rank equally",
     )
     serve.add_argument(
-        "--max-data-parallel-size",
+        flags.MAX_DATA_PARALLEL_SIZE,
         type=_positive,
         default=None,
         help="rank slots a local Ray instance offers (default: max(8, DP))",
     )
-    serve.add_argument("--served-model-name", default=None, help="model name in the API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(flags.SERVED_MODEL_NAME, default=None, help="model name in the API")
+    serve.add_argument(flags.HOST, default="127.0.0.1")
+    serve.add_argument(flags.PORT, type=int, default=names.RUNTIME_PORT)
     serve.add_argument("--executor", choices=("ray", "local"), default="ray")
     serve.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences per rank")
     serve.add_argument(
@@ -73,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget of one rank in one step (bounds prefill chunks)",
     )
     serve.add_argument(
-        "--max-queued-requests",
+        flags.MAX_QUEUED_REQUESTS,
         type=_non_negative,
         default=DEFAULT_MAX_QUEUED,
         help="requests that may wait for a sequence slot; more get 429 with Retry-After "
@@ -86,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--dtype", default="float32")
     serve.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
+        flags.DEVICE,
+        choices=flags.DEVICES,
+        default=flags.DEVICE_AUTO,
         help="where ranks run: cuda (one GPU per rank; waits for GPU nodes to join), cpu, or "
         "auto (cuda when the Ray cluster has GPUs at start; the operator always says which)",
     )
@@ -101,10 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     elastic = serve.add_argument_group("elastic expert parallelism")
     elastic.add_argument(
-        "--min-data-parallel-size", type=_positive, default=1, help="smallest size a resize may ask"
+        flags.MIN_DATA_PARALLEL_SIZE,
+        type=_positive,
+        default=1,
+        help="smallest size a resize may ask",
     )
     elastic.add_argument(
-        "--max-experts-per-rank",
+        flags.MAX_EXPERTS_PER_RANK,
         type=_positive,
         default=None,
         help="expert slots one rank can hold; sizes that would need more are refused",
@@ -116,12 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where new ranks get non-expert weights on scale-up",
     )
     elastic.add_argument(
-        "--eplb", action=argparse.BooleanOptionalAction, default=True, help="dynamic EPLB"
+        flags.EPLB, action=argparse.BooleanOptionalAction, default=True, help="dynamic EPLB"
     )
-    elastic.add_argument("--eplb-window-size", type=_positive, default=1000)
-    elastic.add_argument("--eplb-step-interval", type=_positive, default=3000)
+    elastic.add_argument(flags.EPLB_WINDOW_SIZE, type=_positive, default=1000)
+    elastic.add_argument(flags.EPLB_STEP_INTERVAL, type=_positive, default=3000)
     elastic.add_argument(
-        "--auto-recover",
+        flags.AUTO_RECOVER,
         action=argparse.BooleanOptionalAction,
         default=True,
         help="after a rank was lost and the runtime shrank around it, grow back to the size "
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without a heartbeat answer before a rank counts as hung and is fenced",
     )
     elastic.add_argument(
-        "--warm-spare-ranks",
+        flags.WARM_SPARE_RANKS,
         type=_non_negative,
         default=0,
         help="rank workers kept started beside the active ones (non-expert weights loaded, "
@@ -142,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a rank slot (moe_rank) of its own (MoEDeployment elastic.warmSpareRanks)",
     )
     elastic.add_argument(
-        "--drain-timeout",
+        flags.DRAIN_TIMEOUT,
         type=_non_negative,
         default=0,
         help="seconds a shrink lets sequences on departing ranks finish before it migrates the "
@@ -154,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer token of the admin routes (default: $MOE_ADMIN_TOKEN; none = open)",
     )
     elastic.add_argument(
-        "--admin-token-file",
+        flags.ADMIN_TOKEN_FILE,
         default=None,
         help="read the admin token from this file, again whenever it changes (a mounted "
         "Secret; default: $MOE_ADMIN_TOKEN_FILE)",

@@ -5,22 +5,24 @@ rank and the resize (id and stage) a line is about.
 ``deployment`` comes from ``$MOE_DEPLOYMENT``, else ``$RAY_CLUSTER_NAME``, which KubeRay sets in
 every Ray container (``setContainerEnvVars`` in its ``common/pod.go``; the operator names the
 RayCluster after the MoEDeployment); ``pod`` from ``$MOE_POD_NAME`` (the operator's downward
-API). ``resize_id`` and ``stage`` are those of the resize running when the line was logged
-(:class:`ResizeContext`, fed by the coordinator's change callback); a record's own ``extra``
-fields (``rank``, ``stage``, ``resize_id``) win.
+API, ``moe_contract.names.POD_NAME_ENV``). ``resize_id`` and ``stage`` are those of the resize
+running when the line was logged (:class:`ResizeContext`, fed by the coordinator's change
+callback); a record's own ``extra`` fields (``rank``, ``stage``, ``resize_id``) win. The line
+itself is the contract's (``moe_contract.logs``), the same as the operator's.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Final
 
-FIELDS: Final = ("deployment", "pod", "rank", "stage", "resize_id")
-FORMATS: Final = ("text", "json")
+from moe_contract import logs as contract
+from moe_contract import names
+
+FIELDS: Final = contract.FIELDS
+FORMATS: Final = contract.FORMATS
 FORMAT_ENV: Final = "MOE_LOG_FORMAT"
 #: The level of the rank processes' logs (``moe-runtime serve --log-level`` sets it for the
 #: ranks of a local instance; in the pods it comes from their environment; default INFO).
@@ -47,41 +49,23 @@ class ResizeContext:
         return {"resize_id": record.resize_id, "stage": getattr(stage, "value", stage)}
 
 
-class JsonFormatter(logging.Formatter):
-    """``time`` (RFC 3339, UTC, ms), ``level``, ``logger``, ``message``, the fields that are
-    known, and ``exception`` when there is one."""
+class JsonFormatter(contract.JsonFormatter):
+    """The contract's JSON line (``moe_contract.logs``) with the runtime's fields: deployment
+    and pod from the environment, the running resize from ``context``."""
 
     def __init__(
         self, *, context: ResizeContext | None = None, environ: Mapping[str, str] | None = None
     ) -> None:
-        super().__init__()
         env = os.environ if environ is None else environ
-        self._static = {
+        static = {
             "deployment": env.get("MOE_DEPLOYMENT") or env.get("RAY_CLUSTER_NAME"),
-            "pod": env.get("MOE_POD_NAME"),
+            "pod": env.get(names.POD_NAME_ENV),
         }
-        self._context = context
 
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, tz=datetime.timezone.utc)
-            .isoformat(timespec="milliseconds")
-            .replace("+00:00", "Z"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        fields = dict(self._static)
-        if self._context is not None:
-            fields.update(self._context.fields())
-        for name in FIELDS:
-            value = getattr(record, name, None)
-            if value is not None:
-                fields[name] = value
-        line.update({k: v for k, v in fields.items() if v is not None})
-        if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+        def fields(record: logging.LogRecord) -> dict[str, Any]:
+            return {**static, **(context.fields() if context is not None else {})}
+
+        super().__init__(fields=FIELDS, context=fields)
 
 
 def use_json(context: ResizeContext | None = None) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from moe_contract import status as runtime_status
 from moe_operator import metrics, reconcile
 from moe_operator.k8s import api as k8s_api
-from tests.unit import test_operator_reconcile as rec
+from tests.support import reconcile_fakes as rec
 
 LOG = logging.getLogger("test")
 
@@ -44,9 +45,10 @@ def autoscaled(dp: int, *, status: dict[str, Any] | None = None) -> dict[str, An
 def serve(api: ScalingApi, in_flight: int, *, events: list[tuple[str, str]]) -> reconcile.Outcome:
     rec.run(api, autoscaled(1), events=events)
     rec.make_ready(api, 1)
-    factory = rec.runtime_answering(
-        {"data_parallel_size": 1, "load": {"running": in_flight, "waiting": 0}}, []
-    )
+    status = runtime_status.ElasticStatus(
+        data_parallel_size=1, load=runtime_status.Load(running=in_flight, waiting=0)
+    )  # an older runtime's load: no in_flight
+    factory = rec.runtime_answering(status, [])
     return asyncio.run(
         reconcile.reconcile(
             api=api,  # type: ignore[arg-type]

@@ -256,13 +256,6 @@ def test_secret_refuses_an_empty_token() -> None:
         access.build_secret(owner=OWNER, token="", ray_token="r4y")
 
 
-def test_builders_are_deterministic() -> None:
-    spec = make_spec()
-    assert builders.build_raycluster(owner=OWNER, spec=spec) == builders.build_raycluster(
-        owner=OWNER, spec=spec
-    )
-
-
 def test_names_and_endpoint() -> None:
     assert builders.selector("tiny") == "elasticmoe.io/deployment=tiny"
     assert builders.endpoint(owner_name="tiny", namespace="ml") == "http://tiny-api.ml.svc:8000"

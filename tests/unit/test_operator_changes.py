@@ -1,19 +1,18 @@
-"""Which MoEDeployment watch events reconcile, and from which body (plan.changes, handlers)."""
+"""Which MoEDeployment watch events reconcile, and from which body (plan.changes, the loop
+behind kopf's handlers)."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 import types
 from typing import Any
 
 import pytest
 
-from moe_operator import handlers
+from moe_operator import handlers, loop, metrics, reconcile, workqueue
+from moe_operator.api import status as status_
 from moe_operator.plan import changes
-
-LOG = logging.getLogger("test")
 
 
 def deployment(*, generation: int = 1, rv: str = "10", **meta: Any) -> dict[str, Any]:
@@ -75,7 +74,7 @@ def test_own_writes_make_bodies_stale_until_the_watch_delivers_them() -> None:
 
 
 class Recorder:
-    """Stands in for ``handlers._reconcile`` and the API's GET."""
+    """Stands in for ``reconcile.reconcile`` and the API's GET."""
 
     def __init__(self, *, stored: dict[str, Any], written_rv: str | None = None) -> None:
         self.bodies: list[tuple[str, dict[str, Any]]] = []
@@ -83,96 +82,97 @@ class Recorder:
         self.written_rv = written_rv
         self.fail = False
 
-    async def reconcile(self, body: dict[str, Any], memo: Any, log: Any) -> None:
+    async def reconcile(self, *, body: dict[str, Any], **_: Any) -> reconcile.Outcome:
         self.bodies.append(("body", body))
         if self.fail:
             raise ConnectionError("the API server is away")
-        if self.written_rv is not None:
-            memo.writes.wrote(("ml", "a"), self.written_rv)
+        return reconcile.Outcome(
+            phase=status_.Phase.SERVING,
+            created=(),
+            status_written=self.written_rv is not None,
+            resource_version=self.written_rv,
+        )
 
     async def get(self, **_: Any) -> dict[str, Any]:
         self.bodies.append(("GET", self.stored))
         return copy.deepcopy(self.stored)
 
+    async def close(self) -> None:
+        pass
 
-def memo_for(recorder: Recorder) -> Any:
-    return types.SimpleNamespace(
-        api=types.SimpleNamespace(get=recorder.get),
-        known=set(),
-        locks={},
-        requeues={},
-        contexts={},
-        fingerprints={},
-        writes=changes.OwnWrites(),
+
+def operator_for(recorder: Recorder) -> loop.Operator:
+    return loop.Operator(
+        api=recorder,  # type: ignore[arg-type]
+        operator_key=b"k",
+        post=lambda *_: None,
+        metrics=metrics.OperatorMetrics(),
+        reconcile_fn=recorder.reconcile,
     )
 
 
-async def deliver(memo: Any, event_type: str | None, body: dict[str, Any]) -> None:
-    await handlers.reconcile_on_change(
-        type=event_type,
-        event={"type": event_type, "object": body},
-        namespace="ml",
-        name="a",
-        memo=memo,
-        logger=LOG,
+async def deliver(op: loop.Operator, event_type: str | None, body: dict[str, Any]) -> None:
+    """A watch event through kopf's handler, and whatever it queued, done."""
+    memo = types.SimpleNamespace(operator=op)
+    await handlers.deployment_changed(
+        type=event_type, event={"type": event_type, "object": body}, memo=memo
     )
+    await op.queue.idle()
 
 
-def test_events_reconcile_from_the_watched_body_and_skip_status_only_changes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_events_reconcile_from_the_watched_body_and_skip_status_only_changes() -> None:
     recorder = Recorder(stored=deployment(rv="12"), written_rv="12")
-    monkeypatch.setattr(handlers, "_reconcile", recorder.reconcile)
-    memo = memo_for(recorder)
 
-    async def run() -> None:
-        await deliver(memo, "ADDED", deployment(rv="10"))  # reconciled; it writes status rv 12
-        await deliver(memo, "MODIFIED", deployment(rv="12"))  # our write: nothing to do
-        await deliver(memo, "MODIFIED", deployment(rv="13", generation=2))  # a spec change
+    async def run() -> loop.Operator:
+        op = operator_for(recorder)
+        await deliver(op, "ADDED", deployment(rv="10"))  # reconciled; it writes status rv 12
+        await deliver(op, "MODIFIED", deployment(rv="12"))  # our write: nothing to do
+        await deliver(op, "MODIFIED", deployment(rv="13", generation=2))  # a spec change
+        return op
 
-    asyncio.run(run())
+    op = asyncio.run(run())
     assert [(how, body["metadata"]["resourceVersion"]) for how, body in recorder.bodies] == [
         ("body", "10"),
         ("body", "13"),
     ]
-    assert ("ml", "a") in memo.known
+    assert ("ml", "a") in op.known
 
 
-def test_an_event_from_before_our_status_write_reconciles_a_fresh_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_an_event_from_before_our_status_write_reconciles_a_fresh_read() -> None:
     """The watch has not delivered our write yet: its body would hold a stale status."""
     recorder = Recorder(stored=deployment(rv="14", generation=2))
-    monkeypatch.setattr(handlers, "_reconcile", recorder.reconcile)
-    memo = memo_for(recorder)
 
-    async def run() -> None:
-        await deliver(memo, "ADDED", deployment(rv="10"))
-        memo.writes.wrote(("ml", "a"), "12")  # a requeued reconcile wrote status meanwhile
-        await deliver(memo, "MODIFIED", deployment(rv="11", generation=2))
+    async def run() -> loop.Operator:
+        op = operator_for(recorder)
+        await deliver(op, "ADDED", deployment(rv="10"))
+        op.writes.wrote(("ml", "a"), "12")  # a requeued reconcile wrote status meanwhile
+        await deliver(op, "MODIFIED", deployment(rv="11", generation=2))
+        return op
 
-    asyncio.run(run())
+    op = asyncio.run(run())
     assert [(how, body["metadata"]["resourceVersion"]) for how, body in recorder.bodies] == [
         ("body", "10"),
         ("GET", "14"),
         ("body", "14"),
     ]
-    assert memo.writes.current(("ml", "a"))
+    assert op.writes.current(("ml", "a"))
 
 
 def test_a_failed_reconcile_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
     recorder = Recorder(stored=deployment(rv="10"))
     recorder.fail = True
-    monkeypatch.setattr(handlers, "_reconcile", recorder.reconcile)
-    monkeypatch.setattr(handlers, "RETRY_BACKOFF_SECONDS", 0.01)
-    memo = memo_for(recorder)
+    monkeypatch.setattr(workqueue, "RETRY_BACKOFF_SECONDS", 0.01)
 
     async def run() -> None:
-        await deliver(memo, "ADDED", deployment(rv="10"))
-        recorder.fail = False
+        op = operator_for(recorder)
+        memo = types.SimpleNamespace(operator=op)
+        event = {"type": "ADDED", "object": deployment(rv="10")}
+        await handlers.deployment_changed(type="ADDED", event=event, memo=memo)
         deadline = asyncio.get_running_loop().time() + 5
-        while len(recorder.bodies) < 3 and asyncio.get_running_loop().time() < deadline:
+        while not recorder.bodies and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
+        recorder.fail = False
+        await asyncio.wait_for(op.queue.idle(), 5)
 
     asyncio.run(run())
     # the event's body, then the retry: a fresh read and its reconcile

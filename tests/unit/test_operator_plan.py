@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from moe_contract import status as runtime_status
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.plan import actions, diff, observe, resize
@@ -34,8 +35,8 @@ def phase_of(steps: list[actions.Action]) -> actions.SetPhase:
 def test_first_reconcile_creates_every_child() -> None:
     steps = resize.plan_resize(SPEC, EMPTY, observe.Observed())
     assert steps[:3] == [
-        actions.EnsureSecret(),
         actions.ApplyRayCluster(worker_replicas=2),
+        actions.EnsureSecret(),
         actions.ApplyService(),
     ]
     assert phase_of(steps).phase == status_.Phase.PROVISIONING
@@ -169,10 +170,13 @@ def test_observe_parses_a_raycluster() -> None:
 
 
 def test_observe_parses_the_runtime_status() -> None:
-    got = observe.runtime(
-        {"data_parallel_size": 2, "target_data_parallel_size": 4, "stage": "Standby",
-         "eplb": {"balancedness": 0.8}}
-    )  # fmt: skip
+    sent = runtime_status.ElasticStatus(
+        data_parallel_size=2,
+        target_data_parallel_size=4,
+        stage="Standby",
+        eplb=runtime_status.Eplb(balancedness=0.8),
+    )
+    got = observe.runtime(sent.to_json())
     assert got == observe.RuntimeObservation(2, 4, "Standby", 0.8)
 
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
+from moe_contract import status as runtime_status
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.plan import actions, observe, resize
 from moe_operator.plan import status as plan_status
-from tests.unit.test_operator_resize import (
+from tests.support.resize_plan import (
     LATER,
     PODS,
     Plan,
@@ -137,22 +138,30 @@ def test_an_unhealthy_rank_degrades_the_deployment() -> None:
 
 
 def test_the_runtime_status_of_a_recovery_parses() -> None:
-    payload = {
-        "data_parallel_size": 2,
-        "resize": {
-            "resize_id": "rec1", "kind": "recovery", "from": 3, "to": 2, "stage": "Completed",
-            "stages": [{"stage": "Recovering", "duration_s": 1.2}],
-            "recovery": {"recovery_s": 1.2, "requests_rerun": 4,
-                         "ranks_lost": [{"rank": 1, "pod": PODS[1], "reason": "dead"}]},
-        },
-        "ranks": [
-            {"rank": 0, "active": True, "pod": PODS[0], "healthy": True},
-            {"rank": 1, "active": True, "pod": PODS[2], "healthy": False, "state": "suspect"},
-            {"rank": None, "lost_rank": 1, "active": False, "pod": PODS[1], "healthy": False,
-             "state": "dead"},
+    payload = runtime_status.ElasticStatus(
+        data_parallel_size=2,
+        resize=runtime_status.Resize(
+            resize_id="rec1",
+            kind="recovery",
+            from_size=3,
+            to_size=2,
+            stage="Completed",
+            stages=[runtime_status.StageTiming(stage="Recovering", duration_s=1.2)],
+            recovery=runtime_status.Recovery(
+                recovery_s=1.2,
+                requests_rerun=4,
+                ranks_lost=[runtime_status.LostRank(rank=1, pod=PODS[1], reason="dead")],
+            ),
+        ),
+        ranks=[
+            runtime_status.Rank(rank=0, active=True, pod=PODS[0], healthy=True),
+            runtime_status.Rank(rank=1, active=True, pod=PODS[2], healthy=False, state="suspect"),
+            runtime_status.Rank(
+                rank=None, lost_rank=1, active=False, pod=PODS[1], healthy=False, state="dead"
+            ),
         ],
-        "ready": True,
-    }  # fmt: skip
+        ready=True,
+    ).to_json()
     obs = observe.runtime(payload)
     assert obs is not None and obs.resize is not None
     assert obs.resize.is_recovery and obs.resize.lost == LOST and obs.resize.requests_rerun == 4

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from moe_contract import status as runtime_status
 from moe_operator import runtime_client
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -92,23 +93,20 @@ def test_scale_refuses_a_size_below_one() -> None:
 
 
 def test_status_is_parsed() -> None:
-    payload = {
-        "data_parallel_size": 2,
-        "target_data_parallel_size": 2,
-        "stage": None,
-        "resize": None,
-        "history": [],
-        "ranks": [{"rank": 0, "node_id": "n0", "pod": "p0", "healthy": True, "num_experts": 8}],
-        "eplb": {"balancedness": 0.9},
-        "future_field": 1,
-    }
+    sent = runtime_status.ElasticStatus(
+        data_parallel_size=2,
+        target_data_parallel_size=2,
+        ranks=[runtime_status.Rank(rank=0, node_id="n0", pod="p0", healthy=True, num_experts=8)],
+        eplb=runtime_status.Eplb(balancedness=0.9),
+    )
+    payload = {**sent.to_json(), "future_field": 1}  # a newer runtime's
 
-    async def main() -> runtime_client.ElasticStatus:
+    async def main() -> runtime_status.ElasticStatus:
         async with client(lambda r: httpx.Response(200, json=payload)) as c:
             return await c.status()
 
     status = run(main())
-    assert isinstance(status, runtime_client.ElasticStatus)
+    assert isinstance(status, runtime_status.ElasticStatus)
     assert status.data_parallel_size == 2
     assert status.ranks[0].num_experts == 8
 

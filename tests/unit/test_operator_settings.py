@@ -9,10 +9,11 @@ from typing import Any
 
 import httpx
 
+from moe_contract import status as runtime_status
 from moe_operator import reconcile, runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.plan import settings
-from tests.unit import test_operator_reconcile as rec
+from tests.support import reconcile_fakes as rec
 
 RUNTIME_NOW = {
     "eplb_enabled": True, "eplb_window_size": 1000, "eplb_step_interval": 3000,
@@ -66,7 +67,9 @@ def test_reconcile_patches_the_runtime_live() -> None:
             if request.method == "PATCH":
                 patches.append(json.loads(request.content))
             return httpx.Response(200, json=RUNTIME_NOW)
-        return httpx.Response(200, json={"data_parallel_size": 2})
+        return httpx.Response(
+            200, json=runtime_status.ElasticStatus(data_parallel_size=2).to_json()
+        )
 
     def factory(url: str, token: str | None) -> runtime_client.RuntimeClient:
         return runtime_client.RuntimeClient(

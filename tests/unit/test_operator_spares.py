@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from moe_contract import status as runtime_status
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.plan import actions, builders, observe, resize, scale_answer
 from moe_operator.plan import status as plan_status
-from tests.unit import test_operator_resize as base
+from tests.support import resize_plan as base
 
 Stage = status_.Stage
 PODS = base.PODS + ("tiny-ranks-worker-e", "tiny-ranks-worker-f")
@@ -130,12 +131,12 @@ def test_status_reports_the_spares() -> None:
 
 
 def test_the_runtime_payload_names_the_spares_pods() -> None:
-    payload = {
-        "data_parallel_size": 2,
-        "ranks": [{"rank": 0, "pod": PODS[0]}, {"rank": 1, "pod": PODS[1]}],
-        "warm_spare_ranks": 1,
-        "spares": [{"rank": 2, "pod": PODS[2], "ready": True, "healthy": True}],
-    }
-    rt = observe.runtime(payload)
+    payload = runtime_status.ElasticStatus(
+        data_parallel_size=2,
+        ranks=[runtime_status.Rank(rank=0, pod=PODS[0]), runtime_status.Rank(rank=1, pod=PODS[1])],
+        warm_spare_ranks=1,
+        spares=[runtime_status.Spare(rank=2, pod=PODS[2], ready=True, healthy=True)],
+    )
+    rt = observe.runtime(payload.to_json())
     assert rt is not None
     assert (rt.active_pods, rt.spare_pods, rt.spares_ready) == (PODS[:2], (PODS[2],), 1)

@@ -1,5 +1,6 @@
 """``MoEDeployment.status``: what the operator observed (DESIGN §2), plus the typed constants of
-phases, resize stages (DESIGN §3), condition types and condition reasons."""
+phases, condition types and condition reasons; resize stages (DESIGN §3) are the contract's
+(``moe_contract.stages``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Final, Literal
 
 import pydantic
 
+from moe_contract import stages
+from moe_contract import status as runtime_status
 from moe_operator.api import spec as spec_
 
 
@@ -22,20 +25,13 @@ class Phase(str, enum.Enum):
     FAILED = "Failed"
 
 
-class Stage(str, enum.Enum):
-    """Stages of a live resize; the names are fixed by DESIGN section 3."""
+#: The stages of a live resize (DESIGN §3): the contract's, shared with the runtime.
+Stage = stages.Stage
 
-    PROVISIONING = "Provisioning"
-    STANDBY = "Standby"
-    TRANSFERRING = "Transferring"
-    SWITCHING = "Switching"
-    RESHUFFLING = "Reshuffling"
-    MIGRATING = "Migrating"
-    RELEASING = "Releasing"
-    #: A rank died or hung: the runtime shrinks around it by itself (DESIGN §3, Recovery).
-    RECOVERING = "Recovering"
-    COMPLETED = "Completed"
-    FAILED = "Failed"
+#: ``status.resize.stage`` takes every stage but ``Idle`` (the runtime's "no resize yet").
+_RESIZE_STAGE_SCHEMA: Final[dict[str, pydantic.JsonValue]] = {
+    "enum": [s.value for s in stages.RESIZE_STAGES]
+}
 
 
 class ConditionStatus(str, enum.Enum):
@@ -85,6 +81,7 @@ WARNING_REASONS: Final = frozenset(
         "RuntimeUrlIgnored",
         "SettingsRefused",
         REASON_RESIZE_FAILED,
+        REASON_INVALID_SPEC,
         REASON_RANK_LOST,
         REASON_RANK_UNHEALTHY,
         REASON_RUNTIME_RESTARTED,
@@ -92,9 +89,10 @@ WARNING_REASONS: Final = frozenset(
         REASON_SCALE_FAILED,
     }
 )
-#: ``ResizeStatus.kind``: asked for (a spec change), or the runtime's own recovery.
-KIND_RESIZE: Final = "resize"
-KIND_RECOVERY: Final = "recovery"
+#: ``ResizeStatus.kind``: asked for (a spec change), or the runtime's own recovery (the values
+#: of the runtime's records, ``moe_contract.status``).
+KIND_RESIZE: Final = runtime_status.KIND_RESIZE
+KIND_RECOVERY: Final = runtime_status.KIND_RECOVERY
 
 DATE_TIME: Final[dict[str, pydantic.JsonValue]] = {"format": "date-time"}
 
@@ -115,7 +113,7 @@ class ResizeStatus(spec_.ApiModel):
 
     from_size: int = pydantic.Field(ge=0)
     to_size: int = pydantic.Field(ge=0)
-    stage: Stage
+    stage: Stage = pydantic.Field(json_schema_extra=_RESIZE_STAGE_SCHEMA)
     started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
     stage_started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
     message: str | None = None
@@ -150,6 +148,13 @@ class ResizeStatus(spec_.ApiModel):
         description="A Failed resize that is tried again without a spec change (the runtime "
         "restarted under it).",
     )
+
+    @pydantic.field_validator("stage")
+    @classmethod
+    def _a_resize_stage(cls, stage: Stage) -> Stage:
+        if stage not in stages.RESIZE_STAGES:
+            raise ValueError(f"{stage.value!r} is not a resize stage")
+        return stage
 
     @property
     def active(self) -> bool:

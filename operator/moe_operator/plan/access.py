@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_contract import names
 from moe_operator.api import group
 from moe_operator.plan import builders
 
 
 def build_service(*, owner: builders.Owner) -> dict[str, Any]:
-    """The ClusterIP Service in front of the head's runtime API (port 8000)."""
+    """The ClusterIP Service in front of the head's runtime API (``names.RUNTIME_PORT``)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -27,7 +28,7 @@ def build_service(*, owner: builders.Owner) -> dict[str, Any]:
             "ports": [
                 {
                     "name": "http",
-                    "port": builders.RUNTIME_PORT,
+                    "port": names.RUNTIME_PORT,
                     "targetPort": "http",
                     "protocol": "TCP",
                 }
@@ -57,7 +58,7 @@ def build_network_policy(*, owner: builders.Owner) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": ray_pods}]},
-                {"ports": [{"protocol": "TCP", "port": builders.RUNTIME_PORT}]},
+                {"ports": [{"protocol": "TCP", "port": names.RUNTIME_PORT}]},
             ],
         },
     }

@@ -4,7 +4,8 @@ answers to a scale request as the planner sees them. Data only."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Final, Union
+from collections.abc import Mapping
+from typing import Any, Final, Union
 
 from moe_operator.api import status as status_
 
@@ -35,6 +36,14 @@ class ApplyService:
 @dataclasses.dataclass(frozen=True)
 class ApplyNetworkPolicy:
     """Server-side apply the NetworkPolicy of the deployment's Ray pods."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchSettings:
+    """Bring the runtime's live settings to the spec (``PATCH /elastic_ep/config`` with these
+    changes, ``plan.settings``); the runtime may refuse them (it then changes nothing)."""
+
+    changes: Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +91,7 @@ class SetPhase:
 
 
 Action = Union[
+    PatchSettings,
     EnsureSecret,
     ApplyRayCluster,
     ApplyService,

@@ -13,18 +13,14 @@ import shlex
 from collections.abc import Sequence
 from typing import Any, Final
 
+from moe_contract import names
+from moe_contract import serve as flags
 from moe_operator.api import group
 from moe_operator.api import spec as spec_
 
-RUNTIME_PORT: Final = 8000
-#: The runtime's liveness route (DESIGN §4) and its readiness route (a step path serves).
-HEALTH_PATH: Final = "/health"
-READY_PATH: Final = "/ready"
 HEAD_CONTAINER: Final = "ray-head"
 WORKER_CONTAINER: Final = "ray-worker"
 WORKER_GROUP: Final = "ranks"
-#: Custom Ray resource each worker pod offers once: one DP rank actor per worker.
-RANK_RESOURCE: Final = "moe_rank"
 SECRET_TOKEN_KEY: Final = "token"
 #: The Ray cluster's own token (Ray's token authentication, RAY_AUTH_MODE=token).
 SECRET_RAY_TOKEN_KEY: Final = "ray-token"
@@ -100,7 +96,7 @@ def selector(owner_name: str) -> str:
 
 def endpoint(*, owner_name: str, namespace: str) -> str:
     """The in-cluster URL of the OpenAI-compatible and admin API."""
-    return f"http://{service_name(owner_name)}.{namespace}.svc:{RUNTIME_PORT}"
+    return f"http://{service_name(owner_name)}.{namespace}.svc:{names.RUNTIME_PORT}"
 
 
 def labels(owner_name: str, component: str) -> dict[str, str]:
@@ -124,56 +120,44 @@ def served_model_name(*, owner_name: str, spec: spec_.MoEDeploymentSpec) -> str:
     return spec.model.served_model_name or owner_name
 
 
+def serve_args(
+    *, owner_name: str, spec: spec_.MoEDeploymentSpec, size: int | None = None
+) -> flags.ServeArgs:
+    """What the head's runtime is told (DESIGN §4; the flags are ``moe_contract.serve``'s);
+    ``size``: the data-parallel size it starts at (default ``spec.dataParallelSize``; live
+    resizes change it from there)."""
+    experts = spec.expert_parallel
+    return flags.ServeArgs(
+        model=spec.model.source,
+        data_parallel_size=spec.data_parallel_size if size is None else size,
+        served_model_name=served_model_name(owner_name=owner_name, spec=spec),
+        host="0.0.0.0",  # inside the pod; the Service is the way in
+        port=names.RUNTIME_PORT,
+        min_data_parallel_size=spec.min_data_parallel_size,
+        max_data_parallel_size=spec.max_data_parallel_size,
+        num_redundant_experts=experts.num_redundant_experts,
+        eplb=experts.eplb.enabled,
+        eplb_window_size=experts.eplb.window_size,
+        eplb_step_interval=experts.eplb.step_interval,
+        max_experts_per_rank=experts.max_experts_per_rank,
+        # Said, not guessed: at start the head may not see the GPU workers yet.
+        device=flags.DEVICE_CUDA if spec.wants_gpus else flags.DEVICE_CPU,
+        drain_timeout=spec.elastic.drain_timeout_seconds,
+        max_queued_requests=spec.max_queued_requests,
+        # a file, not an environment variable every process of the head would inherit
+        admin_token_file=f"{ADMIN_TOKEN_DIR}/token",
+        warm_spare_ranks=spec.elastic.warm_spare_ranks,
+        # The operator owns the grow back after a lost rank (spec.faultTolerance.autoRecover,
+        # read live): the runtime only shrinks around a loss and waits to be asked.
+        auto_recover=False,
+    )
+
+
 def serve_command(
     *, owner_name: str, spec: spec_.MoEDeploymentSpec, size: int | None = None
 ) -> list[str]:
-    """The runtime command line the head runs (DESIGN §4); ``size``: the data-parallel size it
-    starts at (default ``spec.dataParallelSize``; live resizes change it from there)."""
-    experts = spec.expert_parallel
-    command = [
-        "moe-runtime",
-        "serve",
-        "--model",
-        spec.model.source,
-        "--data-parallel-size",
-        str(spec.data_parallel_size if size is None else size),
-        "--served-model-name",
-        served_model_name(owner_name=owner_name, spec=spec),
-        "--host",
-        "0.0.0.0",  # inside the pod; the Service is the way in
-        "--port",
-        str(RUNTIME_PORT),
-        "--min-data-parallel-size",
-        str(spec.min_data_parallel_size),
-        "--max-data-parallel-size",
-        str(spec.max_data_parallel_size),
-        "--num-redundant-experts",
-        str(experts.num_redundant_experts),
-        "--eplb" if experts.eplb.enabled else "--no-eplb",
-        "--eplb-window-size",
-        str(experts.eplb.window_size),
-        "--eplb-step-interval",
-        str(experts.eplb.step_interval),
-    ]
-    if experts.max_experts_per_rank is not None:
-        command += ["--max-experts-per-rank", str(experts.max_experts_per_rank)]
-    # Said, not guessed: at start the head may not see the GPU workers yet.
-    command += ["--device", "cuda" if spec.wants_gpus else "cpu"]
-    command += [
-        "--drain-timeout",
-        str(spec.elastic.drain_timeout_seconds),
-        "--max-queued-requests",
-        str(spec.max_queued_requests),
-        # a file, not an environment variable every process of the head would inherit
-        "--admin-token-file",
-        f"{ADMIN_TOKEN_DIR}/token",
-    ]
-    if spec.elastic.warm_spare_ranks:
-        command += ["--warm-spare-ranks", str(spec.elastic.warm_spare_ranks)]
-    # The operator owns the grow back after a lost rank (spec.faultTolerance.autoRecover, read
-    # live): the runtime only shrinks around a loss and waits to be asked.
-    command += ["--no-auto-recover"]
-    return command
+    """The runtime command line the head runs: :func:`serve_args` rendered."""
+    return serve_args(owner_name=owner_name, spec=spec, size=size).argv()
 
 
 def _resources(requirements: spec_.ResourceRequirements | None, *, gpus: int = 0) -> dict[str, Any]:
@@ -206,8 +190,10 @@ def _container_security() -> dict[str, Any]:
 
 
 #: Ray settings of every Ray container: a fenced (hung) rank is SIGKILLed 0.2 s after Ray's
-#: SIGTERM instead of 5 s (a stopped process cannot exit by itself).
-RAY_ENV: Final = ({"name": "RAY_kill_worker_timeout_milliseconds", "value": "200"},)
+#: SIGTERM instead of 5 s (a stopped process cannot exit by itself; the contract's figure).
+RAY_ENV: Final = (
+    {"name": names.RAY_KILL_WORKER_TIMEOUT_ENV, "value": str(names.RAY_KILL_WORKER_TIMEOUT_MS)},
+)
 
 
 #: Ray's token authentication (Ray 2.60): every GCS/raylet/worker connection, the
@@ -292,12 +278,15 @@ def _pod_placement(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
 
 
 def _pod_name_env() -> dict[str, Any]:
-    return {"name": "MOE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    return {
+        "name": names.POD_NAME_ENV,
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+    }
 
 
 def _http_probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": RUNTIME_PORT},
+        "httpGet": {"path": path, "port": names.RUNTIME_PORT},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
@@ -334,10 +323,10 @@ def _head_probes(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
     startup_failures = -(-spec.model.load_timeout_seconds // STARTUP_PERIOD_SECONDS)
     return {
         "startupProbe": _http_probe(
-            HEALTH_PATH, period=STARTUP_PERIOD_SECONDS, failures=startup_failures
+            names.HEALTH_PATH, period=STARTUP_PERIOD_SECONDS, failures=startup_failures
         ),
-        "readinessProbe": _http_probe(READY_PATH, period=5, failures=3),
-        "livenessProbe": _http_probe(HEALTH_PATH, period=10, failures=6),
+        "readinessProbe": _http_probe(names.READY_PATH, period=5, failures=3),
+        "livenessProbe": _http_probe(names.HEALTH_PATH, period=10, failures=6),
     }
 
 
@@ -365,7 +354,7 @@ def _head_template(
             {"name": "gcs", "containerPort": 6379},
             {"name": "dashboard", "containerPort": 8265},
             {"name": "client", "containerPort": 10001},
-            {"name": "http", "containerPort": RUNTIME_PORT},
+            {"name": "http", "containerPort": names.RUNTIME_PORT},
         ],
         "env": [_pod_name_env(), *_env(spec)],
         **_head_probes(spec),
@@ -417,7 +406,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
 
 def rank_resources_param() -> str:
     """``rayStartParams.resources``: KubeRay passes it verbatim to ``ray start --resources``."""
-    return json.dumps(json.dumps({RANK_RESOURCE: 1}))
+    return json.dumps(json.dumps({names.RANK_RESOURCE: 1}))
 
 
 def build_raycluster(

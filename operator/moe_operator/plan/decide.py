@@ -8,11 +8,12 @@ import dataclasses
 import datetime
 from typing import Final
 
+from moe_contract import stages
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.plan import actions, clock, observe
 
-Stage = status_.Stage
+Stage = stages.Stage
 
 #: Seconds between two reconciles while a resize runs.
 REQUEUE_SECONDS: Final = 1.0
@@ -100,10 +101,13 @@ class Decision:
 
 
 def stage_of(value: str) -> Stage | None:
+    """The resize stage the runtime names (``None``: ``Idle``, or one this operator does not
+    know)."""
     try:
-        return Stage(value)
+        stage = Stage(value)
     except ValueError:
         return None
+    return stage if stage in stages.RESIZE_STAGES else None
 
 
 def arrow(r: status_.ResizeStatus) -> str:

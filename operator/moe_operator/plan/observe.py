@@ -1,4 +1,5 @@
-"""What the operator sees of the world, parsed from API objects into small value objects."""
+"""What the operator sees of the world, parsed from API objects into small value objects (the
+runtime's ``/elastic_ep/status`` through the contract's model, ``moe_contract.status``)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,15 @@ import dataclasses
 import datetime
 from typing import Any, Final
 
+from moe_contract import stages
+from moe_contract import status as runtime_status
 from moe_operator.api import group
 
 #: KubeRay's pod labels.
 CLUSTER_LABEL: Final = "ray.io/cluster"
 NODE_TYPE_LABEL: Final = "ray.io/node-type"
-#: Kinds of the runtime's resize records.
-KIND_RESIZE: Final = "resize"
-KIND_RECOVERY: Final = "recovery"
 #: Runtime stages after which a resize record no longer changes.
-RUNTIME_DONE: Final = frozenset({"Completed", "Failed", "Idle"})
+RUNTIME_DONE: Final = frozenset(s.value for s in stages.TERMINAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class RuntimeResize:
     #: Worker pods the runtime released (a scale-down's ``freed`` entries).
     freed_pods: tuple[str, ...] = ()
     #: ``resize`` (asked for) or ``recovery`` (the runtime shrank around lost ranks by itself).
-    kind: str = KIND_RESIZE
+    kind: str = runtime_status.KIND_RESIZE
     #: Of a recovery: the lost ranks' pods and what happened to them, and its figures.
     lost: tuple[LostRank, ...] = ()
     recovery_s: float | None = None
@@ -92,7 +92,7 @@ class RuntimeResize:
 
     @property
     def is_recovery(self) -> bool:
-        return self.kind == KIND_RECOVERY
+        return self.kind == runtime_status.KIND_RECOVERY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,121 +259,87 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
     )
 
 
-def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def runtime_resize(record: dict[str, Any]) -> RuntimeResize:
-    """Parse one resize record of the runtime (``records.ResizeRecord.to_json``)."""
-    stages = tuple(
-        (str(s["stage"]), _float(s.get("duration_s")))
-        for s in record.get("stages") or []
-        if isinstance(s, dict) and "stage" in s
-    )
-    freed = tuple(
-        str(f["pod"]) for f in record.get("freed") or [] if isinstance(f, dict) and f.get("pod")
-    )
-    raw_recovery = record.get("recovery")
-    recovery: dict[str, Any] = raw_recovery if isinstance(raw_recovery, dict) else {}
-    lost = tuple(
-        LostRank(pod=str(r["pod"]) if r.get("pod") else None, reason=str(r.get("reason") or "lost"))
-        for r in recovery.get("ranks_lost") or []
-        if isinstance(r, dict)
-    )
+def runtime_resize(record: runtime_status.Resize) -> RuntimeResize:
+    """One resize record of the runtime, as the planner reads it."""
+    recovery = record.recovery
     return RuntimeResize(
-        resize_id=str(record["resize_id"]),
-        from_size=int(record["from"]),
-        to_size=int(record["to"]),
-        stage=str(record["stage"]),
-        message=str(record.get("message") or ""),
-        started_at=_float(record.get("started_at")),
-        stage_started_at=_float(record.get("stage_started_at")),
-        stages=stages,
-        freed_pods=freed,
-        kind=str(record.get("kind") or KIND_RESIZE),
-        lost=lost,
-        recovery_s=_float(recovery.get("recovery_s")),
-        requests_rerun=int(recovery.get("requests_rerun") or 0),
+        resize_id=record.resize_id,
+        from_size=record.from_size,
+        to_size=record.to_size,
+        stage=record.stage,
+        message=record.message,
+        started_at=record.started_at,
+        stage_started_at=record.stage_started_at,
+        stages=tuple((s.stage, s.duration_s) for s in record.stages),
+        freed_pods=tuple(f.pod for f in record.freed if f.pod),
+        kind=record.kind or runtime_status.KIND_RESIZE,
+        lost=tuple(
+            LostRank(pod=r.pod or None, reason=r.reason or "lost")
+            for r in (recovery.ranks_lost if recovery is not None else ())
+        ),
+        recovery_s=recovery.recovery_s if recovery is not None else None,
+        requests_rerun=recovery.requests_rerun if recovery is not None else 0,
     )
 
 
-def _lost_and_unhealthy(ranks: Any) -> tuple[tuple[LostRank, ...], tuple[LostRank, ...]]:
+def _lost_and_unhealthy(
+    ranks: list[runtime_status.Rank],
+) -> tuple[tuple[LostRank, ...], tuple[LostRank, ...]]:
     lost: list[LostRank] = []
     unhealthy: list[LostRank] = []
-    for rank in ranks or ():
-        if not isinstance(rank, dict) or rank.get("healthy", True):
+    for rank in ranks:
+        if rank.healthy:
             continue
-        entry = LostRank(
-            pod=str(rank["pod"]) if rank.get("pod") else None,
-            reason=str(rank.get("state") or "unhealthy"),
-        )
-        (unhealthy if rank.get("active", True) else lost).append(entry)
+        entry = LostRank(pod=rank.pod or None, reason=rank.state or "unhealthy")
+        (unhealthy if rank.active else lost).append(entry)
     return tuple(lost), tuple(unhealthy)
 
 
-def _active_pods(ranks: Any) -> tuple[str, ...] | None:
+def _active_pods(ranks: list[runtime_status.Rank]) -> tuple[str, ...] | None:
     if not ranks:
         return None
     pods: list[str] = []
     for rank in ranks:
-        if not isinstance(rank, dict) or not rank.get("active", True):
+        if not rank.active:
             continue
-        pod = rank.get("pod")
-        if not pod:
+        if not rank.pod:
             return None
-        pods.append(str(pod))
+        pods.append(rank.pod)
     return tuple(sorted(pods))
 
 
-def _in_flight(load: Any) -> int | None:
+def _in_flight(load: runtime_status.Load | None) -> int | None:
     """``load`` of ``/elastic_ep/status``: ``in_flight``, else ``running`` + ``waiting``."""
-    if not isinstance(load, dict):
+    if load is None:
         return None
-    total = load.get("in_flight")
-    if total is None and "running" in load:
-        total = int(load["running"]) + int(load.get("waiting") or 0)
-    return max(int(total), 0) if total is not None else None
-
-
-def _spares(payload: dict[str, Any]) -> tuple[int, tuple[str, ...], int]:
-    """``warm_spare_ranks`` and ``spares`` of ``/elastic_ep/status`` (absent: none)."""
-    spares = [s for s in payload.get("spares") or [] if isinstance(s, dict)]
-    pods = tuple(sorted(str(s["pod"]) for s in spares if s.get("pod")))
-    return (
-        int(payload.get("warm_spare_ranks") or 0),
-        pods,
-        sum(bool(s.get("ready")) for s in spares),
-    )
+    total = load.in_flight
+    if total is None and load.running is not None:
+        total = load.running + (load.waiting or 0)
+    return max(total, 0) if total is not None else None
 
 
 def runtime(payload: dict[str, Any] | None) -> RuntimeObservation | None:
-    """Parse the runtime's ``/elastic_ep/status`` answer (``KeyError``/``ValueError``/
-    ``TypeError`` when it is malformed)."""
+    """Parse the runtime's ``/elastic_ep/status`` answer (``pydantic.ValidationError``, a
+    ``ValueError``, when it is malformed)."""
     if payload is None:
         return None
-    eplb = payload.get("eplb") or {}
-    last = payload.get("resize")
-    lost, unhealthy = _lost_and_unhealthy(payload.get("ranks"))
-    ready = payload.get("ready")
-    warm, spare_pods, spares_ready = _spares(payload)
+    status = runtime_status.ElasticStatus.model_validate(payload)
+    spares = status.spares
+    lost, unhealthy = _lost_and_unhealthy(status.ranks)
     return RuntimeObservation(
-        data_parallel_size=int(payload["data_parallel_size"]),
-        target_data_parallel_size=int(
-            payload.get("target_data_parallel_size") or payload["data_parallel_size"]
-        ),
-        stage=payload.get("stage"),
-        balancedness=eplb.get("balancedness"),
-        resize=runtime_resize(last) if isinstance(last, dict) else None,
-        history=tuple(
-            runtime_resize(r) for r in payload.get("history") or [] if isinstance(r, dict)
-        ),
-        active_pods=_active_pods(payload.get("ranks")),
+        data_parallel_size=status.data_parallel_size,
+        target_data_parallel_size=status.target_data_parallel_size or status.data_parallel_size,
+        stage=status.stage,
+        balancedness=status.eplb.balancedness if status.eplb is not None else None,
+        resize=runtime_resize(status.resize) if status.resize is not None else None,
+        history=tuple(runtime_resize(r) for r in status.history),
+        active_pods=_active_pods(status.ranks),
         lost=lost,
         unhealthy=unhealthy,
-        ready=ready if isinstance(ready, bool) else None,
-        ready_reason=str(payload["ready_reason"]) if payload.get("ready_reason") else None,
-        in_flight=_in_flight(payload.get("load")),
-        warm_spare_ranks=warm,
-        spare_pods=spare_pods,
-        spares_ready=spares_ready,
+        ready=status.ready,
+        ready_reason=status.ready_reason or None,
+        in_flight=_in_flight(status.load),
+        warm_spare_ranks=status.warm_spare_ranks,
+        spare_pods=tuple(sorted(s.pod for s in spares if s.pod)),
+        spares_ready=sum(s.ready for s in spares),
     )

@@ -1,7 +1,8 @@
 """The reconcile planner: from (spec, status, observed) to an ordered list of actions.
 
-Purely computational, with no side effects (like kopf's ``detect_changing_cause``): the handler
-executes the actions in order, then writes the status once. Because every input is read back
+Purely computational, with no side effects (like kopf's ``detect_changing_cause``):
+``moe_operator.execution`` executes the actions one after the other in the order given, then
+``moe_operator.reconcile`` writes the status once. Because every input is read back
 from the cluster and the runtime, a restarted operator plans the same next step: the resize is
 driven from ``status.resize``, not from memory.
 
@@ -412,22 +413,23 @@ def plan_resize(
     """The actions of one reconcile, in order; the last one is always a ``actions.SetPhase``."""
     # Replicas are planned in ranks; the warm spares' pods ride on top of every count.
     observed = dataclasses.replace(observed, warm_spares=spec.elastic.warm_spare_ranks)
-    planned: list[actions.Action] = []
-    if not observed.secret_exists:
-        planned.append(actions.EnsureSecret())
     r = status.resize
     if r is not None and r.active:
         decision = _drive(r, previous=r.stage, spec=spec, observed=observed)
     else:
         decision = _idle(spec=spec, status=status, observed=observed)
     ray = observed.raycluster
-    planned.append(
+    # The RayCluster first: it is the slowest to come up (KubeRay makes its pods); the Secret
+    # its pods mount follows at once, long before a pod of it is scheduled.
+    planned: list[actions.Action] = [
         actions.ApplyRayCluster(
             worker_replicas=decision.replicas + observed.warm_spares,
             workers_to_delete=decision.workers_to_delete,
             head_size=ray.head_size if ray is not None else None,
         )
-    )
+    ]
+    if not observed.secret_exists:
+        planned.append(actions.EnsureSecret())
     planned.append(actions.ApplyService())
     planned.append(actions.ApplyNetworkPolicy())
     if decision.scale is not None:

@@ -23,6 +23,7 @@ import fastapi
 import pydantic
 from fastapi import responses, security
 
+from moe_contract import names
 from moe_runtime import api_schema
 from moe_runtime.elastic import coordinator as coord
 from moe_runtime.elastic import settings, stages
@@ -238,7 +239,7 @@ def build_router(
     )
 
     @router.post(
-        "/scale_elastic_ep",
+        names.SCALE_PATH,
         status_code=202,
         response_model=ScaleAccepted,
         responses=api_schema.responses(
@@ -297,12 +298,12 @@ def build_router(
             content={"message": f"Scaled to {record.to_size} data parallel engines", **summary},
         )
 
-    @router.get("/elastic_ep/status")
+    @router.get(names.STATUS_PATH)
     def elastic_ep_status() -> dict[str, Any]:
         # A plain def: FastAPI runs it in its thread pool, never in the event loop.
         return status_fn()
 
-    @router.post("/is_scaling_elastic_ep")
+    @router.post(names.IS_SCALING_PATH)
     async def is_scaling_elastic_ep() -> dict[str, bool]:
         return {"is_scaling_elastic_ep": coordinator.is_scaling}
 
@@ -330,12 +331,12 @@ def build_router(
 def _config_routes(router: fastapi.APIRouter, live: settings.LiveSettings) -> None:
     """GET/PATCH /elastic_ep/config (moe_runtime.elastic.settings)."""
 
-    @router.get("/elastic_ep/config", response_model=settings.Config)
+    @router.get(names.CONFIG_PATH, response_model=settings.Config)
     def get_config() -> dict[str, Any]:
         return live.get()
 
     @router.patch(
-        "/elastic_ep/config",
+        names.CONFIG_PATH,
         response_model=settings.Config,
         responses=api_schema.responses(
             {409: "num_redundant_experts while a resize or recovery runs"}, 400

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from moe_contract import status as contract
 from moe_runtime.elastic import stages as st
 
 
@@ -31,11 +32,12 @@ class StageRecord:
         }
 
 
-KIND_RESIZE = "resize"
-KIND_RECOVERY = "recovery"
-TRIGGER_API = "api"  # POST /scale_elastic_ep
-TRIGGER_AUTO_RECOVER = "auto_recover"  # the grow back after a recovery (autoRecover)
-TRIGGER_RANK_LOST = "rank_lost"  # a recovery
+# The values of a record's kind and trigger are the contract's (``moe_contract.status``).
+KIND_RESIZE = contract.KIND_RESIZE
+KIND_RECOVERY = contract.KIND_RECOVERY
+TRIGGER_API = contract.TRIGGER_API  # POST /scale_elastic_ep
+TRIGGER_AUTO_RECOVER = contract.TRIGGER_AUTO_RECOVER  # the grow back after a recovery
+TRIGGER_RANK_LOST = contract.TRIGGER_RANK_LOST  # a recovery
 
 
 @dataclasses.dataclass

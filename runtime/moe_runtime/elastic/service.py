@@ -17,6 +17,7 @@ from typing import Any
 import fastapi
 import prometheus_client
 
+from moe_contract import status as contract
 from moe_runtime.elastic import admin, rebalance, records, recovery, settings, stages
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import ops as ops_mod
@@ -260,7 +261,8 @@ class ElasticService:
         return False, f"no step path (lost ranks {lost}); the next step rebuilds it"
 
     def status(self) -> dict[str, Any]:
-        """The body of GET /elastic_ep/status (DESIGN §4)."""
+        """The body of GET /elastic_ep/status (DESIGN §4): ``moe_contract.status.ElasticStatus``,
+        built strictly (a key the contract does not declare is an error, not a silent extra)."""
         current = self.coordinator.current
         last = self.coordinator.last()
         serving = self.ops.serving
@@ -276,68 +278,70 @@ class ElasticService:
                 continue  # listed under "spares"
             h = health.get(label)
             ranks.append(
-                {
-                    "rank": label,
-                    "active": label in active,
-                    "node_id": info.get("node_id"),
-                    "pod": info.get("pod"),
-                    "pid": info.get("pid"),
-                    "healthy": h is not None and h.state == executor_health.HEALTH_OK,
-                    "state": h.state if h is not None else executor_health.HEALTH_OK,
-                    "num_experts": slots if label in active else 0,
-                }
+                contract.Rank(
+                    rank=label,
+                    active=label in active,
+                    node_id=info.get("node_id"),
+                    pod=info.get("pod"),
+                    pid=info.get("pid"),
+                    healthy=h is not None and h.state == executor_health.HEALTH_OK,
+                    state=h.state if h is not None else executor_health.HEALTH_OK,
+                    num_experts=slots if label in active else 0,
+                )
             )
         if self.recovery.degraded():
             # Lost ranks stay listed (unhealthy) until the size before the loss is back; their
             # label is gone (survivors were renumbered), so they carry it as lost_rank.
             for lost in self.recovery.lost:
                 ranks.append(
-                    {
-                        "rank": None,
-                        "lost_rank": lost["rank"],
-                        "active": False,
-                        "node_id": lost.get("node_id"),
-                        "pod": lost.get("pod"),
-                        "pid": lost.get("pid"),
-                        "healthy": False,
-                        "state": lost.get("state", executor_health.HEALTH_DEAD),
-                        "num_experts": 0,
-                    }
+                    contract.Rank(
+                        rank=None,
+                        lost_rank=lost["rank"],
+                        active=False,
+                        node_id=lost.get("node_id"),
+                        pod=lost.get("pod"),
+                        pid=lost.get("pid"),
+                        healthy=False,
+                        state=lost.get("state", executor_health.HEALTH_DEAD),
+                        num_experts=0,
+                    )
                 )
         ready, reason = self.readiness()
         engine_stats = self.engine.stats()
         stage = current.stage if current is not None else stages.Stage.IDLE
         if current is None and last is not None:
             stage = last.stage
-        return {
-            "data_parallel_size": self.executor.num_ranks,
-            "target_data_parallel_size": current.to_size if current else self.executor.num_ranks,
-            "is_scaling": current is not None,
-            "stage": stage.value,
-            "resize": last.to_json() if last is not None else None,
-            "history": [r.to_json() for r in self.coordinator.history()],
-            "ranks": ranks,
-            "ready": ready,
-            "ready_reason": reason,
-            "auto_recover": self.recovery.status(),
-            **(
-                self.spares.status()
-                if self.spares is not None
-                else {"warm_spare_ranks": 0, "spares": []}
-            ),
+        spares: dict[str, Any] = (
+            self.spares.status()
+            if self.spares is not None
+            else {"warm_spare_ranks": 0, "spares": []}
+        )
+        return contract.ElasticStatus(
+            data_parallel_size=self.executor.num_ranks,
+            target_data_parallel_size=current.to_size if current else self.executor.num_ranks,
+            is_scaling=current is not None,
+            stage=stage.value,
+            resize=contract.Resize.exact(last.to_json()) if last is not None else None,
+            history=[contract.Resize.exact(r.to_json()) for r in self.coordinator.history()],
+            ranks=ranks,
+            ready=ready,
+            ready_reason=reason,
+            auto_recover=contract.AutoRecover.exact(self.recovery.status()),
+            warm_spare_ranks=spares["warm_spare_ranks"],
+            spares=[contract.Spare.exact(s) for s in spares["spares"]],
             # What the operator's autoscaler decides on: sequences running + queued.
-            "load": {
-                "running": engine_stats.num_running,
-                "waiting": engine_stats.num_waiting,
-                "in_flight": engine_stats.num_running + engine_stats.num_waiting,
-            },
-            "eplb": {
-                "balancedness": self.ops.balancedness(),
-                "num_physical_experts": serving.placement.num_physical,
-                "rebalances": self.rebalancer.rebalances,
-                "last_rebalance": self.rebalancer.last_rebalance,
-            },
-        }
+            load=contract.Load(
+                running=engine_stats.num_running,
+                waiting=engine_stats.num_waiting,
+                in_flight=engine_stats.num_running + engine_stats.num_waiting,
+            ),
+            eplb=contract.Eplb(
+                balancedness=self.ops.balancedness(),
+                num_physical_experts=serving.placement.num_physical,
+                rebalances=self.rebalancer.rebalances,
+                last_rebalance=self.rebalancer.last_rebalance,
+            ),
+        ).to_json()
 
 
 def _produced(outputs: list[Any]) -> int:

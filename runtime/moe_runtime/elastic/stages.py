@@ -1,25 +1,12 @@
-"""Resize stages (DESIGN §3, contract for the names) and the order each kind of resize goes through."""
+"""The order each kind of resize goes through; the stage names are ``moe_contract.stages``
+(DESIGN §3)."""
 
 from __future__ import annotations
 
-import enum
+from moe_contract import stages as contract
 
-
-class Stage(str, enum.Enum):
-    """Where a resize is. The values are the contract shared with the operator's status."""
-
-    IDLE = "Idle"
-    PROVISIONING = "Provisioning"  # operator only: RayCluster workers added, waiting for pods
-    STANDBY = "Standby"
-    TRANSFERRING = "Transferring"
-    SWITCHING = "Switching"
-    RESHUFFLING = "Reshuffling"
-    MIGRATING = "Migrating"
-    RELEASING = "Releasing"
-    RECOVERING = "Recovering"  # a rank died or hung: the runtime shrinks around it by itself
-    COMPLETED = "Completed"
-    FAILED = "Failed"
-
+#: The stage names are the contract shared with the operator's status (``moe_contract``).
+Stage = contract.Stage
 
 SCALE_UP: tuple[Stage, ...] = (
     Stage.STANDBY,
@@ -50,7 +37,8 @@ SCALE_DOWN: tuple[Stage, ...] = (
 RECOVERY: tuple[Stage, ...] = (Stage.RECOVERING, Stage.COMPLETED)
 """Stages of a recovery (the grow back, with autoRecover, is a normal SCALE_UP resize)."""
 
-TERMINAL: frozenset[Stage] = frozenset({Stage.IDLE, Stage.COMPLETED, Stage.FAILED})
+TERMINAL: frozenset[Stage] = contract.TERMINAL
+"""Stages after which a resize record no longer changes."""
 
 
 def stages_for(from_size: int, to_size: int) -> tuple[Stage, ...]:

@@ -12,12 +12,14 @@ import os
 import ray
 from ray._private import ray_constants
 
+from moe_contract import names
 from moe_runtime.executor import ray_actor
 
 log = logging.getLogger(__name__)
 
-#: Milliseconds the raylet waits for a killed worker to exit before it SIGKILLs it.
-KILL_WORKER_TIMEOUT_MS = 200
+#: Milliseconds the raylet waits for a killed worker to exit before it SIGKILLs it (the
+#: contract's: the operator sets the same on the pods' Ray nodes).
+KILL_WORKER_TIMEOUT_MS = names.RAY_KILL_WORKER_TIMEOUT_MS
 #: Scheduling niceness of the local instance's worker processes (Ray's default is 15, below
 #: everything else on the host). 0: a rank a grow waits for starts (Python, Ray, torch: seconds
 #: of CPU) at the serving ranks' priority. Measured here (2 cores, `small` 2->4 under 4

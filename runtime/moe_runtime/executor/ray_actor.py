@@ -26,6 +26,7 @@ import ray.exceptions
 import ray.util
 import ray.util.scheduling_strategies as ray_sched
 
+from moe_contract import names
 from moe_runtime import logs
 from moe_runtime import step as step_mod
 from moe_runtime import worker as worker_mod
@@ -34,7 +35,8 @@ from moe_runtime.executor import health as health_mod
 
 log = logging.getLogger(__name__)
 
-RANK_RESOURCE = "moe_rank"
+#: The Ray resource of one rank slot (the contract's: the operator's worker pods offer one each).
+RANK_RESOURCE = names.RANK_RESOURCE
 CTL_LANE = "ctl"
 EXPORT_LANE = "export"
 HEALTH_LANE = "health"

@@ -16,32 +16,22 @@ import pytest
 import yaml
 
 from e2e.controlplane import cluster
-from tests.integration.operator import conftest as ops
-from tests.integration.operator import test_resize as resize_tests
+from tests.support import fake_cluster
+from tests.support import operator_ops as ops
 
 pytestmark = pytest.mark.controlplane
 
-NAME = resize_tests.NAME
-
-
-class LoadedRuntime(resize_tests.FakeRuntime):
-    """The fake runtime, reporting ``in_flight`` sequences (``load`` of /elastic_ep/status)."""
-
-    in_flight = 0
-
-    def status(self) -> dict[str, Any]:
-        payload = super().status()
-        payload["load"] = {"running": self.in_flight, "waiting": 0, "in_flight": self.in_flight}
-        return payload
+NAME = fake_cluster.NAME
 
 
 @pytest.fixture
 def deployment(
     control_plane: cluster.ControlPlane, operator: ops.OperatorProcess, namespace: str
-) -> Iterator[resize_tests.Deployment]:
+) -> Iterator[fake_cluster.Deployment]:
     """The sample at DP 2 (its minimum: the fake runtime refuses 1) with autoscaling on,
     serving through the fake runtime."""
-    runtime = LoadedRuntime(size=2, dwell=0.2)
+    runtime = fake_cluster.FakeRuntime(size=2, dwell=0.2)
+    runtime.in_flight = 0
     runtime.start()
     doc = yaml.safe_load(ops.SAMPLE.read_text())
     doc["metadata"]["annotations"] = {"elasticmoe.io/runtime-url": runtime.url}
@@ -55,7 +45,7 @@ def deployment(
         "syncPeriodSeconds": 1,
     }
     control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
-    dep = resize_tests.Deployment(plane=control_plane, namespace=namespace, runtime=runtime)
+    dep = fake_cluster.Deployment(plane=control_plane, namespace=namespace, runtime=runtime)
     ops.wait_for(
         lambda: ops.get_json(control_plane, "raycluster", NAME, namespace=namespace),
         what="the RayCluster",
@@ -69,17 +59,17 @@ def deployment(
         runtime.stop()
 
 
-def _spec_size(dep: resize_tests.Deployment) -> int:
+def _spec_size(dep: fake_cluster.Deployment) -> int:
     size: int = dep.get()["spec"]["dataParallelSize"]
     return size
 
 
-def _autoscaling(dep: resize_tests.Deployment) -> dict[str, Any]:
+def _autoscaling(dep: fake_cluster.Deployment) -> dict[str, Any]:
     auto: dict[str, Any] = dep.status().get("autoscaling") or {}
     return auto
 
 
-def _size_manager(dep: resize_tests.Deployment) -> str | None:
+def _size_manager(dep: fake_cluster.Deployment) -> str | None:
     """The field manager that owns spec.dataParallelSize (managedFields: the last writer)."""
     done = dep.plane.kubectl(
         "get", "moed", NAME, "-n", dep.namespace, "-o", "json", "--show-managed-fields"
@@ -92,7 +82,7 @@ def _size_manager(dep: resize_tests.Deployment) -> str | None:
 
 
 def test_load_grows_it_and_its_absence_shrinks_it_back(
-    deployment: resize_tests.Deployment, operator: ops.OperatorProcess
+    deployment: fake_cluster.Deployment, operator: ops.OperatorProcess
 ) -> None:
     dep = deployment
     dep.runtime.in_flight = 20  # ceil(20 / 8) = 3
@@ -136,7 +126,7 @@ def test_load_grows_it_and_its_absence_shrinks_it_back(
 
 
 def test_an_hpa_on_the_deployment_makes_it_stand_down(
-    deployment: resize_tests.Deployment,
+    deployment: fake_cluster.Deployment,
 ) -> None:
     dep = deployment
     hpa = yaml.safe_load((ops.REPO / "manifests" / "samples" / "hpa.yaml").read_text())

@@ -13,7 +13,7 @@ import yaml
 from e2e.controlplane import cluster
 from moe_operator.api import spec as spec_
 from moe_operator.plan import access, builders
-from tests.integration.operator import conftest as ops
+from tests.support import operator_ops as ops
 
 pytestmark = pytest.mark.controlplane
 
@@ -224,10 +224,7 @@ def test_restart_changes_nothing(
     token = objs["secret"]["data"]["token"]
     operator.restart()
     ops.wait_for(
-        lambda: (
-            "Handler 'reconcile_on_change' succeeded" in operator.current_log()
-            and f"{namespace}/tiny" in operator.current_log()
-        ),
+        lambda: f"reconciled {namespace}/tiny:" in operator.current_log(),
         what="the resumed reconcile of tiny",
     )
     after = resource_versions(control_plane, namespace)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from e2e.controlplane import cluster
-from tests.integration.operator import conftest as ops
+from tests.support import operator_ops as ops
 
 pytestmark = pytest.mark.controlplane
 

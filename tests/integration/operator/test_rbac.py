@@ -7,7 +7,7 @@ import pytest
 
 from e2e import operator_proc
 from e2e.controlplane import cluster
-from tests.integration.operator import conftest as ops
+from tests.support import operator_ops as ops
 
 pytestmark = pytest.mark.controlplane
 

@@ -1,0 +1,1 @@
+"""The contract both sides import: stage names, shared names, serve flags, status payload, log line."""

@@ -1,0 +1,112 @@
+"""The ``moe-runtime serve`` command line the operator passes to the head (DESIGN §4).
+
+The flags are named once, here: the runtime's parser (``moe_runtime.cli.build_parser``)
+declares them with these constants, and :class:`ServeArgs` renders them. Each field of
+``ServeArgs`` is named as the parser's destination of its flag (``--data-parallel-size`` ->
+``data_parallel_size``), so a test parses ``ServeArgs.argv()`` with the runtime's own parser
+and compares field by field (tests/unit/test_contract.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+#: The program and its subcommand.
+COMMAND: Final = ("moe-runtime", "serve")
+
+MODEL: Final = "--model"
+DATA_PARALLEL_SIZE: Final = "--data-parallel-size"
+SERVED_MODEL_NAME: Final = "--served-model-name"
+HOST: Final = "--host"
+PORT: Final = "--port"
+MIN_DATA_PARALLEL_SIZE: Final = "--min-data-parallel-size"
+MAX_DATA_PARALLEL_SIZE: Final = "--max-data-parallel-size"
+NUM_REDUNDANT_EXPERTS: Final = "--num-redundant-experts"
+#: A boolean flag (``argparse.BooleanOptionalAction``): ``--eplb`` / ``--no-eplb``.
+EPLB: Final = "--eplb"
+EPLB_WINDOW_SIZE: Final = "--eplb-window-size"
+EPLB_STEP_INTERVAL: Final = "--eplb-step-interval"
+MAX_EXPERTS_PER_RANK: Final = "--max-experts-per-rank"
+DEVICE: Final = "--device"
+DRAIN_TIMEOUT: Final = "--drain-timeout"
+MAX_QUEUED_REQUESTS: Final = "--max-queued-requests"
+ADMIN_TOKEN_FILE: Final = "--admin-token-file"
+WARM_SPARE_RANKS: Final = "--warm-spare-ranks"
+#: A boolean flag: ``--auto-recover`` / ``--no-auto-recover``.
+AUTO_RECOVER: Final = "--auto-recover"
+
+#: Values of ``--device``.
+DEVICE_AUTO: Final = "auto"
+DEVICE_CPU: Final = "cpu"
+DEVICE_CUDA: Final = "cuda"
+DEVICES: Final = (DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA)
+
+
+def negated(flag: str) -> str:
+    """The ``--no-`` form of a boolean flag (what ``argparse.BooleanOptionalAction`` adds)."""
+    return "--no-" + flag.removeprefix("--")
+
+
+def dest(flag: str) -> str:
+    """The attribute argparse stores a flag's value in (``--eplb-window-size`` ->
+    ``eplb_window_size``)."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _option(flag: str, value: object) -> list[str]:
+    text = str(value)
+    # A value that starts with "-" would be read as an option by argparse ("expected one
+    # argument"): it goes in the --flag=value form, which argparse never splits.
+    return [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeArgs:
+    """What the operator tells ``moe-runtime serve``; ``argv()`` is the command line."""
+
+    model: str
+    data_parallel_size: int
+    served_model_name: str
+    host: str
+    port: int
+    min_data_parallel_size: int
+    max_data_parallel_size: int
+    num_redundant_experts: int
+    eplb: bool
+    eplb_window_size: int
+    eplb_step_interval: int
+    device: str
+    drain_timeout: int
+    max_queued_requests: int
+    admin_token_file: str
+    auto_recover: bool
+    #: ``None``: the runtime's default (no bound).
+    max_experts_per_rank: int | None = None
+    #: 0 (the runtime's default) is left out.
+    warm_spare_ranks: int = 0
+
+    def argv(self) -> list[str]:
+        """``moe-runtime serve ...``, in a fixed order (the head's command in the RayCluster)."""
+        out = [*COMMAND]
+        out += _option(MODEL, self.model)
+        out += _option(DATA_PARALLEL_SIZE, self.data_parallel_size)
+        out += _option(SERVED_MODEL_NAME, self.served_model_name)
+        out += _option(HOST, self.host)
+        out += _option(PORT, self.port)
+        out += _option(MIN_DATA_PARALLEL_SIZE, self.min_data_parallel_size)
+        out += _option(MAX_DATA_PARALLEL_SIZE, self.max_data_parallel_size)
+        out += _option(NUM_REDUNDANT_EXPERTS, self.num_redundant_experts)
+        out.append(EPLB if self.eplb else negated(EPLB))
+        out += _option(EPLB_WINDOW_SIZE, self.eplb_window_size)
+        out += _option(EPLB_STEP_INTERVAL, self.eplb_step_interval)
+        if self.max_experts_per_rank is not None:
+            out += _option(MAX_EXPERTS_PER_RANK, self.max_experts_per_rank)
+        out += _option(DEVICE, self.device)
+        out += _option(DRAIN_TIMEOUT, self.drain_timeout)
+        out += _option(MAX_QUEUED_REQUESTS, self.max_queued_requests)
+        out += _option(ADMIN_TOKEN_FILE, self.admin_token_file)
+        if self.warm_spare_ranks:
+            out += _option(WARM_SPARE_RANKS, self.warm_spare_ranks)
+        out.append(AUTO_RECOVER if self.auto_recover else negated(AUTO_RECOVER))
+        return out
