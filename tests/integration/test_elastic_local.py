@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from moe_runtime import staging
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, service, serving, stages
 from moe_runtime.engine import core
@@ -24,6 +23,7 @@ from moe_runtime.eplb import policy
 from moe_runtime.executor import local
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
+from moe_runtime.rank import staging
 
 SOURCE = "synthetic://tiny?seed=0"
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 5) % 17)] for i in range(12)]
@@ -220,7 +220,8 @@ def test_a_shrink_back_after_a_grow_copies_no_expert(
         workers = (dep.executor.worker(0), dep.executor.worker(1))
 
         def held(w: Any) -> set[tuple[int, int]]:  # (layer, logical) experts it serves with
-            return set(staging.held_experts(w.placement, w.rank, w.num_ranks, w.experts))
+            s = w.slots
+            return set(staging.held_experts(s.placement, s.rank, s.num_ranks, s.experts))
 
         before = [held(w) for w in workers]
         with Load(dep, reference, clients=4) as load:
@@ -232,7 +233,7 @@ def test_a_shrink_back_after_a_grow_copies_no_expert(
                     assert time.monotonic() < deadline, "the survivors retained nothing"
                     time.sleep(0.01)
                 for w, at_two_held in zip(workers, before, strict=True):
-                    kept = set(w.retained_keys())
+                    kept = set(w.slots.retained_keys())
                     assert kept >= at_two_held - held(w) and not kept & held(w)  # given away
                 at_four = [held(w) for w in workers]
                 shrink = resize(dep, 2)
@@ -241,7 +242,9 @@ def test_a_shrink_back_after_a_grow_copies_no_expert(
                 assert dep.elastic.rebalancer.serving.placement.equals(at_two)
                 for w, at_two_held, at_four_held in zip(workers, before, at_four, strict=True):
                     assert held(w) == at_two_held  # all it gave away serves again, ...
-                    assert set(w.retained_keys()) >= at_four_held - at_two_held  # ... and back
+                    assert (
+                        set(w.slots.retained_keys()) >= at_four_held - at_two_held
+                    )  # ... and back
             deadline = time.monotonic() + 60
             while load.ok < 20 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -285,7 +288,7 @@ def test_injected_failure_leaves_old_size_serving_and_next_resize_works(
     assert "cleanup problems" not in record.message
     assert deployment.executor.num_ranks == 2 and deployment.executor.pending_ranks == []
     for w in (deployment.executor.worker(0), deployment.executor.worker(1)):
-        assert {epoch for epoch, _ in w.groups()} == {0}  # the standby groups are gone
+        assert {epoch for epoch, _ in w.groups.groups()} == {0}  # the standby groups are gone
     out = deployment.generate(3, 16, rid="after-failure")
     assert out.token_ids == reference[(3, 16)]
     again = resize(deployment, 4)

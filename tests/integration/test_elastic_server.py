@@ -101,7 +101,7 @@ def test_resize_sequence_under_load(
     assert "moe_resize_blackout_seconds_count 4.0" in metrics
     # the ranks' own log lines (with their rank context) reach the server's output
     ranks_log = [line for line in server.tail(2_000_000).splitlines() if "RankActor pid=" in line]
-    assert any("moe_runtime.slots: staged" in line and "label=" in line for line in ranks_log)
+    assert any("moe_runtime.rank.slots: staged" in line and "label=" in line for line in ranks_log)
 
 
 def test_shrink_with_long_generations_on_departing_ranks(

@@ -21,7 +21,7 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.executor import base
 from moe_runtime.model import mixtral
-from tests.unit import test_worker as lockstep
+from tests.support import lockstep
 
 pytestmark = pytest.mark.ray
 
@@ -98,7 +98,7 @@ def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
     def mark(stage: str) -> None:
         print(f"[{time.monotonic() - t0:6.2f}s] {stage}")
 
-    cfg = lockstep._config()
+    cfg = lockstep.config()
     num_physical = cfg.num_experts
     old = lockstep.identity(2)
     ex.start(SOURCE, placement=old)

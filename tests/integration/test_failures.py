@@ -42,6 +42,7 @@ from moe_runtime.executor import base as executor_base
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 from tests.integration import test_elastic_local as checked
+from tests.support import faults
 
 pytestmark = pytest.mark.ray
 
@@ -67,7 +68,7 @@ class RayDeployment:
         self.cfg = src.config
         physical = policy.num_physical_for(self.cfg.num_experts, size)
         placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
-        self.executor = ray_executor.RayExecutor(size)
+        self.executor = ray_executor.RayExecutor(size, rank_hooks=faults.Faults)
         self.executor.start(SOURCE, placement=placement)
         self.engine = core.Engine(
             self.executor,

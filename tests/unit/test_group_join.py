@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from moe_runtime import worker as worker_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, local
+from moe_runtime.rank import groups as groups_mod
 
 #: Far longer than any test here waits: a test that reaches it has failed.
 LONG = 60.0
@@ -114,15 +114,15 @@ def test_a_member_whose_join_fails_calls_the_others_off(
 ) -> None:
     """Rank 2's join fails at once (as a dead process's call does): the build fails naming it
     within seconds, not at the group timeout, and no member is left waiting in a rendezvous."""
-    failing = three_ranks.worker(2)
-    real = worker_mod.RankWorker.join_group
+    failing = three_ranks.worker(2).groups
+    real = groups_mod.RankGroups.join_group
 
-    def join_group(self: worker_mod.RankWorker, *args: Any, **kwargs: Any) -> None:
+    def join_group(self: groups_mod.RankGroups, *args: Any, **kwargs: Any) -> None:
         if self is failing:
             raise RuntimeError("this member's process is gone")
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(worker_mod.RankWorker, "join_group", join_group)
+    monkeypatch.setattr(groups_mod.RankGroups, "join_group", join_group)
     started = time.monotonic()
     with pytest.raises(base.ExecutorError, match="rank 2.*process is gone") as info:
         three_ranks.build_groups([0, 1, 2], epoch=4, timeout=LONG)
@@ -130,30 +130,30 @@ def test_a_member_whose_join_fails_calls_the_others_off(
     assert time.monotonic() - started < 15
     assert _in_join(three_ranks) == 0
     assert all(
-        (4, role) not in three_ranks.worker(r).groups()
+        (4, role) not in three_ranks.worker(r).groups.groups()
         for r in (0, 1)
         for role in ("step", "transfer")
     )
     monkeypatch.undo()
     three_ranks.build_groups([0, 1, 2], epoch=5, timeout=LONG)  # a next epoch builds at once
-    assert {e for e, _ in three_ranks.worker(0).groups()} == {5}
+    assert {e for e, _ in three_ranks.worker(0).groups.groups()} == {5}
 
 
 def test_a_member_the_heartbeat_loses_while_joining_fails_the_build(
     three_ranks: local.LocalExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 2 hangs before it joins (a stopped process) and is fenced: RankDied names it."""
-    hung = three_ranks.worker(2)
+    hung = three_ranks.worker(2).groups
     release = threading.Event()
-    real = worker_mod.RankWorker.join_group
+    real = groups_mod.RankGroups.join_group
 
-    def join_group(self: worker_mod.RankWorker, *args: Any, **kwargs: Any) -> None:
+    def join_group(self: groups_mod.RankGroups, *args: Any, **kwargs: Any) -> None:
         if self is hung:
             release.wait(LONG)
             raise RuntimeError("woke up too late")
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(worker_mod.RankWorker, "join_group", join_group)
+    monkeypatch.setattr(groups_mod.RankGroups, "join_group", join_group)
     threading.Timer(0.3, three_ranks.fence, args=([2],), kwargs={"reason": "unresponsive"}).start()
     started = time.monotonic()
     try:

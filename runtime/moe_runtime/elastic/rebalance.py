@@ -8,7 +8,7 @@ A rebalance is prepare-then-commit, all or nothing across ranks:
    (`stage_experts`; a failure on any rank discards the staged sets everywhere);
 2. commit: one step carries `StepInput.control["expert_epoch"] = staging id`; in that step
    every rank votes (a min all-reduce over the step group) and commits only if every rank
-   could (`moe_runtime.slots`), so ranks never dispatch tokens with two placements;
+   could (`moe_runtime.rank.slots`), so ranks never dispatch tokens with two placements;
 3. confirm: every rank said it committed (`StepOutput.committed`): the previous slots are
    retired. Otherwise, at the next step boundary, ranks that committed `revert` and every rank
    discards what it staged: the old placement serves everywhere.
@@ -117,7 +117,7 @@ def retained_keys(
     timeout: float,
     background: bool = True,
 ) -> dict[int, set[Key]]:
-    """label -> the (layer, logical) keys it retains (`moe_runtime.retention`), for the
+    """label -> the (layer, logical) keys it retains (`moe_runtime.rank.retention`), for the
     serving ranks among `labels` (a rank started by a resize retains nothing)."""
     ranks = sorted(set(labels) & set(executor.ranks))
     if not ranks:

@@ -24,10 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from moe_runtime import step as step_mod
-from moe_runtime import worker as worker_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, joins
 from moe_runtime.executor import health as health_mod
+from moe_runtime.rank import hooks as hooks_mod
+from moe_runtime.rank import worker as worker_mod
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class LocalExecutor(base.Executor):
         device: str = "cpu",
         dtype: str = "float32",
         step_timeout: float | None = 300.0,
+        rank_hooks: hooks_mod.HooksFactory | None = None,
     ) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -49,6 +51,7 @@ class LocalExecutor(base.Executor):
         self._backend: group_mod.Backend = "nccl" if device.startswith("cuda") else "gloo"
         self._dtype = dtype
         self._step_timeout = step_timeout
+        self._rank_hooks = rank_hooks
         self._tmp = tempfile.mkdtemp(prefix="elastic-moe-local-")
         self._lock = threading.Lock()
         self._workers: dict[int, worker_mod.RankWorker] = {}
@@ -81,7 +84,8 @@ class LocalExecutor(base.Executor):
         return future
 
     def _new_worker(self, label: int) -> worker_mod.RankWorker:
-        w = worker_mod.RankWorker(device=self._device, dtype=self._dtype, label=label)
+        hooks = None if self._rank_hooks is None else self._rank_hooks()
+        w = worker_mod.RankWorker(device=self._device, dtype=self._dtype, label=label, hooks=hooks)
         self._uid[id(w)] = len(self._uid)
         return w
 
@@ -128,7 +132,7 @@ class LocalExecutor(base.Executor):
         futures = []
         for label, w in zip(targets, workers, strict=True):
             extra = base.extra_kwargs(per_rank, label)
-            futures.append(self._submit(getattr(w, method), *args, **kwargs, **extra))
+            futures.append(self._submit(w.call, method, *args, **kwargs, **extra))
         return _gather(futures, targets, what=method, timeout=timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
@@ -235,7 +239,7 @@ class LocalExecutor(base.Executor):
 
         def abort(labels: list[int]) -> None:
             for label in labels:
-                by_label[label].abort_join(epoch)
+                by_label[label].groups.abort_join(epoch)
 
         calls = joins.JoinCalls(wait=wait, result=result, abort=abort, lost=self.lost_ranks)
         for role in base.GROUP_ROLES:
@@ -243,7 +247,9 @@ class LocalExecutor(base.Executor):
                 len(ranks), epoch=epoch, backend=self._backend, directory=self._tmp
             )
             handles = {
-                r: self._submit(by_label[r].join_group, spec, i, role=role, group_timeout=timeout)
+                r: self._submit(
+                    by_label[r].groups.join_group, spec, i, role=role, group_timeout=timeout
+                )
                 for i, r in enumerate(targets)
             }
             joins.gather_joins(
@@ -282,7 +288,7 @@ class LocalExecutor(base.Executor):
             self._active = list(range(len(ranks)))
             self._needs_switch = False
             for label, w in self._workers.items():
-                w.label = label
+                w.set_label(label)
         log.info("switched to %d ranks (old labels %s)", len(ranks), ranks)
 
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:

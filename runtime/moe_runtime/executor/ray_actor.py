@@ -28,9 +28,10 @@ import ray.util.scheduling_strategies as ray_sched
 
 from moe_runtime import logs
 from moe_runtime import step as step_mod
-from moe_runtime import worker as worker_mod
 from moe_runtime.executor import base, ray_transfer
 from moe_runtime.executor import health as health_mod
+from moe_runtime.rank import hooks as hooks_mod
+from moe_runtime.rank import worker as worker_mod
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,24 @@ PROBE_STEP_ID = -1
 class RankActor:
     """The actor body: a RankWorker plus what only Ray knows (node id and address)."""
 
-    def __init__(self, *, label: int, device: str, dtype: str, spare: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        label: int,
+        device: str,
+        dtype: str,
+        spare: bool = False,
+        hooks: hooks_mod.HooksFactory | None = None,
+    ) -> None:
         logs.configure_rank()
         if spare:
             set_niceness(label, SPARE_NICENESS, why="waits as a warm spare")
         self.worker = worker_mod.RankWorker(
-            device=device, dtype=dtype, torch_threads=1, label=label
+            device=device,
+            dtype=dtype,
+            torch_threads=1,
+            label=label,
+            hooks=None if hooks is None else hooks(),
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -85,11 +98,11 @@ class RankActor:
         return info
 
     def free_port(self) -> tuple[str, int]:
-        return self.worker.free_port(self.node_ip)
+        return self.worker.groups.free_port(self.node_ip)
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._in_background()
-        return getattr(self.worker, method)(*args, **kwargs)
+        return self.worker.call(method, *args, **kwargs)
 
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         if step.step_id == PROBE_STEP_ID:
@@ -117,7 +130,7 @@ class RankActor:
     def export_experts(self, keys: list[tuple[int, int]]) -> ray_transfer.PackedExperts:
         """Live experts `keys` for a co-located peer (the return value goes to shared memory)."""
         self._in_background()
-        return ray_transfer.pack_experts(self.worker.held_experts(keys))
+        return ray_transfer.pack_experts(self.worker.slots.held_experts(keys))
 
     def stage_experts_shared(
         self,
@@ -140,7 +153,7 @@ class RankActor:
         else:
             self._in_background()
         provided, shared_bytes = self._receive(parts)
-        received = self.worker.stage_experts(
+        received = self.worker.slots.stage_experts(
             epoch, moves, new_placement, provided=provided, **kwargs
         )
         return int(received) + shared_bytes
@@ -149,7 +162,8 @@ class RankActor:
         """`RankWorker.prestage_experts` with what co-located peers exported (refs)."""
         self._in_background()
         provided, shared_bytes = self._receive(parts)
-        return int(self.worker.prestage_experts(epoch, moves, provided=provided)) + shared_bytes
+        received = self.worker.slots.prestage_experts(epoch, moves, provided=provided)
+        return int(received) + shared_bytes
 
     def _receive(self, parts: list[Any]) -> tuple[dict[Any, Any], int]:
         """Private copies of the exported experts behind `parts` (refs), each unpacked as soon
@@ -194,9 +208,7 @@ class RankActor:
         return nbytes
 
     def _model(self) -> Any:
-        if self.worker.model is None:
-            raise RuntimeError(f"rank {self.worker.label}: no weights loaded yet")
-        return self.worker.model
+        return self.worker.loaded.require(self.worker.where())[1]
 
     def echo(self, value: Any) -> Any:
         """Does nothing: the method of the throwaway graph that warms a new actor up."""
@@ -229,6 +241,7 @@ def start_ranks(
     driver_node: str,
     existing_nodes: Sequence[str],
     spare: bool = False,
+    hooks: hooks_mod.HooksFactory | None = None,
 ) -> list[Rank]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
     the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
@@ -257,7 +270,9 @@ def start_ranks(
                     scheduling_strategy=strategy,
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
-                ).remote(label=first_label + i, device=device, dtype=dtype, spare=spare)
+                ).remote(
+                    label=first_label + i, device=device, dtype=dtype, spare=spare, hooks=hooks
+                )
             )
         infos = get_all(
             [a.ready.remote() for a in actors],

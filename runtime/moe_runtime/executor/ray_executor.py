@@ -46,6 +46,7 @@ from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, ray_actor, ray_step, ray_switch, ray_weights
 from moe_runtime.executor import health as health_mod
+from moe_runtime.rank import hooks as hooks_mod
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
         rendezvous: str = "auto",
         transfer_backend: group_mod.Backend = "gloo",
         step_mode: str | None = None,
+        rank_hooks: hooks_mod.HooksFactory | None = None,
     ) -> None:
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
         if mode not in (STEP_COMPILED, STEP_REMOTE):
@@ -108,6 +110,7 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0  # type: ignore[no-untyped-call]
         self.use_gpu = use_gpu
         self._dtype = dtype
+        self._rank_hooks = rank_hooks
         self._ready_timeout = ready_timeout
         self._step_timeout = step_timeout
         self._switch_timeout = switch_timeout
@@ -171,6 +174,7 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
             driver_node=self._driver_node,
             existing_nodes=existing,
             spare=spare,
+            hooks=self._rank_hooks,
         )
         with self._lock:
             for r in started:
