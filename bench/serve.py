@@ -5,7 +5,7 @@ figures are the engine's and the ranks' (no HTTP). For each DP size: `--requests
 (prompt of `--prompt-len` tokens, exactly `--max-tokens` generated, EOS ignored) sent by
 `--concurrency` client threads; prints output tokens/s, TTFT and inter-token latency (p50/p99)
 and the mean step time. Then, on the last DP size, the per-step overhead of a step driven
-through the Ray compiled graph versus plain actor calls (`execute_step_remote`), timed in the
+through the Ray compiled graph versus plain actor calls (a `ray_step.StepPath` of plain calls), timed in the
 same run on empty batches (every rank still runs its forward pass and expert collectives with
 no tokens), as a ratio.
 
@@ -26,7 +26,7 @@ from moe_runtime import step as step_types
 from moe_runtime.engine import core
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
-from moe_runtime.executor import cluster, ray_executor
+from moe_runtime.executor import cluster, ray_executor, ray_step
 from moe_runtime.model import source as source_mod
 
 
@@ -101,11 +101,12 @@ def step_overhead(
 ) -> dict[str, float]:
     """Mean seconds of an empty lockstep step: compiled graph vs plain actor calls."""
     ranks = executor.ranks
+    plain = plain_calls(executor)
     results: dict[str, float] = {}
     step_id = first_id
     for name, run in (
         ("compiled", executor.execute_step),
-        ("actor calls", executor.execute_step_remote),
+        ("actor calls", lambda step: plain.execute(step, timeout=60)),
         ("compiled again", executor.execute_step),
     ):
         samples = []
@@ -200,6 +201,14 @@ def main() -> None:
             f"ratio actor/compiled = {plain / compiled:.2f}x"
         )
     print(f"total {time.monotonic() - t0:.0f} s")
+
+
+def plain_calls(executor: ray_executor.RayExecutor) -> ray_step.StepPath:
+    """A step path of plain actor calls over the executor's ranks, whatever its step mode."""
+    path = ray_step.StepPath(compiled=False, compile_timeout=60)
+    ranks = executor.ranks
+    path.set(ranks, [executor.roster.member(r).handle.actor for r in ranks])
+    return path
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ busy-waiting, so two phases never overlap on this machine's cores), medians of `
    out the [L, E] expert-load tensor in a dict (Ray serialises the tensor: what a StepOutput
    cost before), a StepOutput (which now packs it as bytes), a StepOutput without it;
 4. RayExecutor at DP=2 serving `--model`: an empty step (every rank's batch empty) through its
-   compiled graph, then through plain actor calls (`execute_step_remote`); then a step in which
+   compiled graph, then through plain actor calls (a `ray_step.StepPath` of plain calls); then a step in which
    rank 0 decodes one token and rank 1 is idle (it still joins the expert collectives).
 
 Then the breakdown, in this process without Ray: pickling StepInput/StepOutput, and a
@@ -42,7 +42,7 @@ import torch
 from moe_runtime import step as step_types
 from moe_runtime.comm import ep, group
 from moe_runtime.eplb import policy
-from moe_runtime.executor import cluster, ray_executor
+from moe_runtime.executor import cluster, ray_executor, ray_step
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 
@@ -128,7 +128,8 @@ def executor_figures(model: str, steps: int) -> dict[str, float]:
         )
         first = 10_000
         compiled = median_ms(lambda i: executor.execute_step(empty_step(first + i)), steps)
-        remote = median_ms(lambda i: executor.execute_step_remote(empty_step(2 * first + i)), steps)
+        plain = plain_calls(executor)
+        remote = median_ms(lambda i: plain.execute(empty_step(2 * first + i), timeout=60), steps)
         # Rank 0 decodes one token per step, rank 1 is idle (its batch is empty, but it must
         # join the expert collectives): the per-step cost a lightly loaded deployment pays.
         greedy = step_types.SamplingParams()
@@ -287,6 +288,14 @@ def main() -> None:
             f"expert collectives {f['collective_ms']:6.2f} ms "
             f"({f['collective_calls']:.0f} calls, {cfg.num_layers} MoE layers)"
         )
+
+
+def plain_calls(executor: ray_executor.RayExecutor) -> ray_step.StepPath:
+    """A step path of plain actor calls over the executor's ranks, whatever its step mode."""
+    path = ray_step.StepPath(compiled=False, compile_timeout=60)
+    ranks = executor.ranks
+    path.set(ranks, [executor.roster.member(r).handle.actor for r in ranks])
+    return path
 
 
 if __name__ == "__main__":

@@ -263,38 +263,50 @@ def test_a_failure_inside_switching_goes_back_to_the_old_graph(
 
 
 def test_a_step_graph_that_fails_to_compile_after_a_switch_leaves_plain_calls_serving(
-    dep: RayDeployment, reference: dict[tuple[int, int], list[int]]
+    dep: RayDeployment,
+    reference: dict[tuple[int, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The graph over the new ranks is compiled after the switch, in the background: its
     failure fails no request and no resize; plain actor calls step meanwhile, and the compile
     is tried again (`ray_step.RETRY_SECONDS` later) until the graph carries the steps."""
-    from moe_runtime.executor import ray_step
+    from moe_runtime.executor import ray_graph, ray_step
 
     dep.ensure(2)
     ex: Any = dep.executor
     armed = threading.Event()
+    compile_graph = ray_graph.compile_graph
+
+    def fail_once(actors: Any) -> Any:
+        # The background compile runs in this process: its first call after the arming fails.
+        if armed.is_set() and not failed.is_set():
+            failed.set()
+            raise RuntimeError("injected failure compiling the step graph")
+        return compile_graph(actors)
+
+    failed = threading.Event()
+    monkeypatch.setattr(ray_graph, "compile_graph", fail_once)
 
     def arm(record: Any) -> None:
         if record.stage is stages.Stage.SWITCHING and not armed.is_set():
             armed.set()
-            ex.fail_next_compile()
 
     dep.elastic.coordinator.on_change(arm)
     try:
         with LongRequests(dep) as running:
             record = dep.resize(3)
             assert record.succeeded, record.message
-            assert ex.wait_step_graph(timeout=60)
-            assert "injected failure" in ex.last_graph_compile.get("error", "")
-            assert not ex.step_graph_live()  # plain calls serve
+            assert ex.path.wait_idle(timeout=60)
+            assert "injected failure" in ex.path.last_compile.get("error", "")
+            assert not ex.path.graph_live()  # plain calls serve
     finally:
         dep.elastic.coordinator._listeners.remove(arm)
     running.check(reference)
     deadline = time.monotonic() + ray_step.RETRY_SECONDS + 60
-    while not ex.step_graph_live():  # the next steps start the retry once it is due
-        assert time.monotonic() < deadline, ex.last_graph_compile
+    while not ex.path.graph_live():  # the next steps start the retry once it is due
+        assert time.monotonic() < deadline, ex.path.last_compile
         dep.generate(0, 2)
-    assert "error" not in ex.last_graph_compile
+    assert "error" not in ex.path.last_compile
     assert_clean(dep, 3, reference)
 
 
@@ -310,13 +322,13 @@ def test_a_step_that_fails_with_healthy_ranks_is_retried_on_a_rebuilt_graph(
     failures: list[core.StepFailure] = []
     dep.engine.on_step_failure(failures.append)
     ex: Any = dep.executor
-    limit = ex._step_timeout
-    ex._step_timeout = 1.0
+    limit = ex.step_timeout
+    ex.step_timeout = 1.0
     try:
         with LongRequests(dep) as running:
             dep.executor.collective_rpc("stall_next", "execute_step", 2.5, ranks=[1])
     finally:
-        ex._step_timeout = limit
+        ex.step_timeout = limit
     running.check(reference)
     assert failures, "no step failed"
     assert all(type(f.exception) is executor_base.ExecutorError for f in failures), failures
@@ -431,8 +443,9 @@ def test_a_new_rank_lost_before_it_joins_fails_the_grow_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The grow's new rank dies between its start and the standby groups (its pod was lost):
-    the grow fails within seconds naming it, not at the resize's rpc timeout, and the old size
-    serves on, clean; the next grow works."""
+    the grow fails naming it as lost, not at the resize's rpc timeout (a join that waited for
+    it would fail with "did not join within"), and the old size serves on, clean; the next
+    grow works. (How long the failed Standby took: bench/failures.py.)"""
     dep.ensure(2)
     real = dep.executor.build_groups
     killed: list[int] = []
@@ -452,8 +465,7 @@ def test_a_new_rank_lost_before_it_joins_fails_the_grow_at_once(
     assert killed, "the grow built no group over a new rank"
     assert record.stage is stages.Stage.FAILED, record.message
     assert "Standby failed" in record.message and "rank 2" in record.message, record.message
-    standby = [s for s in record.stages if s.stage is stages.Stage.STANDBY]
-    assert standby and standby[0].duration_s is not None and standby[0].duration_s < 30, standby
+    assert "did not join" not in record.message, record.message
     assert "serving at data parallel size 2" in record.message, record.message
     assert_clean(dep, 2, reference)
     dep.ensure(3)

@@ -77,14 +77,19 @@ def assert_serves(d: SpareDeployment, reference: dict[tuple[int, int], list[int]
     assert [g.token_ids for g in got] == [reference[(p, 16)] for p in range(3)]
 
 
+def actor(d: SpareDeployment, label: int) -> Any:
+    """The Ray actor of rank `label`."""
+    return d.executor.roster.member(label).handle.actor
+
+
 def assert_steps_at_full_priority(d: SpareDeployment) -> None:
     """Once the compiled graph carries the steps again, every serving rank's step thread runs
     at niceness 0: a step waits for its slowest rank (a thread that had run background calls
     at BACKGROUND_NICENESS used to keep it when steps moved onto it)."""
-    assert d.executor.wait_step_graph(120)
+    assert d.executor.path.wait_idle(120)
     d.generate(0, 4)
     niceness = {
-        label: ray.get(d.executor.actor(label).step_niceness.remote(), timeout=30)
+        label: ray.get(actor(d, label).step_niceness.remote(), timeout=30)
         for label in d.executor.ranks
     }
     assert set(niceness.values()) == {0}, niceness

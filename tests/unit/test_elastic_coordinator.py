@@ -129,15 +129,22 @@ def test_injected_failure_is_one_shot() -> None:
 
 
 def test_blackout_is_the_longest_gap_without_progress_while_busy() -> None:
-    t = coordinator.ProgressTracker()
+    now = [100.0]
+    t = coordinator.ProgressTracker(clock=lambda: now[0])
     t.start()
+    now[0] = 107.0
     t.on_step(0, busy=False)  # idle: no blackout
+    now[0] = 107.5
     t.on_step(2, busy=True)
-    time.sleep(0.05)  # a real pause in progress, measured below
-    t.on_step(0, busy=True)
-    t.on_step(1, busy=True)
+    now[0] = 107.6
+    t.on_step(0, busy=True)  # busy and no token: the gap grows ...
+    now[0] = 108.25
+    t.on_step(1, busy=True)  # ... until this token: 0.75 s
+    now[0] = 108.5
+    t.on_step(3, busy=True)
+    now[0] = 120.0
     gap = t.stop(busy=False)
-    assert 0.05 <= gap < 1.0
+    assert gap == pytest.approx(0.75)
 
 
 @pytest.fixture()

@@ -115,7 +115,7 @@ def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -
 
         worker.ping = ping  # type: ignore[method-assign]
         found: list[dict[int, str]] = []
-        ex.start_heartbeat(interval=0.02, hang_timeout=0.3, on_lost=found.append)
+        ex.heartbeat.start(interval=0.02, hang_timeout=0.3, on_lost=found.append)
         _poll(lambda: found, "the heartbeat to find rank 1")
         assert found == [{1: health_mod.HEALTH_UNRESPONSIVE}]
         lost = ex.lost_ranks()
@@ -129,34 +129,48 @@ def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -
         ex.shutdown()
 
 
+class Pings:
+    """The pings a `Heartbeat` sends, answered at once except by the `hung` labels; and the
+    workers it fenced."""
+
+    def __init__(self, hung: set[int]) -> None:
+        self.hung = hung
+        self.fenced: list[int] = []
+
+    def send(self, label: int) -> int:
+        return label
+
+    def poll(self, label: int) -> str | None:
+        return None if label in self.hung else health_mod.HEALTH_OK
+
+    def fence(self, labels: list[int], *, reason: str) -> None:
+        self.fenced += labels
+
+
 def test_a_pending_worker_gets_the_longer_pending_hang_timeout() -> None:
     """A worker in no step (starting, loading, a warm spare) that answers pings slowly blocks
-    nobody: it is fenced only after `pending_hang_timeout`, not `hang_timeout`."""
-    placement = policy.identity(4, 8, 8, 2)
-    ex = local.LocalExecutor(2)
-    try:
-        ex.start(SOURCE, placement=placement)
-        (label,) = ex.add_ranks(1)
-        hung = threading.Event()
-        worker = ex.worker(label)
-        answer = worker.ping
-
-        def ping() -> dict[str, Any]:
-            hung.wait(DEADLINE)
-            return answer()
-
-        worker.ping = ping  # type: ignore[method-assign]
-        ex.pending_hang_timeout = 1.0
-        found: list[dict[int, str]] = []
-        started = time.monotonic()
-        ex.start_heartbeat(interval=0.02, hang_timeout=0.2, on_lost=found.append)
-        _poll(lambda: found, "the heartbeat to find the pending worker")
-        assert found == [{label: health_mod.HEALTH_UNRESPONSIVE}]
-        assert time.monotonic() - started >= 1.0  # not after hang_timeout (0.2 s)
-        assert ex.health()[0].state == ex.health()[1].state == health_mod.HEALTH_OK
-        hung.set()
-    finally:
-        ex.shutdown()
+    nobody: it is fenced only after `pending_hang_timeout`, not `hang_timeout` (rounds of the
+    heartbeat on its own clock: ranks 0 and 1 step, worker 2 is pending and never answers)."""
+    members = {label: health_mod.RankHealth() for label in (0, 1, 2)}
+    pings = Pings(hung={2})
+    now = [0.0]
+    beat = health_mod.Heartbeat(
+        members=lambda: members,
+        stepping=lambda: [0, 1],
+        send_ping=pings.send,
+        poll_ping=pings.poll,
+        fence=pings.fence,
+        clock=health_mod.StepClock(),
+        now=lambda: now[0],
+    )
+    beat.pending_hang_timeout = 1.0
+    found = []
+    for t in (0.0, 0.1, 0.3, 0.6, 0.9, 1.2):  # hang_timeout 0.2 passes at once, 1.0 at 1.2
+        now[0] = t
+        found.append(beat.round(hang_timeout=0.2))
+    assert found[:-1] == [{}] * 5  # not after hang_timeout
+    assert found[-1] == {2: health_mod.HEALTH_UNRESPONSIVE} and pings.fenced == [2]
+    assert beat.health()[0].state == beat.health()[1].state == health_mod.HEALTH_OK
 
 
 def test_step_deadline_follows_observed_step_times() -> None:

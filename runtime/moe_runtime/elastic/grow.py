@@ -73,7 +73,7 @@ class GrowStages(resize_base.ResizeBase):
             self._up_standby(plan, record)
         members = self.executor.ranks + plan.new_labels
         if self.config.weight_source == "peer" and plan.fresh:
-            record.bytes_non_expert += self.executor.transfer_non_expert(
+            record.bytes_non_expert += self.executor.weights.transfer_non_expert(
                 plan.epoch,
                 members=members,
                 src_ranks=list(range(plan.from_size)),

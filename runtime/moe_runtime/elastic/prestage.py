@@ -168,7 +168,7 @@ class Prestager:
             return False
         started = time.monotonic()
         members = list(active) + list(spares)
-        self.executor.prestage_experts(epoch, moves, members=members, timeout=self.timeout)
+        self.executor.weights.prestage_experts(epoch, moves, members=members, timeout=self.timeout)
         for move in moves:
             plan.have.setdefault(members[move.dst_rank], set()).add((move.layer, move.logical))
         if plan.complete():

@@ -1,6 +1,6 @@
 """Failures never stop serving: the runtime shrinks around a lost rank by itself, and grows back.
 
-Detection: the executor's heartbeat (`Executor.start_heartbeat`) finds a dead rank at once (its
+Detection: the executor's heartbeat (`Executor.heartbeat`, `health.Heartbeat.start`) finds a dead rank at once (its
 ping fails) and a hung one after `hang_timeout` s, or `step_grace` s once a step is past the
 deadline derived from observed step times; a hung rank is fenced (killed) so no collective
 waits on it. A failed step (`Engine.on_step_failure`) names the lost ranks too.
@@ -43,6 +43,7 @@ from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import weight_moves
 from moe_runtime.model import config as config_mod
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class Recovery:
     def attach(self) -> None:
         """Register with the engine, start the heartbeat and (autoRecover) the grow-back loop."""
         self.engine.on_step_failure(self._on_step_failure)
-        self.executor.start_heartbeat(
+        self.executor.heartbeat.start(
             interval=self.config.heartbeat_interval,
             hang_timeout=self.config.hang_timeout,
             on_lost=self._on_lost,
@@ -101,7 +102,7 @@ class Recovery:
     def close(self) -> None:
         """Stop detecting and recovering (the process is shutting down); idempotent."""
         self._stop.set()
-        self.executor.stop_heartbeat()
+        self.executor.heartbeat.stop()
 
     # -- triggers ------------------------------------------------------------------------
     def _on_lost(self, lost: dict[int, str]) -> None:
@@ -222,17 +223,16 @@ class Recovery:
         epoch = self.serving.take_epoch()
         # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
         self.executor.build_groups(survivors, epoch=epoch, timeout=timeout, background=False)
-        record.bytes_expert += rebalance.stage_experts(
-            self.executor,
+        staging = weight_moves.Staging(
             epoch=epoch,
             moves=moves,
             target=target,
             members=survivors,
             new_num_ranks=n,
-            staging_id=None,
-            timeout=timeout,
-            background=False,
             from_source=True,
+        )
+        record.bytes_expert += rebalance.stage_experts(
+            self.executor, staging, timeout=timeout, background=False
         )
         self.executor.switch(
             survivors, epoch=epoch, placement=target, timeout=self.config.switch_timeout

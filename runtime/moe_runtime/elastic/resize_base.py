@@ -24,6 +24,7 @@ from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import weight_moves
 from moe_runtime.model import config as config_mod
 
 Key = rebalance.Key
@@ -170,15 +171,11 @@ class ResizeBase:
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )
         plan.staged_on = list(members)
+        staging = weight_moves.Staging(
+            epoch=epoch, moves=moves, target=target, members=members, new_num_ranks=new_num_ranks
+        )
         record.bytes_expert += rebalance.stage_experts(
-            self.executor,
-            epoch=epoch,
-            moves=moves,
-            target=target,
-            members=members,
-            new_num_ranks=new_num_ranks,
-            staging_id=None,
-            timeout=self.config.rpc_timeout,
+            self.executor, staging, timeout=self.config.rpc_timeout
         )
 
     def _retained_keys(self, labels: Iterable[int]) -> dict[int, set[Key]]:

@@ -261,7 +261,7 @@ class SpareUpkeep:
                 unloaded = [i for i, (_, u) in enumerate(spares) if u not in self._loaded]
             if unloaded:
                 n = len(active)
-                self.executor.transfer_non_expert(
+                self.executor.weights.transfer_non_expert(
                     epochs[len(labels)],
                     members=active + labels,
                     src_ranks=list(range(n)),

@@ -6,7 +6,8 @@
   steps), `EXPORT_LANE` (one thread: experts a co-located peer asked for, so an export never
   waits behind a staging call that waits for exports) and `HEALTH_LANE` (pings, never queued
   behind a transfer);
-- `Rank`: one DP rank as the executor keeps it (actor, placement group, info, health);
+- `RankHandle`: how the executor reaches one DP rank (its actor and placement group; the
+  roster keeps it with the rank's info and health);
 - `start_ranks`, `check_health`, `ping` / `poll` (the heartbeat's calls), `get_all` (results
   with errors naming the rank: `RankDied` for a dead actor).
 """
@@ -28,7 +29,7 @@ import ray.util.scheduling_strategies as ray_sched
 
 from moe_runtime import logs
 from moe_runtime import step as step_mod
-from moe_runtime.executor import base, ray_transfer
+from moe_runtime.executor import base, ray_transfer, roster
 from moe_runtime.executor import health as health_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import worker as worker_mod
@@ -220,15 +221,15 @@ RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
 )(RankActor)
 
 
-@dataclasses.dataclass
-class Rank:
-    """One DP rank: its actor, its placement group, what it said when it started, its health."""
+@dataclasses.dataclass(frozen=True)
+class RankHandle:
+    """One DP rank's actor and the placement group it runs in."""
 
-    label: int
     actor: Any
     pg: Any
-    info: dict[str, Any]
-    health: health_mod.RankHealth = dataclasses.field(default_factory=health_mod.RankHealth)
+
+
+Member = roster.Member[RankHandle]
 
 
 def start_ranks(
@@ -242,10 +243,10 @@ def start_ranks(
     existing_nodes: Sequence[str],
     spare: bool = False,
     hooks: hooks_mod.HooksFactory | None = None,
-) -> list[Rank]:
+) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
     the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
-    spares (below the serving ranks' CPU priority)."""
+    spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks."""
     bundle: dict[str, float] = {RANK_RESOURCE: 1}
     if use_gpu:
         bundle["GPU"] = 1
@@ -287,16 +288,17 @@ def start_ranks(
             ray.util.remove_placement_group(pg)
         raise
     order = base.order_ranks(infos, driver_node=driver_node, existing_nodes=existing_nodes)
-    started = []
-    for offset, i in enumerate(order):
-        label = first_label + offset
-        infos[i]["label"] = label
-        started.append(Rank(label=label, actor=actors[i], pg=pgs[i], info=infos[i]))
-    ray.get([r.actor.execute_method.remote("set_label", r.label) for r in started])
+    started = [
+        roster.Member(
+            label=first_label + offset, handle=RankHandle(actors[i], pgs[i]), info=infos[i]
+        )
+        for offset, i in enumerate(order)
+    ]
+    ray.get([m.handle.actor.execute_method.remote("set_label", m.label) for m in started])
     log.info(
         "started ranks %s on nodes %s",
-        [r.label for r in started],
-        [r.info["node_id"][:8] for r in started],
+        [m.label for m in started],
+        [m.info["node_id"][:8] for m in started],
     )
     return started
 
@@ -335,13 +337,10 @@ def set_niceness(label: int | None, niceness: int, *, why: str) -> None:
     log.info("rank %s %s: niceness %d for its %d threads", label, why, niceness, len(tids))
 
 
-def check_health(ranks: Mapping[int, Rank], *, timeout: float) -> dict[int, str]:
+def check_health(ranks: Mapping[int, Member], *, timeout: float) -> dict[int, str]:
     """Ping every rank now and wait up to `timeout`: "ok", "dead" or "unresponsive" by label."""
     labels = sorted(ranks)
-    refs = [
-        ranks[r].actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
-        for r in labels
-    ]
+    refs = [ping(ranks[r].handle.actor) for r in labels]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
     done = set(ready)
     report: dict[int, str] = {}
