@@ -166,7 +166,7 @@ def assert_clean(d: RayDeployment, size: int, reference: dict[tuple[int, int], l
     """Serving at `size` with correct tokens; every worker holds exactly one live state."""
     assert d.executor.num_ranks == size and d.executor.pending_ranks == []
     assert d.executor.has_step_path() and d.elastic.readiness()[0]
-    epoch = d.elastic.ops.serving.epoch
+    epoch = d.elastic.ops.ctx.serving.epoch
     for state in d.states():
         assert not state["staged"] and not state["previous"], state
         assert state["group_epochs"] == [epoch] and state["epoch"] == epoch, state
@@ -230,7 +230,7 @@ def test_a_failure_inside_switching_goes_back_to_the_old_graph(
     rank: int | None,
 ) -> None:
     dep.ensure(2)
-    ops = dep.elastic.ops
+    ops = dep.elastic.ops.ctx
     config = ops.config
     armed = threading.Event()
 
@@ -343,7 +343,7 @@ def test_a_step_that_fails_with_healthy_ranks_is_retried_on_a_rebuilt_graph(
 def skew_load(d: RayDeployment) -> None:
     """Record a load (hot experts) under which a rebalance moves experts: so large that the
     tokens of the test itself do not change the plan."""
-    ops = d.elastic.ops
+    ops = d.elastic.ops.ctx
     placement = ops.serving.placement
     layers, experts = placement.num_layers, placement.num_logical
     for shift in range(experts):
@@ -379,7 +379,7 @@ def test_the_eplb_commit_is_all_or_nothing(
     dep.ensure(2)
     skew_load(dep)
     before = [s["phy2log"] for s in dep.states()]
-    old = dep.elastic.ops.serving.placement
+    old = dep.elastic.ops.ctx.serving.placement
     if operation is not None:
         dep.executor.collective_rpc("fail_next", operation, ranks=[1])
     try:
@@ -396,9 +396,9 @@ def test_the_eplb_commit_is_all_or_nothing(
     if refused is None:
         assert result["applied"], result
         assert after[0] == after[1] != before[0]
-        assert dep.elastic.ops.serving.placement.phy2log.tolist() == after[0]
+        assert dep.elastic.ops.ctx.serving.placement.phy2log.tolist() == after[0]
     else:
-        assert after == before and dep.elastic.ops.serving.placement is old
+        assert after == before and dep.elastic.ops.ctx.serving.placement is old
     assert_clean(dep, 2, reference)
 
 

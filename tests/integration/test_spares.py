@@ -42,8 +42,20 @@ class SpareDeployment(failures.RayDeployment):
 
     def wait_spares_ready(self, count: int = 1, timeout: float = 180.0) -> list[dict[str, Any]]:
         pool = self.elastic.spares
-        assert pool is not None and pool.wait_ready(count, timeout=timeout), self.spares()
+        assert pool is not None
+        deadline = time.monotonic() + timeout
+        while len(pool.ready()) < count:
+            assert time.monotonic() < deadline, self.spares()
+            time.sleep(0.05)
         return self.spares()
+
+    def prestaged(self) -> bool:
+        """Every ready spare holds the experts of every grow it may serve."""
+        pool = self.elastic.spares
+        assert pool is not None
+        ready = pool.ready()
+        plan = pool.prestager.current(self.executor.ranks, self.elastic.ops.ctx.serving.placement)
+        return bool(ready) and plan is not None and plan.spares == tuple(ready) and plan.complete()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +81,7 @@ def assert_serves(d: SpareDeployment, reference: dict[tuple[int, int], list[int]
     """A step path, one live state per active worker (older groups retired; standby groups
     of later epochs may be there), and the tokens of single-process generation."""
     assert d.executor.has_step_path() and d.elastic.readiness()[0]
-    epoch = d.elastic.ops.serving.epoch
+    epoch = d.elastic.ops.ctx.serving.epoch
     for state in d.executor.collective_rpc("live_state", ranks=d.executor.ranks, timeout=60):
         assert not state["staged"] and not state["previous"] and state["epoch"] == epoch, state
         assert min(state["group_epochs"]) == epoch, state
@@ -134,10 +146,8 @@ def test_a_grow_on_a_prestaged_spare_moves_only_what_it_lacks(
 ) -> None:
     dep.ensure(2)
     dep.wait_spares_ready()
-    pool = dep.elastic.spares
-    assert pool is not None
     deadline = time.monotonic() + 120
-    while not pool.prestaged():
+    while not dep.prestaged():
         assert time.monotonic() < deadline, dep.spares()
         time.sleep(0.05)
     (spare,) = dep.spares()

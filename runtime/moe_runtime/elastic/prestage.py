@@ -1,7 +1,7 @@
 """Pre-staging on warm spares: the experts a grow would give them, fetched ahead of it.
 
 For every k in 1..K (K ready spares, within the size limit) the target placement of a grow by
-k is computed as the grow itself computes it (`EngineResizeOps.target_for`: the
+k is computed as the grow itself computes it (`resize.ResizeContext.target_for`: the
 rebalance-for-resize policy over the current load and live placement). Spare j (in group
 order) is rank n + j of every grow by k > j, so it wants the union of its slots' experts over
 those k. `Prestager.step` fetches what the spares lack from the active ranks in batches of

@@ -193,12 +193,12 @@ class ElasticService:
             executor=executor,
             serving=serving,
             config=config,
-            mechanics=mechanics.mechanics,
+            mechanics=mechanics.ctx.mechanics,
             busy=lambda: coord.current is not None,
         )
-        mechanics.spares = fault.spares = pool
-        pool.prestager.target_for = mechanics.target_for
-        pool.prestager.fits = mechanics.fits
+        mechanics.ctx.spares = fault.spares = pool
+        pool.prestager.target_for = mechanics.ctx.target_for
+        pool.prestager.fits = mechanics.ctx.fits
         pool.prestager.max_size = lambda: coord.limits.max_size
         service = cls(
             coordinator=coord,
@@ -221,7 +221,7 @@ class ElasticService:
         if registry is not None:
             service.metrics = ElasticMetrics(registry)
             coord.on_change(service.metrics.on_record)
-            service.metrics.balancedness.set_function(mechanics.balancedness)
+            service.metrics.balancedness.set_function(mechanics.ctx.balancedness)
             service.metrics.rebalances.set_function(lambda: rebalancer.rebalances)
         coord.on_change(_log_stage)
         fault.attach()
@@ -263,7 +263,7 @@ class ElasticService:
         """The body of GET /elastic_ep/status (DESIGN §4)."""
         current = self.coordinator.current
         last = self.coordinator.last()
-        serving = self.ops.serving
+        serving = self.ops.ctx.serving
         active = set(self.executor.ranks)
         infos = self.executor.rank_infos()
         health = self.executor.health()
@@ -332,7 +332,7 @@ class ElasticService:
                 "in_flight": engine_stats.num_running + engine_stats.num_waiting,
             },
             "eplb": {
-                "balancedness": self.ops.balancedness(),
+                "balancedness": self.ops.ctx.balancedness(),
                 "num_physical_experts": serving.placement.num_physical,
                 "rebalances": self.rebalancer.rebalances,
                 "last_rebalance": self.rebalancer.last_rebalance,
