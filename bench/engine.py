@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core, text
+from moe_runtime.engine import core, seam, text
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
@@ -168,7 +168,7 @@ def run_variant(name: str, args: argparse.Namespace, *, profile: bool) -> dict[s
     engine = engine_cls(
         runner,
         src.tokenizer(),
-        core.EngineConfig(
+        seam.EngineConfig(
             max_model_len=cfg.max_position_embeddings, max_num_seqs_per_rank=args.streams
         ),
     )

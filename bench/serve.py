@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
 from moe_runtime.executor import cluster, ray_executor, ray_step
@@ -162,7 +162,7 @@ def main() -> None:
                 engine = core.Engine(
                     executor,
                     src.tokenizer(),
-                    core.EngineConfig(max_model_len=cfg.max_position_embeddings),
+                    seam.EngineConfig(max_model_len=cfg.max_position_embeddings),
                 )
                 step_times: list[float] = []
                 with engine:

@@ -27,7 +27,7 @@ from moe_runtime.elastic import admin as elastic_admin
 from moe_runtime.elastic import coordinator as elastic_coordinator
 from moe_runtime.elastic import service as elastic_service
 from moe_runtime.elastic import serving as elastic_serving
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.eplb import policy
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tokenizer as tokenizer_mod
@@ -292,7 +292,7 @@ def _build_into(
     runtime.engine = engine = core.Engine(
         executor,
         tok,
-        core.EngineConfig(
+        seam.EngineConfig(
             max_model_len=cfg.max_position_embeddings,
             max_num_seqs_per_rank=args.max_num_seqs,
             max_tokens_per_step=max(args.max_tokens_per_step, args.max_num_seqs),

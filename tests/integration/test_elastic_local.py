@@ -17,7 +17,7 @@ import torch
 
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, service, serving, stages
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
@@ -56,7 +56,7 @@ class Deployment:
         self.engine = core.Engine(
             self.executor,
             src.tokenizer(),
-            core.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
+            seam.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
         )
         self.elastic = service.ElasticService.attach(
             engine=self.engine,

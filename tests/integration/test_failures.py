@@ -34,7 +34,7 @@ import torch
 
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, rebalance, service, serving, stages
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -73,7 +73,7 @@ class RayDeployment:
         self.engine = core.Engine(
             self.executor,
             src.tokenizer(),
-            core.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
+            seam.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
         )
         self.elastic = service.ElasticService.attach(
             engine=self.engine,
@@ -319,7 +319,7 @@ def test_a_step_that_fails_with_healthy_ranks_is_retried_on_a_rebuilt_graph(
     """A step past the executor's hard limit on a rank that still answers its heartbeat: the
     graph is rebuilt on the same ranks and the step retried; no request fails."""
     dep.ensure(2)
-    failures: list[core.StepFailure] = []
+    failures: list[seam.StepFailure] = []
     dep.engine.on_step_failure(failures.append)
     ex: Any = dep.executor
     limit = ex.step_timeout

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core, request, text
+from moe_runtime.engine import core, request, seam, text
 
 VOCAB = 26
 EOS = 25
@@ -103,7 +103,7 @@ def make_engine(
     engine = core.Engine(
         executor,
         LetterTokenizer(),
-        core.EngineConfig(max_model_len=max_model_len, **config),
+        seam.EngineConfig(max_model_len=max_model_len, **config),
     )
     return engine, executor
 
@@ -418,7 +418,7 @@ def test_draining_rank_takes_no_new_requests_until_reactivated() -> None:
 
 def test_set_active_ranks_grows_and_shrinks() -> None:
     executor = FakeExecutor(3)
-    config = core.EngineConfig(max_model_len=100_000)
+    config = seam.EngineConfig(max_model_len=100_000)
     engine = core.Engine(executor, LetterTokenizer(), config, active_ranks=[0])
     endless = {"max_tokens": 100_000, "ignore_eos": True}
     with engine:
@@ -525,9 +525,9 @@ def test_persistent_rank_error_fails_only_its_requests() -> None:
 def test_failure_callback_can_repair_before_the_retry() -> None:
     engine, executor = make_engine(2, max_step_retries=1)
     executor.fail_rank = lambda step_id, rank: "rank 1 is gone" if rank == 1 else None
-    failures: list[core.StepFailure] = []
+    failures: list[seam.StepFailure] = []
 
-    def repair(failure: core.StepFailure) -> None:  # a fault handler: drop the dead rank
+    def repair(failure: seam.StepFailure) -> None:  # a fault handler: drop the dead rank
         failures.append(failure)
         engine.set_active_ranks([0])  # on the engine thread: applied before the retry
 
@@ -546,7 +546,7 @@ def test_executor_exception_names_its_ranks() -> None:
         ranks = [0]
 
     engine, executor = make_engine(1)
-    failures: list[core.StepFailure] = []
+    failures: list[seam.StepFailure] = []
     engine.on_step_failure(failures.append)
 
     def execute_step(step: step_types.StepInput) -> list[step_types.StepOutput]:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from moe_runtime import server
-from moe_runtime.engine import core, request
+from moe_runtime.engine import core, request, seam
 from moe_runtime.engine import queue as queue_mod
 from tests.unit import test_engine as fakes
 from tests.unit import test_engine_server as server_tests
@@ -51,7 +51,7 @@ def app() -> Iterator[fastapi.FastAPI]:
     engine = core.Engine(
         fakes.FakeExecutor(1),
         server_tests.Tokenizer(),
-        core.EngineConfig(max_model_len=64, max_num_seqs_per_rank=2, max_tokens_per_step=64),
+        seam.EngineConfig(max_model_len=64, max_num_seqs_per_rank=2, max_tokens_per_step=64),
         max_queued_requests=BOUND,
     )
     application = server.create_app(engine, served_model_name=server_tests.MODEL)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from moe_runtime import server
-from moe_runtime.engine import core, request
+from moe_runtime.engine import core, request, seam
 from tests.unit import test_engine as fakes
 
 MODEL = "letters"
@@ -31,7 +31,7 @@ def app() -> Iterator[fastapi.FastAPI]:
     engine = core.Engine(
         fakes.FakeExecutor(2),
         Tokenizer(),
-        core.EngineConfig(max_model_len=MAX_LEN, max_num_seqs_per_rank=8, max_tokens_per_step=64),
+        seam.EngineConfig(max_model_len=MAX_LEN, max_num_seqs_per_rank=8, max_tokens_per_step=64),
     )
     admin = fastapi.APIRouter()
 

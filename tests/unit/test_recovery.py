@@ -15,7 +15,7 @@ import torch
 from moe_runtime import server
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, records, service, serving, stages
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -265,7 +265,7 @@ def _deployment(
     placement = policy.identity(cfg.num_layers, cfg.num_experts, physical, size)
     ex = local.LocalExecutor(size)
     ex.start(SOURCE, placement=placement)
-    engine = core.Engine(ex, src.tokenizer(), core.EngineConfig(max_model_len=512))
+    engine = core.Engine(ex, src.tokenizer(), seam.EngineConfig(max_model_len=512))
     elastic = service.ElasticService.attach(
         engine=engine,
         executor=ex,

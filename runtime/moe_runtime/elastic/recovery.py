@@ -40,6 +40,7 @@ from moe_runtime.elastic import rebalance, records
 from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
+from moe_runtime.engine import seam
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
@@ -110,7 +111,7 @@ class Recovery:
         log.error("ranks lost: %s; recovering at the next step boundary", lost)
         self.engine.call_at_boundary(self.recover_now)
 
-    def _on_step_failure(self, failure: engine_core.StepFailure) -> None:
+    def _on_step_failure(self, failure: seam.StepFailure) -> None:
         """Engine thread, before the retry: repair here when ranks are lost."""
         if self.executor.lost_ranks() or not self.executor.has_step_path():
             self.recover_now()
