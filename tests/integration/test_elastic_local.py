@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, service, serving, stages
@@ -21,21 +20,15 @@ from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
-from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 from moe_runtime.rank import staging
-
-SOURCE = "synthetic://tiny?seed=0"
-PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 5) % 17)] for i in range(12)]
-LENGTHS = [4, 9, 16, 24]
+from tests.support import deployment as support
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[int, int], list[int]]:
     """Greedy tokens of every (prompt, length), single process, all experts local."""
-    torch.set_num_threads(1)
-    longest = mixtral.generate_greedy(SOURCE, PROMPTS, max(LENGTHS))
-    return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in LENGTHS}
+    return support.reference(support.LENGTHS)
 
 
 class Deployment:
@@ -47,12 +40,12 @@ class Deployment:
         weight_source: str = "peer",
         eplb_min_gain: float = 0.02,
     ) -> None:
-        src = source_mod.open_source(SOURCE)
+        src = source_mod.open_source(support.SOURCE)
         self.cfg = src.config
         physical = policy.num_physical_for(self.cfg.num_experts, size)
         placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
         self.executor = local.LocalExecutor(size)
-        self.executor.start(SOURCE, placement=placement)
+        self.executor.start(support.SOURCE, placement=placement)
         self.engine = core.Engine(
             self.executor,
             src.tokenizer(),
@@ -64,7 +57,7 @@ class Deployment:
             model_config=self.cfg,
             placement=placement,
             config=serving.ElasticConfig(
-                source=SOURCE,
+                source=support.SOURCE,
                 eplb_step_interval=40,
                 eplb_window_size=40,
                 eplb_min_gain=eplb_min_gain,
@@ -88,7 +81,7 @@ class Deployment:
         handle = self.engine.add_request(
             req.Request(
                 request_id=rid,
-                prompt_token_ids=PROMPTS[prompt],
+                prompt_token_ids=support.PROMPTS[prompt],
                 sampling=step_mod.SamplingParams(temperature=0.0),
                 max_tokens=n,
                 ignore_eos=True,
@@ -121,7 +114,7 @@ class Load:
         rng = random.Random(index)
         k = 0
         while not self._stop.is_set():
-            p, n = rng.randrange(len(PROMPTS)), rng.choice(LENGTHS)
+            p, n = rng.randrange(len(support.PROMPTS)), rng.choice(support.LENGTHS)
             k += 1
             try:
                 out = self.dep.generate(p, n, rid=f"c{index}-{k}")
@@ -337,7 +330,7 @@ def test_status_reports_the_sequences_in_flight(deployment: Deployment) -> None:
         deployment.engine.add_request(
             req.Request(
                 request_id=f"busy-{p}",
-                prompt_token_ids=PROMPTS[p],
+                prompt_token_ids=support.PROMPTS[p],
                 sampling=step_mod.SamplingParams(temperature=0.0),
                 max_tokens=200,
                 ignore_eos=True,

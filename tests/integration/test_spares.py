@@ -23,16 +23,18 @@ import ray
 
 from moe_runtime.elastic import settings, stages
 from moe_runtime.executor import ray_actor
-from tests.integration import test_failures as failures
+from tests.support import deployment
 
 pytestmark = pytest.mark.ray
 
-SOURCE = failures.SOURCE
-reference = failures.reference  # the module-scoped fixture of single-process tokens
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[int, int], list[int]]:
+    return deployment.reference()
 
 
-class SpareDeployment(failures.RayDeployment):
-    """`failures.RayDeployment` with warm spare ranks."""
+class SpareDeployment(deployment.RayDeployment):
+    """`deployment.RayDeployment` with warm spare ranks."""
 
     def __init__(self, size: int, *, spares: int) -> None:
         super().__init__(size, spares=spares, max_size=4)
@@ -125,7 +127,7 @@ def test_a_grow_the_spare_covers_skips_standby_and_the_spare_is_replaced(
 ) -> None:
     dep.ensure(2)
     (spare,) = dep.wait_spares_ready()
-    with failures.LongRequests(dep) as running:
+    with deployment.LongRequests(dep) as running:
         record = dep.resize(3)
     running.check(reference)
     assert record.succeeded, record.message
@@ -179,7 +181,7 @@ def test_a_shrink_frees_the_departing_ranks_and_keeps_the_spare(
 ) -> None:
     dep.ensure(3)
     (spare,) = dep.wait_spares_ready()
-    with failures.LongRequests(dep) as running:
+    with deployment.LongRequests(dep) as running:
         record = dep.resize(2)
     running.check(reference)
     assert record.succeeded and len(record.freed) == 1, record.message
@@ -195,7 +197,7 @@ def test_a_failed_grow_gives_the_spare_back(
     dep.ensure(2)
     (spare,) = dep.wait_spares_ready()
     dep.elastic.coordinator.inject_failure(stages.Stage.SWITCHING)
-    with failures.LongRequests(dep) as running:
+    with deployment.LongRequests(dep) as running:
         record = dep.resize(3)
     running.check(reference)
     assert record.stage is stages.Stage.FAILED, record.message
@@ -227,7 +229,7 @@ def test_the_spare_count_is_a_live_setting(
     dep.ensure(2)
     dep.wait_spares_ready()
     live = dep.elastic.live
-    with failures.LongRequests(dep) as running:
+    with deployment.LongRequests(dep) as running:
         assert live.patch(settings.ConfigPatch(warm_spare_ranks=2))["warm_spare_ranks"] == 2
         assert len(dep.wait_spares_ready(2)) == 2
         live.patch(settings.ConfigPatch(warmSpareRanks=0))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -10,55 +9,16 @@ import fastapi
 import pytest
 from fastapi import testclient
 
-from moe_runtime.elastic import admin, coordinator, records, stages
+from moe_runtime.elastic import admin, coordinator, stages
+from tests.support import fake_ops
 
 
-class FakeOps:
-    """Stage mechanics that only record what ran; a stage can be made to block or fail."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.ran: list[tuple[str, stages.Stage]] = []
-        self.rolled_back: list[stages.Stage] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail_in: stages.Stage | None = None
-        self.ended = 0
-
-    def current_size(self) -> int:
-        return self.size
-
-    def begin(self, record: records.ResizeRecord) -> Any:
-        return {"to": record.to_size}
-
-    def run_stage(self, stage: stages.Stage, plan: Any, record: records.ResizeRecord) -> None:
-        assert self.gate.wait(10)
-        self.ran.append((record.resize_id, stage))
-        if stage is self.fail_in:
-            raise RuntimeError("rank 3 unreachable")
-        if stage is stages.Stage.SWITCHING:
-            self.size = plan["to"]
-
-    def rollback(self, plan: Any, record: records.ResizeRecord, failed: stages.Stage) -> str:
-        self.rolled_back.append(failed)
-        return f"serving at {self.size}"
-
-    def end(self, plan: Any) -> None:
-        self.ended += 1
-
-
-def make(size: int = 2, **limits: Any) -> tuple[FakeOps, coordinator.Coordinator]:
-    ops = FakeOps(size)
-    lim = coordinator.Limits(min_size=1, max_size=8, num_experts=8, **limits)
-    return ops, coordinator.Coordinator(ops, limits=lim)
-
-
-def stage_names(ops: FakeOps) -> list[str]:
+def stage_names(ops: fake_ops.FakeOps) -> list[str]:
     return [s.value for _, s in ops.ran]
 
 
 def test_scale_up_runs_the_design_stages_in_order() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     rec = c.request(4)
     assert c.wait(rec, timeout=10)
     assert rec.succeeded and ops.size == 4
@@ -68,7 +28,7 @@ def test_scale_up_runs_the_design_stages_in_order() -> None:
 
 
 def test_scale_down_runs_the_design_stages_in_order() -> None:
-    ops, c = make(4)
+    ops, c = fake_ops.make(4)
     rec = c.request(2)
     assert c.wait(rec, timeout=10)
     assert stage_names(ops) == ["Reshuffling", "Migrating", "Switching", "Releasing"]
@@ -76,7 +36,7 @@ def test_scale_down_runs_the_design_stages_in_order() -> None:
 
 
 def test_same_target_returns_the_running_resize_and_another_target_conflicts() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     ops.gate.clear()
     first = c.request(4)
     assert c.request(4) is first
@@ -97,14 +57,14 @@ def test_same_target_returns_the_running_resize_and_another_target_conflicts() -
     ],
 )
 def test_impossible_sizes_are_refused_and_change_nothing(size: int, match: str) -> None:
-    ops, c = make(2, max_experts_per_rank=4)
+    ops, c = fake_ops.make(2, max_experts_per_rank=4)
     with pytest.raises(coordinator.InvalidResize, match=match):
         c.request(size)
     assert ops.ran == [] and ops.size == 2 and c.last() is None
 
 
 def test_a_failed_stage_rolls_back_and_a_later_resize_succeeds() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     ops.fail_in = stages.Stage.TRANSFERRING
     rec = c.request(4)
     assert c.wait(rec, timeout=10)
@@ -119,7 +79,7 @@ def test_a_failed_stage_rolls_back_and_a_later_resize_succeeds() -> None:
 
 
 def test_injected_failure_is_one_shot() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     c.inject_failure(stages.Stage.TRANSFERRING)
     rec = c.request(3)
     assert c.wait(rec, timeout=10) and rec.stage is stages.Stage.FAILED
@@ -149,7 +109,7 @@ def test_blackout_is_the_longest_gap_without_progress_while_busy() -> None:
 
 @pytest.fixture()
 def client() -> Any:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     app = fastapi.FastAPI()
     app.include_router(
         admin.build_router(

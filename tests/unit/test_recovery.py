@@ -23,8 +23,7 @@ from moe_runtime.executor import base, local
 from moe_runtime.executor import health as health_mod
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
-from tests.unit import test_engine as fake
-from tests.unit import test_engine_server as api
+from tests.support import engine_fakes
 
 SOURCE = "synthetic://tiny?seed=0"
 DEADLINE = 60.0
@@ -189,7 +188,7 @@ def test_step_deadline_follows_observed_step_times() -> None:
 
 
 def test_a_boundary_call_that_misses_its_deadline_is_cancelled_and_never_runs() -> None:
-    engine, executor = fake.make_engine(1)
+    engine, executor = engine_fakes.make_engine(1)
     gate = threading.Event()
     inner = executor.execute_step
     started = threading.Event()
@@ -202,7 +201,7 @@ def test_a_boundary_call_that_misses_its_deadline_is_cancelled_and_never_runs() 
     executor.execute_step = slow  # type: ignore[method-assign]
     ran: list[str] = []
     with engine:
-        handle = engine.add_request(fake.req("a", max_tokens=3))
+        handle = engine.add_request(engine_fakes.req("a", max_tokens=3))
         assert started.wait(DEADLINE)
         with pytest.raises(TimeoutError, match="cancelled"):
             engine.run_at_boundary(lambda: ran.append("late"), timeout=0.2)
@@ -378,10 +377,10 @@ def test_a_rank_lost_after_a_grow_heals_from_what_the_survivors_retain() -> None
 def test_ready_answers_the_readiness_and_health_stays_liveness(
     state: tuple[bool, str], code: int, body: dict[str, str]
 ) -> None:
-    engine, _ = fake.make_engine(1)
+    engine, _ = engine_fakes.make_engine(1)
     app = server.create_app(engine, served_model_name="letters", readiness=lambda: state)
     with engine:
-        ready = asyncio.run(api.get(app, "/ready"))
-        health = asyncio.run(api.get(app, "/health"))
+        ready = asyncio.run(engine_fakes.get(app, "/ready"))
+        health = asyncio.run(engine_fakes.get(app, "/health"))
     assert (ready.status_code, ready.json()) == (code, body)
     assert health.status_code == 200
