@@ -310,7 +310,7 @@ def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> No
         assert [g.error for g in got] == [None] * len(prompts)
         assert [g.token_ids for g in got] == want
         status = elastic.status()
-        assert status["data_parallel_size"] == 2 and not elastic.recovery.config.auto_recover
+        assert status["data_parallel_size"] == 2 and not elastic.recovery.ctx.config.auto_recover
         (rec,) = [h for h in status["history"] if h["kind"] == "recovery"]
         assert rec["stage"] == "Completed" and rec["recovery"]["ranks_lost"][0]["rank"] == 1
         assert rec["recovery"]["requests_rerun"] >= 1

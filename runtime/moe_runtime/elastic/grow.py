@@ -23,21 +23,25 @@ Ranks keep their labels; the new ones are N..M-1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from moe_runtime.elastic import rebalance, records, resize
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
 class Grow:
     """Standby, Transferring, Switching and Reshuffling of a grow (see the module docstring),
     each a method of (plan, record) over `ctx`."""
 
-    def __init__(self, ctx: resize.ResizeContext) -> None:
-        self.ctx = ctx
+    ctx: resize.ResizeContext
 
     def standby(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Start the new ranks (warm spares first), load them, and build the new epoch's
+        groups over all the ranks while the old group serves."""
         ctx = self.ctx
         if plan.warm:
             return  # the warm spares' standby groups exist already
@@ -72,6 +76,8 @@ class Grow:
         )
 
     def transfer(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Non-expert weights to the new ranks, and the target placement's experts staged
+        beside the live ones."""
         ctx = self.ctx
         if not plan.new_labels:
             # Planned on warm spares that were gone by the time it began: Standby's work here.
@@ -79,14 +85,15 @@ class Grow:
             self.standby(plan, record)
         members = ctx.executor.ranks + plan.new_labels
         if ctx.config.weight_source == "peer" and plan.fresh:
-            record.bytes_non_expert += ctx.executor.weights.transfer_non_expert(
-                plan.epoch,
+            transfer = weight_moves.NonExpertTransfer(
+                epoch=plan.epoch,
                 members=members,
                 src_ranks=list(range(plan.from_size)),
                 dst_ranks=[members.index(r) for r in plan.fresh],
-                timeout=ctx.config.rpc_timeout,
             )
-        old = ctx.serving.placement
+            record.bytes_non_expert += ctx.executor.weights.transfer_non_expert(
+                transfer, timeout=ctx.config.rpc_timeout
+            )
         retained = ctx.retained_keys(ctx.executor.ranks)
         if plan.prestaged_target is not None:
             plan.target = plan.prestaged_target
@@ -97,24 +104,16 @@ class Grow:
             plan.target = ctx.target_for(
                 plan.from_size, plan.to_size, held=rebalance.by_index(members, held)
             )
-        ctx.stage_experts(
-            plan,
-            epoch=plan.epoch,
-            members=members,
-            old=old,
-            old_num_ranks=plan.from_size,
-            target=plan.target,
-            new_num_ranks=plan.to_size,
-            record=record,
-            retained=retained,
-        )
+        ctx.stage_experts(plan, record, epoch=plan.epoch, members=members, retained=retained)
 
     def switch(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """At one step boundary: the new epoch and placement, and every rank steps."""
         ctx = self.ctx
         record.warm_spares = len(plan.from_pool)
         ctx.switch(plan, ctx.executor.ranks + plan.new_labels, record)
 
     def reshuffle(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Confirmed: EPLB balances the new size from the recent load."""
         ctx = self.ctx
         ctx.rebalancer.rebalance(record=record, force=False)
         record.balancedness_after = ctx.balancedness()

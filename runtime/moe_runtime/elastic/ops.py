@@ -26,11 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from moe_runtime.elastic import grow, rebalance, records, resize, shrink, stages
-from moe_runtime.elastic import serving as serving_mod
-from moe_runtime.elastic import spares as spares_mod
-from moe_runtime.engine import core as engine_core
-from moe_runtime.executor import base as executor_base
-from moe_runtime.model import config as config_mod
 
 log = logging.getLogger(__name__)
 
@@ -39,28 +34,10 @@ class EngineResizeOps:
     """`ResizeOps` over an `Engine` and an `Executor` (see the module docstring): a resize
     context (`ctx`) and the grow and shrink stages over it."""
 
-    def __init__(
-        self,
-        *,
-        engine: engine_core.Engine,
-        executor: executor_base.Executor,
-        model_config: config_mod.ModelConfig,
-        serving: serving_mod.Serving,
-        config: serving_mod.ElasticConfig,
-        rebalancer: rebalance.Rebalancer,
-        spares: spares_mod.SparePool | None = None,
-    ) -> None:
-        self.ctx = resize.ResizeContext(
-            engine=engine,
-            executor=executor,
-            model_config=model_config,
-            serving=serving,
-            config=config,
-            rebalancer=rebalancer,
-            spares=spares,
-        )
-        self.grow = grow.Grow(self.ctx)
-        self.shrink = shrink.Shrink(self.ctx)
+    def __init__(self, ctx: resize.ResizeContext) -> None:
+        self.ctx = ctx
+        self.grow = grow.Grow(ctx)
+        self.shrink = shrink.Shrink(ctx)
 
     # -- ResizeOps -----------------------------------------------------------------------
     def current_size(self) -> int:

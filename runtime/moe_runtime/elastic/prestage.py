@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,10 @@ class Prestager:
             return False
         started = time.monotonic()
         members = list(active) + list(spares)
-        self.executor.weights.prestage_experts(epoch, moves, members=members, timeout=self.timeout)
+        self.executor.weights.prestage_experts(
+            weight_moves.Prestaging(epoch=epoch, moves=moves, members=members),
+            timeout=self.timeout,
+        )
         for move in moves:
             plan.have.setdefault(members[move.dst_rank], set()).add((move.layer, move.logical))
         if plan.complete():

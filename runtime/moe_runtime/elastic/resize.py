@@ -164,20 +164,20 @@ class ResizeContext:
     def stage_experts(
         self,
         plan: Plan,
+        record: records.ResizeRecord,
         *,
         epoch: int,
         members: Sequence[int],
-        old: policy.Placement,
-        old_num_ranks: int,
-        target: policy.Placement,
-        new_num_ranks: int,
-        record: records.ResizeRecord,
         retained: Mapping[int, set[Key]] | None = None,
     ) -> None:
-        """Stage `target` on the members of epoch's transfer group (member i = rank i); a move
+        """Stage `plan.target` (over `plan.to_size` ranks, from the live placement over
+        `plan.from_size`) on the members of epoch's transfer group (member i = rank i); a move
         to a member that holds its expert already beside its live slots is left out: a warm
         spare's pre-staged experts (`plan.prestaged`), a serving rank's retained ones
         (`retained`, asked from the serving members when not given)."""
+        assert plan.target is not None
+        old, target = self.serving.placement, plan.target
+        old_num_ranks, new_num_ranks = plan.from_size, plan.to_size
         planned = moves_mod.plan_moves(
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )

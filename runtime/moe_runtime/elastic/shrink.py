@@ -18,6 +18,7 @@ The highest ranks leave.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -29,32 +30,22 @@ log = logging.getLogger(__name__)
 DRAIN_POLL_SECONDS = 0.01
 
 
+@dataclasses.dataclass(frozen=True)
 class Shrink:
     """Reshuffling, Migrating, Switching and Releasing of a shrink (see the module docstring),
     each a method of (plan, record) over `ctx`."""
 
-    def __init__(self, ctx: resize.ResizeContext) -> None:
-        self.ctx = ctx
+    ctx: resize.ResizeContext
 
     def reshuffle(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """The survivors' placement staged on them, and their next epoch's groups built."""
         ctx = self.ctx
         members = ctx.executor.ranks
         plan.departing = members[plan.to_size :]
         survivors = members[: plan.to_size]
-        old = ctx.serving.placement
         retained = ctx.retained_keys(survivors)
         plan.target = self._target(plan, members, retained)
-        ctx.stage_experts(
-            plan,
-            epoch=ctx.serving.epoch,
-            members=members,
-            old=old,
-            old_num_ranks=plan.from_size,
-            target=plan.target,
-            new_num_ranks=plan.to_size,
-            record=record,
-            retained=retained,
-        )
+        ctx.stage_experts(plan, record, epoch=ctx.serving.epoch, members=members, retained=retained)
         plan.groups_on = list(survivors)
         ctx.executor.build_groups(survivors, epoch=plan.epoch, timeout=ctx.config.rpc_timeout)
 
@@ -112,6 +103,7 @@ class Shrink:
         )
 
     def migrate(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Departing ranks take no new sequence; theirs drain, then move to survivors."""
         ctx = self.ctx
         plan.migrated = True  # from here on, rollback clears the draining marks
         if record.drain_timeout_s <= 0:
@@ -144,6 +136,8 @@ class Shrink:
             time.sleep(DRAIN_POLL_SECONDS)
 
     def switch(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """At one step boundary: the survivors step under the new epoch and placement; what
+        still runs on departing ranks moves in the same pause."""
         ctx = self.ctx
 
         def migrate_late() -> None:
@@ -162,6 +156,7 @@ class Shrink:
         ctx.switch(plan, ctx.executor.ranks[: plan.to_size], record, before=migrate_late)
 
     def release(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """The departing workers stop; the record names their pods."""
         ctx = self.ctx
         record.freed = ctx.executor.remove_ranks(plan.departing)
         record.balancedness_after = ctx.balancedness()

@@ -24,6 +24,7 @@ from moe_runtime.elastic import prestage as prestage_mod
 from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.elastic import spare_set
 from moe_runtime.executor import health as executor_health
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -242,13 +243,13 @@ class Upkeep:
                 unloaded = [i for i, (_, u) in enumerate(spares) if u not in members.loaded]
             if unloaded:
                 n = len(active)
-                self.executor.weights.transfer_non_expert(
-                    epochs[len(labels)],
+                transfer = weight_moves.NonExpertTransfer(
+                    epoch=epochs[len(labels)],
                     members=active + labels,
                     src_ranks=list(range(n)),
                     dst_ranks=[n + i for i in unloaded],
-                    timeout=self.config.rpc_timeout,
                 )
+                self.executor.weights.transfer_non_expert(transfer, timeout=self.config.rpc_timeout)
         except Exception:
             log.exception("warm spares: building standby groups over %s failed", active + labels)
             with members.lock:

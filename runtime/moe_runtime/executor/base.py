@@ -12,11 +12,12 @@ primitives a live resize is made of:
   workers (worker `ranks[i]` becomes rank i) and step them from the next step on.
 - `remove_ranks(ranks)`: stop workers, return their infos (pod names for `workersToDelete`).
 
-It is made of parts, each built with what it needs and shared by both executors: `roster`
-(`roster.Roster`: the workers by label, active and pending), `heartbeat` (`health.Heartbeat`),
-`switcher` (`switch.Switch`) and `weights` (`weight_moves.WeightMoves`: expert staging and the
-non-expert transfer). An executor adds how it reaches a worker (`_call`), steps, starts, stops
-and fences workers, and builds groups.
+It is made of parts, each built with what it needs: `roster` (`roster.Roster`: the workers by
+label, active and pending), `heartbeat` (`health.Heartbeat`), `switcher` (`switch.Switch`) and
+`weights` (`weight_moves.WeightMoves`: expert staging and the non-expert transfer), shared by
+both executors and built here, and `groups` (how an epoch's groups are built: a rendezvous per
+executor). An executor adds how it reaches its workers (`_call`, `_send_ping`, `_poll_ping`),
+how it steps them (`execute_step` and its step path), starts, stops and fences them.
 
 Rank labels: the active ranks are always 0..n-1 in step order. A pending worker keeps the label
 it was given by `add_ranks` (n, n+1, ...) or the label it had when a `switch` left it out, until
@@ -36,9 +37,10 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from moe_runtime import step as step_mod
 from moe_runtime.executor import health as health_mod
@@ -48,8 +50,30 @@ from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
-#: One member's call: the member and its keyword arguments.
-Call = tuple[roster_mod.Member[Any], dict[str, Any]]
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """One `collective_rpc`: `method(*args, **kwargs)` on each member with its own keyword
+    arguments (`per_member`, in call order), within `timeout`, on the control lane when
+    `background`."""
+
+    method: str
+    args: tuple[Any, ...]
+    per_member: list[tuple[roster_mod.Member[Any], dict[str, Any]]]
+    timeout: float | None
+    background: bool
+
+    @property
+    def labels(self) -> list[int]:
+        return [m.label for m, _ in self.per_member]
+
+
+class GroupBuilder(Protocol):
+    """How an executor builds the step and transfer groups of an epoch (`build_groups`)."""
+
+    def build(
+        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+    ) -> None: ...
 
 
 class ExecutorError(RuntimeError):
@@ -71,14 +95,34 @@ class Executor(abc.ABC):
         self,
         *,
         roster: roster_mod.Roster[Any],
-        heartbeat: health_mod.Heartbeat,
-        switcher: switch_mod.Switch,
-        weights: weight_moves.WeightMoves,
+        groups: GroupBuilder,
+        shared: weight_moves.Shared | None = None,
+        switch_timeout: float | None = None,
     ) -> None:
+        """roster: the workers; groups: the group builder; shared: weight moves another way
+        than the transfer group (`weight_moves.Shared`); switch_timeout: the bound of a switch
+        called without one (None: none)."""
         self.roster = roster
-        self.heartbeat = heartbeat
-        self.switcher = switcher
-        self.weights = weights
+        self.groups = groups
+        self.heartbeat = health_mod.Heartbeat(
+            members=roster.health,
+            stepping=roster.active,
+            send_ping=self._send_ping,
+            poll_ping=self._poll_ping,
+            fence=self.fence,
+            clock=health_mod.StepClock(),
+        )
+        self.switcher = switch_mod.Switch(
+            roster=roster,
+            rpc=self.collective_rpc,
+            lost=self.lost_ranks,
+            set_path=self._set_path,
+            clear_path=self._clear_path,
+            tell=self._tell,
+            prepare=self._prepare,
+            timeout=switch_timeout,
+        )
+        self.weights = weight_moves.WeightMoves(self.collective_rpc, shared=shared)
         self._async_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- ranks ---------------------------------------------------------------------------
@@ -133,45 +177,24 @@ class Executor(abc.ABC):
         """
         members = self.roster.targets(f"collective_rpc({method})", ranks)
         extra = per_rank or {}
-        calls = [(m, {**kwargs, **extra.get(m.label, {})}) for m in members]
-        return self._call(method, args, calls, timeout=timeout, background=background)
+        per_member = [(m, {**kwargs, **extra.get(m.label, {})}) for m in members]
+        return self._call(Calls(method, args, per_member, timeout, background))
 
     @abc.abstractmethod
-    def _call(
-        self,
-        method: str,
-        args: tuple[Any, ...],
-        calls: Sequence[Call],
-        *,
-        timeout: float | None,
-        background: bool,
-    ) -> list[Any]:
-        """`method(*args, **kwargs)` on each member of `calls` at once (`collective_rpc`)."""
+    def _call(self, calls: Calls) -> list[Any]:
+        """The calls of one `collective_rpc`, made at once; results in order."""
 
     def collective_rpc_async(
-        self,
-        method: str,
-        *args: Any,
-        ranks: Sequence[int] | None = None,
-        timeout: float | None = None,
-        background: bool = True,
-        per_rank: Mapping[int, Mapping[str, Any]] | None = None,
-        **kwargs: Any,
+        self, method: str, *args: Any, background: bool = True, **kwargs: Any
     ) -> concurrent.futures.Future[list[Any]]:
-        """`collective_rpc` without blocking the caller (defaults to the control lane)."""
+        """`collective_rpc(method, *args, **kwargs)` without blocking the caller (in the
+        control lane unless `background=False`)."""
         if self._async_pool is None:
             self._async_pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix="executor-rpc"
             )
         return self._async_pool.submit(
-            self.collective_rpc,
-            method,
-            *args,
-            ranks=ranks,
-            timeout=timeout,
-            background=background,
-            per_rank=per_rank,
-            **kwargs,
+            self.collective_rpc, method, *args, background=background, **kwargs
         )
 
     @abc.abstractmethod
@@ -189,7 +212,6 @@ class Executor(abc.ABC):
         priority once started, where the executor can (Ray: `ray_actor.SPARE_NICENESS`); a
         grow's new ranks start at the serving ranks' priority, the grow waits for them."""
 
-    @abc.abstractmethod
     def build_groups(
         self,
         ranks: Sequence[int],
@@ -206,6 +228,7 @@ class Executor(abc.ABC):
         rendezvous inside the workers and the new groups' collectives. The first member that
         fails (or that the heartbeat loses) fails the build naming it (`joins`).
         """
+        self.groups.build(ranks, epoch=epoch, timeout=timeout, background=background)
 
     def switch(
         self,
@@ -256,6 +279,32 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def has_step_path(self) -> bool:
         """A step can run now: the step path is built (a switch in progress counts)."""
+
+    # -- what the parts need of an executor -----------------------------------------------
+    @abc.abstractmethod
+    def _send_ping(self, label: int) -> Any:
+        """Start a ping of worker `label` on its health lane; a handle for `_poll_ping`."""
+
+    @abc.abstractmethod
+    def _poll_ping(self, handle: Any) -> str | None:
+        """None while the ping is pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone)."""
+
+    @abc.abstractmethod
+    def _set_path(self) -> None:
+        """Step the roster's active ranks from the next step on (after a switch)."""
+
+    @abc.abstractmethod
+    def _clear_path(self) -> None:
+        """No step path until the next switch (a switch that could not go back)."""
+
+    @abc.abstractmethod
+    def _tell(self, members: list[roster_mod.Member[Any]]) -> None:
+        """Let relabelled workers know their labels (they name them in their logs)."""
+
+    def _prepare(self, left: float | None) -> None:
+        """Finish what must not overlap a switch, within `left` s; no-op unless an executor
+        prepares anything (Ray: the warm-up of new actors)."""
+        return None
 
     def free_rank_slots(self) -> int | None:
         """Ranks that could be added now (free capacity), or None when unknown/unbounded."""

@@ -21,12 +21,12 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import base, joins, roster, switch, weight_moves
+from moe_runtime.executor import base, joins, roster
 from moe_runtime.executor import health as health_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import hooks as hooks_mod
@@ -66,23 +66,13 @@ class LocalExecutor(base.Executor):
         self._path_lost = threading.Event()
         super().__init__(
             roster=members,
-            heartbeat=health_mod.Heartbeat(
-                members=members.health,
-                stepping=members.active,
-                send_ping=self._send_ping,
-                poll_ping=_poll,
-                fence=self.fence,
-                clock=health_mod.StepClock(),
-            ),
-            switcher=switch.Switch(
-                roster=members,
-                rpc=self.collective_rpc,
+            groups=LocalGroups(
+                members=members,
+                submit=self._submit,
                 lost=self.lost_ranks,
-                set_path=self._path_lost.clear,
-                clear_path=self._path_lost.set,
-                tell=_tell,
+                backend=self._backend,
+                directory=self._tmp,
             ),
-            weights=weight_moves.WeightMoves(self.collective_rpc),
         )
         members.add([self._new_worker(label) for label in range(num_ranks)], active=True)
         self._closed = False
@@ -124,18 +114,14 @@ class LocalExecutor(base.Executor):
         return worker
 
     # -- calls ---------------------------------------------------------------------------
-    def _call(
-        self,
-        method: str,
-        args: tuple[Any, ...],
-        calls: Sequence[base.Call],
-        *,
-        timeout: float | None,
-        background: bool,
-    ) -> list[Any]:
-        _check_fenced([m for m, _ in calls], what=method)
-        futures = [self._submit(m.handle.call, method, *args, **kw) for m, kw in calls]
-        return _gather(futures, [m.label for m, _ in calls], what=method, timeout=timeout)
+    def _call(self, calls: base.Calls) -> list[Any]:
+        members = [m for m, _ in calls.per_member]
+        _check_fenced(members, what=calls.method)
+        futures = [
+            self._submit(m.handle.call, calls.method, *calls.args, **kw)
+            for m, kw in calls.per_member
+        ]
+        return _gather(futures, calls.labels, what=calls.method, timeout=calls.timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         members = self.roster.targets("execute_step", None)
@@ -157,6 +143,22 @@ class LocalExecutor(base.Executor):
 
     def has_step_path(self) -> bool:
         return bool(self.ranks) and not self._path_lost.is_set()
+
+    def _set_path(self) -> None:
+        self._path_lost.clear()
+
+    def _clear_path(self) -> None:
+        self._path_lost.set()
+
+    def _tell(self, members: list[Member]) -> None:
+        for m in members:
+            m.handle.set_label(m.label)
+
+    def _poll_ping(self, handle: Any) -> str | None:
+        """None while pending, dead when the ping raised (the worker was fenced), else ok."""
+        if not handle.done():
+            return None
+        return health_mod.HEALTH_DEAD if handle.exception() is not None else health_mod.HEALTH_OK
 
     def _send_ping(self, label: int) -> Any:
         m = self.roster.member(label)
@@ -187,46 +189,6 @@ class LocalExecutor(base.Executor):
         log.info("added ranks %s (pending)", labels)
         return labels
 
-    def build_groups(
-        self,
-        ranks: Sequence[int],
-        *,
-        epoch: int,
-        timeout: float | None = None,
-        background: bool = True,
-    ) -> None:
-        members = self.roster.targets("join_group", ranks)
-        _check_fenced(members, what="join_group")
-        by_label = {m.label: m.handle for m in members}
-
-        def wait(pending: list[Any], timeout: float) -> list[Any]:
-            done, _ = concurrent.futures.wait(
-                pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            return list(done)
-
-        def result(label: int, future: Any) -> object:
-            return _gather([future], [label], what="join_group", timeout=0)[0]
-
-        def abort(labels: list[int]) -> None:
-            for label in labels:
-                by_label[label].groups.abort_join(epoch)
-
-        calls = joins.JoinCalls(wait=wait, result=result, abort=abort, lost=self.lost_ranks)
-        for role in groups_mod.ROLES:
-            spec = group_mod.GroupSpec.local(
-                len(members), epoch=epoch, backend=self._backend, directory=self._tmp
-            )
-            handles = {
-                m.label: self._submit(
-                    m.handle.groups.join_group, spec, i, role=role, group_timeout=timeout
-                )
-                for i, m in enumerate(members)
-            }
-            joins.gather_joins(
-                handles, calls, what=f"join_group (epoch {epoch}, {role})", timeout=timeout
-            )
-
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
         stepped = set(self.ranks)
         removed = self.roster.remove(ranks)
@@ -249,7 +211,7 @@ class LocalExecutor(base.Executor):
             if f not in done:
                 report[label] = health_mod.HEALTH_UNRESPONSIVE
             else:
-                report[label] = _poll(f) or health_mod.HEALTH_UNRESPONSIVE
+                report[label] = self._poll_ping(f) or health_mod.HEALTH_UNRESPONSIVE
         return report
 
     def shutdown(self) -> None:
@@ -262,17 +224,60 @@ class LocalExecutor(base.Executor):
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _tell(members: list[Member]) -> None:
-    """Relabelled workers learn their label (it names them in their logs)."""
-    for m in members:
-        m.handle.set_label(m.label)
+class LocalGroups:
+    """Builds an epoch's groups over in-process workers (`base.GroupBuilder`): a FileStore
+    rendezvous in `directory`, every member's join on a thread of its own (`submit`), a call-off
+    through the members' `abort_join` (`joins`)."""
 
+    def __init__(
+        self,
+        *,
+        members: roster.Roster[worker_mod.RankWorker],
+        submit: Callable[..., concurrent.futures.Future[Any]],
+        lost: Callable[[], Collection[int]],
+        backend: group_mod.Backend,
+        directory: str,
+    ) -> None:
+        self._members = members
+        self._submit = submit
+        self._lost = lost
+        self._backend = backend
+        self._directory = directory
 
-def _poll(handle: Any) -> str | None:
-    """A ping's verdict: None while pending, dead when it raised (fenced), else ok."""
-    if not handle.done():
-        return None
-    return health_mod.HEALTH_DEAD if handle.exception() is not None else health_mod.HEALTH_OK
+    def build(
+        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+    ) -> None:
+        members = self._members.targets("join_group", ranks)
+        _check_fenced(members, what="join_group")
+        by_label = {m.label: m.handle for m in members}
+
+        def wait(pending: list[Any], timeout: float) -> list[Any]:
+            done, _ = concurrent.futures.wait(
+                pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            return list(done)
+
+        def result(label: int, future: Any) -> object:
+            return _gather([future], [label], what="join_group", timeout=0)[0]
+
+        def abort(labels: list[int]) -> None:
+            for label in labels:
+                by_label[label].groups.abort_join(epoch)
+
+        calls = joins.JoinCalls(wait=wait, result=result, abort=abort, lost=self._lost)
+        for role in groups_mod.ROLES:
+            spec = group_mod.GroupSpec.local(
+                len(members), epoch=epoch, backend=self._backend, directory=self._directory
+            )
+            handles = {
+                m.label: self._submit(
+                    m.handle.groups.join_group, spec, i, role=role, group_timeout=timeout
+                )
+                for i, m in enumerate(members)
+            }
+            joins.gather_joins(
+                handles, calls, what=f"join_group (epoch {epoch}, {role})", timeout=timeout
+            )
 
 
 def _check_fenced(members: Sequence[Member], *, what: str) -> None:

@@ -49,7 +49,6 @@ from moe_runtime.executor import (
     ray_step,
     ray_weights,
     roster,
-    switch,
 )
 from moe_runtime.executor import health as health_mod
 from moe_runtime.rank import hooks as hooks_mod
@@ -130,35 +129,16 @@ class RayExecutor(base.Executor):
         self._warm = ray_graph.WarmUp(timeout=ready_timeout)
         super().__init__(
             roster=members,
-            heartbeat=health_mod.Heartbeat(
-                members=members.health,
-                stepping=members.active,
-                send_ping=self._send_ping,
-                poll_ping=ray_actor.poll,
-                fence=self.fence,
-                clock=health_mod.StepClock(),
-            ),
-            switcher=switch.Switch(
-                roster=members,
-                rpc=self.collective_rpc,
+            groups=ray_groups.RayGroups(
+                members=members,
                 lost=self.lost_ranks,
-                set_path=self._set_path,
-                clear_path=self.path.clear,
-                tell=_tell,
-                prepare=self._warm.join,
-                timeout=switch_timeout,
+                step_backend="nccl" if use_gpu else "gloo",
+                transfer_backend=transfer_backend,
+                rendezvous=rendezvous,
+                group_dir=group_dir or tempfile.gettempdir(),
             ),
-            weights=ray_weights.SharedMemoryMoves(
-                members=members, rpc=self.collective_rpc, shared=not use_gpu
-            ),
-        )
-        self._groups = ray_groups.RayGroups(
-            members=members,
-            lost=self.lost_ranks,
-            step_backend="nccl" if use_gpu else "gloo",
-            transfer_backend=transfer_backend,
-            rendezvous=rendezvous,
-            group_dir=group_dir or tempfile.gettempdir(),
+            shared=ray_weights.SharedMemory(members=members, enabled=not use_gpu),
+            switch_timeout=switch_timeout,
         )
         self._closed = False
         members.add(self._start_ranks(num_ranks, first_label=0), active=True)
@@ -179,22 +159,14 @@ class RayExecutor(base.Executor):
         )
 
     # -- calls ---------------------------------------------------------------------------
-    def _call(
-        self,
-        method: str,
-        args: tuple[Any, ...],
-        calls: Sequence[base.Call],
-        *,
-        timeout: float | None,
-        background: bool,
-    ) -> list[Any]:
+    def _call(self, calls: base.Calls) -> list[Any]:
         refs = []
-        for m, kwargs in calls:
+        for m, kwargs in calls.per_member:
             call = m.handle.actor.execute_method
-            if background:
+            if calls.background:
                 call = call.options(concurrency_group=ray_actor.CTL_LANE)
-            refs.append(call.remote(method, *args, **kwargs))
-        return ray_actor.get_all(refs, [m.label for m, _ in calls], what=method, timeout=timeout)
+            refs.append(call.remote(calls.method, *calls.args, **kwargs))
+        return ray_actor.get_all(refs, calls.labels, what=calls.method, timeout=calls.timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         ranks = self.path.ranks
@@ -263,16 +235,6 @@ class RayExecutor(base.Executor):
         self.roster.add(started)
         return [m.label for m in started]
 
-    def build_groups(
-        self,
-        ranks: Sequence[int],
-        *,
-        epoch: int,
-        timeout: float | None = None,
-        background: bool = True,
-    ) -> None:
-        self._groups.build(ranks, epoch=epoch, timeout=timeout, background=background)
-
     def warm_up(self, ranks: Sequence[int]) -> None:
         """Pay the first compiled graph of pending workers now, in a thread (compiled mode;
         a no-op otherwise): a throwaway graph over them only, never over stepped workers.
@@ -286,6 +248,18 @@ class RayExecutor(base.Executor):
 
     def prepare_switch(self) -> None:
         self._warm.join()
+
+    def _prepare(self, left: float | None) -> None:
+        self._warm.join(left)
+
+    def _tell(self, members: list[ray_actor.Member]) -> None:
+        """Relabelled actors learn their labels: sent, not awaited (they run before any later
+        call on the same lane)."""
+        for m in members:
+            m.handle.actor.execute_method.remote("set_label", m.label)
+
+    def _clear_path(self) -> None:
+        self.path.clear()
 
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
         started = time.monotonic()
@@ -320,6 +294,9 @@ class RayExecutor(base.Executor):
     def _send_ping(self, label: int) -> Any:
         return ray_actor.ping(self.roster.member(label).handle.actor)
 
+    def _poll_ping(self, handle: Any) -> str | None:
+        return ray_actor.poll(handle)
+
     def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
         now = time.monotonic()
         members = self.roster.members()
@@ -348,10 +325,3 @@ class RayExecutor(base.Executor):
         for m in self.roster.clear():
             ray.kill(m.handle.actor)
             ray.util.remove_placement_group(m.handle.pg)
-
-
-def _tell(members: list[ray_actor.Member]) -> None:
-    """Relabelled actors learn their labels (they only name workers in their logs): sent, not
-    awaited (they run before any later call on the same lane)."""
-    for m in members:
-        m.handle.actor.execute_method.remote("set_label", m.label)

@@ -1,8 +1,11 @@
-"""Weight moves between `RayExecutor`'s rank actors (`SharedMemoryMoves`, its weight mover).
+"""Weight moves between `RayExecutor`'s rank actors (`SharedMemory`, the other way its
+`weight_moves.WeightMoves` has).
 
 Between ranks of one Ray node (CPU) the weights go through Ray's object store (`ray_transfer`:
-shared memory, one copy in and one out); the other moves go over the transfer group, as
-`weight_moves.WeightMoves` (which this extends) does them.
+shared memory, one copy in and one out); the other expert moves go over the transfer group in
+the same call of each member (`RankActor.stage_experts_shared`); a non-expert transfer whose
+receivers have no sender on their node is left to the transfer group (`non_expert` answers
+None).
 """
 
 from __future__ import annotations
@@ -20,23 +23,16 @@ log = logging.getLogger(__name__)
 MemberCall = Callable[[Any, int, dict[str, Any], list[Any], list[Any]], Any]
 
 
-class SharedMemoryMoves(weight_moves.WeightMoves):
+class SharedMemory:
     """Weight moves through shared memory where ranks share a node (see the module docstring).
 
-    members: the executor's roster; rpc: its `collective_rpc` (the transfer-group path);
-    shared: whether co-located ranks use the object store at all (not on GPUs: NCCL).
+    members: the executor's roster; enabled: whether co-located ranks use the object store at
+    all (not on GPUs: NCCL); the experts still go through each member's one call then.
     """
 
-    def __init__(
-        self,
-        *,
-        members: roster.Roster[ray_actor.RankHandle],
-        rpc: Callable[..., list[Any]],
-        shared: bool,
-    ) -> None:
-        super().__init__(rpc)
+    def __init__(self, *, members: roster.Roster[ray_actor.RankHandle], enabled: bool) -> None:
         self._members = members
-        self.shared = shared
+        self.enabled = enabled
 
     # -- weight moves ----------------------------------------------------------------------
     def _actors_and_nodes(self, labels: Sequence[int]) -> tuple[dict[int, Any], dict[int, str]]:
@@ -45,12 +41,8 @@ class SharedMemoryMoves(weight_moves.WeightMoves):
         nodes = {m.label: str(m.info["node_id"]) for m in members}
         return actors, nodes
 
-    def stage_experts(
-        self,
-        staging: weight_moves.Staging,
-        *,
-        timeout: float | None = None,
-        background: bool = True,
+    def stage(
+        self, staging: weight_moves.Staging, *, timeout: float | None, background: bool
     ) -> int:
         def call(
             actor: Any, i: int, lane: dict[str, Any], rest: list[Any], parts: list[Any]
@@ -77,14 +69,9 @@ class SharedMemoryMoves(weight_moves.WeightMoves):
             call=call,
         )
 
-    def prestage_experts(
-        self,
-        epoch: int,
-        moves: Sequence[moves_mod.ExpertMove],
-        *,
-        members: Sequence[int],
-        timeout: float | None = None,
-    ) -> int:
+    def prestage(self, prestaging: weight_moves.Prestaging, *, timeout: float | None) -> int:
+        epoch = prestaging.epoch
+
         def call(
             actor: Any, _i: int, lane: dict[str, Any], rest: list[Any], parts: list[Any]
         ) -> Any:
@@ -93,8 +80,8 @@ class SharedMemoryMoves(weight_moves.WeightMoves):
         return self._move_experts(
             "prestage_experts",
             epoch,
-            moves,
-            members=list(members),
+            prestaging.moves,
+            members=list(prestaging.members),
             call_all=False,
             timeout=timeout,
             background=True,
@@ -119,7 +106,7 @@ class SharedMemoryMoves(weight_moves.WeightMoves):
         all called (`call_all`, or when some moves use the transfer group), else only the
         destinations of the moves. Returns the bytes received."""
         actors, nodes = self._actors_and_nodes(members)
-        if self.shared:
+        if self.enabled:
             shared, rest = ray_transfer.split_moves(moves, members, nodes.__getitem__)
         else:
             shared, rest = {}, list(moves)
@@ -154,24 +141,16 @@ class SharedMemoryMoves(weight_moves.WeightMoves):
         )
         return int(sum(int(b) for b in received))
 
-    def transfer_non_expert(
-        self,
-        epoch: int,
-        *,
-        members: Sequence[int],
-        src_ranks: Sequence[int],
-        dst_ranks: Sequence[int],
-        timeout: float | None = None,
-    ) -> int:
-        members = list(members)
+    def non_expert(
+        self, transfer: weight_moves.NonExpertTransfer, *, timeout: float | None
+    ) -> int | None:
+        members = list(transfer.members)
         actors, nodes = self._actors_and_nodes(members)
-        senders = [members[i] for i in src_ranks]
-        receivers = [members[i] for i in dst_ranks]
+        senders = [members[i] for i in transfer.src_ranks]
+        receivers = [members[i] for i in transfer.dst_ranks]
         local = {r: next((s for s in senders if nodes[s] == nodes[r]), None) for r in receivers}
-        if not self.shared or any(s is None for s in local.values()):
-            return super().transfer_non_expert(
-                epoch, members=members, src_ranks=src_ranks, dst_ranks=dst_ranks, timeout=timeout
-            )
+        if not self.enabled or any(s is None for s in local.values()):
+            return None  # the transfer group carries it
         lane = {"concurrency_group": ray_actor.CTL_LANE}
         exports = {
             s: actors[s].export_non_expert.options(**lane).remote()

@@ -67,12 +67,7 @@ class Switch:
             return self._switching
 
     def switch(
-        self,
-        ranks: Sequence[int],
-        *,
-        epoch: int | None = None,
-        placement: Any = None,
-        timeout: float | None = None,
+        self, ranks: Sequence[int], *, epoch: int | None, placement: Any, timeout: float | None
     ) -> None:
         """See `base.Executor.switch`."""
         bound = self.timeout if timeout is None else timeout

@@ -1,13 +1,18 @@
 """The weight moves of a resize as executor calls (`WeightMoves`, a part of every executor):
-expert staging, pre-staging and the non-expert transfer, here over the members' transfer group
-through `collective_rpc`. `RayExecutor` carries the moves between ranks of one node another way
-(shared memory: `ray_weights.SharedMemoryMoves`, which falls back on these for the rest)."""
+expert staging, pre-staging and the non-expert transfer, over the members' transfer group
+through `collective_rpc`, or another way where the executor has one (`Shared`: `RayExecutor`
+moves weights between ranks of one node through shared memory, `ray_weights.SharedMemory`).
+
+Each move is described by a value: `Staging` (a target placement staged on every member),
+`Prestaging` (experts kept beside the live slots, ahead of a resize) and `NonExpertTransfer`
+(non-expert weights from serving ranks to new ones).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -34,17 +39,52 @@ class Staging:
         return index if index < self.new_num_ranks else None
 
 
-class WeightMoves:
-    """Weight moves over the transfer group (see the module docstring); rpc: the executor's
-    `collective_rpc`."""
+@dataclasses.dataclass(frozen=True)
+class Prestaging:
+    """Experts that `moves` (which index `members`, the ranks of `epoch`'s transfer group)
+    bring to their destinations, kept there beside the live slots (`prestage_experts`)."""
 
-    def __init__(self, rpc: Callable[..., list[Any]]) -> None:
+    epoch: int
+    moves: Sequence[moves_mod.ExpertMove]
+    members: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class NonExpertTransfer:
+    """Non-expert weights from `src_ranks` to `dst_ranks` (ranks of `epoch`'s transfer group
+    over `members`)."""
+
+    epoch: int
+    members: Sequence[int]
+    src_ranks: Sequence[int]
+    dst_ranks: Sequence[int]
+
+
+class Shared(Protocol):
+    """Moves an executor carries another way than the transfer group (see the module
+    docstring); `non_expert` answers None when it cannot carry that transfer."""
+
+    def stage(self, staging: Staging, *, timeout: float | None, background: bool) -> int: ...
+
+    def prestage(self, prestaging: Prestaging, *, timeout: float | None) -> int: ...
+
+    def non_expert(self, transfer: NonExpertTransfer, *, timeout: float | None) -> int | None: ...
+
+
+class WeightMoves:
+    """Weight moves (see the module docstring); rpc: the executor's `collective_rpc`; shared:
+    the other way it has, if any. Each returns the bytes all members received."""
+
+    def __init__(self, rpc: Callable[..., list[Any]], *, shared: Shared | None = None) -> None:
         self._rpc = rpc
+        self._shared = shared
 
     def stage_experts(
         self, staging: Staging, *, timeout: float | None = None, background: bool = True
     ) -> int:
-        """Every member stages its slots of the target; returns the bytes all received."""
+        """Every member stages its slots of the target (in the background by default)."""
+        if self._shared is not None:
+            return self._shared.stage(staging, timeout=timeout, background=background)
         members = list(staging.members)
         received = self._rpc(
             "stage_experts",
@@ -61,46 +101,37 @@ class WeightMoves:
         )
         return _total(received)
 
-    def prestage_experts(
-        self,
-        epoch: int,
-        moves: Sequence[moves_mod.ExpertMove],
-        *,
-        members: Sequence[int],
-        timeout: float | None = None,
-    ) -> int:
-        """Every member runs its part of `moves` (which index members) and keeps what it
-        receives pre-staged (`RankWorker`'s `prestage_experts`), in the background; returns the
-        bytes received."""
+    def prestage_experts(self, prestaging: Prestaging, *, timeout: float | None = None) -> int:
+        """Every member runs its part of the moves and keeps what it receives pre-staged
+        (`RankWorker`'s `prestage_experts`), in the background."""
+        if self._shared is not None:
+            return self._shared.prestage(prestaging, timeout=timeout)
         received = self._rpc(
             "prestage_experts",
-            epoch,
-            list(moves),
-            ranks=list(members),
+            prestaging.epoch,
+            list(prestaging.moves),
+            ranks=list(prestaging.members),
             timeout=timeout,
             background=True,
         )
         return _total(received)
 
     def transfer_non_expert(
-        self,
-        epoch: int,
-        *,
-        members: Sequence[int],
-        src_ranks: Sequence[int],
-        dst_ranks: Sequence[int],
-        timeout: float | None = None,
+        self, transfer: NonExpertTransfer, *, timeout: float | None = None
     ) -> int:
-        """Non-expert weights from src_ranks to dst_ranks (ranks of epoch's transfer group
-        over `members`), in the background; returns the bytes received."""
+        """The non-expert weights to the new ranks, in the background."""
+        if self._shared is not None:
+            carried = self._shared.non_expert(transfer, timeout=timeout)
+            if carried is not None:
+                return carried
         received = self._rpc(
             "transfer_non_expert",
-            epoch,
-            ranks=list(members),
+            transfer.epoch,
+            ranks=list(transfer.members),
             timeout=timeout,
             background=True,
-            src_ranks=list(src_ranks),
-            dst_ranks=list(dst_ranks),
+            src_ranks=list(transfer.src_ranks),
+            dst_ranks=list(transfer.dst_ranks),
         )
         return _total(received)
 

@@ -15,12 +15,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-
-import torch
+from collections.abc import Sequence
 
 from moe_runtime.comm import group as group_mod
-from moe_runtime.rank import loaded as loaded_mod
+from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import staging as staging_mod
 
 log = logging.getLogger(__name__)
@@ -35,24 +33,11 @@ Key = tuple[int, str]
 
 
 class RankGroups:
-    """The groups of one rank by (epoch, role), and the non-expert transfer over them.
+    """The groups of one rank by (epoch, role), and the non-expert transfer over them (whose
+    weights are the rank's `ctx.loaded`)."""
 
-    loaded: the rank's weights (the transfer sends and loads them); check(point): the rank's
-    fault point (`hooks`); where(): the rank's log context.
-    """
-
-    def __init__(
-        self,
-        *,
-        loaded: loaded_mod.LoadedModel,
-        dtype: torch.dtype,
-        check: Callable[[str], None],
-        where: Callable[[], str],
-    ) -> None:
-        self._loaded = loaded
-        self._dtype = dtype
-        self._check = check
-        self._where = where
+    def __init__(self, ctx: context_mod.RankContext) -> None:
+        self._ctx = ctx
         self._lock = threading.Lock()
         self._groups: dict[Key, group_mod.StatelessGroup] = {}
         self._group_ranks: dict[Key, int] = {}
@@ -108,10 +93,10 @@ class RankGroups:
             rank,
             spec.world_size,
             time.monotonic() - started,
-            self._where(),
+            self._ctx.where(),
         )
         try:
-            self._check("join_group")
+            self._ctx.check("join_group")
         except Exception:
             self.drop_group(key)
             raise
@@ -121,14 +106,14 @@ class RankGroups:
         died before joining; epochs are never reused). Quick: it only marks the epoch."""
         with self._lock:
             self._aborted_joins.add(epoch)
-        log.info("joins of epoch %d called off (%s)", epoch, self._where())
+        log.info("joins of epoch %d called off (%s)", epoch, self._ctx.where())
 
     def group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
         """The `role` group of `epoch` and this rank's rank in it; RuntimeError when absent."""
         with self._lock:
             key = (epoch, role)
             if key not in self._groups:
-                raise RuntimeError(f"no {role} group for epoch {epoch} ({self._where()})")
+                raise RuntimeError(f"no {role} group for epoch {epoch} ({self._ctx.where()})")
             return self._groups[key], self._group_ranks[key]
 
     def drop_group(self, key: Key, *, wait: bool = True) -> None:
@@ -186,12 +171,12 @@ class RankGroups:
         flat buffer to each of its receivers at once. Ranks are ranks of that group; members
         that neither send nor receive return at once. Returns the bytes this rank received.
         """
-        _, model = self._loaded.require(self._where())
+        _, model = self._ctx.loaded.require(self._ctx.where())
         grp, me = self.group(epoch, TRANSFER)
         started = time.monotonic()
         tag = 1_000_000 + epoch  # apart from expert-move tags (move indices)
         sent_to, received = staging_mod.exchange_non_expert(
-            grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self._dtype
+            grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self._ctx.dtype
         )
         log.info(
             "non-expert transfer epoch %d: sent to %s, received %d B in %.2fs (%s)",
@@ -199,9 +184,9 @@ class RankGroups:
             sent_to,
             received,
             time.monotonic() - started,
-            self._where(),
+            self._ctx.where(),
         )
-        self._check("transfer_non_expert")
+        self._ctx.check("transfer_non_expert")
         return received
 
 

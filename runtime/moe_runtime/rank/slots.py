@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,8 +36,8 @@ from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
+from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
-from moe_runtime.rank import loaded as loaded_mod
 from moe_runtime.rank import retention
 from moe_runtime.rank import staging as staging_mod
 
@@ -82,27 +82,14 @@ class ExpertSlots:
     """The slot state of one rank and its changes (see the module docstring).
 
     The live state (`placement`, `rank`, `num_ranks`, `experts`, `epoch`, `backend`, `origin`)
-    changes only as a whole (`_become`). loaded: the rank's weights (shapes, the model source);
-    groups: its groups (moves over the transfer group, the backend over the step group);
-    check(point): the rank's fault point (`hooks`); where(): its log context.
+    changes only as a whole (`_become`). ctx: the rank's (its loaded model gives the shapes
+    and the model source); groups: its groups (moves over the transfer group, the backend over
+    the step group).
     """
 
-    def __init__(
-        self,
-        *,
-        loaded: loaded_mod.LoadedModel,
-        groups: groups_mod.RankGroups,
-        device: str,
-        dtype: torch.dtype,
-        check: Callable[[str], None],
-        where: Callable[[], str],
-    ) -> None:
-        self._loaded = loaded
+    def __init__(self, ctx: context_mod.RankContext, *, groups: groups_mod.RankGroups) -> None:
+        self._ctx = ctx
         self._groups = groups
-        self.device = device
-        self.dtype = dtype
-        self._check = check
-        self._where = where
         self._lock = threading.RLock()
         self.placement: policy.Placement | None = None
         self.rank: int | None = None
@@ -135,7 +122,7 @@ class ExpertSlots:
     def require_epoch(self) -> int:
         """The active epoch; RuntimeError before the first `activate`."""
         if self.epoch is None:
-            raise RuntimeError(f"rank not activated ({self._where()})")
+            raise RuntimeError(f"rank not activated ({self._ctx.where()})")
         return self.epoch
 
     def forget_previous(self, epoch: int) -> None:
@@ -182,7 +169,7 @@ class ExpertSlots:
         `StepInput.control["expert_epoch"] == stage` (same ranks) or by `activate` (new group).
         stage (the staging id) defaults to epoch.
         """
-        cfg, _ = self._loaded.require(self._where())
+        cfg, _ = self._ctx.loaded.require(self._ctx.where())
         grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
@@ -191,18 +178,18 @@ class ExpertSlots:
             prestaged = dict(self.prestaged)
             retained = dict(self.retained.experts)
         stats, received = self._run_moves(grp, moves, held, cfg)
-        self._check("stage_experts")
+        self._ctx.check("stage_experts")
         if new_rank is None:
             log.info(
                 "sent %d experts for a placement without this rank in %.2fs (%s)",
                 stats.sent,
                 time.monotonic() - started,
-                self._where(),
+                self._ctx.where(),
             )
             return stats.bytes_received
         src = (
-            source_mod.open_source(self._loaded.source_name)
-            if from_source and self._loaded.source_name is not None
+            source_mod.open_source(self._ctx.loaded.source_name)
+            if from_source and self._ctx.loaded.source_name is not None
             else None
         )
         slots, loaded, missing = staging_mod.fill_slots(
@@ -211,17 +198,20 @@ class ExpertSlots:
             num_ranks=new_num_ranks,
             available={**retained, **prestaged, **held, **received, **(provided or {})},
             source=src,
-            dtype=self.dtype,
-            device=self.device,
+            dtype=self._ctx.dtype,
+            device=self._ctx.device,
         )
         if loaded:
             log.info(
-                "read %d experts from %s (%s)", loaded, self._loaded.source_name, self._where()
+                "read %d experts from %s (%s)",
+                loaded,
+                self._ctx.loaded.source_name,
+                self._ctx.where(),
             )
         if missing:
             raise RuntimeError(
                 f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
-                f"({len(missing)} missing) that new rank {new_rank} needs ({self._where()})"
+                f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx.where()})"
             )
         staging_id = epoch if stage is None else stage
         with self._lock:
@@ -243,7 +233,7 @@ class ExpertSlots:
             stats.received,
             stats.bytes_received,
             time.monotonic() - started,
-            self._where(),
+            self._ctx.where(),
         )
         return stats.bytes_received
 
@@ -262,19 +252,21 @@ class ExpertSlots:
             if weights is None:
                 raise RuntimeError(
                     f"a move names this rank as source of expert {logical} of layer {layer}, "
-                    f"which it does not hold ({self._where()})"
+                    f"which it does not hold ({self._ctx.where()})"
                 )
             return weights
 
         def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
-            received[(move.layer, move.logical)] = weights.to(dtype=self.dtype, device=self.device)
+            received[(move.layer, move.logical)] = weights.to(
+                dtype=self._ctx.dtype, device=self._ctx.device
+            )
 
         stats = transfer_mod.execute_moves(
             grp,
             list(moves),
             read_expert=read_expert,
             write_expert=write_expert,
-            like=staging_mod.zero_expert(cfg, dtype=self.dtype, device=grp.device),
+            like=staging_mod.zero_expert(cfg, dtype=self._ctx.dtype, device=grp.device),
         )
         return stats, received
 
@@ -290,10 +282,13 @@ class ExpertSlots:
         another way) beside the live slots, for a later `stage_experts`; returns the bytes
         received. Every member of epoch's transfer group that a move names calls it with the
         same `moves` (as `stage_experts`); a move's dst_slot is not used."""
-        cfg, _ = self._loaded.require(self._where())
+        cfg, _ = self._ctx.loaded.require(self._ctx.where())
         grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
         stats, received = self._run_moves(grp, moves, self._held_experts(), cfg)
-        extra = {k: w.to(dtype=self.dtype, device=self.device) for k, w in (provided or {}).items()}
+        extra = {
+            k: w.to(dtype=self._ctx.dtype, device=self._ctx.device)
+            for k, w in (provided or {}).items()
+        }
         with self._lock:
             self.prestaged.update(received)
             self.prestaged.update(extra)
@@ -302,7 +297,7 @@ class ExpertSlots:
             "pre-staged %d experts (%d held now) (%s)",
             len(received) + len(extra),
             count,
-            self._where(),
+            self._ctx.where(),
         )
         return stats.bytes_received
 
@@ -331,7 +326,7 @@ class ExpertSlots:
         if missing:
             raise RuntimeError(
                 f"asked for (layer, expert) {missing[:5]} ({len(missing)}) that this rank does "
-                f"not hold ({self._where()})"
+                f"not hold ({self._ctx.where()})"
             )
         return {k: held[k] for k in keys}
 
@@ -380,7 +375,7 @@ class ExpertSlots:
             if previous is None or self.origin != origin:
                 return False
         self._become(previous, previous=None)
-        log.info("reverted the live state of %d (%s)", origin, self._where())
+        log.info("reverted the live state of %d (%s)", origin, self._ctx.where())
         return True
 
     def retire_previous(self) -> None:
@@ -394,7 +389,7 @@ class ExpertSlots:
                     previous.placement, previous.rank, previous.num_ranks, previous.experts
                 )
                 count = self.retained.absorb(before, self._held_experts())
-                log.debug("retaining %d experts (%s)", count, self._where())
+                log.debug("retaining %d experts (%s)", count, self._ctx.where())
             active = self.epoch
         self._groups.retire_before(active)  # nothing uses them: closed in the background
 
@@ -409,13 +404,13 @@ class ExpertSlots:
         this placement (switching back), else the live slots must already match `placement`.
         The replaced state is kept for `revert(epoch)` until `retire_previous`.
         """
-        self._check("activate")
-        cfg, _ = self._loaded.require(self._where())
+        self._ctx.check("activate")
+        cfg, _ = self._ctx.loaded.require(self._ctx.where())
         grp, group_rank = self._groups.group(epoch, groups_mod.STEP)
         if grp.world_size != num_ranks or group_rank != rank:
             raise ValueError(
                 f"activate: epoch {epoch}'s step group has this worker as {group_rank}/"
-                f"{grp.world_size}, not {rank}/{num_ranks} ({self._where()})"
+                f"{grp.world_size}, not {rank}/{num_ranks} ({self._ctx.where()})"
             )
         placement.validate(num_ranks)
         before = self._snapshot()
@@ -425,7 +420,7 @@ class ExpertSlots:
             if staged.rank != rank or not staged.placement.equals(placement):
                 raise ValueError(
                     f"activate: the staged experts (stage {staged.stage}) are for rank "
-                    f"{staged.rank}/{staged.num_ranks} under another placement ({self._where()})"
+                    f"{staged.rank}/{staged.num_ranks} under another placement ({self._ctx.where()})"
                 )
             if staged.num_ranks != num_ranks:
                 raise ValueError(
@@ -454,7 +449,7 @@ class ExpertSlots:
             if current != wanted:
                 raise ValueError(
                     f"activate: this rank's slots do not hold the experts rank {rank}/{num_ranks} "
-                    f"needs under the new placement: stage them first ({self._where()})"
+                    f"needs under the new placement: stage them first ({self._ctx.where()})"
                 )
             experts = before.experts
         backend = _make_backend(grp, placement, rank, num_ranks, experts)
@@ -463,7 +458,9 @@ class ExpertSlots:
             self.staged = None
             self.prestaged = {}  # what it needed is in its slots now
         self._become(live, previous=before)
-        log.info("activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._where())
+        log.info(
+            "activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._ctx.where()
+        )
 
     def commit_vote(self, staging_id: int) -> bool:
         """The EPLB commit inside a step, all-or-nothing: every rank prepares the staged set
@@ -474,7 +471,7 @@ class ExpertSlots:
         grp, _ = self._groups.group(epoch, groups_mod.STEP)
         ready: Live | None = None
         try:
-            self._check("commit_staged")
+            self._ctx.check("commit_staged")
             with self._lock:
                 staged = self.staged
             if staged is None or staged.stage != staging_id:
@@ -498,18 +495,20 @@ class ExpertSlots:
                 origin=staging_id,
             )
         except Exception:  # noqa: BLE001 - this rank votes no; the peers learn it from the vote
-            log.exception("cannot commit stage %d: voting no (%s)", staging_id, self._where())
+            log.exception("cannot commit stage %d: voting no (%s)", staging_id, self._ctx.where())
         vote = torch.tensor([1 if ready is not None else 0], dtype=torch.int32, device=grp.device)
         grp.all_reduce(vote, "min")
         with self._lock:
             self.staged = None
         if ready is None or int(vote.item()) != 1:
             log.warning(
-                "stage %d not committed by every rank: discarded (%s)", staging_id, self._where()
+                "stage %d not committed by every rank: discarded (%s)",
+                staging_id,
+                self._ctx.where(),
             )
             return False
         self._become(ready, previous=self._snapshot())
-        log.info("committed staged experts of stage %d (%s)", staging_id, self._where())
+        log.info("committed staged experts of stage %d (%s)", staging_id, self._ctx.where())
         return True
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ import torch
 from moe_runtime import step as step_mod
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import mixtral
-from moe_runtime.rank import loaded as loaded_mod
+from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import sampling
 from moe_runtime.rank import slots as slots_mod
 
@@ -21,25 +21,13 @@ log = logging.getLogger(__name__)
 
 
 class Stepper:
-    """Runs steps on one rank, one at a time (see `execute`).
+    """Runs steps on one rank, one at a time (see `execute`), with the weights and KV cache of
+    `ctx.loaded` and the live experts of `slots` (the backend, the rank; the EPLB commit a
+    step's control carries)."""
 
-    loaded: the rank's weights and KV cache; slots: its live experts (the backend, its rank)
-    and the EPLB commit a step's control carries; check(point): the rank's fault point;
-    where(): its log context.
-    """
-
-    def __init__(
-        self,
-        *,
-        loaded: loaded_mod.LoadedModel,
-        slots: slots_mod.ExpertSlots,
-        check: Callable[[str], None],
-        where: Callable[[], str],
-    ) -> None:
-        self._loaded = loaded
+    def __init__(self, ctx: context_mod.RankContext, *, slots: slots_mod.ExpertSlots) -> None:
+        self._ctx = ctx
         self._slots = slots
-        self._check = check
-        self._where = where
         #: One step at a time: after a step timed out in the driver, the rebuilt step path
         #: (plain calls, another thread) must not start the next step on this rank while the
         #: old one still runs in the compiled graph's loop: both would use the step group at
@@ -71,10 +59,10 @@ class Stepper:
         errors: list[str] = []
         run_batch = True
         try:
-            self._check("execute_step")
+            self._ctx.check("execute_step")
         except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
             log.exception(
-                "step %d: failing as armed, running empty (%s)", step.step_id, self._where()
+                "step %d: failing as armed, running empty (%s)", step.step_id, self._ctx.where()
             )
             errors.append(f"{type(exc).__name__}: {exc}")
             run_batch = False
@@ -83,15 +71,15 @@ class Stepper:
                 out.committed = self._apply_control(step.control)
             except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
                 log.exception(
-                    "step %d: control failed, running empty (%s)", step.step_id, self._where()
+                    "step %d: control failed, running empty (%s)", step.step_id, self._ctx.where()
                 )
                 errors.append(f"{type(exc).__name__}: {exc}")
                 run_batch = False
         try:
-            cfg, model = self._loaded.require(self._where())
-            backend, kv = slots.backend, self._loaded.kv
+            cfg, model = self._ctx.loaded.require(self._ctx.where())
+            backend, kv = slots.backend, self._ctx.loaded.kv
             if backend is None or kv is None:
-                raise RuntimeError(f"rank not activated ({self._where()})")
+                raise RuntimeError(f"rank not activated ({self._ctx.where()})")
             for seq_id in batch.free:
                 kv.free(seq_id)
             seqs = list(batch.seqs) if run_batch else []
@@ -124,10 +112,10 @@ class Stepper:
                         logits[i], s.sampling, s.num_generated
                     )
                 out.expert_load = load
-                if self._loaded.total_load is not None:
-                    self._loaded.total_load += load
+                if self._ctx.loaded.total_load is not None:
+                    self._ctx.loaded.total_load += load
         except Exception as exc:  # noqa: BLE001 - reported to the engine, never kills the actor
-            log.exception("step %d failed (%s)", step.step_id, self._where())
+            log.exception("step %d failed (%s)", step.step_id, self._ctx.where())
             errors.append(f"{type(exc).__name__}: {exc}")
         finally:
             self.steps += 1
@@ -143,7 +131,7 @@ class Stepper:
                 if self._slots.commit_vote(int(value)):
                     committed = int(value)
             else:
-                log.debug("ignoring unknown control %r (%s)", key, self._where())
+                log.debug("ignoring unknown control %r (%s)", key, self._ctx.where())
         return committed
 
 

@@ -47,6 +47,7 @@ from moe_runtime import step as step_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import mixtral, names
 from moe_runtime.model import source as source_mod
+from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import loaded as loaded_mod
@@ -112,20 +113,16 @@ class RankWorker:
         self.label = label  # the executor's label of this worker (logging only)
         self.hooks = hooks
         self.loaded = loaded_mod.LoadedModel()
-        self.groups = groups_mod.RankGroups(
-            loaded=self.loaded, dtype=self.dtype, check=self._check, where=self.where
-        )
-        self.slots = slots_mod.ExpertSlots(
+        ctx = context_mod.RankContext(
             loaded=self.loaded,
-            groups=self.groups,
             device=self.device,
             dtype=self.dtype,
             check=self._check,
             where=self.where,
         )
-        self.stepper = stepper_mod.Stepper(
-            loaded=self.loaded, slots=self.slots, check=self._check, where=self.where
-        )
+        self.groups = groups_mod.RankGroups(ctx)
+        self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups)
+        self.stepper = stepper_mod.Stepper(ctx, slots=self.slots)
 
     # -- calls by name -------------------------------------------------------------------
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
