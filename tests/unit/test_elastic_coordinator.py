@@ -181,3 +181,42 @@ def test_conflict_is_409(client: Any) -> None:
     r = client.post("/scale_elastic_ep", json={"new_data_parallel_size": 3}, headers=AUTH)
     assert r.status_code == 409 and "in stage" in r.json()["error"]["message"]
     client.ops.gate.set()
+
+
+@pytest.mark.parametrize(
+    ("fail_rank", "status"),
+    [
+        pytest.param(None, 404, id="no-rank-failures-here"),
+        pytest.param("refuse", 400, id="ranks-without-fault-hooks"),
+        pytest.param("arm", 200, id="armed"),
+    ],
+)
+def test_a_rank_failure_is_armed_only_where_the_ranks_carry_fault_hooks(
+    fail_rank: str | None, status: int
+) -> None:
+    """`{"rank", "operation"}` reaches the ranks' fault hooks (`MOE_RANK_HOOKS`); ranks
+    without them answer a 400 that says why, and nothing is armed."""
+    armed: list[tuple[int, str]] = []
+
+    def arm(rank: int, operation: str) -> None:
+        if fail_rank == "refuse":
+            raise RuntimeError("rank 1: no control method 'fail_next' (MOE_RANK_HOOKS)")
+        armed.append((rank, operation))
+
+    ops, c = fake_ops.make(2)
+    app = fastapi.FastAPI()
+    router = admin.build_router(
+        c,
+        status_fn=lambda: {},
+        token="s3cret",
+        test_hooks=True,
+        fail_rank=None if fail_rank is None else arm,
+    )
+    app.include_router(router)
+    with testclient.TestClient(app) as cl:
+        body = {"rank": 1, "operation": "activate"}
+        r = cl.post("/elastic_ep/inject_failure", json=body, headers=AUTH)
+    assert r.status_code == status
+    if status == 400:
+        assert r.json()["error"]["param"] == "operation" and "MOE_RANK_HOOKS" in r.text
+    assert armed == ([(1, "activate")] if status == 200 else [])

@@ -20,7 +20,6 @@ group, so every rank commits or none does (then every rank discards the staged s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +27,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_runtime.comm import ep as ep_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import moves as moves_mod
@@ -38,44 +36,11 @@ from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
+from moe_runtime.rank import live as live_mod
 from moe_runtime.rank import retention
 from moe_runtime.rank import staging as staging_mod
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Staged:
-    """Expert slots prepared for a future placement; the live slots keep serving meanwhile."""
-
-    stage: int
-    placement: policy.Placement
-    rank: int
-    num_ranks: int
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
-
-
-@dataclasses.dataclass(frozen=True)
-class Live:
-    """What a rank serves with, as one value: kept as the previous state when it is replaced.
-
-    origin: the epoch (`activate`) or staging id (EPLB commit) this state came from.
-    """
-
-    placement: policy.Placement | None
-    rank: int | None
-    num_ranks: int | None
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
-    epoch: int | None
-    backend: mixtral.ExpertBackend | None
-    origin: int | None
-
-    def serves(self, placement: policy.Placement, rank: int, num_ranks: int) -> bool:
-        return (
-            self.placement is not None
-            and self.placement.equals(placement)
-            and (self.rank, self.num_ranks) == (rank, num_ranks)
-        )
 
 
 class ExpertSlots:
@@ -98,8 +63,8 @@ class ExpertSlots:
         self.epoch: int | None = None
         self.backend: mixtral.ExpertBackend | None = None
         self.origin: int | None = None
-        self.staged: Staged | None = None
-        self.previous: Live | None = None
+        self.staged: live_mod.Staged | None = None
+        self.previous: live_mod.Live | None = None
         self.prestaged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
         self.retained = retention.Retained()
 
@@ -215,7 +180,7 @@ class ExpertSlots:
             )
         staging_id = epoch if stage is None else stage
         with self._lock:
-            self.staged = Staged(
+            self.staged = live_mod.Staged(
                 stage=staging_id,
                 placement=new_placement,
                 rank=new_rank,
@@ -343,9 +308,9 @@ class ExpertSlots:
             self.staged = None
 
     # -- the live state: replace, undo, confirm ------------------------------------------
-    def _snapshot(self) -> Live:
+    def _snapshot(self) -> live_mod.Live:
         with self._lock:
-            return Live(
+            return live_mod.Live(
                 placement=self.placement,
                 rank=self.rank,
                 num_ranks=self.num_ranks,
@@ -355,7 +320,7 @@ class ExpertSlots:
                 origin=self.origin,
             )
 
-    def _become(self, live: Live, *, previous: Live | None) -> None:
+    def _become(self, live: live_mod.Live, *, previous: live_mod.Live | None) -> None:
         """Make `live` the serving state at once; `previous` is what `revert` goes back to."""
         with self._lock:
             self.placement, self.rank, self.num_ranks = live.placement, live.rank, live.num_ranks
@@ -452,8 +417,8 @@ class ExpertSlots:
                     f"needs under the new placement: stage them first ({self._ctx.where()})"
                 )
             experts = before.experts
-        backend = _make_backend(grp, placement, rank, num_ranks, experts)
-        live = Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
+        backend = live_mod.make_backend(grp, placement, rank, num_ranks, experts)
+        live = live_mod.Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
         with self._lock:
             self.staged = None
             self.prestaged = {}  # what it needed is in its slots now
@@ -469,7 +434,7 @@ class ExpertSlots:
         """
         epoch = self.require_epoch()
         grp, _ = self._groups.group(epoch, groups_mod.STEP)
-        ready: Live | None = None
+        ready: live_mod.Live | None = None
         try:
             self._ctx.check("commit_staged")
             with self._lock:
@@ -482,10 +447,10 @@ class ExpertSlots:
                     f"experts of stage {staged.stage} were staged for {staged.num_ranks} ranks, "
                     f"not {self.num_ranks}"
                 )
-            backend = _make_backend(
+            backend = live_mod.make_backend(
                 grp, staged.placement, staged.rank, staged.num_ranks, staged.experts
             )
-            ready = Live(
+            ready = live_mod.Live(
                 staged.placement,
                 staged.rank,
                 staged.num_ranks,
@@ -510,18 +475,3 @@ class ExpertSlots:
         self._become(ready, previous=self._snapshot())
         log.info("committed staged experts of stage %d (%s)", staging_id, self._ctx.where())
         return True
-
-
-def _make_backend(
-    grp: group_mod.StatelessGroup,
-    placement: policy.Placement | None,
-    rank: int | None,
-    num_ranks: int | None,
-    experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
-) -> mixtral.ExpertBackend:
-    """The expert-parallel backend over the step group (it keys slots by global index)."""
-    if placement is None or rank is None or num_ranks is None:
-        raise RuntimeError("no placement to serve")
-    base = placement.slots_of_rank(rank, num_ranks).start
-    slots = {(layer, base + slot): w for (layer, slot), w in experts.items()}
-    return ep_mod.ExpertParallelBackend(grp, placement, slots, rank=rank)
