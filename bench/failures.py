@@ -5,8 +5,7 @@ is printed here, median of `--repeats` runs:
 - a group join whose member never comes ends at its timeout (`group.JoinTimeout`), against
   the timeout asked;
 - a join called off (`abort_join`) returns (`group.JoinAborted`) after the call-off;
-- a pending worker whose pings hang is fenced after `pending_hang_timeout` (LocalExecutor
-  heartbeat);
+- a pending worker whose pings hang is fenced after `pending_hang_timeout` (the heartbeat);
 - on Ray: a group build over a new rank whose process died before it joined fails naming it,
   and the serving ranks' control lanes answer again after it (not after the group timeout).
 
@@ -29,7 +28,7 @@ from typing import Any
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
-from moe_runtime.executor import base, local
+from moe_runtime.executor import base, health
 
 SOURCE = "synthetic://tiny?seed=0"
 #: The group timeout of a resize: what a lost member would hold the others for.
@@ -74,29 +73,26 @@ def join_call_off() -> float:
 
 
 def pending_hang(pending_hang_timeout: float) -> float:
-    """Seconds from the heartbeat's start until a pending worker whose pings hang is fenced."""
-    ex = local.LocalExecutor(1)
-    hung = threading.Event()
+    """Seconds from the heartbeat's start until a pending worker whose pings never come back
+    is fenced (the heartbeat's own rounds, every 0.02 s; rank 0 steps and answers)."""
+    members = {0: health.RankHealth(), 1: health.RankHealth()}
+    fenced = threading.Event()
+    beat = health.Heartbeat(
+        members=lambda: members,
+        stepping=lambda: [0],
+        send_ping=lambda label: label,
+        poll_ping=lambda label: None if label == 1 else health.HEALTH_OK,
+        fence=lambda labels, reason: fenced.set(),
+        clock=health.StepClock(),
+    )
+    beat.pending_hang_timeout = pending_hang_timeout
+    started = time.monotonic()
+    beat.start(interval=0.02, hang_timeout=0.2)
     try:
-        ex.start(SOURCE, placement=policy.identity(4, 8, 8, 1))
-        (label,) = ex.add_ranks(1)
-        worker = ex.worker(label)
-        answer = worker.ping
-
-        def ping() -> dict[str, Any]:
-            hung.wait(GROUP_TIMEOUT)
-            return answer()
-
-        worker.ping = ping  # type: ignore[method-assign]
-        ex.heartbeat.pending_hang_timeout = pending_hang_timeout
-        found = threading.Event()
-        started = time.monotonic()
-        ex.heartbeat.start(interval=0.02, hang_timeout=0.2, on_lost=lambda lost: found.set())
-        found.wait(GROUP_TIMEOUT)
+        fenced.wait(GROUP_TIMEOUT)
         return time.monotonic() - started
     finally:
-        hung.set()
-        ex.shutdown()
+        beat.stop()
 
 
 def lost_member_build() -> tuple[float, float]:
