@@ -5,9 +5,9 @@ figures are the engine's and the ranks' (no HTTP). For each DP size: `--requests
 (prompt of `--prompt-len` tokens, exactly `--max-tokens` generated, EOS ignored) sent by
 `--concurrency` client threads; prints output tokens/s, TTFT and inter-token latency (p50/p99)
 and the mean step time. Then, on the last DP size, the per-step overhead of a step driven
-through the Ray compiled graph versus plain actor calls (a `ray_step.StepPath` of plain calls), timed in the
-same run on empty batches (every rank still runs its forward pass and expert collectives with
-no tokens), as a ratio.
+through the Ray compiled graph versus plain actor calls (a `ray_step.StepPath` without a
+graph), timed in the same run on empty batches (every rank still runs its forward pass and
+expert collectives with no tokens), as a ratio.
 
     .venv/bin/python bench/serve.py                  # ~2-3 min on 2 CPU cores
     .venv/bin/python bench/serve.py --dp 1 2 4 --requests 64
@@ -101,7 +101,8 @@ def step_overhead(
 ) -> dict[str, float]:
     """Mean seconds of an empty lockstep step: compiled graph vs plain actor calls."""
     ranks = executor.ranks
-    plain = plain_calls(executor)
+    plain = ray_step.StepPath(compiled=False, compile_timeout=60)  # plain actor calls
+    plain.set(ranks, [executor.roster.member(r).handle.actor for r in ranks])
     results: dict[str, float] = {}
     step_id = first_id
     for name, run in (
@@ -201,14 +202,6 @@ def main() -> None:
             f"ratio actor/compiled = {plain / compiled:.2f}x"
         )
     print(f"total {time.monotonic() - t0:.0f} s")
-
-
-def plain_calls(executor: ray_executor.RayExecutor) -> ray_step.StepPath:
-    """A step path of plain actor calls over the executor's ranks, whatever its step mode."""
-    path = ray_step.StepPath(compiled=False, compile_timeout=60)
-    ranks = executor.ranks
-    path.set(ranks, [executor.roster.member(r).handle.actor for r in ranks])
-    return path
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ busy-waiting, so two phases never overlap on this machine's cores), medians of `
    out the [L, E] expert-load tensor in a dict (Ray serialises the tensor: what a StepOutput
    cost before), a StepOutput (which now packs it as bytes), a StepOutput without it;
 4. RayExecutor at DP=2 serving `--model`: an empty step (every rank's batch empty) through its
-   compiled graph, then through plain actor calls (a `ray_step.StepPath` of plain calls); then a step in which
-   rank 0 decodes one token and rank 1 is idle (it still joins the expert collectives).
+   compiled graph, then through plain actor calls (a `ray_step.StepPath` without a graph);
+   then a step in which rank 0 decodes one token and rank 1 is idle (it still joins the
+   expert collectives).
 
 Then the breakdown, in this process without Ray: pickling StepInput/StepOutput, and a
 RankWorker's `execute_step` with no tokens at DP=2 over a gloo group (two worker processes,
@@ -128,7 +129,8 @@ def executor_figures(model: str, steps: int) -> dict[str, float]:
         )
         first = 10_000
         compiled = median_ms(lambda i: executor.execute_step(empty_step(first + i)), steps)
-        plain = plain_calls(executor)
+        plain = ray_step.StepPath(compiled=False, compile_timeout=60)  # plain actor calls
+        plain.set(executor.ranks, [executor.roster.member(r).handle.actor for r in executor.ranks])
         remote = median_ms(lambda i: plain.execute(empty_step(2 * first + i), timeout=60), steps)
         # Rank 0 decodes one token per step, rank 1 is idle (its batch is empty, but it must
         # join the expert collectives): the per-step cost a lightly loaded deployment pays.
@@ -288,14 +290,6 @@ def main() -> None:
             f"expert collectives {f['collective_ms']:6.2f} ms "
             f"({f['collective_calls']:.0f} calls, {cfg.num_layers} MoE layers)"
         )
-
-
-def plain_calls(executor: ray_executor.RayExecutor) -> ray_step.StepPath:
-    """A step path of plain actor calls over the executor's ranks, whatever its step mode."""
-    path = ray_step.StepPath(compiled=False, compile_timeout=60)
-    ranks = executor.ranks
-    path.set(ranks, [executor.roster.member(r).handle.actor for r in ranks])
-    return path
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ def reference() -> dict[tuple[int, int], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def dep(ray_session: None) -> Iterator[deployment.RayDeployment]:
-    d = deployment.RayDeployment(2)
+def dep(ray_session: None) -> Iterator[deployment.Deployment]:
+    d = deployment.ray_deployment(2)
     yield d
     d.close()
 
@@ -70,7 +70,7 @@ def dep(ray_session: None) -> Iterator[deployment.RayDeployment]:
     ],
 )
 def test_a_failure_after_any_stage_leaves_the_last_good_size_serving(
-    dep: deployment.RayDeployment,
+    dep: deployment.Deployment,
     reference: dict[tuple[int, int], list[int]],
     start: int,
     to: int,
@@ -103,7 +103,7 @@ def test_a_failure_after_any_stage_leaves_the_last_good_size_serving(
     ],
 )
 def test_a_failure_inside_switching_goes_back_to_the_old_graph(
-    dep: deployment.RayDeployment,
+    dep: deployment.Deployment,
     reference: dict[tuple[int, int], list[int]],
     where: str,
     rank: int | None,
@@ -142,7 +142,7 @@ def test_a_failure_inside_switching_goes_back_to_the_old_graph(
 
 
 def test_a_step_graph_that_fails_to_compile_after_a_switch_leaves_plain_calls_serving(
-    dep: deployment.RayDeployment,
+    dep: deployment.Deployment,
     reference: dict[tuple[int, int], list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -193,7 +193,7 @@ def test_a_step_graph_that_fails_to_compile_after_a_switch_leaves_plain_calls_se
 
 
 def test_a_step_that_fails_with_healthy_ranks_is_retried_on_a_rebuilt_graph(
-    dep: deployment.RayDeployment, reference: dict[tuple[int, int], list[int]]
+    dep: deployment.Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
     """A step past the executor's hard limit on a rank that still answers its heartbeat: the
     graph is rebuilt on the same ranks and the step retried; no request fails."""
@@ -219,7 +219,7 @@ def test_a_step_that_fails_with_healthy_ranks_is_retried_on_a_rebuilt_graph(
 # ---------------------------------------------------------------- the EPLB commit
 
 
-def skew_load(d: deployment.RayDeployment) -> None:
+def skew_load(d: deployment.Deployment) -> None:
     """Record a load (hot experts) under which a rebalance moves experts: so large that the
     tokens of the test itself do not change the plan."""
     ops = d.elastic.ops.ctx
@@ -250,7 +250,7 @@ def skew_load(d: deployment.RayDeployment) -> None:
     ],
 )
 def test_the_eplb_commit_is_all_or_nothing(
-    dep: deployment.RayDeployment,
+    dep: deployment.Deployment,
     reference: dict[tuple[int, int], list[int]],
     operation: str | None,
     refused: type[Exception] | None,
@@ -285,7 +285,7 @@ def test_the_eplb_commit_is_all_or_nothing(
 
 
 def test_a_killed_rank_is_shrunk_around_and_stays_smaller_without_auto_recover(
-    dep: deployment.RayDeployment, reference: dict[tuple[int, int], list[int]]
+    dep: deployment.Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
     dep.ensure(3)
     pid = dep.executor.rank_infos()[1]["pid"]
@@ -317,7 +317,7 @@ def test_a_killed_rank_is_shrunk_around_and_stays_smaller_without_auto_recover(
 
 
 def test_a_new_rank_lost_before_it_joins_fails_the_grow_at_once(
-    dep: deployment.RayDeployment,
+    dep: deployment.Deployment,
     reference: dict[tuple[int, int], list[int]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -353,7 +353,7 @@ def test_a_new_rank_lost_before_it_joins_fails_the_grow_at_once(
 
 
 def test_a_rank_killed_during_a_resize_fails_the_resize_and_the_runtime_recovers(
-    dep: deployment.RayDeployment, reference: dict[tuple[int, int], list[int]]
+    dep: deployment.Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
     dep.ensure(2)
     pid = dep.executor.rank_infos()[1]["pid"]

@@ -1,7 +1,8 @@
 """Serving processes for the runtime's integration tests: the model, prompts and greedy
-reference they check answers against, and `RayDeployment` (engine + RayExecutor + elastic
-service in this process, with the fault hooks of `faults`), with `LongRequests` running while
-something fails and `assert_clean` (serving, one live state per worker, correct tokens)."""
+reference they check answers against, `Deployment` (engine + executor + elastic service in
+this process; `ray_deployment`: on Ray ranks with the fault hooks of `faults`), with
+`LongRequests` running while something fails and `assert_clean` (serving, one live state per
+worker, correct tokens)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from moe_runtime.elastic import coordinator, service, serving
 from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import policy
+from moe_runtime.executor import base as executor_base
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 from tests.support import faults
@@ -35,17 +37,24 @@ def reference(lengths: list[int] | None = None) -> dict[tuple[int, int], list[in
     return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in lengths}
 
 
-class RayDeployment:
-    """Engine + RayExecutor + elastic service in this process (what `moe-runtime serve` wires)."""
+class Deployment:
+    """Engine + executor + elastic service in this process (what `moe-runtime serve` wires),
+    serving SOURCE on the executor's ranks; config: `ElasticConfig` fields besides the source."""
 
-    def __init__(self, size: int, *, spares: int = 0, max_size: int = 3) -> None:
-        from moe_runtime.executor import ray_executor
-
+    def __init__(
+        self,
+        executor: executor_base.Executor,
+        *,
+        max_size: int,
+        max_experts_per_rank: int | None = None,
+        **config: Any,
+    ) -> None:
         src = source_mod.open_source(SOURCE)
         self.cfg = src.config
+        size = executor.num_ranks
         physical = policy.num_physical_for(self.cfg.num_experts, size)
         placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
-        self.executor = ray_executor.RayExecutor(size, rank_hooks=faults.Faults)
+        self.executor = executor
         self.executor.start(SOURCE, placement=placement)
         self.engine = core.Engine(
             self.executor,
@@ -57,11 +66,12 @@ class RayDeployment:
             executor=self.executor,
             model_config=self.cfg,
             placement=placement,
-            config=serving.ElasticConfig(
-                source=SOURCE, eplb_enabled=False, auto_recover=False, warm_spare_ranks=spares
-            ),
+            config=serving.ElasticConfig(source=SOURCE, **config),
             limits=coordinator.Limits(
-                min_size=1, max_size=max_size, num_experts=self.cfg.num_experts
+                min_size=1,
+                max_size=max_size,
+                num_experts=self.cfg.num_experts,
+                max_experts_per_rank=max_experts_per_rank,
             ),
         )
         self.engine.start()
@@ -103,14 +113,14 @@ class RayDeployment:
 class LongRequests:
     """Long greedy generations running while something fails; `check()` compares them."""
 
-    def __init__(self, d: RayDeployment, count: int = 4) -> None:
+    def __init__(self, d: Deployment, count: int = 4) -> None:
         self.results: dict[int, req_mod.CompletedRequest] = {}
         self._threads = [
             threading.Thread(target=self._run, args=(d, p), daemon=True) for p in range(count)
         ]
         self._d = d
 
-    def _run(self, d: RayDeployment, p: int) -> None:
+    def _run(self, d: Deployment, p: int) -> None:
         self.results[p] = d.generate(p, LONG)
 
     def __enter__(self) -> LongRequests:
@@ -132,7 +142,21 @@ class LongRequests:
         }
 
 
-def assert_clean(d: RayDeployment, size: int, reference: dict[tuple[int, int], list[int]]) -> None:
+def ray_deployment(size: int, *, spares: int = 0, max_size: int = 3) -> Deployment:
+    """DP `size` on Ray ranks with the fault hooks, no EPLB and no autoRecover (failures are the
+    tests'), `spares` warm spare ranks."""
+    from moe_runtime.executor import ray_executor
+
+    return Deployment(
+        ray_executor.RayExecutor(size, rank_hooks=faults.Faults),
+        max_size=max_size,
+        eplb_enabled=False,
+        auto_recover=False,
+        warm_spare_ranks=spares,
+    )
+
+
+def assert_clean(d: Deployment, size: int, reference: dict[tuple[int, int], list[int]]) -> None:
     """Serving at `size` with correct tokens; every worker holds exactly one live state."""
     assert d.executor.num_ranks == size and d.executor.pending_ranks == []
     assert d.executor.has_step_path() and d.elastic.readiness()[0]

@@ -1,15 +1,16 @@
 """`RayExecutor`: one Ray actor per DP rank, stepped through a Ray compiled graph.
 
-- Each rank is one actor (`ray_actor.RankActor`, wrapping a `RankWorker`, three concurrency
+- Each rank is one actor (`ray_actor.RankActor`, wrapping a `RankWorker`, four concurrency
   lanes) in its own placement group of one bundle ``{"moe_rank": 1}`` (plus ``{"GPU": 1}`` on
   GPU clusters, where groups use NCCL): the resource a worker pod offers, so the operator can
   map ranks to pods. Ranks are ordered as vLLM's RayDistributedExecutor orders workers.
 - Each step is one execution of a compiled graph (`ray_graph`; about half the per-step
   overhead of plain actor calls, bench/step.py), or plain actor calls in "remote" mode (the
   `path`, `ray_step.StepPath`, carries both).
-- Its parts: the roster, heartbeat, switch and weight mover of every executor (`base`), with
-  `ray_weights.SharedMemoryMoves` as the weight mover, `ray_groups.RayGroups` (group building),
-  `ray_step.StepPath` (the step path) and `ray_graph.WarmUp` (new actors' first compile).
+- Its parts: the roster, heartbeat, switch and weight mover of every executor (`base`), the
+  mover's shared-memory way (`ray_weights.SharedMemory`), the group builder
+  (`ray_groups.RayGroups`), the step path (`path`: `ray_step.StepPath`) and the warm-up of new
+  actors' first compile (`ray_graph.WarmUp`).
 - Rules learned on Ray 2.60 (REFERENCE.md): two compiled graphs must never be live on the same
   actors, and compiling takes ~0.2 s (~2.5 s over an actor that was just created). So a
   `switch` compiles nothing: it activates the workers, and the new rank set steps through plain
