@@ -8,7 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from e2e.controlplane import cluster
+# Helpers of the tests (fakes, deployments, oracles) assert too: their failures get pytest's
+# detailed messages.
+pytest.register_assert_rewrite("tests.support")
+
+from e2e.controlplane import cluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core, text
+from moe_runtime.engine import core, seam, text
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
@@ -50,7 +50,7 @@ from moe_runtime.model import source as source_mod
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.unit import test_engine_text  # noqa: E402  (the old detokeniser, kept as oracle)
+from tests.support import text_oracle  # noqa: E402  (the old detokeniser, kept as oracle)
 
 SOURCE = "synthetic://tiny?seed=0"
 
@@ -101,7 +101,7 @@ def old_code(*, detokeniser: bool, wakeups: bool) -> Iterator[None]:
     wake-ups while active, so "before" and "after" run in one process on one machine state."""
     saved_text, saved_push = text.IncrementalText, req.RequestHandle.push
     if detokeniser:
-        text.IncrementalText = test_engine_text.FullDecodeText  # type: ignore[misc,assignment]
+        text.IncrementalText = text_oracle.FullDecodeText  # type: ignore[misc,assignment]
     if wakeups:
         req.RequestHandle.push = _push_waking_per_output  # type: ignore[method-assign]
     try:
@@ -168,7 +168,7 @@ def run_variant(name: str, args: argparse.Namespace, *, profile: bool) -> dict[s
     engine = engine_cls(
         runner,
         src.tokenizer(),
-        core.EngineConfig(
+        seam.EngineConfig(
             max_model_len=cfg.max_position_embeddings, max_num_seqs_per_rank=args.streams
         ),
     )

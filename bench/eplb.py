@@ -11,12 +11,12 @@ each with num_groups=1 (global policy: one node's worth of packing over all rank
 num_groups=8 (hierarchical, as DeepSeek runs it: groups packed onto nodes first). The load is a
 Zipf(0.5) skew per layer, shuffled over the experts (the hottest expert ~8x the mean, printed). For each case: the median of
 ``--runs`` calls of ``policy.rebalance`` (vectorised across layers) and of
-``reference.rebalance`` (the loop-by-loop original it replaced), their ratio, whether the
+``eplb_reference.rebalance`` (the loop-by-loop original it replaced), their ratio, whether the
 placements are identical, and the balancedness (mean / max rank load; 1.0 is perfect) of the
 result and of the identity placement. Then the periodic path at an unchanged size after a 30%
 load drift: ``moves.rebalance_for_resize(..., settle=False)`` (``rebalance``, then ranks
 relabelled to keep experts in place; vectorised too; before =
-``reference.rebalance_for_resize``) and ``moves.rebalance_for_resize`` (that, then ``settle``:
+``eplb_reference.rebalance_for_resize``) and ``moves.rebalance_for_resize`` (that, then ``settle``:
 slot swaps that keep more experts in place within ``--tolerance`` of balance), with the expert
 moves of each. Both tables are printed with torch's default thread count and with one thread:
 on a busy machine torch's intra-op threads make every tiny op of the original cost
@@ -29,14 +29,19 @@ milliseconds, so the one-thread table is the fairer comparison of the algorithms
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from moe_runtime.eplb import moves, policy, reference
+from moe_runtime.eplb import moves, policy
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tests.support import eplb_reference  # noqa: E402  (the loop-by-loop original, the oracle)
 
 LAYERS, EXPERTS, NODES = 58, 256, 8
 CASES = [(64, 320, 1), (64, 320, 8), (32, 288, 1), (32, 288, 8)]  # (ranks, slots, groups)
@@ -75,7 +80,7 @@ def rebalance_table(load: torch.Tensor, args: argparse.Namespace) -> None:
             return policy.rebalance(load, s, r, NODES, g)
 
         def old_fn(r: int = ranks, s: int = slots, g: int = groups) -> policy.Placement:
-            return reference.rebalance(load, s, r, NODES, g)
+            return eplb_reference.rebalance(load, s, r, NODES, g)
 
         new = new_fn()
         new_ms = median_ms(new_fn, args.runs)
@@ -119,7 +124,7 @@ def periodic_table(load: torch.Tensor, args: argparse.Namespace) -> None:
             return moves.rebalance_for_resize(drifted, o, **kw)
 
         def old_fn(o: policy.Placement = old, kw: dict[str, Any] = kw) -> policy.Placement:
-            return reference.rebalance_for_resize(drifted, o, **kw)
+            return eplb_reference.rebalance_for_resize(drifted, o, **kw)
 
         relabelled, settled = relabel_fn(), settle_fn()
         runs = max(3, args.runs // 2)

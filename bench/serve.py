@@ -5,9 +5,9 @@ figures are the engine's and the ranks' (no HTTP). For each DP size: `--requests
 (prompt of `--prompt-len` tokens, exactly `--max-tokens` generated, EOS ignored) sent by
 `--concurrency` client threads; prints output tokens/s, TTFT and inter-token latency (p50/p99)
 and the mean step time. Then, on the last DP size, the per-step overhead of a step driven
-through the Ray compiled graph versus plain actor calls (`execute_step_remote`), timed in the
-same run on empty batches (every rank still runs its forward pass and expert collectives with
-no tokens), as a ratio.
+through the Ray compiled graph versus plain actor calls (a `ray_step.StepPath` without a
+graph), timed in the same run on empty batches (every rank still runs its forward pass and
+expert collectives with no tokens), as a ratio.
 
     .venv/bin/python bench/serve.py                  # ~2-3 min on 2 CPU cores
     .venv/bin/python bench/serve.py --dp 1 2 4 --requests 64
@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass, field
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
-from moe_runtime.executor import cluster, ray_executor
+from moe_runtime.executor import cluster, ray_executor, ray_step
 from moe_runtime.model import source as source_mod
 
 
@@ -101,11 +101,13 @@ def step_overhead(
 ) -> dict[str, float]:
     """Mean seconds of an empty lockstep step: compiled graph vs plain actor calls."""
     ranks = executor.ranks
+    plain = ray_step.StepPath(compiled=False, compile_timeout=60)  # plain actor calls
+    plain.set(ranks, [executor.roster.member(r).handle.actor for r in ranks])
     results: dict[str, float] = {}
     step_id = first_id
     for name, run in (
         ("compiled", executor.execute_step),
-        ("actor calls", executor.execute_step_remote),
+        ("actor calls", lambda step: plain.execute(step, timeout=60)),
         ("compiled again", executor.execute_step),
     ):
         samples = []
@@ -161,7 +163,7 @@ def main() -> None:
                 engine = core.Engine(
                     executor,
                     src.tokenizer(),
-                    core.EngineConfig(max_model_len=cfg.max_position_embeddings),
+                    seam.EngineConfig(max_model_len=cfg.max_position_embeddings),
                 )
                 step_times: list[float] = []
                 with engine:

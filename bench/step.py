@@ -11,8 +11,9 @@ busy-waiting, so two phases never overlap on this machine's cores), medians of `
    out the [L, E] expert-load tensor in a dict (Ray serialises the tensor: what a StepOutput
    cost before), a StepOutput (which now packs it as bytes), a StepOutput without it;
 4. RayExecutor at DP=2 serving `--model`: an empty step (every rank's batch empty) through its
-   compiled graph, then through plain actor calls (`execute_step_remote`); then a step in which
-   rank 0 decodes one token and rank 1 is idle (it still joins the expert collectives).
+   compiled graph, then through plain actor calls (a `ray_step.StepPath` without a graph);
+   then a step in which rank 0 decodes one token and rank 1 is idle (it still joins the
+   expert collectives).
 
 Then the breakdown, in this process without Ray: pickling StepInput/StepOutput, and a
 RankWorker's `execute_step` with no tokens at DP=2 over a gloo group (two worker processes,
@@ -42,7 +43,7 @@ import torch
 from moe_runtime import step as step_types
 from moe_runtime.comm import ep, group
 from moe_runtime.eplb import policy
-from moe_runtime.executor import cluster, ray_executor
+from moe_runtime.executor import cluster, ray_executor, ray_step
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
 
@@ -128,7 +129,9 @@ def executor_figures(model: str, steps: int) -> dict[str, float]:
         )
         first = 10_000
         compiled = median_ms(lambda i: executor.execute_step(empty_step(first + i)), steps)
-        remote = median_ms(lambda i: executor.execute_step_remote(empty_step(2 * first + i)), steps)
+        plain = ray_step.StepPath(compiled=False, compile_timeout=60)  # plain actor calls
+        plain.set(executor.ranks, [executor.roster.member(r).handle.actor for r in executor.ranks])
+        remote = median_ms(lambda i: plain.execute(empty_step(2 * first + i), timeout=60), steps)
         # Rank 0 decodes one token per step, rank 1 is idle (its batch is empty, but it must
         # join the expert collectives): the per-step cost a lightly loaded deployment pays.
         greedy = step_types.SamplingParams()

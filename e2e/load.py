@@ -67,8 +67,9 @@ def reference_tokens(
     """The tokens of every case, generated in this process with all experts local."""
     import torch
 
-    from moe_runtime import sampling, step
+    from moe_runtime import step
     from moe_runtime.model import mixtral, source
+    from moe_runtime.rank import sampling
 
     todo = list(todo or cases())
     torch.set_num_threads(1)

@@ -29,10 +29,11 @@ from moe_runtime.elastic import admin as elastic_admin
 from moe_runtime.elastic import coordinator as elastic_coordinator
 from moe_runtime.elastic import service as elastic_service
 from moe_runtime.elastic import serving as elastic_serving
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.eplb import policy
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tokenizer as tokenizer_mod
+from moe_runtime.rank import hooks as hooks_mod
 
 log = logging.getLogger("moe_runtime.cli")
 
@@ -263,6 +264,7 @@ def _build_into(
         )
     placement = policy.identity(cfg.num_layers, cfg.num_experts, num_physical, num_ranks)
     runtime.name = args.served_model_name or _default_name(args.model)
+    rank_hooks = hooks_mod.from_env()  # none but in tests (fault injection)
     if args.executor == "ray":
         from moe_runtime.executor import cluster as cluster_mod  # imports ray: only here
         from moe_runtime.executor import ray_executor  # imports ray: only here
@@ -272,12 +274,16 @@ def _build_into(
         runtime.owns_ray = cluster_mod.connect(num_rank_slots=slots)
         use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
         runtime.executor = ray_executor.RayExecutor(
-            num_ranks, dtype=args.dtype, step_mode=args.step_mode, use_gpu=use_gpu
+            num_ranks,
+            dtype=args.dtype,
+            step_mode=args.step_mode,
+            use_gpu=use_gpu,
+            rank_hooks=rank_hooks,
         )
     else:
         from moe_runtime.executor import local
 
-        runtime.executor = local.LocalExecutor(num_ranks, dtype=args.dtype)
+        runtime.executor = local.LocalExecutor(num_ranks, dtype=args.dtype, rank_hooks=rank_hooks)
     executor = runtime.executor
     log.info("serve: loading %s on %d ranks (%s executor)", args.model, num_ranks, args.executor)
     executor.start(args.model, placement=placement)
@@ -293,7 +299,7 @@ def _build_into(
     runtime.engine = engine = core.Engine(
         executor,
         tok,
-        core.EngineConfig(
+        seam.EngineConfig(
             max_model_len=cfg.max_position_embeddings,
             max_num_seqs_per_rank=args.max_num_seqs,
             max_tokens_per_step=max(args.max_tokens_per_step, args.max_num_seqs),

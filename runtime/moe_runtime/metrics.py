@@ -13,8 +13,8 @@ from collections.abc import Callable
 import prometheus_client
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core
 from moe_runtime.engine import request as req
+from moe_runtime.engine import seam
 
 #: Steps over which the per-rank expert load gauge is summed.
 LOAD_WINDOW_STEPS = 100
@@ -25,7 +25,7 @@ _BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class RuntimeMetrics:
-    """The runtime's metrics; an `engine.core.StepObserver` plus request-level observations.
+    """The runtime's metrics; an `engine.seam.StepObserver` plus request-level observations.
 
     `stats`: where queue depth and running sequences are read at scrape time (Engine.stats).
     """
@@ -34,7 +34,7 @@ class RuntimeMetrics:
         self,
         *,
         registry: prometheus_client.CollectorRegistry | None = None,
-        stats: Callable[[], core.EngineStats] | None = None,
+        stats: Callable[[], seam.EngineStats] | None = None,
     ) -> None:
         self.registry = registry or prometheus_client.CollectorRegistry()
         r = self.registry
@@ -102,7 +102,7 @@ class RuntimeMetrics:
         value = getattr(self._stats(), name)
         return float(len(value) if isinstance(value, tuple) else value)
 
-    # -- engine.core.StepObserver ----------------------------------------------------------
+    # -- engine.seam.StepObserver ----------------------------------------------------------
 
     def observe_step(
         self,

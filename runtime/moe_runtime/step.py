@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 #: StepInput.control key: every rank commits the experts staged under this staging id at the
-#: start of that step, all or none (a vote over the step group; see `moe_runtime.slots`).
+#: start of that step, all or none (a vote over the step group; see `moe_runtime.rank.slots`).
 CONTROL_EXPERT_EPOCH = "expert_epoch"
 
 

@@ -13,93 +13,43 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
-from moe_runtime import staging
 from moe_runtime import step as step_mod
-from moe_runtime.elastic import coordinator, service, serving, stages
-from moe_runtime.engine import core
+from moe_runtime.elastic import stages
 from moe_runtime.engine import request as req
-from moe_runtime.eplb import policy
 from moe_runtime.executor import local
-from moe_runtime.model import mixtral
-from moe_runtime.model import source as source_mod
-
-SOURCE = "synthetic://tiny?seed=0"
-PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 5) % 17)] for i in range(12)]
-LENGTHS = [4, 9, 16, 24]
+from moe_runtime.rank import staging
+from tests.support import deployment as support
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[int, int], list[int]]:
     """Greedy tokens of every (prompt, length), single process, all experts local."""
-    torch.set_num_threads(1)
-    longest = mixtral.generate_greedy(SOURCE, PROMPTS, max(LENGTHS))
-    return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in LENGTHS}
+    return support.reference(support.LENGTHS)
 
 
-class Deployment:
-    def __init__(
-        self,
-        size: int,
-        *,
-        max_experts_per_rank: int | None = None,
-        weight_source: str = "peer",
-        eplb_min_gain: float = 0.02,
-    ) -> None:
-        src = source_mod.open_source(SOURCE)
-        self.cfg = src.config
-        physical = policy.num_physical_for(self.cfg.num_experts, size)
-        placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
-        self.executor = local.LocalExecutor(size)
-        self.executor.start(SOURCE, placement=placement)
-        self.engine = core.Engine(
-            self.executor,
-            src.tokenizer(),
-            core.EngineConfig(max_model_len=self.cfg.max_position_embeddings),
-        )
-        self.elastic = service.ElasticService.attach(
-            engine=self.engine,
-            executor=self.executor,
-            model_config=self.cfg,
-            placement=placement,
-            config=serving.ElasticConfig(
-                source=SOURCE,
-                eplb_step_interval=40,
-                eplb_window_size=40,
-                eplb_min_gain=eplb_min_gain,
-                weight_source=weight_source,
-            ),
-            limits=coordinator.Limits(
-                min_size=1,
-                max_size=4,
-                num_experts=self.cfg.num_experts,
-                max_experts_per_rank=max_experts_per_rank,
-            ),
-        )
-        self.engine.start()
-
-    def close(self) -> None:
-        self.elastic.close()
-        self.engine.stop()
-        self.executor.shutdown()
-
-    def generate(self, prompt: int, n: int, *, rid: str) -> req.CompletedRequest:
-        handle = self.engine.add_request(
-            req.Request(
-                request_id=rid,
-                prompt_token_ids=PROMPTS[prompt],
-                sampling=step_mod.SamplingParams(temperature=0.0),
-                max_tokens=n,
-                ignore_eos=True,
-            )
-        )
-        return handle.result(timeout=120)
+def local_deployment(
+    size: int,
+    *,
+    max_experts_per_rank: int | None = None,
+    weight_source: str = "peer",
+    eplb_min_gain: float = 0.02,
+) -> support.Deployment:
+    """DP `size` on in-process ranks, EPLB every 40 steps, at most 4 ranks."""
+    return support.Deployment(
+        local.LocalExecutor(size),
+        max_size=4,
+        max_experts_per_rank=max_experts_per_rank,
+        eplb_step_interval=40,
+        eplb_window_size=40,
+        eplb_min_gain=eplb_min_gain,
+        weight_source=weight_source,
+    )
 
 
 @pytest.fixture()
-def deployment() -> Iterator[Deployment]:
-    d = Deployment(2)
+def deployment() -> Iterator[support.Deployment]:
+    d = local_deployment(2)
     yield d
     d.close()
 
@@ -107,7 +57,9 @@ def deployment() -> Iterator[Deployment]:
 class Load:
     """`clients` threads sending greedy completions until stopped; every answer is checked."""
 
-    def __init__(self, dep: Deployment, ref: dict[tuple[int, int], list[int]], clients: int):
+    def __init__(
+        self, dep: support.Deployment, ref: dict[tuple[int, int], list[int]], clients: int
+    ):
         self.dep, self.ref = dep, ref
         self.ok = 0
         self.failed: list[str] = []
@@ -121,7 +73,7 @@ class Load:
         rng = random.Random(index)
         k = 0
         while not self._stop.is_set():
-            p, n = rng.randrange(len(PROMPTS)), rng.choice(LENGTHS)
+            p, n = rng.randrange(len(support.PROMPTS)), rng.choice(support.LENGTHS)
             k += 1
             try:
                 out = self.dep.generate(p, n, rid=f"c{index}-{k}")
@@ -147,7 +99,7 @@ class Load:
             t.join(timeout=120)
 
 
-def resize(dep: Deployment, to: int) -> Any:
+def resize(dep: support.Deployment, to: int) -> Any:
     record = dep.elastic.coordinator.request(to)
     assert dep.elastic.coordinator.wait(record, timeout=240), f"resize to {to} did not finish"
     assert record.succeeded, record.message
@@ -155,7 +107,7 @@ def resize(dep: Deployment, to: int) -> Any:
 
 
 def test_resize_sequence_under_load_loses_nothing(
-    deployment: Deployment, reference: dict[tuple[int, int], list[int]]
+    deployment: support.Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
     with Load(deployment, reference, clients=8) as load:
         records = [resize(deployment, to) for to in (4, 3, 1, 2)]
@@ -182,7 +134,7 @@ def test_resize_sequence_under_load_loses_nothing(
 
 
 def test_shrink_moves_long_generations_off_departing_ranks(
-    deployment: Deployment, reference: dict[tuple[int, int], list[int]]
+    deployment: support.Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
     resize(deployment, 4)
     results: dict[int, req.CompletedRequest] = {}
@@ -214,13 +166,14 @@ def test_a_shrink_back_after_a_grow_copies_no_expert(
     """The survivors retain the experts a grow took off them: 2→4→2→4→2 under load, each
     shrink takes the placement of size 2 again and moves no expert, and every answer is the
     greedy reference."""
-    dep = Deployment(2, eplb_min_gain=1.0)  # no EPLB commit: size 2's placement always fits
+    dep = local_deployment(2, eplb_min_gain=1.0)  # no EPLB commit: size 2's placement always fits
     try:
         at_two = dep.elastic.rebalancer.serving.placement
         workers = (dep.executor.worker(0), dep.executor.worker(1))
 
         def held(w: Any) -> set[tuple[int, int]]:  # (layer, logical) experts it serves with
-            return set(staging.held_experts(w.placement, w.rank, w.num_ranks, w.experts))
+            s = w.slots
+            return set(staging.held_experts(s.placement, s.rank, s.num_ranks, s.experts))
 
         before = [held(w) for w in workers]
         with Load(dep, reference, clients=4) as load:
@@ -232,7 +185,7 @@ def test_a_shrink_back_after_a_grow_copies_no_expert(
                     assert time.monotonic() < deadline, "the survivors retained nothing"
                     time.sleep(0.01)
                 for w, at_two_held in zip(workers, before, strict=True):
-                    kept = set(w.retained_keys())
+                    kept = set(w.slots.retained_keys())
                     assert kept >= at_two_held - held(w) and not kept & held(w)  # given away
                 at_four = [held(w) for w in workers]
                 shrink = resize(dep, 2)
@@ -241,7 +194,9 @@ def test_a_shrink_back_after_a_grow_copies_no_expert(
                 assert dep.elastic.rebalancer.serving.placement.equals(at_two)
                 for w, at_two_held, at_four_held in zip(workers, before, at_four, strict=True):
                     assert held(w) == at_two_held  # all it gave away serves again, ...
-                    assert set(w.retained_keys()) >= at_four_held - at_two_held  # ... and back
+                    assert (
+                        set(w.slots.retained_keys()) >= at_four_held - at_two_held
+                    )  # ... and back
             deadline = time.monotonic() + 60
             while load.ok < 20 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -256,7 +211,7 @@ def test_a_shrink_to_a_placement_that_no_longer_fits_takes_a_fresh_one(
 ) -> None:
     """With no tolerance for a worse balance, the shrink back balances afresh: it moves what
     the survivors do not retain, and answers stay the greedy reference."""
-    dep = Deployment(2, eplb_min_gain=0.0)
+    dep = local_deployment(2, eplb_min_gain=0.0)
     try:
         at_two = dep.elastic.rebalancer.serving.placement
         with Load(dep, reference, clients=3) as load:
@@ -275,7 +230,7 @@ def test_a_shrink_to_a_placement_that_no_longer_fits_takes_a_fresh_one(
 
 
 def test_injected_failure_leaves_old_size_serving_and_next_resize_works(
-    deployment: Deployment, reference: dict[tuple[int, int], list[int]]
+    deployment: support.Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
     deployment.elastic.coordinator.inject_failure(stages.Stage.TRANSFERRING)
     record = deployment.elastic.coordinator.request(4)
@@ -285,7 +240,7 @@ def test_injected_failure_leaves_old_size_serving_and_next_resize_works(
     assert "cleanup problems" not in record.message
     assert deployment.executor.num_ranks == 2 and deployment.executor.pending_ranks == []
     for w in (deployment.executor.worker(0), deployment.executor.worker(1)):
-        assert {epoch for epoch, _ in w.groups()} == {0}  # the standby groups are gone
+        assert {epoch for epoch, _ in w.groups.groups()} == {0}  # the standby groups are gone
     out = deployment.generate(3, 16, rid="after-failure")
     assert out.token_ids == reference[(3, 16)]
     again = resize(deployment, 4)
@@ -295,7 +250,7 @@ def test_injected_failure_leaves_old_size_serving_and_next_resize_works(
 
 
 def test_dynamic_eplb_rebalances_while_serving(
-    deployment: Deployment, reference: dict[tuple[int, int], list[int]]
+    deployment: support.Deployment, reference: dict[tuple[int, int], list[int]]
 ) -> None:
     ops_ = deployment.elastic.rebalancer
     identity = ops_.serving.placement
@@ -315,7 +270,7 @@ def test_dynamic_eplb_rebalances_while_serving(
 def test_new_ranks_can_read_non_expert_weights_from_storage(
     reference: dict[tuple[int, int], list[int]],
 ) -> None:
-    dep = Deployment(1, weight_source="storage")
+    dep = local_deployment(1, weight_source="storage")
     try:
         record = resize(dep, 3)
         assert record.bytes_non_expert > 0  # read by the two new ranks from the source
@@ -326,7 +281,7 @@ def test_new_ranks_can_read_non_expert_weights_from_storage(
         dep.close()
 
 
-def test_status_reports_the_sequences_in_flight(deployment: Deployment) -> None:
+def test_status_reports_the_sequences_in_flight(deployment: support.Deployment) -> None:
     """``load`` of /elastic_ep/status: running + queued sequences (the operator's autoscaler
     decides on ``in_flight``), back to zero once they finished."""
     assert deployment.elastic.status()["load"] == {"running": 0, "waiting": 0, "in_flight": 0}
@@ -334,7 +289,7 @@ def test_status_reports_the_sequences_in_flight(deployment: Deployment) -> None:
         deployment.engine.add_request(
             req.Request(
                 request_id=f"busy-{p}",
-                prompt_token_ids=PROMPTS[p],
+                prompt_token_ids=support.PROMPTS[p],
                 sampling=step_mod.SamplingParams(temperature=0.0),
                 max_tokens=200,
                 ignore_eos=True,

@@ -48,6 +48,25 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime_proc.Ru
     srv.stop()
 
 
+@pytest.fixture(autouse=True)
+def starts_at_two(server: runtime_proc.RuntimeProcess) -> None:
+    """Every test starts serving at DP 2, the server's size, whatever ran before it."""
+    if status(server.url)["data_parallel_size"] != 2:
+        scale(server.url, 2)
+
+
+UPS = 'moe_resizes_total{direction="up",outcome="completed"}'
+BLACKOUTS = "moe_resize_blackout_seconds_count"
+
+
+def counter(url: str, series: str) -> float:
+    """The value of one series of /metrics (0 before it exists)."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def complete(client: httpx.Client, prompt: int, n: int) -> httpx.Response:
     return client.post("/v1/completions", json=load_mod.Case(prompt, n).body("tiny"), timeout=300)
 
@@ -66,6 +85,8 @@ def status(url: str) -> dict[str, Any]:
 def test_resize_sequence_under_load(
     server: runtime_proc.RuntimeProcess, reference: Reference
 ) -> None:
+    earlier = len(status(server.url)["history"])
+    ups, blackouts = counter(server.url, UPS), counter(server.url, BLACKOUTS)
     traffic = load_mod.Load(
         lambda: server.url,
         model_name="tiny",
@@ -85,7 +106,7 @@ def test_resize_sequence_under_load(
     assert health.codes and set(health.codes) == {200}
     st = status(server.url)
     assert st["data_parallel_size"] == 2 and st["target_data_parallel_size"] == 2
-    history = st["history"]
+    history = st["history"][earlier:]
     assert [(h["from"], h["to"]) for h in history] == [(2, 4), (4, 3), (3, 1), (1, 2)]
     for h in history:
         want = stages.SCALE_UP if h["to"] > h["from"] else stages.SCALE_DOWN
@@ -96,12 +117,11 @@ def test_resize_sequence_under_load(
     assert history[0]["bytes_moved"]["expert"] > 0
     assert sorted(r["rank"] for r in st["ranks"] if r["active"]) == [0, 1]
     assert all(r["healthy"] for r in st["ranks"])
-    metrics = httpx.get(f"{server.url}/metrics").text
-    assert 'moe_resizes_total{direction="up",outcome="completed"} 2.0' in metrics
-    assert "moe_resize_blackout_seconds_count 4.0" in metrics
+    assert counter(server.url, UPS) == ups + 2
+    assert counter(server.url, BLACKOUTS) == blackouts + 4
     # the ranks' own log lines (with their rank context) reach the server's output
     ranks_log = [line for line in server.tail(2_000_000).splitlines() if "RankActor pid=" in line]
-    assert any("moe_runtime.slots: staged" in line and "label=" in line for line in ranks_log)
+    assert any("moe_runtime.rank.slots: staged" in line and "label=" in line for line in ranks_log)
 
 
 def test_shrink_with_long_generations_on_departing_ranks(

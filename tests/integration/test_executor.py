@@ -21,7 +21,8 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.executor import base
 from moe_runtime.model import mixtral
-from tests.unit import test_worker as lockstep
+from moe_runtime.rank import groups as groups_mod
+from tests.support import lockstep
 
 pytestmark = pytest.mark.ray
 
@@ -29,6 +30,9 @@ SOURCE = lockstep.SOURCE
 PROMPTS = [*lockstep.PROMPTS, [1, 42, 43, 44, 45], [1, 250, 251]]
 MAX_TOKENS = 16
 ELASTIC_MAX_TOKENS = 40  # long enough that every sequence outlives both resizes
+#: The group timeout of a resize (`ElasticConfig.rpc_timeout`): a join that waited for a lost
+#: member would hold its rank's control lane that long.
+GROUP_TIMEOUT = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +56,23 @@ def two_ranks(ray_executor_mod: Any) -> Iterator[base.Executor]:
     ex.shutdown()
 
 
+#: Steps `while_stepping` runs at most during one background call: whatever the machine's
+#: speed, the sequences then outlive both resizes (ELASTIC_MAX_TOKENS).
+MOST_STEPS = 4
+
+
 def while_stepping(
     run: lockstep.Lockstep, fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> tuple[Any, int]:
-    """Run fn in a thread while the lockstep loop keeps stepping; (its result, steps run)."""
+    """Run fn in a thread while the lockstep loop keeps stepping (at most MOST_STEPS steps);
+    (its result, steps run)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         future = pool.submit(fn, *args, **kwargs)
         steps = 0
-        deadline = time.monotonic() + 120
-        while not future.done() and time.monotonic() < deadline:
-            if all(s.done for s in run.seqs.values()):
-                break
+        while not future.done() and steps < MOST_STEPS:
             run.step()
             steps += 1
-        return future.result(timeout=max(1.0, deadline - time.monotonic())), steps
+        return future.result(timeout=120), steps
 
 
 def _total_load(outs: list[step_mod.StepOutput]) -> torch.Tensor:
@@ -98,7 +105,7 @@ def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
     def mark(stage: str) -> None:
         print(f"[{time.monotonic() - t0:6.2f}s] {stage}")
 
-    cfg = lockstep._config()
+    cfg = lockstep.config()
     num_physical = cfg.num_experts
     old = lockstep.identity(2)
     ex.start(SOURCE, placement=old)
@@ -127,7 +134,7 @@ def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
     mark("Standby groups")
     # Standby groups over 4 ranks, built in the background: ranks 0-2 enter the rendezvous
     # and wait for rank 3 while the old graph keeps stepping; then rank 3 joins.
-    for role in base.GROUP_ROLES:
+    for role in groups_mod.ROLES:
         spec = group_mod.GroupSpec.local(4, epoch=1)
         joining = ex.collective_rpc_async(
             "join_group",
@@ -185,7 +192,7 @@ def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
     # Switching: at a step boundary
     ex.switch([0, 1, 2, 3], epoch=1, placement=grown)
     assert ex.ranks == [0, 1, 2, 3] and ex.pending_ranks == []
-    print(f"switch 2->4: {ex.last_switch}")  # type: ignore[attr-defined]
+    print(f"switch 2->4: {ex.switcher.last}")
     run.migrate("4", 2)
     run.migrate("5", 3)
     for _ in range(3):
@@ -228,7 +235,7 @@ def _grow_and_shrink(ex: base.Executor, reference: list[list[int]]) -> None:
     while_stepping(run, ex.build_groups, [0, 1], epoch=2)
     run.step()
     ex.switch([0, 1], epoch=2, placement=shrunk)
-    print(f"switch 4->2: {ex.last_switch}")  # type: ignore[attr-defined]
+    print(f"switch 4->2: {ex.switcher.last}")
     assert ex.ranks == [0, 1] and ex.pending_ranks == [2, 3]
     infos = ex.remove_ranks([2, 3])
     assert [i["label"] for i in infos] == [2, 3] and all(i["pod"] for i in infos)
@@ -256,7 +263,7 @@ def test_killed_actor_is_reported_dead_and_survivors_recover(
         run.add("b", PROMPTS[1], rank=1, max_tokens=MAX_TOKENS)
         run.step()
         assert ex.check_health() == {0: "ok", 1: "ok"}
-        ray.kill(ex.actor(1))
+        ray.kill(ex.roster.member(1).handle.actor)
         deadline = time.monotonic() + 10
         health = ex.check_health(timeout=2.0)
         while health[1] == "ok" and time.monotonic() < deadline:
@@ -292,23 +299,19 @@ def test_a_new_rank_lost_before_it_joins_fails_the_build_at_once(
     two_ranks: base.Executor, reference: list[list[int]]
 ) -> None:
     """A grow's new rank dies (its pod was lost) before the standby groups form: the build
-    fails within seconds naming it, instead of holding the serving ranks' control lanes in a
-    rendezvous until the resize's timeout, and those ranks take the next calls at once."""
+    fails naming it (RankDied, not the TimeoutError of the 300 s group timeout), instead of
+    holding the serving ranks' control lanes in a rendezvous until then, and those ranks take
+    the next calls (a deadline far below the group timeout). How long it takes:
+    bench/failures.py."""
     new = two_ranks.add_ranks(1, timeout=120)
     os.kill(int(two_ranks.rank_infos()[new[0]]["pid"]), signal.SIGKILL)
-    started = time.monotonic()
     with pytest.raises(base.RankDied) as info:
-        two_ranks.build_groups([0, 1, *new], epoch=7, timeout=120)
-    took = time.monotonic() - started
+        two_ranks.build_groups([0, 1, *new], epoch=7, timeout=GROUP_TIMEOUT)
     assert info.value.ranks == new
-    assert took < 20, took
-    started = time.monotonic()
-    groups = two_ranks.collective_rpc("groups", ranks=[0, 1], background=True, timeout=20)
-    assert all(7 not in {epoch for epoch, _ in g} for g in groups), groups
-    print(
-        f"\nbuild failed in {took:.2f}s; control lanes answered in "
-        f"{time.monotonic() - started:.2f}s"
+    groups = two_ranks.collective_rpc(
+        "groups", ranks=[0, 1], background=True, timeout=GROUP_TIMEOUT / 3
     )
+    assert all(7 not in {epoch for epoch, _ in g} for g in groups), groups
     two_ranks.remove_ranks(new)
     run = lockstep.Lockstep(two_ranks)
     for i, prompt in enumerate(PROMPTS):

@@ -20,7 +20,7 @@ import torch
 from moe_runtime.comm import ep, group
 from moe_runtime.eplb import moves, policy
 from moe_runtime.model import mixtral
-from tests.integration import ep_worker
+from tests.support import ep_ranks
 
 LAYERS, EXPERTS = 4, 8  # synthetic tiny
 MAX_RANKS = 4
@@ -54,8 +54,8 @@ def _load(seed: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[ep_worker.RankPool]:
-    ranks = ep_worker.RankPool(MAX_RANKS)
+def pool() -> Iterator[ep_ranks.RankPool]:
+    ranks = ep_ranks.RankPool(MAX_RANKS)
     yield ranks
     ranks.close()
 
@@ -64,7 +64,7 @@ def pool() -> Iterator[ep_worker.RankPool]:
 def reference() -> dict[str, list[int]]:
     """Single-process tokens (LocalExperts, all sequences in one batch)."""
     longest = max(r["max_new"] for r in REQUESTS)
-    tokens = mixtral.generate_greedy(ep_worker.MODEL, [r["prompt"] for r in REQUESTS], longest)
+    tokens = mixtral.generate_greedy(ep_ranks.MODEL, [r["prompt"] for r in REQUESTS], longest)
     return {r["seq_id"]: t[: r["max_new"]] for r, t in zip(REQUESTS, tokens, strict=True)}
 
 
@@ -261,7 +261,7 @@ def test_group_spec_refuses_bad_values_and_pickles():
 def test_layer_output_matches_local_experts_with_an_idle_rank(num_ranks, make_placement):
     """One MoE layer: every rank's output equals LocalExperts on its rows; rank 0 has T = 0."""
     placement = make_placement()
-    src = ep_worker._source()
+    src = ep_ranks._source()
     hidden_size = src.config.hidden_size
     local_all = mixtral.LocalExperts.from_source(src)
     gen = torch.Generator().manual_seed(3)
@@ -297,7 +297,7 @@ def test_backend_refuses_slots_it_does_not_own():
     placement = policy.identity(LAYERS, EXPERTS, 8, 2)
 
     def body(grp: group.StatelessGroup) -> str:
-        weights = ep_worker._expert(0, 0)
+        weights = ep_ranks._expert(0, 0)
         wrong = {(lay, s): weights for lay in range(LAYERS) for s in range(8)}
         with pytest.raises(ValueError, match="exactly this rank's slots"):
             ep.ExpertParallelBackend(grp, placement, wrong)

@@ -1,7 +1,8 @@
 """`moe-runtime serve` as a subprocess (its own local Ray, DP=3) against real HTTP clients.
 
-One server for the module. The last test stops it with SIGTERM and checks that no process it
-started (Ray's gcs_server, raylet, rank actors, ...) is left behind.
+One server for the module (`Servers`: started again only after a test stopped it). One test
+stops it with SIGTERM and checks that no process it started (Ray's gcs_server, raylet, rank
+actors, ...) is left behind.
 """
 
 from __future__ import annotations
@@ -98,10 +99,10 @@ def in_group(pgid: int) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def start(directory: pathlib.Path) -> Server:
+    """`moe-runtime serve` in a session of its own, once /health answers 200."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = directory / f"serve-{port}.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -126,22 +127,58 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             if time.monotonic() > deadline:
                 pytest.fail(f"server not healthy within {START_DEADLINE} s:\n{srv.tail()}")
             time.sleep(0.25)
-        srv.descendants = descendants(proc.pid)
-        yield srv
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    except BaseException:
+        stop(srv)
+        raise
+    srv.descendants = descendants(proc.pid)
+    return srv
+
+
+def stop(srv: Server) -> None:
+    """SIGTERM, then SIGKILL to whatever of it is left."""
+    proc = srv.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_DEADLINE)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for pid in srv.descendants:
+        if alive(pid):
             try:
-                proc.wait(STOP_DEADLINE)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for pid in srv.descendants:
-            if alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Servers:
+    """One server for the module, started again only after a test stopped it (the SIGTERM
+    test), so no test depends on the order the tests run in."""
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.directory = directory
+        self.current: Server | None = None
+
+    def running(self) -> Server:
+        if self.current is None or self.current.proc.poll() is not None:
+            if self.current is not None:
+                stop(self.current)
+            self.current = start(self.directory)
+        return self.current
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    made = Servers(tmp_path_factory.mktemp("serve"))
+    yield made
+    if made.current is not None:
+        stop(made.current)
+
+
+@pytest.fixture()
+def server(servers: Servers) -> Server:
+    return servers.running()
 
 
 def prompts() -> list[tuple[str | list[int], int]]:

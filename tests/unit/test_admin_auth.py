@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_runtime.elastic import admin
-from tests.unit import test_elastic_coordinator as coordinator_tests
+from tests.support import fake_ops
 
 TOKEN = "tøken-ü"  # not ASCII: compared as its UTF-8 bytes
 
 
 def admin_app(token: str | admin.TokenSource) -> fastapi.FastAPI:
-    ops, coordinator = coordinator_tests.make(2)
+    ops, coordinator = fake_ops.make(2)
     router = admin.build_router(
         coordinator, status_fn=lambda: {"data_parallel_size": ops.size}, token=token
     )

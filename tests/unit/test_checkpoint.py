@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from moe_runtime.model import config, errors, mixtral, names, source, tokenizer
+from tests.support import hf_models
 
 PROMPTS = [[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)]]
 NEW_TOKENS = 8
@@ -26,39 +27,16 @@ def _few_threads() -> None:
     torch.set_num_threads(2)
 
 
-def _hf_model(**overrides: object) -> transformers.MixtralForCausalLM:
-    torch.manual_seed(0)
-    settings: dict[str, Any] = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=6,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
-    settings.update(overrides)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**settings))
-    model.eval()  # type: ignore[no-untyped-call]
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 @pytest.fixture(scope="module")
 def checkpoints(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, tuple[pathlib.Path, transformers.MixtralForCausalLM]]:
     """Three layouts: one file; an index + shards; fused experts (tied, sliding window)."""
     root = tmp_path_factory.mktemp("hf")
-    classic = _hf_model()
+    classic = hf_models.mixtral()
     classic.save_pretrained(root / "single")
     classic.save_pretrained(root / "sharded", max_shard_size="100KB")
-    fused = _hf_model(tie_word_embeddings=True, sliding_window=6, num_hidden_layers=2)
+    fused = hf_models.mixtral(tie_word_embeddings=True, sliding_window=6, num_hidden_layers=2)
     fused.save_pretrained(root / "fused", save_original_format=False)
     return {
         "single-file": (root / "single", classic),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -10,55 +9,16 @@ import fastapi
 import pytest
 from fastapi import testclient
 
-from moe_runtime.elastic import admin, coordinator, records, stages
+from moe_runtime.elastic import admin, coordinator, stages
+from tests.support import fake_ops
 
 
-class FakeOps:
-    """Stage mechanics that only record what ran; a stage can be made to block or fail."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.ran: list[tuple[str, stages.Stage]] = []
-        self.rolled_back: list[stages.Stage] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail_in: stages.Stage | None = None
-        self.ended = 0
-
-    def current_size(self) -> int:
-        return self.size
-
-    def begin(self, record: records.ResizeRecord) -> Any:
-        return {"to": record.to_size}
-
-    def run_stage(self, stage: stages.Stage, plan: Any, record: records.ResizeRecord) -> None:
-        assert self.gate.wait(10)
-        self.ran.append((record.resize_id, stage))
-        if stage is self.fail_in:
-            raise RuntimeError("rank 3 unreachable")
-        if stage is stages.Stage.SWITCHING:
-            self.size = plan["to"]
-
-    def rollback(self, plan: Any, record: records.ResizeRecord, failed: stages.Stage) -> str:
-        self.rolled_back.append(failed)
-        return f"serving at {self.size}"
-
-    def end(self, plan: Any) -> None:
-        self.ended += 1
-
-
-def make(size: int = 2, **limits: Any) -> tuple[FakeOps, coordinator.Coordinator]:
-    ops = FakeOps(size)
-    lim = coordinator.Limits(min_size=1, max_size=8, num_experts=8, **limits)
-    return ops, coordinator.Coordinator(ops, limits=lim)
-
-
-def stage_names(ops: FakeOps) -> list[str]:
+def stage_names(ops: fake_ops.FakeOps) -> list[str]:
     return [s.value for _, s in ops.ran]
 
 
 def test_scale_up_runs_the_design_stages_in_order() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     rec = c.request(4)
     assert c.wait(rec, timeout=10)
     assert rec.succeeded and ops.size == 4
@@ -68,7 +28,7 @@ def test_scale_up_runs_the_design_stages_in_order() -> None:
 
 
 def test_scale_down_runs_the_design_stages_in_order() -> None:
-    ops, c = make(4)
+    ops, c = fake_ops.make(4)
     rec = c.request(2)
     assert c.wait(rec, timeout=10)
     assert stage_names(ops) == ["Reshuffling", "Migrating", "Switching", "Releasing"]
@@ -76,7 +36,7 @@ def test_scale_down_runs_the_design_stages_in_order() -> None:
 
 
 def test_same_target_returns_the_running_resize_and_another_target_conflicts() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     ops.gate.clear()
     first = c.request(4)
     assert c.request(4) is first
@@ -97,14 +57,14 @@ def test_same_target_returns_the_running_resize_and_another_target_conflicts() -
     ],
 )
 def test_impossible_sizes_are_refused_and_change_nothing(size: int, match: str) -> None:
-    ops, c = make(2, max_experts_per_rank=4)
+    ops, c = fake_ops.make(2, max_experts_per_rank=4)
     with pytest.raises(coordinator.InvalidResize, match=match):
         c.request(size)
     assert ops.ran == [] and ops.size == 2 and c.last() is None
 
 
 def test_a_failed_stage_rolls_back_and_a_later_resize_succeeds() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     ops.fail_in = stages.Stage.TRANSFERRING
     rec = c.request(4)
     assert c.wait(rec, timeout=10)
@@ -119,7 +79,7 @@ def test_a_failed_stage_rolls_back_and_a_later_resize_succeeds() -> None:
 
 
 def test_injected_failure_is_one_shot() -> None:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     c.inject_failure(stages.Stage.TRANSFERRING)
     rec = c.request(3)
     assert c.wait(rec, timeout=10) and rec.stage is stages.Stage.FAILED
@@ -129,20 +89,27 @@ def test_injected_failure_is_one_shot() -> None:
 
 
 def test_blackout_is_the_longest_gap_without_progress_while_busy() -> None:
-    t = coordinator.ProgressTracker()
+    now = [100.0]
+    t = coordinator.ProgressTracker(clock=lambda: now[0])
     t.start()
+    now[0] = 107.0
     t.on_step(0, busy=False)  # idle: no blackout
+    now[0] = 107.5
     t.on_step(2, busy=True)
-    time.sleep(0.05)  # a real pause in progress, measured below
-    t.on_step(0, busy=True)
-    t.on_step(1, busy=True)
+    now[0] = 107.6
+    t.on_step(0, busy=True)  # busy and no token: the gap grows ...
+    now[0] = 108.25
+    t.on_step(1, busy=True)  # ... until this token: 0.75 s
+    now[0] = 108.5
+    t.on_step(3, busy=True)
+    now[0] = 120.0
     gap = t.stop(busy=False)
-    assert 0.05 <= gap < 1.0
+    assert gap == pytest.approx(0.75)
 
 
 @pytest.fixture()
 def client() -> Any:
-    ops, c = make(2)
+    ops, c = fake_ops.make(2)
     app = fastapi.FastAPI()
     app.include_router(
         admin.build_router(
@@ -214,3 +181,42 @@ def test_conflict_is_409(client: Any) -> None:
     r = client.post("/scale_elastic_ep", json={"new_data_parallel_size": 3}, headers=AUTH)
     assert r.status_code == 409 and "in stage" in r.json()["error"]["message"]
     client.ops.gate.set()
+
+
+@pytest.mark.parametrize(
+    ("fail_rank", "status"),
+    [
+        pytest.param(None, 404, id="no-rank-failures-here"),
+        pytest.param("refuse", 400, id="ranks-without-fault-hooks"),
+        pytest.param("arm", 200, id="armed"),
+    ],
+)
+def test_a_rank_failure_is_armed_only_where_the_ranks_carry_fault_hooks(
+    fail_rank: str | None, status: int
+) -> None:
+    """`{"rank", "operation"}` reaches the ranks' fault hooks (`MOE_RANK_HOOKS`); ranks
+    without them answer a 400 that says why, and nothing is armed."""
+    armed: list[tuple[int, str]] = []
+
+    def arm(rank: int, operation: str) -> None:
+        if fail_rank == "refuse":
+            raise RuntimeError("rank 1: no control method 'fail_next' (MOE_RANK_HOOKS)")
+        armed.append((rank, operation))
+
+    ops, c = fake_ops.make(2)
+    app = fastapi.FastAPI()
+    router = admin.build_router(
+        c,
+        status_fn=lambda: {},
+        token="s3cret",
+        test_hooks=True,
+        fail_rank=None if fail_rank is None else arm,
+    )
+    app.include_router(router)
+    with testclient.TestClient(app) as cl:
+        body = {"rank": 1, "operation": "activate"}
+        r = cl.post("/elastic_ep/inject_failure", json=body, headers=AUTH)
+    assert r.status_code == status
+    if status == 400:
+        assert r.json()["error"]["param"] == "operation" and "MOE_RANK_HOOKS" in r.text
+    assert armed == ([(1, "activate")] if status == 200 else [])

@@ -17,121 +17,17 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core, request, text
+from moe_runtime.engine import core, request, seam, text
+from tests.support import engine_fakes as fakes
 
-VOCAB = 26
-EOS = 25
 DEADLINE = 10.0
 
 
-class LetterTokenizer:
-    """Token i is the letter chr(ord('a') + i); 'z' (25) is EOS."""
-
-    eos_token_id: int | None = EOS
-    vocab_size = VOCAB
-
-    def encode(self, s: str) -> list[int]:
-        return [ord(c) - ord("a") for c in s]
-
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(ord("a") + t) for t in token_ids)
-
-
-def next_token(kv: list[int], sampling: step_types.SamplingParams, num_generated: int) -> int:
-    """Greedy: the letter after the last one (y -> a, skipping EOS unless it is the successor
-    of 'y'); sampled: shifted by a function of (seed, num_generated) only."""
-    token = (kv[-1] + 1) % VOCAB
-    if sampling.temperature > 0:
-        token = (token + (sampling.seed or 0) * 7 + num_generated * 13 + len(kv)) % (VOCAB - 1)
-    return token
-
-
-class FakeExecutor:
-    """Ranks in-process; records every StepInput; optional failure injection."""
-
-    def __init__(self, num_ranks: int) -> None:
-        self._num_ranks = num_ranks
-        self.kv: dict[int, dict[str, list[int]]] = {r: {} for r in range(num_ranks)}
-        self.steps: list[step_types.StepInput] = []
-        self.fail_rank: Callable[[int, int], str | None] = lambda step_id, rank: None
-        self.raise_at: set[int] = set()
-        self.violations: list[str] = []  # KV inconsistencies seen (the engine retries them)
-        self.lock = threading.Lock()
-
-    @property
-    def num_ranks(self) -> int:
-        return self._num_ranks
-
-    def execute_step(self, step: step_types.StepInput) -> list[step_types.StepOutput]:
-        with self.lock:
-            self.steps.append(step)
-        if step.step_id in self.raise_at:
-            raise ConnectionError(f"injected failure at step {step.step_id}")
-        outputs = []
-        for rank, batch in sorted(step.batches.items()):
-            error = self.fail_rank(step.step_id, rank)
-            if error is not None:
-                outputs.append(step_types.StepOutput(rank=rank, step_id=step.step_id, error=error))
-                continue
-            cache = self.kv.setdefault(rank, {})
-            for seq_id in batch.free:
-                cache.pop(seq_id, None)
-            out = step_types.StepOutput(rank=rank, step_id=step.step_id)
-            for work in batch.seqs:
-                held = cache.setdefault(work.seq_id, [])
-                if work.start_pos != len(held):
-                    message = (
-                        f"rank {rank}: {work.seq_id} start_pos {work.start_pos} but KV holds "
-                        f"{len(held)} tokens"
-                    )
-                    self.violations.append(message)
-                    raise AssertionError(message)
-                held.extend(work.token_ids)
-                out.tokens[work.seq_id] = next_token(held, work.sampling, work.num_generated)
-            outputs.append(out)
-        return outputs
-
-    def seqs_of(self, step: step_types.StepInput, rank: int) -> list[str]:
-        batch = step.batches.get(rank)
-        return [w.seq_id for w in batch.seqs] if batch else []
-
-
-def make_engine(
-    num_ranks: int = 1, *, max_model_len: int = 512, **config: int
-) -> tuple[core.Engine, FakeExecutor]:
-    executor = FakeExecutor(num_ranks)
-    engine = core.Engine(
-        executor,
-        LetterTokenizer(),
-        core.EngineConfig(max_model_len=max_model_len, **config),
-    )
-    return engine, executor
-
-
 @pytest.fixture
-def engine1() -> Iterator[tuple[core.Engine, FakeExecutor]]:
-    engine, executor = make_engine(1)
+def engine1() -> Iterator[tuple[core.Engine, fakes.FakeExecutor]]:
+    engine, executor = fakes.make_engine(1)
     with engine:
         yield engine, executor
-
-
-def req(
-    rid: str,
-    prompt: str = "a",
-    *,
-    max_tokens: int = 5,
-    stop: tuple[str, ...] = (),
-    sampling: step_types.SamplingParams | None = None,
-    ignore_eos: bool = False,
-) -> request.Request:
-    return request.Request(
-        request_id=rid,
-        prompt_token_ids=LetterTokenizer().encode(prompt),
-        sampling=sampling or step_types.SamplingParams(),
-        max_tokens=max_tokens,
-        stop=stop,
-        ignore_eos=ignore_eos,
-    )
 
 
 def poll(condition: Callable[[], bool], what: str, deadline: float = DEADLINE) -> None:
@@ -145,9 +41,9 @@ def poll(condition: Callable[[], bool], what: str, deadline: float = DEADLINE) -
 # ---------------------------------------------------------------------------- basics
 
 
-def test_greedy_generation_and_length_stop(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+def test_greedy_generation_and_length_stop(engine1: tuple[core.Engine, fakes.FakeExecutor]) -> None:
     engine, _ = engine1
-    done = engine.add_request(req("r1", "ab", max_tokens=4)).result(DEADLINE)
+    done = engine.add_request(fakes.req("r1", "ab", max_tokens=4)).result(DEADLINE)
     assert done.text == "cdef"
     assert done.token_ids == [2, 3, 4, 5]
     assert done.finish_reason is request.FinishReason.LENGTH
@@ -165,7 +61,7 @@ def test_greedy_generation_and_length_stop(engine1: tuple[core.Engine, FakeExecu
     ],
 )
 def test_stop_conditions(
-    engine1: tuple[core.Engine, FakeExecutor],
+    engine1: tuple[core.Engine, fakes.FakeExecutor],
     prompt: str,
     stop: tuple[str, ...],
     ignore_eos: bool,
@@ -174,29 +70,29 @@ def test_stop_conditions(
 ) -> None:
     engine, _ = engine1
     done = engine.add_request(
-        req("r", prompt, max_tokens=4, stop=stop, ignore_eos=ignore_eos)
+        fakes.req("r", prompt, max_tokens=4, stop=stop, ignore_eos=ignore_eos)
     ).result(DEADLINE)
     assert (done.text, done.finish_reason) == (expected_text, reason)
 
 
 def test_context_full_ends_with_length() -> None:
-    engine, _ = make_engine(1, max_model_len=6)
+    engine, _ = fakes.make_engine(1, max_model_len=6)
     with engine:
-        done = engine.add_request(req("r", "abcd", max_tokens=100)).result(DEADLINE)
+        done = engine.add_request(fakes.req("r", "abcd", max_tokens=100)).result(DEADLINE)
     assert done.text == "ef"
     assert done.finish_reason is request.FinishReason.LENGTH
 
 
-def test_kv_freed_when_finished(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+def test_kv_freed_when_finished(engine1: tuple[core.Engine, fakes.FakeExecutor]) -> None:
     engine, executor = engine1
-    engine.add_request(req("r", max_tokens=3)).result(DEADLINE)
+    engine.add_request(fakes.req("r", max_tokens=3)).result(DEADLINE)
     poll(lambda: "r" not in executor.kv[0], "the KV of r to be freed")
 
 
 def test_idle_ranks_get_empty_batches() -> None:
-    engine, executor = make_engine(3)
+    engine, executor = fakes.make_engine(3)
     with engine:
-        engine.add_request(req("only", max_tokens=3)).result(DEADLINE)
+        engine.add_request(fakes.req("only", max_tokens=3)).result(DEADLINE)
     assert executor.steps
     for step in executor.steps:
         assert sorted(step.batches) == [0, 1, 2]
@@ -204,8 +100,8 @@ def test_idle_ranks_get_empty_batches() -> None:
 
 
 def test_least_loaded_rank_assignment() -> None:
-    engine, executor = make_engine(3)
-    handles = [req(f"r{i}", max_tokens=3) for i in range(6)]
+    engine, executor = fakes.make_engine(3)
+    handles = [fakes.req(f"r{i}", max_tokens=3) for i in range(6)]
     # Queue all before the loop starts so they are admitted at the same boundary.
     hs = [engine.add_request(r) for r in handles]
     with engine:
@@ -219,17 +115,17 @@ def test_least_loaded_rank_assignment() -> None:
 
 
 def test_requests_join_and_leave_the_running_batch() -> None:
-    engine, executor = make_engine(1)
+    engine, executor = fakes.make_engine(1)
     joined: dict[str, int] = {}
 
     def at_step(outputs: list[step_types.StepOutput]) -> None:
         if outputs[0].step_id == 3:
             joined["b"] = 3
-            engine.add_request(req("b", "k", max_tokens=2))
+            engine.add_request(fakes.req("b", "k", max_tokens=2))
 
     engine.on_step(at_step)
     with engine:
-        a = engine.add_request(req("a", "a", max_tokens=8))
+        a = engine.add_request(fakes.req("a", "a", max_tokens=8))
         assert a.result(DEADLINE).text == "bcdefghi"
     batches = [executor.seqs_of(s, 0) for s in executor.steps]
     assert batches[-1] == []  # the last step only frees a's KV
@@ -240,25 +136,25 @@ def test_requests_join_and_leave_the_running_batch() -> None:
 
 
 def test_prefill_is_chunked_by_the_token_budget() -> None:
-    engine, executor = make_engine(1, max_tokens_per_step=8, max_num_seqs_per_rank=4)
+    engine, executor = fakes.make_engine(1, max_tokens_per_step=8, max_num_seqs_per_rank=4)
     prompt = "abcdefghijklmnopqrst"  # 20 tokens
     with engine:
-        done = engine.add_request(req("r", prompt, max_tokens=2)).result(DEADLINE)
+        done = engine.add_request(fakes.req("r", prompt, max_tokens=2)).result(DEADLINE)
     works = [w for s in executor.steps for w in s.batches[0].seqs]
     assert [(w.start_pos, len(w.token_ids)) for w in works] == [(0, 8), (8, 8), (16, 4), (20, 1)]
     assert done.text == "uv"
 
 
 def test_decodes_go_first_within_the_budget() -> None:
-    engine, executor = make_engine(1, max_tokens_per_step=8, max_num_seqs_per_rank=4)
+    engine, executor = fakes.make_engine(1, max_tokens_per_step=8, max_num_seqs_per_rank=4)
 
     def at_step(outputs: list[step_types.StepOutput]) -> None:
         if outputs[0].step_id == 1:
-            engine.add_request(req("long", "abcdefghijklmnop", max_tokens=1))
+            engine.add_request(fakes.req("long", "abcdefghijklmnop", max_tokens=1))
 
     engine.on_step(at_step)
     with engine:
-        engine.add_request(req("short", "a", max_tokens=6)).result(DEADLINE)
+        engine.add_request(fakes.req("short", "a", max_tokens=6)).result(DEADLINE)
     second = executor.steps[1].batches[0].seqs
     assert [(w.seq_id, len(w.token_ids)) for w in second] == [("short", 1), ("long", 7)]
 
@@ -267,10 +163,10 @@ def test_decodes_go_first_within_the_budget() -> None:
 
 
 def test_stream_deltas_in_order_and_equal_to_the_result(
-    engine1: tuple[core.Engine, FakeExecutor],
+    engine1: tuple[core.Engine, fakes.FakeExecutor],
 ) -> None:
     engine, _ = engine1
-    handle = engine.add_request(req("r", "a", max_tokens=6, stop=("fgx",)))
+    handle = engine.add_request(fakes.req("r", "a", max_tokens=6, stop=("fgx",)))
     deltas = list(handle.iter_outputs(DEADLINE))
     assert [d.new_token_ids for d in deltas] == [[1], [2], [3], [4], [5], [6]]
     assert [d.num_generated_tokens for d in deltas] == [1, 2, 3, 4, 5, 6]
@@ -280,11 +176,11 @@ def test_stream_deltas_in_order_and_equal_to_the_result(
     assert "".join(d.new_text for d in deltas) == handle.result(DEADLINE).text
 
 
-def test_async_stream(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+def test_async_stream(engine1: tuple[core.Engine, fakes.FakeExecutor]) -> None:
     engine, _ = engine1
 
     async def consume() -> list[request.RequestOutput]:
-        handle = engine.add_request(req("r", "a", max_tokens=4))
+        handle = engine.add_request(fakes.req("r", "a", max_tokens=4))
         return [out async for out in handle]
 
     outs = asyncio.run(consume())
@@ -292,11 +188,11 @@ def test_async_stream(engine1: tuple[core.Engine, FakeExecutor]) -> None:
     assert outs[-1].finish_reason is request.FinishReason.LENGTH
 
 
-def test_abort_frees_the_kv(engine1: tuple[core.Engine, FakeExecutor]) -> None:
+def test_abort_frees_the_kv(engine1: tuple[core.Engine, fakes.FakeExecutor]) -> None:
     engine, executor = engine1
     started = threading.Event()
     engine.on_step(lambda outputs: started.set())
-    handle = engine.add_request(req("r", max_tokens=10_000, ignore_eos=True))
+    handle = engine.add_request(fakes.req("r", max_tokens=10_000, ignore_eos=True))
     assert started.wait(DEADLINE)
     engine.abort("r")
     assert handle.result(DEADLINE).finish_reason is request.FinishReason.ABORT
@@ -307,10 +203,10 @@ def test_abort_frees_the_kv(engine1: tuple[core.Engine, FakeExecutor]) -> None:
 
 
 def test_call_at_boundary_pauses_stepping_while_requests_queue(
-    engine1: tuple[core.Engine, FakeExecutor],
+    engine1: tuple[core.Engine, fakes.FakeExecutor],
 ) -> None:
     engine, _ = engine1
-    first = engine.add_request(req("a", max_tokens=50, ignore_eos=True))
+    first = engine.add_request(fakes.req("a", max_tokens=50, ignore_eos=True))
     poll(lambda: engine.stats().step_count >= 2, "some steps")
     release = threading.Event()
     seen: dict[str, int] = {}
@@ -323,7 +219,7 @@ def test_call_at_boundary_pauses_stepping_while_requests_queue(
 
     future = engine.call_at_boundary(hold)
     poll(lambda: "entry" in seen, "the boundary call to start")
-    late = engine.add_request(req("b", max_tokens=3))  # queued, never refused
+    late = engine.add_request(fakes.req("b", max_tokens=3))  # queued, never refused
     poll(lambda: engine.stats().num_waiting == 1, "b to wait in the queue")
     release.set()
     assert future.result(DEADLINE) == "held"
@@ -333,7 +229,7 @@ def test_call_at_boundary_pauses_stepping_while_requests_queue(
 
 
 def test_call_at_boundary_propagates_errors_and_keeps_serving(
-    engine1: tuple[core.Engine, FakeExecutor],
+    engine1: tuple[core.Engine, fakes.FakeExecutor],
 ) -> None:
     engine, _ = engine1
 
@@ -343,11 +239,13 @@ def test_call_at_boundary_propagates_errors_and_keeps_serving(
     with pytest.raises(ValueError, match="boom"):
         engine.call_at_boundary(boom).result(DEADLINE)
     assert engine.is_alive()
-    assert engine.add_request(req("r", max_tokens=2)).result(DEADLINE).text == "bc"
+    assert engine.add_request(fakes.req("r", max_tokens=2)).result(DEADLINE).text == "bc"
 
 
-def run_seeded(migrate_at: int | None) -> tuple[dict[str, list[int]], FakeExecutor, list[str]]:
-    engine, executor = make_engine(2)
+def run_seeded(
+    migrate_at: int | None,
+) -> tuple[dict[str, list[int]], fakes.FakeExecutor, list[str]]:
+    engine, executor = fakes.make_engine(2)
     moved: list[str] = []
     sampling = step_types.SamplingParams(temperature=0.8, top_p=0.9, seed=11)
 
@@ -357,7 +255,7 @@ def run_seeded(migrate_at: int | None) -> tuple[dict[str, list[int]], FakeExecut
 
     engine.on_step(at_step)
     hs = [
-        engine.add_request(req(f"r{i}", "abc"[: i + 1], max_tokens=12, sampling=sampling))
+        engine.add_request(fakes.req(f"r{i}", "abc"[: i + 1], max_tokens=12, sampling=sampling))
         for i in range(3)
     ]
     with engine:
@@ -381,10 +279,10 @@ def test_migrate_from_reprefills_and_keeps_sampling() -> None:
 
 
 def test_leaving_ranks_get_no_more_step_input() -> None:
-    engine, executor = make_engine(3)
+    engine, executor = fakes.make_engine(3)
     endless = {"max_tokens": 100_000, "ignore_eos": True}
     with engine:
-        hs = [engine.add_request(req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
+        hs = [engine.add_request(fakes.req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
         poll(lambda: engine.stats().seqs_per_rank == {0: 1, 1: 1, 2: 1}, "one per rank")
 
         def switch() -> None:  # the coordinator's scale-down switch: migrate, switch, shrink
@@ -403,29 +301,29 @@ def test_leaving_ranks_get_no_more_step_input() -> None:
 
 
 def test_draining_rank_takes_no_new_requests_until_reactivated() -> None:
-    engine, executor = make_engine(2)
+    engine, executor = fakes.make_engine(2)
     with engine:
         engine.migrate_from([1]).result(DEADLINE)
-        engine.add_request(req("x", max_tokens=2)).result(DEADLINE)
-        engine.add_request(req("y", max_tokens=2)).result(DEADLINE)
+        engine.add_request(fakes.req("x", max_tokens=2)).result(DEADLINE)
+        engine.add_request(fakes.req("y", max_tokens=2)).result(DEADLINE)
         assert all(executor.seqs_of(s, 1) == [] for s in executor.steps)
         engine.set_active_ranks([0, 1]).result(DEADLINE)
-        a = engine.add_request(req("a", max_tokens=3))
-        b = engine.add_request(req("b", max_tokens=3))
+        a = engine.add_request(fakes.req("a", max_tokens=3))
+        b = engine.add_request(fakes.req("b", max_tokens=3))
         a.result(DEADLINE), b.result(DEADLINE)
     assert any(executor.seqs_of(s, 1) for s in executor.steps)
 
 
 def test_set_active_ranks_grows_and_shrinks() -> None:
-    executor = FakeExecutor(3)
-    config = core.EngineConfig(max_model_len=100_000)
-    engine = core.Engine(executor, LetterTokenizer(), config, active_ranks=[0])
+    executor = fakes.FakeExecutor(3)
+    config = seam.EngineConfig(max_model_len=100_000)
+    engine = core.Engine(executor, fakes.LetterTokenizer(), config, active_ranks=[0])
     endless = {"max_tokens": 100_000, "ignore_eos": True}
     with engine:
-        engine.add_request(req("a", max_tokens=2)).result(DEADLINE)
+        engine.add_request(fakes.req("a", max_tokens=2)).result(DEADLINE)
         assert sorted(executor.steps[-1].batches) == [0]
         engine.set_active_ranks([0, 1, 2]).result(DEADLINE)
-        hs = [engine.add_request(req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
+        hs = [engine.add_request(fakes.req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
         poll(lambda: engine.stats().seqs_per_rank == {0: 1, 1: 1, 2: 1}, "one per rank")
         engine.set_active_ranks([0]).result(DEADLINE)  # shrink: sequences move to rank 0
         assert engine.stats().seqs_per_rank == {0: 3}
@@ -438,14 +336,14 @@ def test_set_active_ranks_grows_and_shrinks() -> None:
     assert executor.violations == []
     for r in results:
         assert r.finish_reason is request.FinishReason.ABORT
-        assert r.token_ids == [(k + 1) % VOCAB for k in range(len(r.token_ids))]
+        assert r.token_ids == [(k + 1) % fakes.VOCAB for k in range(len(r.token_ids))]
 
 
 def test_relabel_ranks_follows_the_workers() -> None:
-    engine, executor = make_engine(3)
+    engine, executor = fakes.make_engine(3)
     endless = {"max_tokens": 100_000, "ignore_eos": True}
     with engine:
-        hs = [engine.add_request(req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
+        hs = [engine.add_request(fakes.req(f"r{i}", **endless)) for i in range(3)]  # type: ignore[arg-type]
         poll(lambda: engine.stats().seqs_per_rank == {0: 1, 1: 1, 2: 1}, "one per rank")
 
         def switch() -> None:  # an executor switch renumbers its workers, then the engine follows
@@ -461,28 +359,28 @@ def test_relabel_ranks_follows_the_workers() -> None:
     assert executor.violations == []
     for r in results:
         assert r.error is None
-        assert r.token_ids == [(k + 1) % VOCAB for k in range(len(r.token_ids))]
+        assert r.token_ids == [(k + 1) % fakes.VOCAB for k in range(len(r.token_ids))]
 
 
 def test_step_control_reaches_the_next_step_even_when_idle(
-    engine1: tuple[core.Engine, FakeExecutor],
+    engine1: tuple[core.Engine, fakes.FakeExecutor],
 ) -> None:
     engine, executor = engine1
     outputs = engine.add_step_control({"expert_epoch": 3}).result(DEADLINE)
     assert outputs[0].step_id == executor.steps[-1].step_id
     assert executor.steps[-1].control == {"expert_epoch": 3}
-    engine.add_request(req("r", max_tokens=2)).result(DEADLINE)
+    engine.add_request(fakes.req("r", max_tokens=2)).result(DEADLINE)
     assert executor.steps[-1].control == {}
 
 
 def test_on_step_sees_every_step_and_last_token_time_advances(
-    engine1: tuple[core.Engine, FakeExecutor],
+    engine1: tuple[core.Engine, fakes.FakeExecutor],
 ) -> None:
     engine, executor = engine1
     seen: list[int] = []
     engine.on_step(lambda outputs: seen.append(outputs[0].step_id))
     before = time.monotonic()
-    engine.add_request(req("r", max_tokens=3)).result(DEADLINE)
+    engine.add_request(fakes.req("r", max_tokens=3)).result(DEADLINE)
     poll(lambda: len(seen) >= 3, "three callbacks")
     assert seen == [s.step_id for s in executor.steps]
     last = engine.last_token_time
@@ -493,28 +391,28 @@ def test_on_step_sees_every_step_and_last_token_time_advances(
 
 
 def test_transient_rank_error_is_retried_with_the_same_answer() -> None:
-    engine, executor = make_engine(2)
+    engine, executor = fakes.make_engine(2)
     executor.fail_rank = lambda step_id, rank: "flaky" if (step_id, rank) == (3, 0) else None
     with engine:
-        done = engine.add_request(req("r", "a", max_tokens=6)).result(DEADLINE)
+        done = engine.add_request(fakes.req("r", "a", max_tokens=6)).result(DEADLINE)
     assert done.text == "bcdefg"
     assert done.error is None
 
 
 def test_executor_exception_is_retried() -> None:
-    engine, executor = make_engine(1)
+    engine, executor = fakes.make_engine(1)
     executor.raise_at = {2}
     with engine:
-        done = engine.add_request(req("r", "a", max_tokens=4)).result(DEADLINE)
+        done = engine.add_request(fakes.req("r", "a", max_tokens=4)).result(DEADLINE)
     assert done.text == "bcde"
 
 
 def test_persistent_rank_error_fails_only_its_requests() -> None:
-    engine, executor = make_engine(2, max_step_retries=1)
+    engine, executor = fakes.make_engine(2, max_step_retries=1)
     executor.fail_rank = lambda step_id, rank: "rank is gone" if rank == 1 else None
     with engine:
-        a = engine.add_request(req("a", max_tokens=3))
-        b = engine.add_request(req("b", max_tokens=3))
+        a = engine.add_request(fakes.req("a", max_tokens=3))
+        b = engine.add_request(fakes.req("b", max_tokens=3))
         ra, rb = a.result(DEADLINE), b.result(DEADLINE)
         assert engine.is_alive()
     assert (ra.text, ra.error) == ("bcd", None)
@@ -523,18 +421,18 @@ def test_persistent_rank_error_fails_only_its_requests() -> None:
 
 
 def test_failure_callback_can_repair_before_the_retry() -> None:
-    engine, executor = make_engine(2, max_step_retries=1)
+    engine, executor = fakes.make_engine(2, max_step_retries=1)
     executor.fail_rank = lambda step_id, rank: "rank 1 is gone" if rank == 1 else None
-    failures: list[core.StepFailure] = []
+    failures: list[seam.StepFailure] = []
 
-    def repair(failure: core.StepFailure) -> None:  # a fault handler: drop the dead rank
+    def repair(failure: seam.StepFailure) -> None:  # a fault handler: drop the dead rank
         failures.append(failure)
         engine.set_active_ranks([0])  # on the engine thread: applied before the retry
 
     engine.on_step_failure(repair)
     with engine:
-        a = engine.add_request(req("a", max_tokens=3))
-        b = engine.add_request(req("b", max_tokens=3))
+        a = engine.add_request(fakes.req("a", max_tokens=3))
+        b = engine.add_request(fakes.req("b", max_tokens=3))
         ra, rb = a.result(DEADLINE), b.result(DEADLINE)
     assert (ra.text, ra.error, rb.text, rb.error) == ("bcd", None, "bcd", None)
     assert [f.ranks for f in failures] == [(1,)]
@@ -545,39 +443,39 @@ def test_executor_exception_names_its_ranks() -> None:
     class RankDied(RuntimeError):
         ranks = [0]
 
-    engine, executor = make_engine(1)
-    failures: list[core.StepFailure] = []
+    engine, executor = fakes.make_engine(1)
+    failures: list[seam.StepFailure] = []
     engine.on_step_failure(failures.append)
 
     def execute_step(step: step_types.StepInput) -> list[step_types.StepOutput]:
         if step.step_id == 2:
             raise RankDied("rank 0 died")
-        return FakeExecutor.execute_step(executor, step)
+        return fakes.FakeExecutor.execute_step(executor, step)
 
     executor.execute_step = execute_step  # type: ignore[method-assign]
     with engine:
-        assert engine.add_request(req("r", max_tokens=3)).result(DEADLINE).text == "bcd"
+        assert engine.add_request(fakes.req("r", max_tokens=3)).result(DEADLINE).text == "bcd"
     assert [(f.step_id, f.ranks) for f in failures] == [(2, (0,))]
     assert isinstance(failures[0].exception, RankDied)
 
 
 def test_stop_ends_unfinished_requests_with_an_error() -> None:
-    engine, _ = make_engine(1)
+    engine, _ = fakes.make_engine(1)
     engine.start()
-    handle = engine.add_request(req("r", max_tokens=100_000, ignore_eos=True))
+    handle = engine.add_request(fakes.req("r", max_tokens=100_000, ignore_eos=True))
     poll(lambda: engine.stats().step_count > 0, "a step")
     engine.stop()
     done = handle.result(DEADLINE)
     assert done.finish_reason is request.FinishReason.ERROR
     assert not engine.is_alive()
     with pytest.raises(core.EngineStopped):
-        engine.add_request(req("late"))
+        engine.add_request(fakes.req("late"))
     with pytest.raises(core.EngineStopped):
         engine.call_at_boundary(lambda: None).result(DEADLINE)
 
 
 def test_boundary_future_can_be_waited_from_another_thread(
-    engine1: tuple[core.Engine, FakeExecutor],
+    engine1: tuple[core.Engine, fakes.FakeExecutor],
 ) -> None:
     engine, _ = engine1
 

@@ -12,10 +12,9 @@ import httpx
 import pytest
 
 from moe_runtime import server
-from moe_runtime.engine import core, request
+from moe_runtime.engine import core, request, seam
 from moe_runtime.engine import queue as queue_mod
-from tests.unit import test_engine as fakes
-from tests.unit import test_engine_server as server_tests
+from tests.support import engine_fakes as fakes
 
 BOUND = 4
 
@@ -50,11 +49,11 @@ def test_the_bound_counts_only_arrivals_outside_a_resize() -> None:
 def app() -> Iterator[fastapi.FastAPI]:
     engine = core.Engine(
         fakes.FakeExecutor(1),
-        server_tests.Tokenizer(),
-        core.EngineConfig(max_model_len=64, max_num_seqs_per_rank=2, max_tokens_per_step=64),
+        fakes.Tokenizer(),
+        seam.EngineConfig(max_model_len=64, max_num_seqs_per_rank=2, max_tokens_per_step=64),
         max_queued_requests=BOUND,
     )
-    application = server.create_app(engine, served_model_name=server_tests.MODEL)
+    application = server.create_app(engine, served_model_name=fakes.MODEL)
     engine.start()
     yield application
     engine.stop()
@@ -64,7 +63,7 @@ async def flood(app: fastapi.FastAPI, n: int, *, hold: threading.Event) -> list[
     """`n` requests sent while the engine loop is held at a boundary (nothing is admitted), then
     released: the queue holds every accepted one at once."""
     engine: core.Engine = app.state.api.engine
-    body = {"model": server_tests.MODEL, "prompt": "ab", "max_tokens": 3, "temperature": 0}
+    body = {"model": fakes.MODEL, "prompt": "ab", "max_tokens": 3, "temperature": 0}
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         pending = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(n)]
@@ -97,7 +96,7 @@ def test_a_flood_beyond_the_bound_gets_429_and_the_accepted_complete(app: fastap
         error = r.json()["error"]
         assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
         assert int(r.headers["Retry-After"]) >= 1
-    metrics = asyncio.run(server_tests.get(app, "/metrics")).text
+    metrics = asyncio.run(fakes.get(app, "/metrics")).text
     assert f'moe_requests_total{{outcome="queue_full"}} {2.0 * BOUND}' in metrics
 
 

@@ -14,24 +14,18 @@ import httpx
 import pytest
 
 from moe_runtime import server
-from moe_runtime.engine import core, request
-from tests.unit import test_engine as fakes
+from moe_runtime.engine import core, request, seam
+from tests.support import engine_fakes as fakes
 
-MODEL = "letters"
 MAX_LEN = 64
-
-
-class Tokenizer(fakes.LetterTokenizer):
-    def encode(self, s: str, *, add_special_tokens: bool = True) -> list[int]:
-        return super().encode(s)
 
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[fastapi.FastAPI]:
     engine = core.Engine(
         fakes.FakeExecutor(2),
-        Tokenizer(),
-        core.EngineConfig(max_model_len=MAX_LEN, max_num_seqs_per_rank=8, max_tokens_per_step=64),
+        fakes.Tokenizer(),
+        seam.EngineConfig(max_model_len=MAX_LEN, max_num_seqs_per_rank=8, max_tokens_per_step=64),
     )
     admin = fastapi.APIRouter()
 
@@ -39,34 +33,16 @@ def app() -> Iterator[fastapi.FastAPI]:
     async def status() -> dict[str, Any]:
         return {"data_parallel_size": 2}
 
-    application = server.create_app(engine, served_model_name=MODEL, admin_router=admin)
+    application = server.create_app(engine, served_model_name=fakes.MODEL, admin_router=admin)
     engine.start()
     yield application
     engine.stop()
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-async def post(app: fastapi.FastAPI, body: Any, **kw: Any) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-        if isinstance(body, (bytes, str)):
-            return await c.post(
-                "/v1/completions", content=body, headers={"content-type": "application/json"}
-            )
-        return await c.post("/v1/completions", json=body, **kw)
-
-
-async def get(app: fastapi.FastAPI, path: str) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-        return await c.get(path)
-
-
 def test_completion(app: fastapi.FastAPI) -> None:
-    resp = run(post(app, {"model": MODEL, "prompt": "ab", "max_tokens": 3, "temperature": 0}))
+    resp = fakes.run(
+        fakes.post(app, {"model": fakes.MODEL, "prompt": "ab", "max_tokens": 3, "temperature": 0})
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     (choice,) = body["choices"]
@@ -76,19 +52,22 @@ def test_completion(app: fastapi.FastAPI) -> None:
         "length",
     )
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["object"] == "text_completion" and body["model"] == fakes.MODEL
 
 
 def test_null_max_tokens_fills_the_context(app: fastapi.FastAPI) -> None:
-    body = {"model": MODEL, "prompt": "a" * 60, "max_tokens": None, "ignore_eos": True}
-    resp = run(post(app, body))
+    body = {"model": fakes.MODEL, "prompt": "a" * 60, "max_tokens": None, "ignore_eos": True}
+    resp = fakes.run(fakes.post(app, body))
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == MAX_LEN - 60
 
 
 def test_token_id_prompt_and_stop(app: fastapi.FastAPI) -> None:
-    resp = run(
-        post(app, {"model": MODEL, "prompt": [0], "max_tokens": 10, "temperature": 0, "stop": "e"})
+    resp = fakes.run(
+        fakes.post(
+            app,
+            {"model": fakes.MODEL, "prompt": [0], "max_tokens": 10, "temperature": 0, "stop": "e"},
+        )
     )
     choice = resp.json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == ("bcd", "stop")
@@ -96,14 +75,14 @@ def test_token_id_prompt_and_stop(app: fastapi.FastAPI) -> None:
 
 def test_stream_ends_with_done_and_matches(app: fastapi.FastAPI) -> None:
     body = {
-        "model": MODEL,
+        "model": fakes.MODEL,
         "prompt": "a",
         "max_tokens": 5,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    resp = run(post(app, body))
+    resp = fakes.run(fakes.post(app, body))
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
     events = [line[len("data: ") :] for line in resp.text.split("\n\n") if line]
@@ -117,8 +96,8 @@ def test_stream_ends_with_done_and_matches(app: fastapi.FastAPI) -> None:
 
 
 def test_seeded_sampling_is_reproducible(app: fastapi.FastAPI) -> None:
-    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 0.7, "seed": 5}
-    a, b = run(post(app, body)), run(post(app, body))
+    body = {"model": fakes.MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 0.7, "seed": 5}
+    a, b = fakes.run(fakes.post(app, body)), fakes.run(fakes.post(app, body))
     assert a.json()["choices"][0]["token_ids"] == b.json()["choices"][0]["token_ids"]
 
 
@@ -129,68 +108,76 @@ def test_seeded_sampling_is_reproducible(app: fastapi.FastAPI) -> None:
         pytest.param([1, 2], 400, None, "invalid_body", id="not-an-object"),
         pytest.param({"prompt": "a"}, 400, "model", "invalid_value", id="missing-model"),
         pytest.param(
-            {"model": MODEL, "prompt": "a", "max_tokens": "5"},
+            {"model": fakes.MODEL, "prompt": "a", "max_tokens": "5"},
             400,
             "max_tokens",
             "invalid_value",
             id="max-tokens-string",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": 7}, 400, "prompt", "invalid_value", id="prompt-number"
+            {"model": fakes.MODEL, "prompt": 7}, 400, "prompt", "invalid_value", id="prompt-number"
         ),
         pytest.param(
-            {"model": MODEL, "prompt": "a", "max_tokens": -1},
+            {"model": fakes.MODEL, "prompt": "a", "max_tokens": -1},
             400,
             "max_tokens",
             "invalid_value",
             id="negative-max-tokens",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": "a", "max_tokens": 10**12},
+            {"model": fakes.MODEL, "prompt": "a", "max_tokens": 10**12},
             400,
             "max_tokens",
             "context_length_exceeded",
             id="huge-max-tokens",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": "a" * MAX_LEN},
+            {"model": fakes.MODEL, "prompt": "a" * MAX_LEN},
             400,
             "prompt",
             "context_length_exceeded",
             id="prompt-too-long",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": [1, 99]},
+            {"model": fakes.MODEL, "prompt": [1, 99]},
             400,
             "prompt",
             "invalid_value",
             id="id-out-of-vocab",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": [1, -1]}, 400, "prompt", "invalid_value", id="negative-id"
+            {"model": fakes.MODEL, "prompt": [1, -1]},
+            400,
+            "prompt",
+            "invalid_value",
+            id="negative-id",
         ),
         pytest.param(
             {"model": "other", "prompt": "a"}, 404, "model", "model_not_found", id="unknown-model"
         ),
         pytest.param(
-            {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", "unsupported_parameter", id="n-2"
+            {"model": fakes.MODEL, "prompt": "a", "n": 2},
+            400,
+            "n",
+            "unsupported_parameter",
+            id="n-2",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": ["a", "b"]},
+            {"model": fakes.MODEL, "prompt": ["a", "b"]},
             400,
             "prompt",
             "unsupported_parameter",
             id="two-prompts",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": "a", "temperature": 3},
+            {"model": fakes.MODEL, "prompt": "a", "temperature": 3},
             400,
             "temperature",
             "invalid_value",
             id="temperature-range",
         ),
         pytest.param(
-            {"model": MODEL, "prompt": "a", "frobnicate": 1},
+            {"model": fakes.MODEL, "prompt": "a", "frobnicate": 1},
             400,
             "frobnicate",
             "invalid_value",
@@ -201,21 +188,21 @@ def test_seeded_sampling_is_reproducible(app: fastapi.FastAPI) -> None:
 def test_bad_requests_get_openai_errors(
     app: fastapi.FastAPI, body: Any, status: int, param: str | None, code: str
 ) -> None:
-    resp = run(post(app, body))
+    resp = fakes.run(fakes.post(app, body))
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["param"], error["code"]) == (param, code)
     assert error["message"]
-    assert run(get(app, "/health")).status_code == 200
+    assert fakes.run(fakes.get(app, "/health")).status_code == 200
 
 
 def test_models_health_metrics_admin(app: fastapi.FastAPI) -> None:
-    models = run(get(app, "/v1/models")).json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
-    assert run(get(app, "/health")).json() == {"status": "ok"}
-    run(post(app, {"model": MODEL, "prompt": "a", "max_tokens": 2}))
-    text = run(get(app, "/metrics")).text
+    models = fakes.run(fakes.get(app, "/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [fakes.MODEL]
+    assert fakes.run(fakes.get(app, "/health")).json() == {"status": "ok"}
+    fakes.run(fakes.post(app, {"model": fakes.MODEL, "prompt": "a", "max_tokens": 2}))
+    text = fakes.run(fakes.get(app, "/metrics")).text
     for name in (
         'moe_requests_total{outcome="length"}',
         "moe_prompt_tokens_total",
@@ -228,8 +215,8 @@ def test_models_health_metrics_admin(app: fastapi.FastAPI) -> None:
         "moe_data_parallel_size 2.0",
     ):
         assert name in text, name
-    assert run(get(app, "/elastic_ep/status")).json() == {"data_parallel_size": 2}
-    missing = run(get(app, "/nope"))
+    assert fakes.run(fakes.get(app, "/elastic_ep/status")).json() == {"data_parallel_size": 2}
+    missing = fakes.run(fakes.get(app, "/nope"))
     assert missing.status_code == 404 and "error" in missing.json()
 
 
@@ -249,7 +236,7 @@ def test_health_and_queueing_while_a_boundary_call_holds_the_loop(app: fastapi.F
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             health = (await c.get("/health")).status_code
-            body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0}
+            body = {"model": fakes.MODEL, "prompt": "a", "max_tokens": 2, "temperature": 0}
             pending = asyncio.ensure_future(c.post("/v1/completions", json=body))
             deadline = time.monotonic() + 30
             while engine.stats().num_waiting < 1:  # queued, not refused
@@ -259,7 +246,7 @@ def test_health_and_queueing_while_a_boundary_call_holds_the_loop(app: fastapi.F
             release.set()
             return health, await pending
 
-    health, resp = run(during())
+    health, resp = fakes.run(during())
     held.result(30)
     assert health == 200
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "bc"
@@ -284,7 +271,7 @@ def test_non_streamed_request_is_aborted_when_the_client_goes(app: fastapi.FastA
     release = threading.Event()
     held = api.engine.call_at_boundary(lambda: release.wait(30))  # no step can finish it first
     try:
-        outputs, handle = run(go())
+        outputs, handle = fakes.run(go())
     finally:
         release.set()
     held.result(30)

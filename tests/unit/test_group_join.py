@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from moe_runtime import worker as worker_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, local
+from moe_runtime.rank import groups as groups_mod
 
 #: Far longer than any test here waits: a test that reaches it has failed.
 LONG = 60.0
@@ -59,30 +58,25 @@ def test_a_member_that_never_comes_is_named_when_the_timeout_ends(
     spec_of: Callable[[int], group_mod.GroupSpec],
 ) -> None:
     """Rank 2 never joins (rank 0 hosts the TCP store, so the others can reach it)."""
-    started = time.monotonic()
     futures = _join_all(spec_of(3), [0, 1], timeout=1.0)
     for f in futures:
         with pytest.raises(group_mod.JoinTimeout, match=r"members \[2\] did not join") as info:
-            f.result(timeout=30)
+            f.result(timeout=LONG)
         assert info.value.missing == [2]
-    assert time.monotonic() - started < 15
 
 
 def test_a_join_called_off_returns_at_once(
     spec_of: Callable[[int], group_mod.GroupSpec],
 ) -> None:
-    """Rank 0 never comes: on TCP the others cannot even reach the store; the call-off still
-    ends their join long before its timeout."""
+    """Rank 0 never comes: on TCP the others cannot even reach the store; the call-off ends
+    their join (JoinAborted) instead of its timeout (JoinTimeout). (How soon: bench/failures.py.)"""
     stop = threading.Event()
     futures = _join_all(spec_of(3), [1, 2], timeout=LONG, aborted=stop.is_set)
-    time.sleep(0.3)  # they are waiting for rank 0 now
-    assert not any(f.done() for f in futures)
-    called_off = time.monotonic()
+    assert not any(f.done() for f in futures)  # waiting for rank 0
     stop.set()
     for f in futures:
         with pytest.raises(group_mod.JoinAborted):
-            f.result(timeout=30)
-    assert time.monotonic() - called_off < 5
+            f.result(timeout=2 * LONG)
 
 
 # ------------------------------------------------------------------- LocalExecutor
@@ -113,53 +107,50 @@ def test_a_member_whose_join_fails_calls_the_others_off(
     three_ranks: local.LocalExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 2's join fails at once (as a dead process's call does): the build fails naming it
-    within seconds, not at the group timeout, and no member is left waiting in a rendezvous."""
-    failing = three_ranks.worker(2)
-    real = worker_mod.RankWorker.join_group
+    (an ExecutorError from its join, not the TimeoutError of the group timeout), and no
+    member is left waiting in a rendezvous."""
+    failing = three_ranks.worker(2).groups
+    real = groups_mod.RankGroups.join_group
 
-    def join_group(self: worker_mod.RankWorker, *args: Any, **kwargs: Any) -> None:
+    def join_group(self: groups_mod.RankGroups, *args: Any, **kwargs: Any) -> None:
         if self is failing:
             raise RuntimeError("this member's process is gone")
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(worker_mod.RankWorker, "join_group", join_group)
-    started = time.monotonic()
+    monkeypatch.setattr(groups_mod.RankGroups, "join_group", join_group)
     with pytest.raises(base.ExecutorError, match="rank 2.*process is gone") as info:
         three_ranks.build_groups([0, 1, 2], epoch=4, timeout=LONG)
     assert info.value.ranks == [2]
-    assert time.monotonic() - started < 15
     assert _in_join(three_ranks) == 0
     assert all(
-        (4, role) not in three_ranks.worker(r).groups()
+        (4, role) not in three_ranks.worker(r).groups.groups()
         for r in (0, 1)
         for role in ("step", "transfer")
     )
     monkeypatch.undo()
     three_ranks.build_groups([0, 1, 2], epoch=5, timeout=LONG)  # a next epoch builds at once
-    assert {e for e, _ in three_ranks.worker(0).groups()} == {5}
+    assert {e for e, _ in three_ranks.worker(0).groups.groups()} == {5}
 
 
 def test_a_member_the_heartbeat_loses_while_joining_fails_the_build(
     three_ranks: local.LocalExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 2 hangs before it joins (a stopped process) and is fenced: RankDied names it."""
-    hung = three_ranks.worker(2)
+    hung = three_ranks.worker(2).groups
     release = threading.Event()
-    real = worker_mod.RankWorker.join_group
+    real = groups_mod.RankGroups.join_group
 
-    def join_group(self: worker_mod.RankWorker, *args: Any, **kwargs: Any) -> None:
+    def join_group(self: groups_mod.RankGroups, *args: Any, **kwargs: Any) -> None:
         if self is hung:
             release.wait(LONG)
             raise RuntimeError("woke up too late")
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(worker_mod.RankWorker, "join_group", join_group)
+    monkeypatch.setattr(groups_mod.RankGroups, "join_group", join_group)
     threading.Timer(0.3, three_ranks.fence, args=([2],), kwargs={"reason": "unresponsive"}).start()
-    started = time.monotonic()
     try:
         with pytest.raises(base.RankDied, match=r"ranks \[2\] were lost while joining") as info:
             three_ranks.build_groups([0, 1, 2], epoch=4, timeout=LONG)
         assert info.value.ranks == [2]
-        assert time.monotonic() - started < 15
     finally:
         release.set()

@@ -13,7 +13,7 @@ from fastapi import testclient
 
 from moe_runtime import cli
 from moe_runtime.model import mixtral, source, tokenizer
-from tests.unit import test_checkpoint
+from tests.support import hf_models
 
 VOCAB = 200
 PROMPT = [1, 5, 9, 100, 3]
@@ -22,7 +22,7 @@ PROMPT = [1, 5, 9, 100, 3]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("no-tokenizer") / "model"
-    test_checkpoint._hf_model(vocab_size=VOCAB, max_position_embeddings=64).save_pretrained(path)
+    hf_models.mixtral(vocab_size=VOCAB, max_position_embeddings=64).save_pretrained(path)
     assert not (path / source.TOKENIZER_FILE).exists()
     return path
 

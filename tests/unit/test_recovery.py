@@ -15,7 +15,7 @@ import torch
 from moe_runtime import server
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import coordinator, records, service, serving, stages
-from moe_runtime.engine import core
+from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -23,8 +23,7 @@ from moe_runtime.executor import base, local
 from moe_runtime.executor import health as health_mod
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
-from tests.unit import test_engine as fake
-from tests.unit import test_engine_server as api
+from tests.support import engine_fakes
 
 SOURCE = "synthetic://tiny?seed=0"
 DEADLINE = 60.0
@@ -115,7 +114,7 @@ def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -
 
         worker.ping = ping  # type: ignore[method-assign]
         found: list[dict[int, str]] = []
-        ex.start_heartbeat(interval=0.02, hang_timeout=0.3, on_lost=found.append)
+        ex.heartbeat.start(interval=0.02, hang_timeout=0.3, on_lost=found.append)
         _poll(lambda: found, "the heartbeat to find rank 1")
         assert found == [{1: health_mod.HEALTH_UNRESPONSIVE}]
         lost = ex.lost_ranks()
@@ -129,34 +128,48 @@ def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -
         ex.shutdown()
 
 
+class Pings:
+    """The pings a `Heartbeat` sends, answered at once except by the `hung` labels; and the
+    workers it fenced."""
+
+    def __init__(self, hung: set[int]) -> None:
+        self.hung = hung
+        self.fenced: list[int] = []
+
+    def send(self, label: int) -> int:
+        return label
+
+    def poll(self, label: int) -> str | None:
+        return None if label in self.hung else health_mod.HEALTH_OK
+
+    def fence(self, labels: list[int], *, reason: str) -> None:
+        self.fenced += labels
+
+
 def test_a_pending_worker_gets_the_longer_pending_hang_timeout() -> None:
     """A worker in no step (starting, loading, a warm spare) that answers pings slowly blocks
-    nobody: it is fenced only after `pending_hang_timeout`, not `hang_timeout`."""
-    placement = policy.identity(4, 8, 8, 2)
-    ex = local.LocalExecutor(2)
-    try:
-        ex.start(SOURCE, placement=placement)
-        (label,) = ex.add_ranks(1)
-        hung = threading.Event()
-        worker = ex.worker(label)
-        answer = worker.ping
-
-        def ping() -> dict[str, Any]:
-            hung.wait(DEADLINE)
-            return answer()
-
-        worker.ping = ping  # type: ignore[method-assign]
-        ex.pending_hang_timeout = 1.0
-        found: list[dict[int, str]] = []
-        started = time.monotonic()
-        ex.start_heartbeat(interval=0.02, hang_timeout=0.2, on_lost=found.append)
-        _poll(lambda: found, "the heartbeat to find the pending worker")
-        assert found == [{label: health_mod.HEALTH_UNRESPONSIVE}]
-        assert time.monotonic() - started >= 1.0  # not after hang_timeout (0.2 s)
-        assert ex.health()[0].state == ex.health()[1].state == health_mod.HEALTH_OK
-        hung.set()
-    finally:
-        ex.shutdown()
+    nobody: it is fenced only after `pending_hang_timeout`, not `hang_timeout` (rounds of the
+    heartbeat on its own clock: ranks 0 and 1 step, worker 2 is pending and never answers)."""
+    members = {label: health_mod.RankHealth() for label in (0, 1, 2)}
+    pings = Pings(hung={2})
+    now = [0.0]
+    beat = health_mod.Heartbeat(
+        members=lambda: members,
+        stepping=lambda: [0, 1],
+        send_ping=pings.send,
+        poll_ping=pings.poll,
+        fence=pings.fence,
+        clock=health_mod.StepClock(),
+        now=lambda: now[0],
+    )
+    beat.pending_hang_timeout = 1.0
+    found = []
+    for t in (0.0, 0.1, 0.3, 0.6, 0.9, 1.2):  # hang_timeout 0.2 passes at once, 1.0 at 1.2
+        now[0] = t
+        found.append(beat.round(hang_timeout=0.2))
+    assert found[:-1] == [{}] * 5  # not after hang_timeout
+    assert found[-1] == {2: health_mod.HEALTH_UNRESPONSIVE} and pings.fenced == [2]
+    assert beat.health()[0].state == beat.health()[1].state == health_mod.HEALTH_OK
 
 
 def test_step_deadline_follows_observed_step_times() -> None:
@@ -175,7 +188,7 @@ def test_step_deadline_follows_observed_step_times() -> None:
 
 
 def test_a_boundary_call_that_misses_its_deadline_is_cancelled_and_never_runs() -> None:
-    engine, executor = fake.make_engine(1)
+    engine, executor = engine_fakes.make_engine(1)
     gate = threading.Event()
     inner = executor.execute_step
     started = threading.Event()
@@ -188,7 +201,7 @@ def test_a_boundary_call_that_misses_its_deadline_is_cancelled_and_never_runs() 
     executor.execute_step = slow  # type: ignore[method-assign]
     ran: list[str] = []
     with engine:
-        handle = engine.add_request(fake.req("a", max_tokens=3))
+        handle = engine.add_request(engine_fakes.req("a", max_tokens=3))
         assert started.wait(DEADLINE)
         with pytest.raises(TimeoutError, match="cancelled"):
             engine.run_at_boundary(lambda: ran.append("late"), timeout=0.2)
@@ -251,7 +264,7 @@ def _deployment(
     placement = policy.identity(cfg.num_layers, cfg.num_experts, physical, size)
     ex = local.LocalExecutor(size)
     ex.start(SOURCE, placement=placement)
-    engine = core.Engine(ex, src.tokenizer(), core.EngineConfig(max_model_len=512))
+    engine = core.Engine(ex, src.tokenizer(), seam.EngineConfig(max_model_len=512))
     elastic = service.ElasticService.attach(
         engine=engine,
         executor=ex,
@@ -297,7 +310,7 @@ def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> No
         assert [g.error for g in got] == [None] * len(prompts)
         assert [g.token_ids for g in got] == want
         status = elastic.status()
-        assert status["data_parallel_size"] == 2 and not elastic.recovery.config.auto_recover
+        assert status["data_parallel_size"] == 2 and not elastic.recovery.ctx.config.auto_recover
         (rec,) = [h for h in status["history"] if h["kind"] == "recovery"]
         assert rec["stage"] == "Completed" and rec["recovery"]["ranks_lost"][0]["rank"] == 1
         assert rec["recovery"]["requests_rerun"] >= 1
@@ -364,10 +377,10 @@ def test_a_rank_lost_after_a_grow_heals_from_what_the_survivors_retain() -> None
 def test_ready_answers_the_readiness_and_health_stays_liveness(
     state: tuple[bool, str], code: int, body: dict[str, str]
 ) -> None:
-    engine, _ = fake.make_engine(1)
+    engine, _ = engine_fakes.make_engine(1)
     app = server.create_app(engine, served_model_name="letters", readiness=lambda: state)
     with engine:
-        ready = asyncio.run(api.get(app, "/ready"))
-        health = asyncio.run(api.get(app, "/health"))
+        ready = asyncio.run(engine_fakes.get(app, "/ready"))
+        health = asyncio.run(engine_fakes.get(app, "/health"))
     assert (ready.status_code, ready.json()) == (code, body)
     assert health.status_code == 200

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_runtime import retention
 from moe_runtime.elastic import rebalance
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.model import mixtral
+from moe_runtime.rank import retention
 
 
 def _weights(tag: float) -> mixtral.ExpertWeights:

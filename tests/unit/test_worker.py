@@ -4,168 +4,84 @@ elastic primitives (add, groups, transfers, staging, switch, commit) work withou
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from moe_runtime import sampling
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base, local
-from moe_runtime.model import config as config_mod
 from moe_runtime.model import mixtral
-from moe_runtime.model import source as source_mod
-
-SOURCE = "synthetic://tiny?seed=0"
-PROMPTS = [[1, 5, 9, 23, 44], [1, 7, 7, 7], [1, 100, 200, 300, 400, 12], [1, 3]]
-GREEDY = step_mod.SamplingParams()
-
-
-@dataclasses.dataclass
-class Seq:
-    prompt: list[int]
-    rank: int
-    sampling: step_mod.SamplingParams
-    max_tokens: int
-    generated: list[int] = dataclasses.field(default_factory=list)
-    in_kv: int = 0
-
-    @property
-    def done(self) -> bool:
-        return len(self.generated) >= self.max_tokens
-
-
-class Lockstep:
-    """A minimal engine: every step runs each unfinished sequence's new tokens on its rank."""
-
-    def __init__(self, executor: base.Executor) -> None:
-        self.executor = executor
-        self.seqs: dict[str, Seq] = {}
-        self.step_id = 0
-        self.to_free: dict[int, list[str]] = {}
-
-    def add(
-        self,
-        seq_id: str,
-        prompt: list[int],
-        *,
-        rank: int,
-        max_tokens: int,
-        sampling: step_mod.SamplingParams = GREEDY,
-    ) -> None:
-        self.seqs[seq_id] = Seq(list(prompt), rank, sampling, max_tokens)
-
-    def migrate(self, seq_id: str, rank: int) -> None:
-        """Move a sequence to another rank: free it there, re-prefill prompt + generated."""
-        seq = self.seqs[seq_id]
-        self.to_free.setdefault(seq.rank, []).append(seq_id)
-        seq.rank, seq.in_kv = rank, 0
-
-    def step(self, control: dict[str, int] | None = None) -> list[step_mod.StepOutput]:
-        batches: dict[int, step_mod.RankBatch] = {}
-        for rank, ids in self.to_free.items():
-            batches.setdefault(rank, step_mod.RankBatch()).free.extend(ids)
-        self.to_free = {}
-        for seq_id, seq in self.seqs.items():
-            if seq.done:
-                continue
-            tokens = (seq.prompt + seq.generated)[seq.in_kv :]
-            work = step_mod.SeqWork(seq_id, tokens, seq.in_kv, seq.sampling, len(seq.generated))
-            batches.setdefault(seq.rank, step_mod.RankBatch()).seqs.append(work)
-        step = step_mod.StepInput(self.step_id, batches, dict(control or {}))
-        self.step_id += 1
-        outs = self.executor.execute_step(step)
-        for out in outs:
-            assert out.error is None, f"rank {out.rank}: {out.error}"
-            for seq_id, token in out.tokens.items():
-                seq = self.seqs[seq_id]
-                seq.in_kv = len(seq.prompt) + len(seq.generated)
-                seq.generated.append(token)
-                if seq.done:
-                    self.to_free.setdefault(seq.rank, []).append(seq_id)
-        return outs
-
-    def run(self) -> dict[str, list[int]]:
-        while not all(s.done for s in self.seqs.values()):
-            self.step()
-        return {k: s.generated for k, s in self.seqs.items()}
+from moe_runtime.rank import sampling
+from tests.support import faults, lockstep
 
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     torch.set_num_threads(1)
-    return mixtral.generate_greedy(SOURCE, PROMPTS, 8)
+    return mixtral.generate_greedy(lockstep.SOURCE, lockstep.PROMPTS, 8)
 
 
-def _config() -> config_mod.ModelConfig:
-    return source_mod.open_source(SOURCE).config
-
-
-def identity(num_ranks: int, num_physical: int | None = None) -> policy.Placement:
-    cfg = _config()
-    phys = num_physical or cfg.num_experts
-    return policy.identity(cfg.num_layers, cfg.num_experts, phys, num_ranks)
+Factory = Callable[[int], local.LocalExecutor]
 
 
 @pytest.fixture
-def executor_factory() -> Iterator[type[local.LocalExecutor]]:
+def executor_factory() -> Iterator[Factory]:
+    """LocalExecutors with the fault hooks (`tests.support.faults`), shut down after the test."""
     made: list[local.LocalExecutor] = []
 
-    class Made(local.LocalExecutor):
-        def __init__(self, num_ranks: int) -> None:
-            super().__init__(num_ranks)
-            made.append(self)
+    def make(num_ranks: int) -> local.LocalExecutor:
+        made.append(local.LocalExecutor(num_ranks, rank_hooks=faults.Faults))
+        return made[-1]
 
-    yield Made
+    yield make
     for ex in made:
         ex.shutdown()
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2], ids=["1-rank", "2-ranks"])
 def test_local_generation_equals_single_process(
-    num_ranks: int, reference: list[list[int]], executor_factory: type[local.LocalExecutor]
+    num_ranks: int, reference: list[list[int]], executor_factory: Factory
 ) -> None:
     ex = executor_factory(num_ranks)
-    ex.start(SOURCE, placement=identity(num_ranks))
-    run = Lockstep(ex)
-    for i, prompt in enumerate(PROMPTS):
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(num_ranks))
+    run = lockstep.Lockstep(ex)
+    for i, prompt in enumerate(lockstep.PROMPTS):
         run.add(str(i), prompt, rank=i % num_ranks, max_tokens=8)
     got = run.run()
-    assert [got[str(i)] for i in range(len(PROMPTS))] == reference
+    assert [got[str(i)] for i in range(len(lockstep.PROMPTS))] == reference
 
 
-def test_expert_load_counts_routed_tokens(executor_factory: type[local.LocalExecutor]) -> None:
-    cfg = _config()
+def test_expert_load_counts_routed_tokens(executor_factory: Factory) -> None:
+    cfg = lockstep.config()
     ex = executor_factory(2)
-    ex.start(SOURCE, placement=identity(2))
-    run = Lockstep(ex)
-    run.add("a", PROMPTS[0], rank=0, max_tokens=1)
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(2))
+    run = lockstep.Lockstep(ex)
+    run.add("a", lockstep.PROMPTS[0], rank=0, max_tokens=1)
     outs = run.step()
     load = outs[0].expert_load
     assert tuple(load.shape) == (cfg.num_layers, cfg.num_experts)
-    assert load.sum(dim=1).tolist() == [len(PROMPTS[0]) * cfg.top_k] * cfg.num_layers
+    assert load.sum(dim=1).tolist() == [len(lockstep.PROMPTS[0]) * cfg.top_k] * cfg.num_layers
     assert outs[1].expert_load.sum().item() == 0  # the idle rank routed nothing
 
 
 def test_seeded_sampling_is_the_same_on_rank_0_and_rank_1(
-    executor_factory: type[local.LocalExecutor],
+    executor_factory: Factory,
 ) -> None:
     sampling = step_mod.SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     tokens = []
     for rank in (0, 1):
         ex = executor_factory(2)
-        ex.start(SOURCE, placement=identity(2))
-        run = Lockstep(ex)
-        run.add("s", PROMPTS[2], rank=rank, max_tokens=12, sampling=sampling)
-        run.add("other", PROMPTS[1], rank=1 - rank, max_tokens=3)
+        ex.start(lockstep.SOURCE, placement=lockstep.identity(2))
+        run = lockstep.Lockstep(ex)
+        run.add("s", lockstep.PROMPTS[2], rank=rank, max_tokens=12, sampling=sampling)
+        run.add("other", lockstep.PROMPTS[1], rank=1 - rank, max_tokens=3)
         tokens.append(run.run()["s"])
     assert tokens[0] == tokens[1]
-    greedy = mixtral.generate_greedy(SOURCE, [PROMPTS[2]], 12)[0]
+    greedy = mixtral.generate_greedy(lockstep.SOURCE, [lockstep.PROMPTS[2]], 12)[0]
     assert tokens[0] != greedy  # it did sample
 
 
@@ -181,12 +97,12 @@ def test_sample_token_depends_only_on_seed_and_position() -> None:
 
 
 def test_bad_sequence_is_reported_and_peers_keep_stepping(
-    executor_factory: type[local.LocalExecutor],
+    executor_factory: Factory,
 ) -> None:
     ex = executor_factory(2)
-    ex.start(SOURCE, placement=identity(2))
-    bad = step_mod.SeqWork("bad", [1, 99999], 0, GREEDY)
-    good = step_mod.SeqWork("good", PROMPTS[0], 0, GREEDY)
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(2))
+    bad = step_mod.SeqWork("bad", [1, 99999], 0, lockstep.GREEDY)
+    good = step_mod.SeqWork("good", lockstep.PROMPTS[0], 0, lockstep.GREEDY)
     step = step_mod.StepInput(
         0, {0: step_mod.RankBatch(seqs=[bad]), 1: step_mod.RankBatch(seqs=[good])}
     )
@@ -196,10 +112,10 @@ def test_bad_sequence_is_reported_and_peers_keep_stepping(
 
 
 def test_injected_step_failure_is_returned_not_raised(
-    executor_factory: type[local.LocalExecutor],
+    executor_factory: Factory,
 ) -> None:
     ex = executor_factory(1)
-    ex.start(SOURCE, placement=identity(1))
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(1))
     ex.collective_rpc("fail_next", "execute_step")
     outs = ex.execute_step(step_mod.StepInput(0, {}))
     assert outs[0].error is not None and "InjectedFailure" in outs[0].error
@@ -207,15 +123,15 @@ def test_injected_step_failure_is_returned_not_raised(
 
 
 def test_injected_transfer_failure_raises_executor_error(
-    executor_factory: type[local.LocalExecutor],
+    executor_factory: Factory,
 ) -> None:
     ex = executor_factory(1)
-    ex.start(SOURCE, placement=identity(1))
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(1))
     new = ex.add_ranks(1)
     ex.collective_rpc(
         "load_weights",
         ranks=new,
-        source=SOURCE,
+        source=lockstep.SOURCE,
         rank=1,
         num_ranks=2,
         placement=None,
@@ -228,14 +144,14 @@ def test_injected_transfer_failure_raises_executor_error(
 
 
 def test_local_grow_then_shrink_keeps_tokens(
-    reference: list[list[int]], executor_factory: type[local.LocalExecutor]
+    reference: list[list[int]], executor_factory: Factory
 ) -> None:
     """1 -> 2 -> 1 ranks mid-generation with the resize primitives; tokens are unchanged."""
     ex = executor_factory(1)
-    old = identity(1)
-    ex.start(SOURCE, placement=old)
-    run = Lockstep(ex)
-    for i, prompt in enumerate(PROMPTS):
+    old = lockstep.identity(1)
+    ex.start(lockstep.SOURCE, placement=old)
+    run = lockstep.Lockstep(ex)
+    for i, prompt in enumerate(lockstep.PROMPTS):
         run.add(str(i), prompt, rank=0, max_tokens=8)
     for _ in range(3):
         run.step()
@@ -244,7 +160,7 @@ def test_local_grow_then_shrink_keeps_tokens(
     ex.collective_rpc(
         "load_weights",
         ranks=[new_rank],
-        source=SOURCE,
+        source=lockstep.SOURCE,
         rank=1,
         num_ranks=2,
         placement=None,
@@ -256,7 +172,7 @@ def test_local_grow_then_shrink_keeps_tokens(
         "transfer_non_expert", 1, ranks=[0, new_rank], src_ranks=[0], dst_ranks=[new_rank]
     )
     assert received[0] == 0 and received[1] > 0
-    grown = identity(2)
+    grown = lockstep.identity(2)
     plan = moves_mod.plan_moves(old, grown, old_num_ranks=1, new_num_ranks=2)
     ex.collective_rpc(
         "stage_experts",
@@ -274,7 +190,7 @@ def test_local_grow_then_shrink_keeps_tokens(
     run.migrate("3", 1)
     run.step()
     # shrink: experts leave rank 1 first, its sequences re-prefill on rank 0, then switch
-    shrunk = identity(1)
+    shrunk = lockstep.identity(1)
     plan = moves_mod.plan_moves(grown, shrunk, old_num_ranks=2, new_num_ranks=1)
     ex.collective_rpc(
         "stage_experts",
@@ -294,19 +210,19 @@ def test_local_grow_then_shrink_keeps_tokens(
     infos = ex.remove_ranks([1])
     assert len(infos) == 1 and infos[0]["pod"]
     got = run.run()
-    assert [got[str(i)] for i in range(len(PROMPTS))] == reference
+    assert [got[str(i)] for i in range(len(lockstep.PROMPTS))] == reference
 
 
 def test_rebalance_commits_at_a_step_boundary(
-    reference: list[list[int]], executor_factory: type[local.LocalExecutor]
+    reference: list[list[int]], executor_factory: Factory
 ) -> None:
     """EPLB on a fixed set of ranks: stage a new placement, commit it via StepInput.control."""
-    cfg = _config()
+    cfg = lockstep.config()
     ex = executor_factory(2)
-    old = identity(2, cfg.num_experts + 2)
-    ex.start(SOURCE, placement=old)
-    run = Lockstep(ex)
-    for i, prompt in enumerate(PROMPTS):
+    old = lockstep.identity(2, cfg.num_experts + 2)
+    ex.start(lockstep.SOURCE, placement=old)
+    run = lockstep.Lockstep(ex)
+    for i, prompt in enumerate(lockstep.PROMPTS):
         run.add(str(i), prompt, rank=i % 2, max_tokens=8)
     outs = run.step()
     load = sum(o.expert_load for o in outs)
@@ -325,9 +241,9 @@ def test_rebalance_commits_at_a_step_boundary(
         new_num_ranks=2,
     )
     run.step(control={step_mod.CONTROL_EXPERT_EPOCH: 5})
-    assert ex.worker(0).placement is not None and ex.worker(0).placement.equals(new)
+    assert ex.worker(0).slots.placement is not None and ex.worker(0).slots.placement.equals(new)
     got = run.run()
-    assert [got[str(i)] for i in range(len(PROMPTS))] == reference
+    assert [got[str(i)] for i in range(len(lockstep.PROMPTS))] == reference
 
 
 @pytest.mark.parametrize(
@@ -338,14 +254,14 @@ def test_rebalance_commits_at_a_step_boundary(
     ],
 )
 def test_a_commit_one_rank_cannot_make_is_made_by_none(
-    failure: str, executor_factory: type[local.LocalExecutor]
+    failure: str, executor_factory: Factory
 ) -> None:
     """The EPLB commit is voted on: when rank 1 cannot commit, rank 0 keeps the old placement
     too, both discard what they staged, and the step's batch still runs (no hang)."""
-    cfg = _config()
+    cfg = lockstep.config()
     ex = executor_factory(2)
-    old = identity(2, cfg.num_experts + 2)
-    ex.start(SOURCE, placement=old)
+    old = lockstep.identity(2, cfg.num_experts + 2)
+    ex.start(lockstep.SOURCE, placement=old)
     new = policy.Placement.from_phy2log(old.phy2log.flip(1), cfg.num_experts)
     plan = moves_mod.plan_moves(old, new, old_num_ranks=2, new_num_ranks=2)
     ranks = [0] if failure == "nothing-staged" else [0, 1]
@@ -362,7 +278,7 @@ def test_a_commit_one_rank_cannot_make_is_made_by_none(
         new_num_ranks=2,
         stage=9,
     )
-    work = step_mod.SeqWork("a", PROMPTS[0], 0, GREEDY)
+    work = step_mod.SeqWork("a", lockstep.PROMPTS[0], 0, lockstep.GREEDY)
     step = step_mod.StepInput(
         0, {0: step_mod.RankBatch(seqs=[work])}, {step_mod.CONTROL_EXPERT_EPOCH: 9}
     )
@@ -371,16 +287,17 @@ def test_a_commit_one_rank_cannot_make_is_made_by_none(
     assert outs[0].error is None and "a" in outs[0].tokens
     for r in (0, 1):
         w = ex.worker(r)
-        assert w.placement is not None and w.placement.equals(old) and w._staged is None
+        assert w.slots.placement is not None and w.slots.placement.equals(old)
+        assert w.slots.staged is None
 
 
 def test_a_commit_every_rank_makes_can_be_reverted_until_retired(
-    reference: list[list[int]], executor_factory: type[local.LocalExecutor]
+    reference: list[list[int]], executor_factory: Factory
 ) -> None:
-    cfg = _config()
+    cfg = lockstep.config()
     ex = executor_factory(2)
-    old = identity(2, cfg.num_experts + 2)
-    ex.start(SOURCE, placement=old)
+    old = lockstep.identity(2, cfg.num_experts + 2)
+    ex.start(lockstep.SOURCE, placement=old)
     new = policy.Placement.from_phy2log(old.phy2log.flip(1), cfg.num_experts)
     plan = moves_mod.plan_moves(old, new, old_num_ranks=2, new_num_ranks=2)
     ex.collective_rpc(
@@ -396,25 +313,25 @@ def test_a_commit_every_rank_makes_can_be_reverted_until_retired(
     outs = ex.execute_step(step_mod.StepInput(0, {}, {step_mod.CONTROL_EXPERT_EPOCH: 7}))
     assert [o.committed for o in outs] == [7, 7]
     assert ex.collective_rpc("revert", 7) == [True, True]
-    assert all(ex.worker(r).placement.equals(old) for r in (0, 1))  # type: ignore[union-attr]
+    assert all(ex.worker(r).slots.placement.equals(old) for r in (0, 1))  # type: ignore[union-attr]
     assert ex.collective_rpc("revert", 7) == [False, False]  # nothing left to undo
-    run = Lockstep(ex)
-    for i, prompt in enumerate(PROMPTS):
+    run = lockstep.Lockstep(ex)
+    for i, prompt in enumerate(lockstep.PROMPTS):
         run.add(str(i), prompt, rank=i % 2, max_tokens=8)
     got = run.run()
-    assert [got[str(i)] for i in range(len(PROMPTS))] == reference
+    assert [got[str(i)] for i in range(len(lockstep.PROMPTS))] == reference
 
 
 def test_failed_forward_leaves_kv_as_before_so_the_step_can_be_retried(
-    reference: list[list[int]], executor_factory: type[local.LocalExecutor]
+    reference: list[list[int]], executor_factory: Factory
 ) -> None:
     ex = executor_factory(1)
-    ex.start(SOURCE, placement=identity(1))
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(1))
     worker = ex.worker(0)
-    run = Lockstep(ex)
-    run.add("0", PROMPTS[0], rank=0, max_tokens=4)
+    run = lockstep.Lockstep(ex)
+    run.add("0", lockstep.PROMPTS[0], rank=0, max_tokens=4)
     run.step()
-    backend = worker._backend
+    backend = worker.slots.backend
     assert backend is not None
 
     def broken(layer: int, *args: torch.Tensor) -> torch.Tensor:
@@ -422,24 +339,24 @@ def test_failed_forward_leaves_kv_as_before_so_the_step_can_be_retried(
             raise RuntimeError("peer lost")
         return backend(layer, *args)
 
-    worker._backend = broken
+    worker.slots.backend = broken
     with pytest.raises(AssertionError, match="peer lost"):
         run.step()
-    worker._backend = backend
+    worker.slots.backend = backend
     assert run.run()["0"] == reference[0][:4]
 
 
-def test_group_whose_member_never_comes_fails_within_its_timeout(
-    executor_factory: type[local.LocalExecutor],
+def test_group_whose_member_never_comes_fails_at_its_timeout_naming_it(
+    executor_factory: Factory,
 ) -> None:
+    """The join ends with the group's own timeout (the call has none) and names the member
+    that never came; the ranks keep no group of it and step on."""
     ex = executor_factory(2)
-    ex.start(SOURCE, placement=identity(2))
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(2))
     spec = group_mod.GroupSpec.local(3, epoch=1)  # a third member never joins
-    started = time.monotonic()
-    with pytest.raises(base.ExecutorError):
+    with pytest.raises(base.ExecutorError, match=r"members \[2\] did not join"):
         ex.collective_rpc(
             "join_group", spec, per_rank={0: {"rank": 0}, 1: {"rank": 1}}, group_timeout=1.0
         )
-    assert time.monotonic() - started < 30
     assert ex.collective_rpc("groups") == [[(0, "step"), (0, "transfer")]] * 2
     assert all(o.error is None for o in ex.execute_step(step_mod.StepInput(0, {})))

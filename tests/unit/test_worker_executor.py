@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_runtime.executor import base
+from moe_runtime.executor import base, roster
 
 
 def test_ranks_are_ordered_driver_node_first_then_smaller_nodes_then_ip() -> None:
@@ -39,7 +39,7 @@ def test_ranks_are_ordered_driver_node_first_then_smaller_nodes_then_ip() -> Non
     ],
 )
 def test_switch_relabels(ranks: list[int], live: list[int], expected: dict[int, int]) -> None:
-    assert base.check_switch(ranks, live=live) == expected
+    assert roster.check_switch(ranks, live=live) == expected
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_switch_relabels(ranks: list[int], live: list[int], expected: dict[int, 
 )
 def test_bad_switch_is_refused(ranks: list[int], live: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        base.check_switch(ranks, live=live)
+        roster.check_switch(ranks, live=live)
 
 
 def test_moves_between_ranks_of_one_node_go_through_shared_memory() -> None:

@@ -61,8 +61,9 @@ class ScaleAccepted(pydantic.BaseModel):
 
 class InjectFailureRequest(pydantic.BaseModel):
     """Test hook body: make the next resize fail in `stage` (after its work ran), and/or make
-    the next `operation` (a RankWorker method, e.g. "activate", "stage_experts",
-    "commit_staged") of rank `rank` fail."""
+    the next `operation` (a fault point of the rank, `moe_runtime.rank.hooks.POINTS`, e.g.
+    "activate", "stage_experts", "commit_staged") of rank `rank` fail: the ranks must carry the
+    tests' fault hooks (`MOE_RANK_HOOKS`)."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
 
@@ -313,7 +314,7 @@ def build_router(
     if test_hooks:
 
         @router.post("/elastic_ep/inject_failure")
-        def inject_failure(body: InjectFailureRequest) -> dict[str, Any]:
+        def inject_failure(body: InjectFailureRequest) -> Any:
             armed: dict[str, Any] = {}
             if body.stage is not None:
                 coordinator.inject_failure(body.stage)
@@ -321,7 +322,13 @@ def build_router(
             if body.rank is not None and body.operation is not None:
                 if fail_rank is None:
                     raise fastapi.HTTPException(404, "this server cannot arm rank failures")
-                fail_rank(body.rank, body.operation)
+                try:
+                    fail_rank(body.rank, body.operation)
+                except Exception as exc:  # noqa: BLE001 - answered: no hooks, or a bad operation
+                    # The ranks carry no fault hooks (`MOE_RANK_HOOKS`), or they refused it.
+                    return error_response(
+                        400, str(exc), type_="invalid_request_error", param="operation"
+                    )
                 armed.update(rank=body.rank, operation=body.operation)
             return armed
 

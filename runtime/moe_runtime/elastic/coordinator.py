@@ -111,10 +111,12 @@ class ProgressTracker:
     """Measures the blackout of a resize: the longest gap with no token produced while busy.
 
     `on_step(produced, busy)` is called after every engine step with the number of tokens the
-    step produced and whether requests were in flight.
+    step produced and whether requests were in flight. clock: the monotonic clock (tests give
+    their own).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._active = False
         self._last = 0.0
@@ -123,11 +125,11 @@ class ProgressTracker:
     def start(self) -> None:
         with self._lock:
             self._active = True
-            self._last = time.monotonic()
+            self._last = self._clock()
             self._max_gap = 0.0
 
     def on_step(self, produced: int, busy: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if not self._active:
                 return
@@ -141,7 +143,7 @@ class ProgressTracker:
                 self._last = now  # idle time with nothing to serve is no blackout
 
     def stop(self, busy: bool) -> float:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if busy:
                 self._max_gap = max(self._max_gap, now - self._last)

@@ -1,4 +1,4 @@
-"""The scale-up stages of a resize N→M (`GrowStages`, inherited by `ops.EngineResizeOps`).
+"""The scale-up stages of a resize N→M (`Grow`, over the resize's `resize.ResizeContext`).
 
 Ranks keep their labels; the new ones are N..M-1.
 - With warm spare ranks covering M-N (`spares.SparePool.claim`): no Standby. The spares hold
@@ -23,38 +23,47 @@ Ranks keep their labels; the new ones are N..M-1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
-from moe_runtime.elastic import rebalance, records, resize_base
+from moe_runtime.elastic import rebalance, records, resize
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
 
-class GrowStages(resize_base.ResizeBase):
-    """Standby, Transferring, Switching and Reshuffling of a grow (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Grow:
+    """Standby, Transferring, Switching and Reshuffling of a grow (see the module docstring),
+    each a method of (plan, record) over `ctx`."""
 
-    def _up_standby(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+    ctx: resize.ResizeContext
+
+    def standby(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Start the new ranks (warm spares first), load them, and build the new epoch's
+        groups over all the ranks while the old group serves."""
+        ctx = self.ctx
         if plan.warm:
             return  # the warm spares' standby groups exist already
-        old = self.executor.ranks
+        old = ctx.executor.ranks
         count = plan.to_size - plan.from_size
-        plan.from_pool = self.spares.take(count) if self.spares is not None else []
+        plan.from_pool = ctx.spares.take(count) if ctx.spares is not None else []
         plan.new_labels = list(plan.from_pool)
         if plan.from_pool:
             log.info("resize %s: warm spares %s join", record.resize_id, plan.from_pool)
         if len(plan.new_labels) < count:
-            plan.fresh = self.executor.add_ranks(
-                count - len(plan.new_labels), timeout=self.config.rpc_timeout
+            plan.fresh = ctx.executor.add_ranks(
+                count - len(plan.new_labels), timeout=ctx.config.rpc_timeout
             )
             plan.new_labels += plan.fresh
-        storage = self.config.weight_source == "storage"
+        storage = ctx.config.weight_source == "storage"
         if plan.fresh:
             first = len(old) + len(plan.from_pool)
-            loaded = self._rpc(
+            loaded = ctx.rpc(
                 "load_weights",
                 ranks=plan.fresh,
                 per_rank={r: {"rank": first + i} for i, r in enumerate(plan.fresh)},
-                source=self.config.source,
+                source=ctx.config.source,
                 num_ranks=plan.to_size,
                 placement=None,
                 placeholder=not storage,
@@ -62,51 +71,49 @@ class GrowStages(resize_base.ResizeBase):
             if storage:
                 record.bytes_non_expert += int(sum(int(b) for b in loaded))
         plan.groups_on = list(old)
-        self.executor.build_groups(
-            old + plan.new_labels, epoch=plan.epoch, timeout=self.config.rpc_timeout
+        ctx.executor.build_groups(
+            old + plan.new_labels, epoch=plan.epoch, timeout=ctx.config.rpc_timeout
         )
 
-    def _up_transfer(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+    def transfer(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Non-expert weights to the new ranks, and the target placement's experts staged
+        beside the live ones."""
+        ctx = self.ctx
         if not plan.new_labels:
             # Planned on warm spares that were gone by the time it began: Standby's work here.
             log.warning("resize %s: no warm spare left; starting ranks", record.resize_id)
-            self._up_standby(plan, record)
-        members = self.executor.ranks + plan.new_labels
-        if self.config.weight_source == "peer" and plan.fresh:
-            record.bytes_non_expert += self.executor.transfer_non_expert(
-                plan.epoch,
+            self.standby(plan, record)
+        members = ctx.executor.ranks + plan.new_labels
+        if ctx.config.weight_source == "peer" and plan.fresh:
+            transfer = weight_moves.NonExpertTransfer(
+                epoch=plan.epoch,
                 members=members,
                 src_ranks=list(range(plan.from_size)),
                 dst_ranks=[members.index(r) for r in plan.fresh],
-                timeout=self.config.rpc_timeout,
             )
-        old = self.serving.placement
-        retained = self._retained_keys(self.executor.ranks)
+            record.bytes_non_expert += ctx.executor.weights.transfer_non_expert(
+                transfer, timeout=ctx.config.rpc_timeout
+            )
+        retained = ctx.retained_keys(ctx.executor.ranks)
         if plan.prestaged_target is not None:
             plan.target = plan.prestaged_target
         else:
             # Experts stay where they are held: live or retained on the serving ranks, or
             # pre-staged on warm spares whose pre-staged target no longer fits.
             held = {**retained, **plan.prestaged}
-            plan.target = self.target_for(
+            plan.target = ctx.target_for(
                 plan.from_size, plan.to_size, held=rebalance.by_index(members, held)
             )
-        self._stage_experts(
-            plan,
-            epoch=plan.epoch,
-            members=members,
-            old=old,
-            old_num_ranks=plan.from_size,
-            target=plan.target,
-            new_num_ranks=plan.to_size,
-            record=record,
-            retained=retained,
-        )
+        ctx.stage_experts(plan, record, epoch=plan.epoch, members=members, retained=retained)
 
-    def _up_switch(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+    def switch(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """At one step boundary: the new epoch and placement, and every rank steps."""
+        ctx = self.ctx
         record.warm_spares = len(plan.from_pool)
-        self._switch(plan, self.executor.ranks + plan.new_labels, record)
+        ctx.switch(plan, ctx.executor.ranks + plan.new_labels, record)
 
-    def _up_reshuffle(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
-        self.rebalancer.rebalance(record=record, force=False)
-        record.balancedness_after = self.balancedness()
+    def reshuffle(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Confirmed: EPLB balances the new size from the recent load."""
+        ctx = self.ctx
+        ctx.rebalancer.rebalance(record=record, force=False)
+        record.balancedness_after = ctx.balancedness()

@@ -1,10 +1,11 @@
 """The mechanics of a resize on a real engine and executor (`ResizeOps`): its begin, its
 stages, its end and its rollback.
 
-The stages themselves are in `grow` (scale up N→M: Standby, Transferring, Switching,
-Reshuffling; warm spares skip Standby) and `shrink` (scale down M→N: Reshuffling, Migrating,
-Switching, Releasing); what they share (`Plan`, the boundary calls with deadlines, expert
-staging, the switch) in `resize_base`. `run_stage` picks the handler of a stage.
+The stages themselves are in `grow` (`Grow`, scale up N→M: Standby, Transferring, Switching,
+Reshuffling; warm spares skip Standby) and `shrink` (`Shrink`, scale down M→N: Reshuffling,
+Migrating, Switching, Releasing); both run over the one `resize.ResizeContext` this object
+holds (the state, the boundary calls with deadlines, expert staging, the switch), and a
+resize's `resize.Plan`. `run_stage` picks the stage's method.
 
 Failures (`rollback`, every path ends serving): before the switch, what the stages allocated is
 released (standby ranks, groups, staged experts) and the old size never stopped serving. A
@@ -24,71 +25,52 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from moe_runtime.elastic import grow, rebalance, records, resize_base, shrink, stages
-from moe_runtime.elastic import serving as serving_mod
-from moe_runtime.elastic import spares as spares_mod
-from moe_runtime.engine import core as engine_core
-from moe_runtime.executor import base as executor_base
-from moe_runtime.model import config as config_mod
+from moe_runtime.elastic import grow, rebalance, records, resize, shrink, stages
 
 log = logging.getLogger(__name__)
 
 
-class EngineResizeOps(grow.GrowStages, shrink.ShrinkStages):
-    """`ResizeOps` over an `Engine` and an `Executor` (see the module docstring)."""
+class EngineResizeOps:
+    """`ResizeOps` over an `Engine` and an `Executor` (see the module docstring): a resize
+    context (`ctx`) and the grow and shrink stages over it."""
 
-    def __init__(
-        self,
-        *,
-        engine: engine_core.Engine,
-        executor: executor_base.Executor,
-        model_config: config_mod.ModelConfig,
-        serving: serving_mod.Serving,
-        config: serving_mod.ElasticConfig,
-        rebalancer: rebalance.Rebalancer,
-        spares: spares_mod.SparePool | None = None,
-    ) -> None:
-        self.spares = spares
-        self.engine = engine
-        self.executor = executor
-        self.model_config = model_config
-        self.serving = serving
-        self.config = config
-        self.rebalancer = rebalancer
-        self.load = rebalancer.load
-        self.mechanics = rebalancer.mechanics
+    def __init__(self, ctx: resize.ResizeContext) -> None:
+        self.ctx = ctx
+        self.grow = grow.Grow(ctx)
+        self.shrink = shrink.Shrink(ctx)
 
     # -- ResizeOps -----------------------------------------------------------------------
     def current_size(self) -> int:
-        return self.executor.num_ranks
+        ctx = self.ctx
+        return ctx.executor.num_ranks
 
     def stages_for(self, from_size: int, to_size: int) -> tuple[stages.Stage, ...]:
         """The stages of this resize: a grow that warm spares cover has no Standby."""
-        if self.spares is not None and self.spares.covers(to_size - from_size):
+        ctx = self.ctx
+        if ctx.spares is not None and ctx.spares.covers(to_size - from_size):
             return stages.SCALE_UP_WARM
         return stages.stages_for(from_size, to_size)
 
-    def begin(self, record: records.ResizeRecord) -> resize_base.Plan:
-        if not self.mechanics.acquire(timeout=self.config.boundary_timeout):
+    def begin(self, record: records.ResizeRecord) -> resize.Plan:
+        ctx = self.ctx
+        if not ctx.mechanics.acquire(timeout=ctx.config.boundary_timeout):
             raise TimeoutError("an expert rebalance did not finish in time")
         try:
-            record.balancedness_before = self.balancedness()
+            record.balancedness_before = ctx.balancedness()
             claim = None
-            if self.spares is not None and record.to_size > record.from_size:
-                claim = self.spares.claim(record.to_size - record.from_size)
+            if ctx.spares is not None and record.to_size > record.from_size:
+                claim = ctx.spares.claim(record.to_size - record.from_size)
         except Exception:
-            self.mechanics.release()
+            ctx.mechanics.release()
             raise
-        plan = resize_base.Plan(
+        plan = resize.Plan(
             from_size=record.from_size,
             to_size=record.to_size,
-            epoch=self.serving.take_epoch()
-            if claim is None or claim.epoch is None
-            else claim.epoch,
-            old_epoch=self.serving.epoch,
-            old_placement=self.serving.placement,
-            old_ranks=self.executor.ranks,
-            generation=self.serving.generation,
+            epoch=ctx.serving.take_epoch() if claim is None or claim.epoch is None else claim.epoch,
+            old_epoch=ctx.serving.epoch,
+            old_placement=ctx.serving.placement,
+            old_ranks=ctx.executor.ranks,
+            generation=ctx.serving.generation,
         )
         if claim is not None:
             plan.new_labels = list(claim.labels)
@@ -106,26 +88,28 @@ class EngineResizeOps(grow.GrowStages, shrink.ShrinkStages):
 
     def end(self, plan: Any) -> None:
         """The resize is over (completed or rolled back): let dynamic EPLB run again."""
+        ctx = self.ctx
         try:
-            if isinstance(plan, resize_base.Plan) and plan.switched and not plan.confirmed:
+            if isinstance(plan, resize.Plan) and plan.switched and not plan.confirmed:
                 self._confirm(plan)
         finally:
-            self.mechanics.release()
+            ctx.mechanics.release()
 
     def run_stage(self, stage: stages.Stage, plan: Any, record: records.ResizeRecord) -> None:
-        assert isinstance(plan, resize_base.Plan)
-        if plan.generation != self.serving.generation:
+        ctx = self.ctx
+        assert isinstance(plan, resize.Plan)
+        if plan.generation != ctx.serving.generation:
             raise RuntimeError("a rank was lost and the runtime recovered meanwhile")
         up = plan.to_size > plan.from_size
         handlers = {
-            (True, stages.Stage.STANDBY): self._up_standby,
-            (True, stages.Stage.TRANSFERRING): self._up_transfer,
-            (True, stages.Stage.SWITCHING): self._up_switch,
-            (True, stages.Stage.RESHUFFLING): self._up_reshuffle,
-            (False, stages.Stage.RESHUFFLING): self._down_reshuffle,
-            (False, stages.Stage.MIGRATING): self._down_migrate,
-            (False, stages.Stage.SWITCHING): self._down_switch,
-            (False, stages.Stage.RELEASING): self._down_release,
+            (True, stages.Stage.STANDBY): self.grow.standby,
+            (True, stages.Stage.TRANSFERRING): self.grow.transfer,
+            (True, stages.Stage.SWITCHING): self.grow.switch,
+            (True, stages.Stage.RESHUFFLING): self.grow.reshuffle,
+            (False, stages.Stage.RESHUFFLING): self.shrink.reshuffle,
+            (False, stages.Stage.MIGRATING): self.shrink.migrate,
+            (False, stages.Stage.SWITCHING): self.shrink.switch,
+            (False, stages.Stage.RELEASING): self.shrink.release,
         }
         handler = handlers.get((up, stage))
         if handler is None:
@@ -135,10 +119,11 @@ class EngineResizeOps(grow.GrowStages, shrink.ShrinkStages):
         handler(plan, record)
 
     def rollback(self, plan: Any, record: records.ResizeRecord, failed: stages.Stage) -> str:
-        if not isinstance(plan, resize_base.Plan):
+        ctx = self.ctx
+        if not isinstance(plan, resize.Plan):
             return self._where()
         problems: list[str] = []
-        stale = plan.generation != self.serving.generation
+        stale = plan.generation != ctx.serving.generation
         if plan.switched and not plan.confirmed and not stale:
             try:
                 self._switch_back(plan)
@@ -150,32 +135,32 @@ class EngineResizeOps(grow.GrowStages, shrink.ShrinkStages):
                 problems += self._release(plan.departing, record)
             if plan.staged_on:
                 rebalance.discard_everywhere(
-                    self.executor, self.executor.ranks, timeout=self.config.rpc_timeout
+                    ctx.executor, ctx.executor.ranks, timeout=ctx.config.rpc_timeout
                 )
             return self._where(problems)
-        live = set(self.executor.ranks) | set(self.executor.pending_ranks)
+        live = set(ctx.executor.ranks) | set(ctx.executor.pending_ranks)
         if plan.staged_on:
             rebalance.discard_everywhere(
-                self.executor,
+                ctx.executor,
                 [r for r in plan.staged_on if r in live],
-                timeout=self.config.rpc_timeout,
+                timeout=ctx.config.rpc_timeout,
             )
-        old = [r for r in plan.groups_on if r in set(self.executor.ranks)]
+        old = [r for r in plan.groups_on if r in set(ctx.executor.ranks)]
         if old and not stale:
             try:
-                self._rpc("drop_epoch", plan.epoch, ranks=old, background=True)
+                ctx.rpc("drop_epoch", plan.epoch, ranks=old, background=True)
             except Exception as exc:  # noqa: BLE001 - go on releasing the rest
                 problems.append(f"drop_epoch: {exc}")
-        new = [r for r in plan.new_labels if r in set(self.executor.pending_ranks)]
+        new = [r for r in plan.new_labels if r in set(ctx.executor.pending_ranks)]
         spared = [r for r in new if r in plan.from_pool]
-        if spared and self.spares is not None and not stale:
-            self.spares.give_back(spared)  # still loaded and warm; the pool rebuilds its groups
+        if spared and ctx.spares is not None and not stale:
+            ctx.spares.give_back(spared)  # still loaded and warm; the pool rebuilds its groups
             new = [r for r in new if r not in spared]
         if new:
             problems += self._release(new, record)
         if plan.migrated and not stale:
             try:
-                self._at_boundary(lambda: self.engine.set_active_ranks(self.executor.ranks))
+                ctx.at_boundary(lambda: ctx.engine.set_active_ranks(ctx.executor.ranks))
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"set_active_ranks: {exc}")
         where = self._where(problems)
@@ -184,41 +169,45 @@ class EngineResizeOps(grow.GrowStages, shrink.ShrinkStages):
         )
 
     def _where(self, problems: Sequence[str] = ()) -> str:
-        where = f"serving at data parallel size {self.executor.num_ranks}"
+        ctx = self.ctx
+        where = f"serving at data parallel size {ctx.executor.num_ranks}"
         return where + (f" (cleanup problems: {'; '.join(problems)})" if problems else "")
 
     def _release(self, labels: list[int], record: records.ResizeRecord) -> list[str]:
-        pending = [r for r in labels if r in self.executor.pending_ranks]
+        ctx = self.ctx
+        pending = [r for r in labels if r in ctx.executor.pending_ranks]
         if not pending:
             return []
         try:
-            record.freed = self.executor.remove_ranks(pending)
+            record.freed = ctx.executor.remove_ranks(pending)
         except Exception as exc:  # noqa: BLE001 - reported in the record's message
             return [f"remove_ranks: {exc}"]
         return []
 
-    def _switch_back(self, plan: resize_base.Plan) -> None:
+    def _switch_back(self, plan: resize.Plan) -> None:
         """At a boundary: the old ranks, epoch and placement serve again (module docstring)."""
+        ctx = self.ctx
         old = list(range(len(plan.old_ranks)))
 
         def back() -> None:
-            self.executor.switch(
+            ctx.executor.switch(
                 old,
                 epoch=plan.old_epoch,
                 placement=plan.old_placement,
-                timeout=self.config.switch_timeout,
+                timeout=ctx.config.switch_timeout,
             )
-            self.serving.serve(plan.old_placement, len(old))
-            self.serving.epoch = plan.old_epoch
-            self.engine.set_active_ranks(old)  # sequences on the new ranks re-run on the old
+            ctx.serving.serve(plan.old_placement, len(old))
+            ctx.serving.epoch = plan.old_epoch
+            ctx.engine.set_active_ranks(old)  # sequences on the new ranks re-run on the old
             plan.switched = False
 
-        self._at_boundary(back)
+        ctx.at_boundary(back)
         log.warning("switched back to data parallel size %d (epoch %d)", len(old), plan.old_epoch)
-        self._rpc("drop_epoch", plan.epoch, ranks=old, background=True)
-        self._rpc("retire_previous", ranks=old, background=True)  # the undone state
+        ctx.rpc("drop_epoch", plan.epoch, ranks=old, background=True)
+        ctx.rpc("retire_previous", ranks=old, background=True)  # the undone state
 
-    def _confirm(self, plan: resize_base.Plan) -> None:
+    def _confirm(self, plan: resize.Plan) -> None:
         """The switch stands: workers forget their previous state and the old groups."""
-        self._rpc("retire_previous", ranks=self.executor.ranks, background=True)
+        ctx = self.ctx
+        ctx.rpc("retire_previous", ranks=ctx.executor.ranks, background=True)
         plan.confirmed = True

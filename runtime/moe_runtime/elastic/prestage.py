@@ -1,7 +1,7 @@
 """Pre-staging on warm spares: the experts a grow would give them, fetched ahead of it.
 
 For every k in 1..K (K ready spares, within the size limit) the target placement of a grow by
-k is computed as the grow itself computes it (`EngineResizeOps.target_for`: the
+k is computed as the grow itself computes it (`resize.ResizeContext.target_for`: the
 rebalance-for-resize policy over the current load and live placement). Spare j (in group
 order) is rank n + j of every grow by k > j, so it wants the union of its slots' experts over
 those k. `Prestager.step` fetches what the spares lack from the active ranks in batches of
@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,10 @@ class Prestager:
             return False
         started = time.monotonic()
         members = list(active) + list(spares)
-        self.executor.prestage_experts(epoch, moves, members=members, timeout=self.timeout)
+        self.executor.weights.prestage_experts(
+            weight_moves.Prestaging(epoch=epoch, moves=moves, members=members),
+            timeout=self.timeout,
+        )
         for move in moves:
             plan.have.setdefault(members[move.dst_rank], set()).add((move.layer, move.logical))
         if plan.complete():

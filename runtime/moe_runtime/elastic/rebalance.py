@@ -8,7 +8,7 @@ A rebalance is prepare-then-commit, all or nothing across ranks:
    (`stage_experts`; a failure on any rank discards the staged sets everywhere);
 2. commit: one step carries `StepInput.control["expert_epoch"] = staging id`; in that step
    every rank votes (a min all-reduce over the step group) and commits only if every rank
-   could (`moe_runtime.slots`), so ranks never dispatch tokens with two placements;
+   could (`moe_runtime.rank.slots`), so ranks never dispatch tokens with two placements;
 3. confirm: every rank said it committed (`StepOutput.committed`): the previous slots are
    retired. Otherwise, at the next step boundary, ranks that committed `revert` and every rank
    discards what it staged: the old placement serves everywhere.
@@ -32,6 +32,7 @@ from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def retained_keys(
     timeout: float,
     background: bool = True,
 ) -> dict[int, set[Key]]:
-    """label -> the (layer, logical) keys it retains (`moe_runtime.retention`), for the
+    """label -> the (layer, logical) keys it retains (`moe_runtime.rank.retention`), for the
     serving ranks among `labels` (a rank started by a resize retains nothing)."""
     ranks = sorted(set(labels) & set(executor.ranks))
     if not ranks:
@@ -133,36 +134,17 @@ def retained_keys(
 
 def stage_experts(
     executor: executor_base.Executor,
+    staging: weight_moves.Staging,
     *,
-    epoch: int,
-    moves: list[moves_mod.ExpertMove],
-    target: policy.Placement,
-    members: Sequence[int],
-    new_num_ranks: int,
-    staging_id: int | None,
     timeout: float,
     background: bool = True,
-    from_source: bool = False,
 ) -> int:
-    """Every member stages its slots of `target` (member i is rank i; i >= new_num_ranks
-    leaves and only sends) over epoch's transfer group; returns the bytes received.
-
-    On failure every member's staged set is discarded before the error is raised.
-    """
+    """Every member stages its slots of the target (`weight_moves.Staging`); returns the bytes
+    received. On failure every member's staged set is discarded before the error is raised."""
     try:
-        return executor.stage_experts(
-            epoch,
-            moves,
-            target,
-            members=members,
-            new_num_ranks=new_num_ranks,
-            staging_id=staging_id,
-            timeout=timeout,
-            background=background,
-            from_source=from_source,
-        )
+        return executor.weights.stage_experts(staging, timeout=timeout, background=background)
     except Exception:
-        discard_everywhere(executor, members, timeout=timeout)
+        discard_everywhere(executor, staging.members, timeout=timeout)
         raise
 
 
@@ -268,16 +250,15 @@ class Rebalancer:
         started = time.monotonic()
         staging_id = self.serving.take_stage()
         moves, _, kept = outstanding(planned, members, {}, held)
-        nbytes = stage_experts(
-            self.executor,
+        staging = weight_moves.Staging(
             epoch=self.serving.epoch,
             moves=moves,
             target=target,
             members=members,
             new_num_ranks=n,
             staging_id=staging_id,
-            timeout=self.config.rpc_timeout,
         )
+        nbytes = stage_experts(self.executor, staging, timeout=self.config.rpc_timeout)
         self._commit(staging_id, members=members, generation=generation)
         self.serving.placement = target
         self.rebalances += 1

@@ -1,6 +1,6 @@
 """Failures never stop serving: the runtime shrinks around a lost rank by itself, and grows back.
 
-Detection: the executor's heartbeat (`Executor.start_heartbeat`) finds a dead rank at once (its
+Detection: the executor's heartbeat (`Executor.heartbeat`, `health.Heartbeat.start`) finds a dead rank at once (its
 ping fails) and a hung one after `hang_timeout` s, or `step_grace` s once a step is past the
 deadline derived from observed step times; a hung rank is fenced (killed) so no collective
 waits on it. A failed step (`Engine.on_step_failure`) names the lost ranks too.
@@ -36,14 +36,11 @@ import time
 from typing import Any
 
 from moe_runtime.elastic import coordinator as coord_mod
-from moe_runtime.elastic import rebalance, records
-from moe_runtime.elastic import serving as serving_mod
-from moe_runtime.elastic import spares as spares_mod
-from moe_runtime.engine import core as engine_core
+from moe_runtime.elastic import rebalance, records, resize
+from moe_runtime.engine import seam
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
-from moe_runtime.executor import base as executor_base
-from moe_runtime.model import config as config_mod
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -54,23 +51,10 @@ GROW_BACK_RETRY_SECONDS = 10.0
 class Recovery:
     """Shrink around lost ranks and grow back (see the module docstring). Call `attach()`."""
 
-    def __init__(
-        self,
-        *,
-        engine: engine_core.Engine,
-        executor: executor_base.Executor,
-        model_config: config_mod.ModelConfig,
-        serving: serving_mod.Serving,
-        load: serving_mod.LoadTracker,
-        config: serving_mod.ElasticConfig,
-        coordinator: coord_mod.Coordinator,
-    ) -> None:
-        self.engine = engine
-        self.executor = executor
-        self.model_config = model_config
-        self.serving = serving
-        self.load = load
-        self.config = config
+    def __init__(self, ctx: resize.ResizeContext, *, coordinator: coord_mod.Coordinator) -> None:
+        """ctx: the serving process's pieces a resize changes, shared with the resizes (the
+        engine, the executor, the serving state, the live config, the warm spares)."""
+        self.ctx = ctx
         self.coordinator = coordinator
         #: The size before the first loss while the runtime serves below it (None otherwise):
         #: the size autoRecover grows back to.
@@ -78,21 +62,19 @@ class Recovery:
         #: The lost ranks (status entries) while the runtime serves below `full_size`.
         self.lost: list[dict[str, Any]] = []
         self.recoveries = 0
-        #: Warm spare ranks (`spares.SparePool`), when kept: a grow back may use them.
-        self.spares: spares_mod.SparePool | None = None
         self._stop = threading.Event()
         self._grow_thread: threading.Thread | None = None
         self._retry_at = 0.0
 
     def attach(self) -> None:
         """Register with the engine, start the heartbeat and (autoRecover) the grow-back loop."""
-        self.engine.on_step_failure(self._on_step_failure)
-        self.executor.start_heartbeat(
-            interval=self.config.heartbeat_interval,
-            hang_timeout=self.config.hang_timeout,
+        self.ctx.engine.on_step_failure(self._on_step_failure)
+        self.ctx.executor.heartbeat.start(
+            interval=self.ctx.config.heartbeat_interval,
+            hang_timeout=self.ctx.config.hang_timeout,
             on_lost=self._on_lost,
         )
-        if self.config.auto_recover:
+        if self.ctx.config.auto_recover:
             self._grow_thread = threading.Thread(
                 target=self._grow_back_loop, name="auto-recover", daemon=True
             )
@@ -101,17 +83,17 @@ class Recovery:
     def close(self) -> None:
         """Stop detecting and recovering (the process is shutting down); idempotent."""
         self._stop.set()
-        self.executor.stop_heartbeat()
+        self.ctx.executor.heartbeat.stop()
 
     # -- triggers ------------------------------------------------------------------------
     def _on_lost(self, lost: dict[int, str]) -> None:
         """Heartbeat thread: ranks were found dead or hung (and fenced)."""
         log.error("ranks lost: %s; recovering at the next step boundary", lost)
-        self.engine.call_at_boundary(self.recover_now)
+        self.ctx.engine.call_at_boundary(self.recover_now)
 
-    def _on_step_failure(self, failure: engine_core.StepFailure) -> None:
+    def _on_step_failure(self, failure: seam.StepFailure) -> None:
         """Engine thread, before the retry: repair here when ranks are lost."""
-        if self.executor.lost_ranks() or not self.executor.has_step_path():
+        if self.ctx.executor.lost_ranks() or not self.ctx.executor.has_step_path():
             self.recover_now()
 
     # -- the shrink ----------------------------------------------------------------------
@@ -119,14 +101,14 @@ class Recovery:
         """Shrink around every lost active rank; a no-op when none is lost. Engine thread."""
         if self._stop.is_set():
             return  # shutting down: ranks die with the process, nothing to recover
-        lost = self.executor.lost_ranks()
-        live = set(self.executor.ranks)
-        gone = [r for r in self.engine.active_ranks() if r not in live or r in lost]
-        if not gone and self.executor.has_step_path():
+        lost = self.ctx.executor.lost_ranks()
+        live = set(self.ctx.executor.ranks)
+        gone = [r for r in self.ctx.engine.active_ranks() if r not in live or r in lost]
+        if not gone and self.ctx.executor.has_step_path():
             return
-        survivors = [r for r in self.executor.ranks if r not in lost]
-        old_n = self.serving.num_ranks
-        infos = self.executor.rank_infos()
+        survivors = [r for r in self.ctx.executor.ranks if r not in lost]
+        old_n = self.ctx.serving.num_ranks
+        infos = self.ctx.executor.rank_infos()
         seen = [h.lost_at for label, h in lost.items() if label in gone and h.lost_at is not None]
         info = records.RecoveryInfo(detected_at=_wall(min(seen, default=time.monotonic())))
         beats = [h.last_ok for label, h in lost.items() if label in gone]
@@ -186,64 +168,63 @@ class Recovery:
     ) -> None:
         if not survivors:
             raise RuntimeError("no rank survived: nothing to shrink to")
-        timeout = self.config.rpc_timeout
-        moved = self.engine.migrate_from(gone).result()
+        timeout = self.ctx.config.rpc_timeout
+        moved = self.ctx.engine.migrate_from(gone).result()
         info.requests_rerun += len(moved)
         record.sequences_migrated += len(moved)
-        self.serving.generation += 1  # a resize or rebalance planned before this is stale
-        left, self.serving.left = self.serving.left, {}  # the survivors are renumbered
-        if self.serving.committing is not None:
-            self.executor.collective_rpc(
-                "revert", self.serving.committing, ranks=survivors, timeout=timeout
+        self.ctx.serving.generation += 1  # a resize or rebalance planned before this is stale
+        left, self.ctx.serving.left = self.ctx.serving.left, {}  # the survivors are renumbered
+        if self.ctx.serving.committing is not None:
+            self.ctx.executor.collective_rpc(
+                "revert", self.ctx.serving.committing, ranks=survivors, timeout=timeout
             )
-        dead = [r for r in gone if r in self.executor.rank_infos()]
+        dead = [r for r in gone if r in self.ctx.executor.rank_infos()]
         if dead:
-            record.freed = self.executor.remove_ranks(dead)
+            record.freed = self.ctx.executor.remove_ranks(dead)
         n = len(survivors)
         # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
         retained = rebalance.retained_keys(
-            self.executor, survivors, timeout=timeout, background=False
+            self.ctx.executor, survivors, timeout=timeout, background=False
         )
         plan = moves_mod.plan_recovery(
-            self.load.total(),
-            self.serving.placement,
+            self.ctx.load.total(),
+            self.ctx.serving.placement,
             old_num_ranks=old_n,
             survivors=survivors,
             num_physical=policy.num_physical_for(
-                self.model_config.num_experts, n, self.config.num_redundant_experts
+                self.ctx.model_config.num_experts, n, self.ctx.config.num_redundant_experts
             ),
             held=rebalance.by_index(survivors, retained),
-            tolerance=self.config.eplb_min_gain,
+            tolerance=self.ctx.config.eplb_min_gain,
         )
         target, moves, reads = self._choose(plan, left, survivors, old_n, retained)
         info.experts_from_replicas = plan.from_replicas
         info.experts_from_source, info.experts_from_retained = reads
         record.expert_moves += len(moves)
-        epoch = self.serving.take_epoch()
+        epoch = self.ctx.serving.take_epoch()
         # The default lane: no step runs, and a transfer lane may be stuck on the lost peer.
-        self.executor.build_groups(survivors, epoch=epoch, timeout=timeout, background=False)
-        record.bytes_expert += rebalance.stage_experts(
-            self.executor,
+        self.ctx.executor.build_groups(survivors, epoch=epoch, timeout=timeout, background=False)
+        staging = weight_moves.Staging(
             epoch=epoch,
             moves=moves,
             target=target,
             members=survivors,
             new_num_ranks=n,
-            staging_id=None,
-            timeout=timeout,
-            background=False,
             from_source=True,
         )
-        self.executor.switch(
-            survivors, epoch=epoch, placement=target, timeout=self.config.switch_timeout
+        record.bytes_expert += rebalance.stage_experts(
+            self.ctx.executor, staging, timeout=timeout, background=False
         )
-        self.serving.serve(target, n)
-        self.serving.epoch = epoch
+        self.ctx.executor.switch(
+            survivors, epoch=epoch, placement=target, timeout=self.ctx.config.switch_timeout
+        )
+        self.ctx.serving.serve(target, n)
+        self.ctx.serving.epoch = epoch
         # Confirmed: the old groups go in the background (destroying one with a dead peer takes
         # ~0.5 s) while the survivors serve.
-        self.executor.collective_rpc_async("retire_previous", ranks=list(range(n)))
-        self.engine.set_active_ranks(survivors).result()
-        self.engine.relabel_ranks({old: new for new, old in enumerate(survivors)}).result()
+        self.ctx.executor.collective_rpc_async("retire_previous", ranks=list(range(n)))
+        self.ctx.engine.set_active_ranks(survivors).result()
+        self.ctx.engine.relabel_ranks({old: new for new, old in enumerate(survivors)}).result()
 
     def _choose(
         self,
@@ -266,11 +247,15 @@ class Recovery:
             earlier is not None
             and earlier.num_physical == plan.target.num_physical
             and rebalance.fits(
-                self.load.total(), earlier, plan.target, n, min_gain=self.config.eplb_min_gain
+                self.ctx.load.total(),
+                earlier,
+                plan.target,
+                n,
+                min_gain=self.ctx.config.eplb_min_gain,
             )
         ):
             moves = rebalance.moves_needed(
-                self.serving.placement,
+                self.ctx.serving.placement,
                 earlier,
                 old_num_ranks=old_n,
                 new_num_ranks=n,
@@ -285,7 +270,7 @@ class Recovery:
         ]
         # Fewest copies and source reads; as many (often none: the recovery plan keeps what
         # the survivors retain too), the better balanced placement.
-        load = self.load.total()
+        load = self.ctx.load.total()
         best = min(
             range(len(options)),
             key=lambda k: (
@@ -334,7 +319,7 @@ class Recovery:
 
     def degraded(self) -> bool:
         """Serving below the size before a loss; clears itself once the size is back."""
-        if self.full_size is not None and self.executor.num_ranks >= self.full_size:
+        if self.full_size is not None and self.ctx.executor.num_ranks >= self.full_size:
             self.full_size, self.lost = None, []
         return self.full_size is not None
 
@@ -343,11 +328,11 @@ class Recovery:
             return
         target = self.full_size
         assert target is not None
-        size = self.executor.num_ranks
+        size = self.ctx.executor.num_ranks
         if self.coordinator.current is not None or time.monotonic() < self._retry_at:
             return
-        free = self.executor.free_rank_slots()
-        warm = len(self.spares.ready()) if self.spares is not None else 0
+        free = self.ctx.executor.free_rank_slots()
+        warm = len(self.ctx.spares.ready()) if self.ctx.spares is not None else 0
         if free is not None and free + warm < target - size:
             return
         log.info("auto-recover: %d free rank slots; growing %d -> %d", free or 0, size, target)
@@ -361,8 +346,8 @@ class Recovery:
         """`auto_recover` of GET /elastic_ep/status: target = the size it grows back to."""
         degraded = self.degraded()
         return {
-            "enabled": self.config.auto_recover,
-            "target": self.full_size if degraded and self.config.auto_recover else None,
+            "enabled": self.ctx.config.auto_recover,
+            "target": self.full_size if degraded and self.ctx.config.auto_recover else None,
         }
 
 

@@ -18,7 +18,7 @@ import fastapi
 import prometheus_client
 
 from moe_contract import status as contract
-from moe_runtime.elastic import admin, rebalance, records, recovery, settings, stages
+from moe_runtime.elastic import admin, rebalance, records, recovery, resize, settings, stages
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import ops as ops_mod
 from moe_runtime.elastic import serving as serving_mod
@@ -162,7 +162,8 @@ class ElasticService:
             mechanics=threading.Lock(),
         )
         engine.on_step(rebalancer.on_step)
-        mechanics = ops_mod.EngineResizeOps(
+        # What resizes and recoveries change, shared by both (its spares come below).
+        ctx = resize.ResizeContext(
             engine=engine,
             executor=executor,
             model_config=model_config,
@@ -170,6 +171,7 @@ class ElasticService:
             config=config,
             rebalancer=rebalancer,
         )
+        mechanics = ops_mod.EngineResizeOps(ctx)
 
         def busy() -> bool:
             stats = engine.stats()
@@ -180,26 +182,18 @@ class ElasticService:
         )
         # A resize or recovery never causes a 429: arrivals meanwhile are queued unbounded.
         engine.queue.set_exempt(lambda: coord.is_scaling)
-        fault = recovery.Recovery(
-            engine=engine,
-            executor=executor,
-            model_config=model_config,
-            serving=serving,
-            load=rebalancer.load,
-            config=config,
-            coordinator=coord,
-        )
+        fault = recovery.Recovery(ctx, coordinator=coord)
         # Always there (its thread only while it keeps spares): warm_spare_ranks is live.
         pool = spares_mod.SparePool(
             executor=executor,
             serving=serving,
             config=config,
-            mechanics=mechanics.mechanics,
+            mechanics=ctx.mechanics,
             busy=lambda: coord.current is not None,
         )
-        mechanics.spares = fault.spares = pool
-        pool.prestager.target_for = mechanics.target_for
-        pool.prestager.fits = mechanics.fits
+        ctx.spares = pool
+        pool.prestager.target_for = ctx.target_for
+        pool.prestager.fits = ctx.fits
         pool.prestager.max_size = lambda: coord.limits.max_size
         service = cls(
             coordinator=coord,
@@ -222,7 +216,7 @@ class ElasticService:
         if registry is not None:
             service.metrics = ElasticMetrics(registry)
             coord.on_change(service.metrics.on_record)
-            service.metrics.balancedness.set_function(mechanics.balancedness)
+            service.metrics.balancedness.set_function(ctx.balancedness)
             service.metrics.rebalances.set_function(lambda: rebalancer.rebalances)
         coord.on_change(_log_stage)
         fault.attach()
@@ -265,7 +259,7 @@ class ElasticService:
         built strictly (a key the contract does not declare is an error, not a silent extra)."""
         current = self.coordinator.current
         last = self.coordinator.last()
-        serving = self.ops.serving
+        serving = self.ops.ctx.serving
         active = set(self.executor.ranks)
         infos = self.executor.rank_infos()
         health = self.executor.health()
@@ -336,7 +330,7 @@ class ElasticService:
                 in_flight=engine_stats.num_running + engine_stats.num_waiting,
             ),
             eplb=contract.Eplb(
-                balancedness=self.ops.balancedness(),
+                balancedness=self.ops.ctx.balancedness(),
                 num_physical_experts=serving.placement.num_physical,
                 rebalances=self.rebalancer.rebalances,
                 last_rebalance=self.rebalancer.last_rebalance,

@@ -144,7 +144,7 @@ class LiveSettings:
 
     def get(self) -> dict[str, Any]:
         config, limits = self.rebalancer.config, self.coordinator.limits
-        serving = self.ops.serving
+        serving = self.ops.ctx.serving
         wanted = policy.num_physical_for(
             limits.num_experts, serving.num_ranks, config.num_redundant_experts
         )
@@ -223,8 +223,8 @@ class LiveSettings:
             )
             if "eplb_window_size" in given:
                 self.rebalancer.load.set_window_size(given["eplb_window_size"])
-            # One frozen config shared by the resize mechanics, EPLB and recovery.
-            self.ops.config = self.rebalancer.config = self.recovery.config = new_config
+            # One frozen config shared by the resizes and recoveries (their context) and EPLB.
+            self.ops.ctx.config = self.rebalancer.config = new_config
             self.coordinator.set_limits(new_limits)
             if "drain_timeout" in given:
                 self.coordinator.drain_timeout = float(given["drain_timeout"])

@@ -1,11 +1,11 @@
-"""The scale-down stages of a resize M→N (`ShrinkStages`, inherited by `ops.EngineResizeOps`).
+"""The scale-down stages of a resize M→N (`Shrink`, over the resize's `resize.ResizeContext`).
 
 The highest ranks leave.
 - Reshuffling: the placement for the N survivors is staged on them (experts on departing
   ranks are copied to survivors first; the live placement keeps serving); the survivors build
   the next epoch's groups in the background. A survivor copies nothing it retains
   (`retention`); shrinking back to a size it served at, it may take that size's placement
-  again (`_shrink_target`), whose experts the survivors retain.
+  again (`Shrink._target`), whose experts the survivors retain.
 - Migrating: departing ranks take no new sequence; the sequences on them get up to the
   record's `drain_timeout_s` to finish there (`drain_timeout` of the request, else
   `--drain-timeout`), then the rest move to survivors at a step boundary and are re-prefilled
@@ -18,10 +18,11 @@ The highest ranks leave.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
-from moe_runtime.elastic import rebalance, records, resize_base
+from moe_runtime.elastic import rebalance, records, resize
 from moe_runtime.eplb import policy
 
 log = logging.getLogger(__name__)
@@ -29,57 +30,53 @@ log = logging.getLogger(__name__)
 DRAIN_POLL_SECONDS = 0.01
 
 
-class ShrinkStages(resize_base.ResizeBase):
-    """Reshuffling, Migrating, Switching and Releasing of a shrink (see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Shrink:
+    """Reshuffling, Migrating, Switching and Releasing of a shrink (see the module docstring),
+    each a method of (plan, record) over `ctx`."""
 
-    def _down_reshuffle(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
-        members = self.executor.ranks
+    ctx: resize.ResizeContext
+
+    def reshuffle(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """The survivors' placement staged on them, and their next epoch's groups built."""
+        ctx = self.ctx
+        members = ctx.executor.ranks
         plan.departing = members[plan.to_size :]
         survivors = members[: plan.to_size]
-        old = self.serving.placement
-        retained = self._retained_keys(survivors)
-        plan.target = self._shrink_target(plan, members, retained)
-        self._stage_experts(
-            plan,
-            epoch=self.serving.epoch,
-            members=members,
-            old=old,
-            old_num_ranks=plan.from_size,
-            target=plan.target,
-            new_num_ranks=plan.to_size,
-            record=record,
-            retained=retained,
-        )
+        retained = ctx.retained_keys(survivors)
+        plan.target = self._target(plan, members, retained)
+        ctx.stage_experts(plan, record, epoch=ctx.serving.epoch, members=members, retained=retained)
         plan.groups_on = list(survivors)
-        self.executor.build_groups(survivors, epoch=plan.epoch, timeout=self.config.rpc_timeout)
+        ctx.executor.build_groups(survivors, epoch=plan.epoch, timeout=ctx.config.rpc_timeout)
 
-    def _shrink_target(
+    def _target(
         self,
-        plan: resize_base.Plan,
+        plan: resize.Plan,
         members: list[int],
-        retained: dict[int, set[resize_base.Key]],
+        retained: dict[int, set[resize.Key]],
     ) -> policy.Placement:
         """A fresh target for the survivors (it keeps experts on the survivors that hold them,
         live or retained, where balance allows), or the placement this size served with when
         a resize left it (`Serving.left`; a shrink back after a grow) when that still fits the
         load and needs fewer moves (as many: the better balanced one): the survivors retain
         its experts, so usually none."""
-        fresh = self.target_for(
+        ctx = self.ctx
+        fresh = ctx.target_for(
             plan.from_size,
             plan.to_size,
             held=rebalance.by_index(members[: plan.to_size], retained),
         )
-        earlier = self.serving.left.get(plan.to_size)
+        earlier = ctx.serving.left.get(plan.to_size)
         if earlier is None or earlier.num_physical != fresh.num_physical:
             return fresh
-        if not self.fits(earlier, plan.from_size, plan.to_size):
+        if not ctx.fits(earlier, plan.from_size, plan.to_size):
             log.info("shrink to %d: the placement it served with no longer fits", plan.to_size)
             return fresh
 
         def needed(target: policy.Placement) -> int:
             return len(
                 rebalance.moves_needed(
-                    self.serving.placement,
+                    ctx.serving.placement,
                     target,
                     old_num_ranks=plan.from_size,
                     new_num_ranks=plan.to_size,
@@ -99,22 +96,24 @@ class ShrinkStages(resize_base.ResizeBase):
             return earlier if before < now else fresh
         # As many moves (often none: the fresh target keeps what the survivors retain too):
         # the better balanced one.
-        load = self.load.total()
+        load = ctx.load.total()
         earlier_balance = policy.balancedness(load, earlier, plan.to_size)
         return (
             earlier if earlier_balance >= policy.balancedness(load, fresh, plan.to_size) else fresh
         )
 
-    def _down_migrate(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+    def migrate(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """Departing ranks take no new sequence; theirs drain, then move to survivors."""
+        ctx = self.ctx
         plan.migrated = True  # from here on, rollback clears the draining marks
         if record.drain_timeout_s <= 0:
-            # No drain: the sequences move inside the switch's pause (`_down_switch`), so the
+            # No drain: the sequences move inside the switch's pause (`switch`), so the
             # survivors re-prefill them in their first step at the new size, and the switch
             # does not wait for a re-prefill step of the old one.
             return
-        there = set(self._at_boundary(lambda: self.engine.drain(plan.departing).result()))
+        there = set(ctx.at_boundary(lambda: ctx.engine.drain(plan.departing).result()))
         self._wait_drained(plan, record.drain_timeout_s)
-        moved = self._at_boundary(lambda: self.engine.migrate_from(plan.departing).result())
+        moved = ctx.at_boundary(lambda: ctx.engine.migrate_from(plan.departing).result())
         record.sequences_migrated += len(moved)
         record.sequences_drained += len(there - set(moved))
         log.info(
@@ -124,22 +123,27 @@ class ShrinkStages(resize_base.ResizeBase):
             plan.departing,
         )
 
-    def _wait_drained(self, plan: resize_base.Plan, timeout: float) -> None:
+    def _wait_drained(self, plan: resize.Plan, timeout: float) -> None:
         """Until no sequence runs on the departing ranks, or `timeout` s (the engine steps)."""
+        ctx = self.ctx
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if plan.generation != self.serving.generation:
+            if plan.generation != ctx.serving.generation:
                 raise RuntimeError("a rank was lost and the runtime recovered meanwhile")
-            per_rank = self.engine.stats().seqs_per_rank
+            per_rank = ctx.engine.stats().seqs_per_rank
             if not any(per_rank.get(r, 0) for r in plan.departing):
                 return
             time.sleep(DRAIN_POLL_SECONDS)
 
-    def _down_switch(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
+    def switch(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """At one step boundary: the survivors step under the new epoch and placement; what
+        still runs on departing ranks moves in the same pause."""
+        ctx = self.ctx
+
         def migrate_late() -> None:
             # Sequences still on departing ranks move now, in the same pause: all of them
             # without a drain, else any that arrived between the two boundaries.
-            late = self.engine.migrate_from(plan.departing).result()
+            late = ctx.engine.migrate_from(plan.departing).result()
             record.sequences_migrated += len(late)
             if late:
                 log.info(
@@ -149,8 +153,10 @@ class ShrinkStages(resize_base.ResizeBase):
                     plan.departing,
                 )
 
-        self._switch(plan, self.executor.ranks[: plan.to_size], record, before=migrate_late)
+        ctx.switch(plan, ctx.executor.ranks[: plan.to_size], record, before=migrate_late)
 
-    def _down_release(self, plan: resize_base.Plan, record: records.ResizeRecord) -> None:
-        record.freed = self.executor.remove_ranks(plan.departing)
-        record.balancedness_after = self.balancedness()
+    def release(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
+        """The departing workers stop; the record names their pods."""
+        ctx = self.ctx
+        record.freed = ctx.executor.remove_ranks(plan.departing)
+        record.balancedness_after = ctx.balancedness()

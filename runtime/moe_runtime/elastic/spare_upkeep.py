@@ -1,6 +1,6 @@
-"""The upkeep of the warm spare pool (`SpareUpkeep`, inherited by `spares.SparePool`): one
-`maintain` pass drops lost spares, stops extra ones, starts missing ones, (re)builds the
-standby groups (`Standby`) and runs the pre-staging passes.
+"""The upkeep of the warm spare pool (`Upkeep`, a part of `spares.SparePool`): one `maintain`
+pass drops lost spares, stops extra ones, starts missing ones, (re)builds the standby groups
+(`spare_set.Standby`) and runs the pre-staging passes, on the pool's `spare_set.SpareSet`.
 
 Replacement: after a grow used spares, the pool starts new ones as soon as free rank slots
 exist again (on Kubernetes: the pods the operator adds), never while a resize or a recovery
@@ -15,7 +15,6 @@ resize lock (`mechanics`), so it never overlaps a resize or a rebalance.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -23,8 +22,9 @@ from collections.abc import Callable
 
 from moe_runtime.elastic import prestage as prestage_mod
 from moe_runtime.elastic import serving as serving_mod
-from moe_runtime.executor import base as executor_base
+from moe_runtime.elastic import spare_set
 from moe_runtime.executor import health as executor_health
+from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -32,48 +32,32 @@ log = logging.getLogger(__name__)
 GROUP_TIMEOUT = 60.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Standby:
-    """Standby groups over the active ranks and the spares.
+class Upkeep:
+    """The maintenance of one spare set (see the module docstring).
 
-    active: labels of the active ranks then; active_epoch: their epoch then; spares: uids of
-    the spares in group order (active ranks first, then these); epochs: k -> the epoch whose
-    groups cover the active ranks and spares[:k].
+    spares: the pool's membership; mechanics: the resize lock (standby groups and pre-staging
+    take it); busy(): a resize or a recovery owns the ranks now; prestager: the pool's
+    pre-staging; stop: set when the pool closes (a pass ends early then).
     """
 
-    active: tuple[int, ...]
-    active_epoch: int
-    spares: tuple[int, ...]
-    epochs: dict[int, int]
-
-
-class SpareUpkeep:
-    """The maintenance half of `spares.SparePool` (see the module docstring); the state is
-    the pool's."""
-
-    executor: executor_base.Executor
-    serving: serving_mod.Serving
-    config: serving_mod.ElasticConfig
-    size: int
-    mechanics: threading.Lock
-    prestager: prestage_mod.Prestager
-    started: int
-    _busy: Callable[[], bool]
-    _lock: threading.RLock
-    _uids: list[int]
-    _loaded: set[int]
-    _standby: Standby | None
-    _stale: set[int]
-    _stop: threading.Event
-
-    def _labels_by_uid(self) -> dict[int, int]:
-        raise NotImplementedError
-
-    def _standby_current(self) -> Standby | None:
-        raise NotImplementedError
-
-    def ready(self) -> list[int]:
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        spares: spare_set.SpareSet,
+        config: serving_mod.ElasticConfig,
+        mechanics: threading.Lock,
+        busy: Callable[[], bool],
+        prestager: prestage_mod.Prestager,
+        stop: threading.Event,
+    ) -> None:
+        self.spares = spares
+        self.executor = spares.executor
+        self.serving = spares.serving
+        self.config = config
+        self.mechanics = mechanics
+        self._busy = busy
+        self.prestager = prestager
+        self._stop = stop
 
     def maintain(self) -> None:
         """One pass: drop dead spares, stop extra ones, start missing ones, (re)build the
@@ -84,7 +68,7 @@ class SpareUpkeep:
         if self._busy():
             return  # never beside a resize or a recovery: they own the ranks and the slots
         self._drop_extra()
-        if self.size < 1:
+        if self.spares.size < 1:
             return
         self._start_missing()
         if self._busy() or self._stop.is_set():
@@ -95,16 +79,16 @@ class SpareUpkeep:
 
     def _prestage(self) -> bool:
         """One pre-staging pass (`prestage.Prestager.step`) when every spare is ready."""
-        sb = self._standby_current()
+        sb = self.spares.standby_current()
         if sb is None or self._busy():
             return False
-        ready = self.ready()
+        ready = self.spares.ready()
         if len(ready) != len(sb.spares):
             return False
         if not self.mechanics.acquire(blocking=False):
             return False
         try:
-            if self._busy() or self._standby_current() is not sb:
+            if self._busy() or self.spares.standby_current() is not sb:
                 return False
             return self.prestager.step(
                 active=sb.active,
@@ -116,21 +100,18 @@ class SpareUpkeep:
             self.mechanics.release()
 
     def _drop_lost(self) -> None:
-        by_uid = self._labels_by_uid()
+        spares = self.spares
+        by_uid = spares.labels_by_uid()
         health = self.executor.health()
-        with self._lock:
-            uids = list(self._uids)
+        with spares.lock:
+            uids = list(spares.uids)
         for uid in uids:
             label = by_uid.get(uid)
             state = None if label is None else health.get(label)
             if label is not None and state is not None and state.state == executor_health.HEALTH_OK:
                 continue
-            with self._lock:
-                self._uids = [u for u in self._uids if u != uid]
-                self._loaded.discard(uid)
-                if self._standby is not None and uid in self._standby.spares:
-                    self._stale |= set(self._standby.epochs.values())
-                    self._standby = None
+            with spares.lock:
+                spares.drop({uid})
             log.error("warm spares: spare %s (rank %s) is lost: %s", uid, label, state)
             if label is not None:
                 try:
@@ -140,24 +121,24 @@ class SpareUpkeep:
 
     def _drop_extra(self) -> None:
         """Stop the spares beyond `size` (after it was lowered), the newest first."""
-        with self._lock:
-            extra = self._uids[self.size :]
+        spares = self.spares
+        with spares.lock:
+            extra = spares.uids[spares.size :]
             if not extra:
                 return
-            self._uids = self._uids[: self.size]
-            self._loaded -= set(extra)
-            if self._standby is not None:
-                self._stale |= set(self._standby.epochs.values())
-                self._standby = None  # the spare set changed
-        by_uid = self._labels_by_uid()
+            spares.drop(set(extra))
+            spares.forget_standby()  # the spare set changed
+            size = spares.size
+        by_uid = spares.labels_by_uid()
         labels = [by_uid[u] for u in extra if u in by_uid]
         if labels:
             self.executor.remove_ranks(labels)
-        log.info("warm spares: stopped ranks %s (%d kept from now on)", labels, self.size)
+        log.info("warm spares: stopped ranks %s (%d kept from now on)", labels, size)
 
     def _start_missing(self) -> None:
-        with self._lock:
-            short = self.size - len(self._uids)
+        spares = self.spares
+        with spares.lock:
+            short = spares.size - len(spares.uids)
         if short < 1:
             return
         free = self.executor.free_rank_slots()
@@ -188,14 +169,12 @@ class SpareUpkeep:
             log.exception("warm spares: preparing new spares %s failed; removing them", labels)
             self.executor.remove_ranks(labels)
             raise
-        with self._lock:
-            self._uids += uids
+        with spares.lock:
+            spares.uids += uids
             if storage:
-                self._loaded |= set(uids)
-            if self._standby is not None:
-                self._stale |= set(self._standby.epochs.values())
-                self._standby = None  # the spare set changed
-            self.started += count
+                spares.loaded |= set(uids)
+            spares.forget_standby()  # the spare set changed
+            spares.started += count
         log.info(
             "warm spares: started ranks %s in %.2fs (%s weights)",
             labels,
@@ -204,9 +183,10 @@ class SpareUpkeep:
         )
 
     def _rebuild_standby(self) -> None:
-        with self._lock:
-            need = bool(self._uids) and self._standby_current() is None
-            need_drop = bool(self._stale)
+        spares = self.spares
+        with spares.lock:
+            need = bool(spares.uids) and spares.standby_current() is None
+            need_drop = bool(spares.stale)
         if not (need or need_drop):
             return
         if not self.mechanics.acquire(blocking=False):
@@ -221,8 +201,9 @@ class SpareUpkeep:
             self.mechanics.release()
 
     def _drop_stale(self) -> None:
-        with self._lock:
-            stale, self._stale = set(self._stale), set()
+        spares = self.spares
+        with spares.lock:
+            stale, spares.stale = set(spares.stale), set()
         stale.discard(self.serving.epoch)
         live = [
             label
@@ -242,9 +223,10 @@ class SpareUpkeep:
                 log.exception("warm spares: dropping standby epoch %d failed", epoch)
 
     def _build(self) -> None:
-        by_uid = self._labels_by_uid()
-        with self._lock:
-            spares = sorted((by_uid[u], u) for u in self._uids if u in by_uid)
+        members = self.spares
+        by_uid = members.labels_by_uid()
+        with members.lock:
+            spares = sorted((by_uid[u], u) for u in members.uids if u in by_uid)
         if not spares:
             return
         active = self.executor.ranks
@@ -257,25 +239,25 @@ class SpareUpkeep:
                 epoch = self.serving.take_epoch()
                 epochs[k] = epoch
                 self.executor.build_groups(active + labels[:k], epoch=epoch, timeout=GROUP_TIMEOUT)
-            with self._lock:
-                unloaded = [i for i, (_, u) in enumerate(spares) if u not in self._loaded]
+            with members.lock:
+                unloaded = [i for i, (_, u) in enumerate(spares) if u not in members.loaded]
             if unloaded:
                 n = len(active)
-                self.executor.transfer_non_expert(
-                    epochs[len(labels)],
+                transfer = weight_moves.NonExpertTransfer(
+                    epoch=epochs[len(labels)],
                     members=active + labels,
                     src_ranks=list(range(n)),
                     dst_ranks=[n + i for i in unloaded],
-                    timeout=self.config.rpc_timeout,
                 )
+                self.executor.weights.transfer_non_expert(transfer, timeout=self.config.rpc_timeout)
         except Exception:
             log.exception("warm spares: building standby groups over %s failed", active + labels)
-            with self._lock:
-                self._stale |= set(epochs.values())
+            with members.lock:
+                members.stale |= set(epochs.values())
             raise
-        with self._lock:
-            self._loaded |= {u for _, u in spares}
-            self._standby = Standby(
+        with members.lock:
+            members.loaded |= {u for _, u in spares}
+            members.standby = spare_set.Standby(
                 active=tuple(active),
                 active_epoch=active_epoch,
                 spares=tuple(u for _, u in spares),

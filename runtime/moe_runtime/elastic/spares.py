@@ -20,9 +20,10 @@ pre-staged target nothing, or only what the spares still lack, moves) + Switchin
 epoch's step group becomes active). A grow by more takes the ready spares it can (`take`) and
 starts the rest in Standby.
 
-The upkeep (starting, replacing and dropping spares, the standby groups, the pre-staging
-passes) is `spare_upkeep.SpareUpkeep`, which the pool inherits; its module docstring says
-when it runs and how each of its steps fails.
+The pool is one object made of parts: its membership (`spare_set.SpareSet`), the upkeep that
+keeps it full (`spare_upkeep.Upkeep`: starting, replacing and dropping spares, the standby
+groups, the pre-staging passes; its module docstring says when it runs and how each of its
+steps fails) and the pre-staging (`prestage.Prestager`).
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from moe_runtime.elastic import prestage as prestage_mod
 from moe_runtime.elastic import serving as serving_mod
-from moe_runtime.elastic import spare_upkeep
+from moe_runtime.elastic import spare_set, spare_upkeep
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
 from moe_runtime.executor import health as executor_health
@@ -60,7 +60,7 @@ class Claim:
     prestaged: dict[int, set[prestage_mod.Key]] = dataclasses.field(default_factory=dict)
 
 
-class SparePool(spare_upkeep.SpareUpkeep):
+class SparePool:
     """K warm spare ranks (see the module docstring). `start()` runs the maintenance loop."""
 
     def __init__(
@@ -74,28 +74,30 @@ class SparePool(spare_upkeep.SpareUpkeep):
     ) -> None:
         self.executor = executor
         self.serving = serving
-        self.config = config
-        self.size = config.warm_spare_ranks
-        self.mechanics = mechanics
-        self._busy = busy
-        self._lock = threading.RLock()
-        #: Uids of the spares (ready or being prepared), in the order they were started.
-        self._uids: list[int] = []
-        #: Uids whose non-expert weights are loaded and whose warm-up is done.
-        self._loaded: set[int] = set()
-        self._standby: spare_upkeep.Standby | None = None
-        #: Standby epochs no longer used (dropped on every live worker by the next pass).
-        self._stale: set[int] = set()
+        self._spares = spare_set.SpareSet(
+            executor=executor, serving=serving, size=config.warm_spare_ranks
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Spares started since the pool began (the first K, then every replacement).
-        self.started = 0
         #: Pre-staging (its target_for and max_size are set by whoever owns the resizes).
         self.prestager = prestage_mod.Prestager(
             executor=executor,
             num_layers=serving.placement.num_layers,
             timeout=config.rpc_timeout,
         )
+        self.upkeep = spare_upkeep.Upkeep(
+            spares=self._spares,
+            config=config,
+            mechanics=mechanics,
+            busy=busy,
+            prestager=self.prestager,
+            stop=self._stop,
+        )
+
+    @property
+    def size(self) -> int:
+        """How many spares the pool keeps."""
+        return self._spares.size
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,8 +112,8 @@ class SparePool(spare_upkeep.SpareUpkeep):
         grow has claimed are not the pool's any more."""
         if size < 0:
             raise ValueError(f"warm_spare_ranks must be >= 0, got {size}")
-        with self._lock:
-            self.size = size
+        with self._spares.lock:
+            self._spares.size = size
         self.start()
 
     def close(self) -> None:
@@ -126,51 +128,18 @@ class SparePool(spare_upkeep.SpareUpkeep):
     def _loop(self) -> None:
         while not self._stop.wait(MAINTAIN_SECONDS):
             try:
-                self.maintain()
+                self.upkeep.maintain()
             except Exception:  # noqa: BLE001 - the next pass starts over from what is live
                 log.exception("warm spares: maintenance failed; retrying")
 
     # -- queries ---------------------------------------------------------------------------
-    def _labels_by_uid(self) -> dict[int, int]:
-        return {
-            int(info["uid"]): label
-            for label, info in self.executor.rank_infos().items()
-            if info.get("uid") is not None
-        }
-
     def labels(self) -> set[int]:
         """Labels of every pool member now (ready or not)."""
-        by_uid = self._labels_by_uid()
-        with self._lock:
-            return {by_uid[u] for u in self._uids if u in by_uid}
-
-    def _standby_current(self) -> spare_upkeep.Standby | None:
-        """The standby groups if they still cover today's active ranks and their epoch."""
-        with self._lock:
-            sb = self._standby
-        if sb is None:
-            return None
-        if sb.active != tuple(self.executor.ranks) or sb.active_epoch != self.serving.epoch:
-            return None
-        return sb
+        return self._spares.labels()
 
     def ready(self) -> list[int]:
         """Labels of the spares a grow can use at once (loaded, warm, in standby groups)."""
-        sb = self._standby_current()
-        if sb is None:
-            return []
-        by_uid = self._labels_by_uid()
-        health = self.executor.health()
-        with self._lock:
-            members = set(self._uids)
-        ok: list[int] = []
-        for uid in sb.spares:  # the standby epoch for k covers the first k: a healthy prefix
-            label = by_uid.get(uid)
-            h = None if label is None else health.get(label)
-            if uid not in members or h is None or h.state != executor_health.HEALTH_OK:
-                break
-            ok.append(label)  # type: ignore[arg-type]
-        return ok
+        return self._spares.ready()
 
     def covers(self, count: int) -> bool:
         """A grow by `count` ranks can run on ready spares (no Standby)."""
@@ -182,8 +151,8 @@ class SparePool(spare_upkeep.SpareUpkeep):
         by_uid = {int(i["uid"]): label for label, i in infos.items() if i.get("uid") is not None}
         health = self.executor.health()
         ready = set(self.ready())
-        with self._lock:
-            uids = list(self._uids)
+        with self._spares.lock:
+            uids = list(self._spares.uids)
         spares = []
         for uid in uids:
             label = by_uid.get(uid)
@@ -214,16 +183,17 @@ class SparePool(spare_upkeep.SpareUpkeep):
     def claim(self, count: int) -> Claim | None:
         """The first `count` ready spares and the standby epoch over the active ranks and them,
         or None when they do not cover it. They leave the pool."""
-        with self._lock:
-            ready = self.ready()
-            sb = self._standby_current()
+        spares = self._spares
+        with spares.lock:
+            ready = spares.ready()
+            sb = spares.standby_current()
             if sb is None or not 0 < count <= len(ready):
                 return None
             taken = list(sb.spares[:count])
-            self._uids = [u for u in self._uids if u not in taken]
-            self._loaded -= set(taken)
-            self._stale |= {e for k, e in sb.epochs.items() if k != count}
-            self._standby = None
+            spares.uids = [u for u in spares.uids if u not in taken]
+            spares.loaded -= set(taken)
+            spares.stale |= {e for k, e in sb.epochs.items() if k != count}
+            spares.standby = None
             labels = ready[:count]
             target, held = self.prestager.take(
                 labels, active=sb.active, live=self.serving.placement
@@ -233,50 +203,30 @@ class SparePool(spare_upkeep.SpareUpkeep):
     def take(self, most: int) -> list[int]:
         """Up to `most` spares whose weights are loaded (standby groups or not), in label
         order; they leave the pool (a grow by more than the ready spares uses them too)."""
-        by_uid = self._labels_by_uid()
+        spares = self._spares
+        by_uid = spares.labels_by_uid()
         health = self.executor.health()
-        with self._lock:
+        with spares.lock:
             loaded = [
                 (by_uid[u], u)
-                for u in self._uids
-                if u in self._loaded
+                for u in spares.uids
+                if u in spares.loaded
                 and u in by_uid
                 and health.get(by_uid[u], executor_health.RankHealth()).state
                 == executor_health.HEALTH_OK
             ]
             chosen = sorted(loaded)[: max(0, most)]
-            uids = {u for _, u in chosen}
-            self._uids = [u for u in self._uids if u not in uids]
-            self._loaded -= uids
-            if self._standby is not None and uids & set(self._standby.spares):
-                self._stale |= set(self._standby.epochs.values())
-                self._standby = None
+            spares.drop({u for _, u in chosen})
             return [label for label, _ in chosen]
 
     def give_back(self, labels: Sequence[int]) -> None:
         """Spares a failed grow had taken come back (their weights are still loaded)."""
         infos = self.executor.rank_infos()
-        with self._lock:
+        spares = self._spares
+        with spares.lock:
             for label in labels:
                 uid = infos.get(label, {}).get("uid")
-                if uid is not None and uid not in self._uids:
-                    self._uids.append(int(uid))
-                    self._loaded.add(int(uid))
+                if uid is not None and uid not in spares.uids:
+                    spares.uids.append(int(uid))
+                    spares.loaded.add(int(uid))
         log.info("warm spares: ranks %s back in the pool", list(labels))
-
-    # -- for tests and benchmarks ----------------------------------------------------------
-    def prestaged(self) -> bool:
-        """Every ready spare holds the experts of every grow it may serve (tests, benches)."""
-        ready = self.ready()
-        plan = self.prestager.current(self.executor.ranks, self.serving.placement)
-        return bool(ready) and plan is not None and plan.spares == tuple(ready) and plan.complete()
-
-    def wait_ready(self, count: int | None = None, timeout: float = 300.0) -> bool:
-        """Wait until `count` (default: all) spares are ready (tests, benchmarks)."""
-        want = self.size if count is None else count
-        deadline = time.monotonic() + timeout
-        while len(self.ready()) < want:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True

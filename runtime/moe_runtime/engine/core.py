@@ -9,20 +9,18 @@ Glossary
 - draining ranks: active ranks that take no new sequence (their sequences were migrated away;
   they keep stepping until `set_active_ranks` drops them).
 - step boundary: the moment between two steps. All scheduler state is owned by the engine
-  thread and changes only there, so resize operations (`boundary.BoundaryOps`: `migrate_from`,
-  `set_active_ranks`, `add_step_control`) are queued to the next boundary. Requests that
-  arrive meanwhile wait in the queue; none is refused.
+  thread and changes only there, so resize operations (`migrate_from`, `set_active_ranks`,
+  `add_step_control`, through the `boundary.Boundary` part) are queued to the next boundary.
+  Requests that arrive meanwhile wait in the queue; none is refused.
 - queue: `queue.RequestQueue`, requests waiting for a sequence slot; its bound
   (`max_queued_requests`) refuses arrivals with `queue.QueueFull` under overload, never while
   its `exempt()` says a resize runs.
 
-One step: admit waiting requests (up to `max_num_seqs_per_rank` per rank), give every running
-sequence the next slice of its uncomputed tokens within the per-rank token budget (decodes
-first, one token each; then prefill chunks in arrival order), run `execute_step`, and append
-the sampled token of each sequence whose uncomputed tokens are now all in its KV cache. A
-sequence's uncomputed tokens are `tokens[num_computed:]`, which covers prefill (the prompt),
-decode (the last sampled token) and re-prefill after a migration (prompt + generated so far)
-with one rule.
+One step: admit waiting requests (up to `max_num_seqs_per_rank` per rank), schedule every
+running sequence's next slice of tokens (`scheduler.Scheduler`), run `execute_step`, and apply
+the outputs (`outputs.Outputs`: the sampled token of each sequence whose uncomputed tokens are
+now all in its KV cache; retries after a failed step). The `Engine` holds those parts and the
+boundary's (`boundary.Boundary`); it owns the loop, the request intake and the callbacks.
 """
 
 from __future__ import annotations
@@ -33,171 +31,59 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
+from moe_runtime.engine import outputs as outputs_mod
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
+from moe_runtime.engine import scheduler as scheduler_mod
+from moe_runtime.engine import seam
 from moe_runtime.engine import text as text_mod
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-StepCallback = Callable[[list[step_types.StepOutput]], None]
-
-
-class StepRunner(Protocol):
-    """What the engine needs of an executor (moe_runtime.executor.Executor satisfies it)."""
-
-    @property
-    def num_ranks(self) -> int: ...
-
-    def execute_step(self, step: step_types.StepInput) -> list[step_types.StepOutput]: ...
-
-
-class Tokenizer(Protocol):
-    """What the engine needs of a tokenizer (moe_runtime.model.tokenizer.Tokenizer)."""
-
-    @property
-    def eos_token_id(self) -> int | None: ...
-
-    def decode(self, token_ids: list[int]) -> str: ...
-
-
-class StepObserver(Protocol):
-    """Receives figures of every step (moe_runtime.metrics implements it)."""
-
-    def observe_step(
-        self,
-        *,
-        seconds: float,
-        num_seqs: int,
-        num_tokens: int,
-        outputs: list[step_types.StepOutput],
-    ) -> None: ...
-
-    def observe_finished(
-        self, *, reason: req.FinishReason, num_prompt_tokens: int, num_generated_tokens: int
-    ) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Limits of the engine.
-
-    max_model_len: the model's context (max_position_embeddings); a sequence ends with
-    finish_reason "length" when it is full. max_tokens_per_step: token budget of one rank in
-    one step (bounds the prefill chunk, hence the step latency decodes see). max_step_retries:
-    how many failed steps in a row a sequence survives (it is re-prefilled after each) before
-    it fails with an error.
-    """
-
-    max_model_len: int
-    max_num_seqs_per_rank: int = 64
-    max_tokens_per_step: int = 2048
-    max_step_retries: int = 2
-
-    def __post_init__(self) -> None:
-        if self.max_model_len < 1 or self.max_num_seqs_per_rank < 1:
-            raise ValueError("max_model_len and max_num_seqs_per_rank must be >= 1")
-        if self.max_tokens_per_step < self.max_num_seqs_per_rank:
-            raise ValueError("max_tokens_per_step must be >= max_num_seqs_per_rank")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's progress (monotonic clock times)."""
-
-    alive: bool
-    num_waiting: int
-    num_running: int
-    active_ranks: tuple[int, ...]
-    draining_ranks: tuple[int, ...]
-    seqs_per_rank: dict[int, int]
-    step_count: int
-    last_step_seconds: float
-    last_token_time: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepFailure:
-    """A step that failed on some ranks (its sequences there will be re-prefilled).
-
-    ranks: the ranks that failed (every stepped rank when `execute_step` raised without naming
-    any); exception: what `execute_step` raised, None when ranks reported StepOutput.error.
-    """
-
-    step_id: int
-    ranks: tuple[int, ...]
-    message: str
-    exception: BaseException | None = None
-
-
-FailureCallback = Callable[[StepFailure], None]
-
-
-@dataclasses.dataclass(eq=False)
-class _Seq:
-    handle: req.RequestHandle
-    tokens: list[int]
-    prompt_len: int
-    text: text_mod.IncrementalText
-    rank: int
-    num_computed: int = 0
-    dirty: bool = False  # this rank may hold KV of the sequence
-    failures: int = 0
-
-    @property
-    def seq_id(self) -> str:
-        return self.handle.request_id
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-
-@dataclasses.dataclass(frozen=True)
-class _Work:
-    seq: _Seq
-    rank: int
-    num_tokens: int
 
 
 class EngineStopped(RuntimeError):
     """The engine is stopped (or its loop died): it takes no more work."""
 
 
-class Engine(boundary_mod.BoundaryOps):
+class Engine:
     """Continuous batching over the executor's DP ranks, stepped by a dedicated thread."""
 
     def __init__(
         self,
-        executor: StepRunner,
-        tokenizer: Tokenizer,
-        config: EngineConfig,
+        executor: seam.StepRunner,
+        tokenizer: seam.Tokenizer,
+        config: seam.EngineConfig,
         *,
         active_ranks: Iterable[int] | None = None,
-        observer: StepObserver | None = None,
+        observer: seam.StepObserver | None = None,
         max_queued_requests: int | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
         self._observer = observer
-        self._eos = tokenizer.eos_token_id
         # Shared with other threads: guarded by _cond.
         self._cond = threading.Condition()
         #: Requests waiting for a slot; the bound is `queue.max_queued` (live: set_max_queued).
         self.queue = queue_mod.RequestQueue(max_queued=max_queued_requests)
+        self.boundary = boundary_mod.Boundary(
+            cond=self._cond,
+            notify=self._notify_locked,
+            on_engine_thread=lambda: threading.current_thread() is self._thread,
+            refused=self._refused,
+        )
         self._aborts: set[str] = set()
-        self._boundary: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
-        self._controls: list[tuple[dict[str, Any], boundary_mod.ControlFuture]] = []
-        self._callbacks: list[StepCallback] = []
-        self._failure_callbacks: list[FailureCallback] = []
+        self._callbacks: list[seam.StepCallback] = []
+        self._failure_callbacks: list[seam.FailureCallback] = []
         self._events = 0
         self._stopping = False
-        self._stats = EngineStats(
+        self._stats = seam.EngineStats(
             alive=False,
             num_waiting=0,
             num_running=0,
@@ -209,11 +95,18 @@ class Engine(boundary_mod.BoundaryOps):
             last_token_time=None,
         )
         # Owned by the engine thread.
-        ranks = range(executor.num_ranks) if active_ranks is None else active_ranks
-        self._active: list[int] = sorted(set(ranks))
-        self._draining: set[int] = set()
-        self._running: dict[str, _Seq] = {}
-        self._pending_free: dict[int, list[str]] = {}
+        self.scheduler = scheduler_mod.Scheduler(
+            ranks=range(executor.num_ranks) if active_ranks is None else active_ranks,
+            max_num_seqs_per_rank=config.max_num_seqs_per_rank,
+            max_tokens_per_step=config.max_tokens_per_step,
+        )
+        self.outputs = outputs_mod.Outputs(
+            scheduler=self.scheduler,
+            eos_token_id=tokenizer.eos_token_id,
+            max_model_len=config.max_model_len,
+            max_step_retries=config.max_step_retries,
+            observer=lambda: self._observer,
+        )
         self._step_id = 0
         self._last_step_seconds = 0.0
         self._last_token_time: float | None = None
@@ -284,29 +177,77 @@ class Engine(boundary_mod.BoundaryOps):
     # ------------------------------------------------------------------ boundary operations
 
     def call_at_boundary(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Runs `fn` on the engine thread between two steps; no step runs while it runs.
+        """Runs `fn` on the engine thread between two steps (`boundary.Boundary.call`)."""
+        return self.boundary.call(fn)
 
-        Called from the engine thread itself (inside another boundary call or a step
-        callback), `fn` runs at once. Requests added meanwhile wait in the queue.
+    def add_step_control(self, control: dict[str, Any]) -> boundary_mod.ControlFuture:
+        """Merges `control` into the next step's StepInput.control (`boundary.Boundary.control`);
+        the future gives that step's outputs."""
+        return self.boundary.control(control)
+
+    def run_at_boundary(self, fn: Callable[[], T], *, timeout: float) -> T:
+        """`call_at_boundary(fn)` and its result, with a deadline (`boundary.Boundary.run`)."""
+        return self.boundary.run(fn, timeout=timeout)
+
+    def run_step_control(
+        self, control: dict[str, Any], *, timeout: float
+    ) -> list[step_types.StepOutput]:
+        """`add_step_control(control)` and that step's outputs, with a deadline."""
+        return self.boundary.run_control(control, timeout=timeout)
+
+    def set_active_ranks(self, ranks: Iterable[int]) -> concurrent.futures.Future[None]:
+        """At the next boundary: step exactly these ranks; clears the draining marks.
+
+        Sequences on ranks that leave are migrated first (see `migrate_from`), so none is lost.
+        Leaving ranks get no more StepInput, so KV frees still owed to them are dropped: call
+        `migrate_from` one boundary earlier (while they still step) to have them delivered.
         """
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if threading.current_thread() is self._thread:
-            boundary_mod.run_into(fn, future)
-            return future
-        with self._cond:
-            if self._stopping or (self._thread is not None and not self._alive):
-                future.set_exception(EngineStopped("the engine is stopped"))
-                return future
-            self._boundary.append((fn, future))
-            self._notify_locked()
-        return future
+        new = sorted(set(ranks))
+        if not new:
+            raise ValueError("at least one active rank is needed")
+        return self.call_at_boundary(lambda: self.scheduler.set_active(new))
 
-    def on_step(self, callback: StepCallback) -> None:
+    def migrate_from(self, ranks: Iterable[int]) -> concurrent.futures.Future[list[str]]:
+        """At the next boundary: move the sequences of `ranks` to other active ranks.
+
+        The ranks are marked draining (no new sequence goes there). Each moved sequence is
+        re-prefilled on its new rank with prompt + tokens generated so far, and keeps its
+        num_generated, so seeded sampling continues identically; its KV on the old rank is
+        freed in the next step. The future gives the ids of the moved sequences.
+        """
+        leaving = set(ranks)
+        return self.call_at_boundary(lambda: self.scheduler.migrate(leaving))
+
+    def drain(self, ranks: Iterable[int]) -> concurrent.futures.Future[list[str]]:
+        """At the next boundary: `ranks` take no new sequence; theirs run on there to the end
+        (a shrink's drain, before `migrate_from` moves what is left). The future gives the ids
+        of the sequences on those ranks then."""
+        leaving = set(ranks)
+        return self.call_at_boundary(lambda: self.scheduler.drain(leaving))
+
+    def relabel_ranks(self, mapping: dict[int, int]) -> concurrent.futures.Future[None]:
+        """At the next boundary: rank `old` is now called `mapping[old]` (after an executor
+        switch renumbers its workers 0..n-1); sequences, KV frees and marks follow their worker.
+        Ranks the engine knows and the mapping omits keep their label; two ranks sent to one
+        label are refused (ValueError through the future) and nothing changes.
+        """
+        return self.call_at_boundary(lambda: self.scheduler.relabel(dict(mapping)))
+
+    def active_ranks(self) -> list[int]:
+        """The ranks stepped now. Exact on the engine thread (boundary calls, step callbacks);
+        elsewhere the last published value (`stats()`)."""
+        if threading.current_thread() is self._thread:
+            return list(self.scheduler.active)
+        return list(self.stats().active_ranks)
+
+    # ------------------------------------------------------------------ callbacks and figures
+
+    def on_step(self, callback: seam.StepCallback) -> None:
         """Registers `callback(outputs)`, called on the engine thread after every step."""
         with self._cond:
             self._callbacks.append(callback)
 
-    def on_step_failure(self, callback: FailureCallback) -> None:
+    def on_step_failure(self, callback: seam.FailureCallback) -> None:
         """Registers `callback(StepFailure)`, called on the engine thread after a failed step,
         before it is retried: a fault handler can repair the ranks there (directly, or with
         `call_at_boundary`, which runs before the retry), so the requests survive.
@@ -314,11 +255,11 @@ class Engine(boundary_mod.BoundaryOps):
         with self._cond:
             self._failure_callbacks.append(callback)
 
-    def set_observer(self, observer: StepObserver | None) -> None:
+    def set_observer(self, observer: seam.StepObserver | None) -> None:
         """Replaces the receiver of step and finish figures (metrics); call before start()."""
         self._observer = observer
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> seam.EngineStats:
         """Progress records: queue depth, running sequences, time of the last token, …"""
         with self._cond:
             return dataclasses.replace(
@@ -336,8 +277,14 @@ class Engine(boundary_mod.BoundaryOps):
         self._events += 1
         self._cond.notify_all()
 
+    def _refused(self) -> BaseException | None:
+        """What a new boundary call gets instead of running (holding _cond)."""
+        if self._stopping or (self._thread is not None and not self._alive):
+            return EngineStopped("the engine is stopped")
+        return None
+
     def _run(self) -> None:
-        log.info("engine: step loop started (active ranks %s)", self._active)
+        log.info("engine: step loop started (active ranks %s)", self.scheduler.active)
         try:
             self._loop()
         except Exception:
@@ -345,19 +292,18 @@ class Engine(boundary_mod.BoundaryOps):
         finally:
             with self._cond:
                 self._alive = False
-                boundary, self._boundary = self._boundary, []
-                control_futures = [f for _, f in self._controls]
-                self._controls = []
+                calls = self.boundary.take_calls()
+                controls = self.boundary.take_controls()
                 queued = self.queue.clear()
-            for _, future in boundary:
+            for _, future in calls:
                 future.set_exception(EngineStopped("the engine stopped"))
-            for cf in control_futures:
+            for _, cf in controls:
                 if cf.set_running_or_notify_cancel():
                     cf.set_exception(EngineStopped("the engine stopped"))
             for handle in queued:
-                self._finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
-            for seq in list(self._running.values()):
-                self._finish(seq, req.FinishReason.ERROR, error="the engine stopped")
+                self.outputs.finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
+            for seq in list(self.scheduler.running.values()):
+                self.outputs.finish(seq, req.FinishReason.ERROR, error="the engine stopped")
             self._publish_stats()
             log.info("engine: step loop stopped after %d steps", self._step_id)
 
@@ -370,20 +316,20 @@ class Engine(boundary_mod.BoundaryOps):
                 if self._stopping:
                     return
                 seen = self._events
-                boundary, self._boundary = self._boundary, []
+                calls = self.boundary.take_calls()
                 self.queue.take_inbox()
                 aborts, self._aborts = self._aborts, set()
-            for fn, future in boundary:
+            for fn, future in calls:
                 boundary_mod.run_into(fn, future)
-            self._apply_aborts(aborts)
+            self.outputs.abort(aborts, self.queue)
             self._admit()
             self._publish_stats()
             with self._cond:
-                if self._boundary or self._stopping:
+                if self.boundary.waiting() or self._stopping:
                     continue  # more boundary work arrived while we ran fn: do it first
                 if not self._must_step():
                     continue
-                pending, self._controls = self._controls, []
+                pending = self.boundary.take_controls()
             controls: dict[str, Any] = {}
             control_futures: list[boundary_mod.ControlFuture] = []
             for control, future in pending:
@@ -394,14 +340,14 @@ class Engine(boundary_mod.BoundaryOps):
             self._publish_stats()
 
     def _must_step(self) -> bool:
-        return bool(self._running or self._controls or any(self._pending_free.values()))
+        return self.scheduler.must_step() or self.boundary.has_controls()
 
     def _step(
         self,
         controls: dict[str, Any],
         control_futures: list[boundary_mod.ControlFuture],
     ) -> None:
-        batches, work = self._schedule()
+        batches, work = self.scheduler.schedule()
         self._step_id += 1
         step = step_types.StepInput(step_id=self._step_id, batches=batches, control=controls)
         started = time.monotonic()
@@ -416,16 +362,15 @@ class Engine(boundary_mod.BoundaryOps):
                 sorted(controls),
             )
             for rank, batch in batches.items():
-                if batch.free:
-                    self._pending_free.setdefault(rank, []).extend(batch.free)
+                self.scheduler.free_later(rank, batch.free)
             for cf in control_futures:
                 cf.set_exception(exc)
             message = f"{type(exc).__name__}: {exc}"
             for w in work:
-                self._step_failed(w, message)
+                self.outputs.step_failed(w, message)
             named = tuple(getattr(exc, "ranks", None) or ())
             self._failed(
-                StepFailure(
+                seam.StepFailure(
                     step_id=self._step_id,
                     ranks=named or tuple(sorted(batches)),
                     message=message,
@@ -436,7 +381,7 @@ class Engine(boundary_mod.BoundaryOps):
         elapsed = time.monotonic() - started
         self._last_step_seconds = elapsed
         by_rank = {out.rank: out for out in outputs}
-        produced, errors = self._apply_outputs(work, by_rank, batches)
+        produced, errors = self.outputs.apply(self._step_id, work, by_rank, batches)
         if produced:
             self._last_token_time = time.monotonic()
         for cf in control_futures:
@@ -457,14 +402,14 @@ class Engine(boundary_mod.BoundaryOps):
                 log.exception("engine: step callback %r failed at step %d", cb, self._step_id)
         if errors:
             self._failed(
-                StepFailure(
+                seam.StepFailure(
                     step_id=self._step_id,
                     ranks=tuple(sorted(errors)),
                     message="; ".join(errors[r] for r in sorted(errors)),
                 )
             )
 
-    def _failed(self, failure: StepFailure) -> None:
+    def _failed(self, failure: seam.StepFailure) -> None:
         with self._cond:
             callbacks = list(self._failure_callbacks)
         for cb in callbacks:
@@ -476,209 +421,27 @@ class Engine(boundary_mod.BoundaryOps):
                 )
         self._backoff()
 
-    def _schedule(self) -> tuple[dict[int, step_types.RankBatch], list[_Work]]:
-        batches = {rank: step_types.RankBatch() for rank in self._active}
-        for rank, ids in self._pending_free.items():
-            if rank in batches:
-                batches[rank].free.extend(ids)
-        self._pending_free = {}
-        budget = {rank: self.config.max_tokens_per_step for rank in self._active}
-        work: list[_Work] = []
-        decodes = [s for s in self._running.values() if len(s.tokens) - s.num_computed == 1]
-        prefills = [s for s in self._running.values() if len(s.tokens) - s.num_computed > 1]
-        for seq in decodes + prefills:
-            left = budget.get(seq.rank, 0)
-            if left <= 0:
-                continue
-            n = min(len(seq.tokens) - seq.num_computed, left)
-            budget[seq.rank] = left - n
-            batches[seq.rank].seqs.append(
-                step_types.SeqWork(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.tokens[seq.num_computed : seq.num_computed + n],
-                    start_pos=seq.num_computed,
-                    sampling=seq.handle.request.sampling,
-                    num_generated=seq.num_generated,
-                )
-            )
-            seq.dirty = True
-            work.append(_Work(seq=seq, rank=seq.rank, num_tokens=n))
-        return batches, work
-
-    def _apply_outputs(
-        self,
-        work: list[_Work],
-        by_rank: dict[int, step_types.StepOutput],
-        batches: dict[int, step_types.RankBatch],
-    ) -> tuple[bool, dict[int, str]]:
-        """Appends the sampled tokens; returns (any token produced, {failed rank: message})."""
-        errors: dict[int, str] = {}
-        for rank in batches:
-            out = by_rank.get(rank)
-            if out is None:
-                errors[rank] = f"rank {rank} returned no output for step {self._step_id}"
-            elif out.error is not None:
-                errors[rank] = f"rank {rank}: {out.error}"
-        for rank, message in errors.items():
-            log.error("engine: step %d failed on rank %d: %s", self._step_id, rank, message)
-            if batches[rank].free:
-                self._pending_free.setdefault(rank, []).extend(batches[rank].free)
-        produced = False
-        for w in work:
-            if w.rank in errors:
-                self._step_failed(w, errors[w.rank])
-                continue
-            seq = w.seq
-            seq.num_computed += w.num_tokens
-            if seq.num_computed < len(seq.tokens):
-                continue  # a prefill chunk: its sampled token is not used
-            token = by_rank[w.rank].tokens.get(seq.seq_id)
-            if token is None:
-                seq.num_computed -= w.num_tokens
-                self._step_failed(w, f"rank {w.rank} returned no token for {seq.seq_id}")
-                continue
-            seq.failures = 0
-            produced = True
-            self._append_token(seq, token)
-        return produced, errors
-
-    def _append_token(self, seq: _Seq, token: int) -> None:
-        request = seq.handle.request
-        seq.tokens.append(token)
-        is_eos = not request.ignore_eos and self._eos is not None and token == self._eos
-        delta = "" if is_eos else seq.text.append(token)
-        reason: req.FinishReason | None = None
-        if is_eos or seq.text.stopped:
-            reason = req.FinishReason.STOP
-        elif (
-            seq.num_generated >= request.max_tokens or len(seq.tokens) >= self.config.max_model_len
-        ):
-            reason = req.FinishReason.LENGTH
-        if reason is None:
-            seq.handle.push(
-                req.RequestOutput(
-                    request_id=seq.seq_id,
-                    new_token_ids=[token],
-                    new_text=delta,
-                    num_prompt_tokens=seq.prompt_len,
-                    num_generated_tokens=seq.num_generated,
-                )
-            )
-            return
-        self._finish(seq, reason, new_token_ids=[token], new_text=delta)
-
-    def _step_failed(self, w: _Work, message: str) -> None:
-        seq = w.seq
-        seq.failures += 1
-        if seq.dirty:
-            self._pending_free.setdefault(seq.rank, []).append(seq.seq_id)
-        seq.num_computed = 0
-        seq.dirty = False
-        if seq.failures > self.config.max_step_retries:
-            log.error(
-                "engine: request %s failed after %d failed steps on rank %d: %s",
-                seq.seq_id,
-                seq.failures,
-                w.rank,
-                message,
-            )
-            self._finish(
-                seq,
-                req.FinishReason.ERROR,
-                error=f"step failed {seq.failures} times in a row: {message}",
-            )
-        else:
-            log.warning(
-                "engine: request %s will be re-prefilled on rank %d after a failed step: %s",
-                seq.seq_id,
-                seq.rank,
-                message,
-            )
-
     def _backoff(self) -> None:
-        delay = min(0.05 * 2 ** max(0, self._consecutive_failures()), 1.0)
+        failures = max((s.failures for s in self.scheduler.running.values()), default=0)
+        delay = min(0.05 * 2 ** max(0, failures), 1.0)
         with self._cond:  # a boundary call (a repair) or a stop ends the wait early
-            self._cond.wait_for(lambda: self._stopping or bool(self._boundary), delay)
-
-    def _consecutive_failures(self) -> int:
-        return max((s.failures for s in self._running.values()), default=0)
-
-    def _finish(
-        self,
-        seq: _Seq,
-        reason: req.FinishReason,
-        *,
-        new_token_ids: list[int] | None = None,
-        new_text: str = "",
-        error: str | None = None,
-    ) -> None:
-        self._running.pop(seq.seq_id, None)
-        if seq.dirty:
-            self._pending_free.setdefault(seq.rank, []).append(seq.seq_id)
-            seq.dirty = False
-        seq.handle.push(
-            req.RequestOutput(
-                request_id=seq.seq_id,
-                new_token_ids=new_token_ids or [],
-                new_text=new_text + seq.text.flush(),
-                finished=True,
-                finish_reason=reason,
-                error=error,
-                num_prompt_tokens=seq.prompt_len,
-                num_generated_tokens=seq.num_generated,
-            )
-        )
-        if self._observer is not None:
-            self._observer.observe_finished(
-                reason=reason,
-                num_prompt_tokens=seq.prompt_len,
-                num_generated_tokens=seq.num_generated,
-            )
-
-    def _finish_unstarted(
-        self, handle: req.RequestHandle, reason: req.FinishReason, error: str | None
-    ) -> None:
-        n = len(handle.request.prompt_token_ids)
-        handle.push(
-            req.RequestOutput(
-                request_id=handle.request_id,
-                new_token_ids=[],
-                new_text="",
-                finished=True,
-                finish_reason=reason,
-                error=error,
-                num_prompt_tokens=n,
-            )
-        )
-        if self._observer is not None:
-            self._observer.observe_finished(
-                reason=reason, num_prompt_tokens=n, num_generated_tokens=0
-            )
-
-    def _apply_aborts(self, aborts: set[str]) -> None:
-        if not aborts:
-            return
-        for handle in self.queue.remove(aborts):
-            self._finish_unstarted(handle, req.FinishReason.ABORT, None)
-        for rid in aborts:
-            seq = self._running.get(rid)
-            if seq is not None:
-                self._finish(seq, req.FinishReason.ABORT)
+            self._cond.wait_for(lambda: self._stopping or self.boundary.waiting(), delay)
 
     def _admit(self) -> None:
+        running = self.scheduler.running
         while (handle := self.queue.head()) is not None:
-            if handle.request_id in self._running:
+            if handle.request_id in running:
                 self.queue.pop_head(admitted=False)
-                self._finish_unstarted(
+                self.outputs.finish_unstarted(
                     handle, req.FinishReason.ERROR, f"duplicate request id {handle.request_id}"
                 )
                 continue
-            rank = self._least_loaded()
+            rank = self.scheduler.least_loaded()
             if rank is None:
                 return
             self.queue.pop_head(admitted=True)
             request = handle.request
-            self._running[request.request_id] = _Seq(
+            running[request.request_id] = scheduler_mod.Seq(
                 handle=handle,
                 tokens=list(request.prompt_token_ids),
                 prompt_len=len(request.prompt_token_ids),
@@ -687,13 +450,14 @@ class Engine(boundary_mod.BoundaryOps):
             )
 
     def _publish_stats(self) -> None:
-        stats = EngineStats(
+        sched = self.scheduler
+        stats = seam.EngineStats(
             alive=self._alive,
             num_waiting=len(self.queue),
-            num_running=len(self._running),
-            active_ranks=tuple(self._active),
-            draining_ranks=tuple(sorted(self._draining)),
-            seqs_per_rank=self._load(),
+            num_running=len(sched.running),
+            active_ranks=tuple(sched.active),
+            draining_ranks=tuple(sorted(sched.draining)),
+            seqs_per_rank=sched.load(),
             step_count=self._step_id,
             last_step_seconds=self._last_step_seconds,
             last_token_time=self._last_token_time,

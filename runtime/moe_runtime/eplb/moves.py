@@ -236,8 +236,8 @@ def rebalance_for_resize(
     would not be more than ``tolerance`` (a fraction) busier than under the new placement:
     balanced packing is chaotic, and a 1% drift in load would otherwise move most experts for
     no gain. Vectorised across layers and packs except for the greedy matching (one short loop
-    per layer); with ``settle=False`` the placements equal those of the per-layer loops kept
-    in ``eplb.reference``.
+    per layer); with ``settle=False`` the placements equal those of the per-layer loops the
+    tests keep as their oracle (``tests/support/eplb_reference.py``).
 
     Then (``settle``) ``eplb.settle``: swaps of slots between ranks that leave more experts
     where they are held, while no layer's busiest rank gets more than ``tolerance`` busier than

@@ -35,8 +35,8 @@ layer whose load is all zero is balanced as if its load were uniform, so a cold 
 redundant slots over experts 0, 1, ... instead of stacking them all on expert 0.
 
 The greedy steps are vectorised across layers (numpy; see the note above ``_balanced_packing``)
-and give exactly the placements of the loop-by-loop original, which ``eplb.reference`` keeps
-as the test oracle.
+and give exactly the placements of the loop-by-loop original, which the tests keep as their
+oracle (``tests/support/eplb_reference.py``).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def balancedness(load: torch.Tensor, placement: Placement, num_ranks: int) -> fl
 # per redundant slot, each iteration a handful of numpy operations over all rows at once. Numpy,
 # not torch: these are tiny arrays, where torch's per-operation overhead (and its intra-op
 # threads fighting over a busy machine) cost more than the arithmetic. Every step does the same
-# float64 operations in the same order as the loop-by-loop original (``eplb.reference``), so the
+# float64 operations in the same order as the loop-by-loop original (the tests' oracle), so the
 # placements are identical, ties included (argmin/argmax and stable argsort take the first).
 
 

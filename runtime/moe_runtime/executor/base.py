@@ -8,45 +8,72 @@ primitives a live resize is made of:
 - `build_groups(ranks, epoch=k)`: every listed worker joins the step group and the transfer
   group of epoch k (rendezvous chosen here: a FileStore on one host, else a TCPStore hosted by
   the group's rank 0). Runs in the background: steps keep running on the active group.
-- `switch(ranks, epoch=k, placement=p)`: at a step boundary, drop the step graph, `activate`
-  epoch k on those workers (worker `ranks[i]` becomes rank i), compile the new step graph.
+- `switch(ranks, epoch=k, placement=p)`: at a step boundary, `activate` epoch k on those
+  workers (worker `ranks[i]` becomes rank i) and step them from the next step on.
 - `remove_ranks(ranks)`: stop workers, return their infos (pod names for `workersToDelete`).
+
+It is made of parts, each built with what it needs: `roster` (`roster.Roster`: the workers by
+label, active and pending), `heartbeat` (`health.Heartbeat`), `switcher` (`switch.Switch`) and
+`weights` (`weight_moves.WeightMoves`: expert staging and the non-expert transfer), shared by
+both executors and built here, and `groups` (how an epoch's groups are built: a rendezvous per
+executor). An executor adds how it reaches its workers (`_call`, `_send_ping`, `_poll_ping`),
+how it steps them (`execute_step` and its step path), starts, stops and fences them.
 
 Rank labels: the active ranks are always 0..n-1 in step order. A pending worker keeps the label
 it was given by `add_ranks` (n, n+1, ...) or the label it had when a `switch` left it out, until
 it is removed or switched in.
 
 Failures (every path ends in a known state):
-- Heartbeat and step deadline: see `health` (`Heartbeat`, inherited by `Executor`); a hung
-  worker is fenced at once, a lost one is reported through `on_lost`.
+- Heartbeat and step deadline: see `health`; a hung worker is fenced at once, a lost one is
+  reported through the heartbeat's `on_lost`.
 - A failed step: when every stepped worker is healthy the step path is rebuilt on the same
   ranks before `execute_step` raises `ExecutorError` (retry it); otherwise it raises `RankDied`
   naming the lost ranks and leaves no step path (`has_step_path()` is False) until a `switch`.
-- A failed `switch` goes back to the old step path: workers that activated the new epoch
-  `revert` and the old graph is compiled again; it raises afterwards.
+- A failed `switch` goes back to the old step path (`switch`): workers that activated the new
+  epoch `revert`; it raises afterwards.
 """
 
 from __future__ import annotations
 
 import abc
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 from moe_runtime import step as step_mod
 from moe_runtime.executor import health as health_mod
+from moe_runtime.executor import roster as roster_mod
+from moe_runtime.executor import switch as switch_mod
 from moe_runtime.executor import weight_moves
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
-#: Role of the group used only by `execute_step` collectives (expert dispatch/combine).
-STEP_GROUP = "step"
-#: Role of the group used only by background weight moves (non-expert and expert transfers).
-TRANSFER_GROUP = "transfer"
-GROUP_ROLES = (STEP_GROUP, TRANSFER_GROUP)
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """One `collective_rpc`: `method(*args, **kwargs)` on each member with its own keyword
+    arguments (`per_member`, in call order), within `timeout`, on the control lane when
+    `background`."""
+
+    method: str
+    args: tuple[Any, ...]
+    per_member: list[tuple[roster_mod.Member[Any], dict[str, Any]]]
+    timeout: float | None
+    background: bool
+
+    @property
+    def labels(self) -> list[int]:
+        return [m.label for m, _ in self.per_member]
+
+
+class GroupBuilder(Protocol):
+    """How an executor builds the step and transfer groups of an epoch (`build_groups`)."""
+
+    def build(
+        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+    ) -> None: ...
 
 
 class ExecutorError(RuntimeError):
@@ -61,32 +88,71 @@ class RankDied(ExecutorError):
     """A rank's worker is gone (its process or node died, or it was fenced after a hang)."""
 
 
-class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
-    """One worker per DP rank, stepped in lockstep. See the module docstring."""
+class Executor(abc.ABC):
+    """One worker per DP rank, stepped in lockstep, made of parts (see the module docstring)."""
 
-    _async_pool: concurrent.futures.ThreadPoolExecutor | None = None
+    def __init__(
+        self,
+        *,
+        roster: roster_mod.Roster[Any],
+        groups: GroupBuilder,
+        shared: weight_moves.Shared | None = None,
+        switch_timeout: float | None = None,
+    ) -> None:
+        """roster: the workers; groups: the group builder; shared: weight moves another way
+        than the transfer group (`weight_moves.Shared`); switch_timeout: the bound of a switch
+        called without one (None: none)."""
+        self.roster = roster
+        self.groups = groups
+        self.heartbeat = health_mod.Heartbeat(
+            members=roster.health,
+            stepping=roster.active,
+            send_ping=self._send_ping,
+            poll_ping=self._poll_ping,
+            fence=self.fence,
+            clock=health_mod.StepClock(),
+        )
+        self.switcher = switch_mod.Switch(
+            roster=roster,
+            rpc=self.collective_rpc,
+            lost=self.lost_ranks,
+            set_path=self._set_path,
+            clear_path=self._clear_path,
+            tell=self._tell,
+            prepare=self._prepare,
+            timeout=switch_timeout,
+        )
+        self.weights = weight_moves.WeightMoves(self.collective_rpc, shared=shared)
+        self._async_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- ranks ---------------------------------------------------------------------------
     @property
-    @abc.abstractmethod
     def ranks(self) -> list[int]:
         """The ranks in the step graph, in step order (always 0..n-1)."""
+        return self.roster.active()
 
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
 
     @property
-    @abc.abstractmethod
     def pending_ranks(self) -> list[int]:
         """Live workers that are not in the step graph (added, or left out by a switch)."""
+        return self.roster.pending()
 
-    @abc.abstractmethod
     def rank_infos(self) -> dict[int, dict[str, Any]]:
         """`RankWorker.info()` of every live worker, active and pending, by rank label."""
+        return self.roster.infos()
+
+    def health(self) -> dict[int, health_mod.RankHealth]:
+        """What the heartbeat knows of every live worker, by label (no call is made)."""
+        return self.heartbeat.health()
+
+    def lost_ranks(self) -> dict[int, health_mod.RankHealth]:
+        """Live workers the heartbeat (or a failed step) found dead or unresponsive."""
+        return self.heartbeat.lost_ranks()
 
     # -- calls ---------------------------------------------------------------------------
-    @abc.abstractmethod
     def collective_rpc(
         self,
         method: str,
@@ -97,7 +163,8 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
         per_rank: Mapping[int, Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ) -> list[Any]:
-        """Call `RankWorker.<method>(*args, **kwargs)` on every rank at once; results in order.
+        """Call the control method `method(*args, **kwargs)` (`RankWorker.call`) on every rank
+        at once; results in order.
 
         ranks: rank labels to call (default: the active ranks); may name pending workers.
         timeout: seconds to wait for all results; TimeoutError past it.
@@ -108,31 +175,26 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
         method cannot take keyword arguments of those names through it.
         A worker's exception is raised as ExecutorError naming the rank (RankDied if it died).
         """
+        members = self.roster.targets(f"collective_rpc({method})", ranks)
+        extra = per_rank or {}
+        per_member = [(m, {**kwargs, **extra.get(m.label, {})}) for m in members]
+        return self._call(Calls(method, args, per_member, timeout, background))
+
+    @abc.abstractmethod
+    def _call(self, calls: Calls) -> list[Any]:
+        """The calls of one `collective_rpc`, made at once; results in order."""
 
     def collective_rpc_async(
-        self,
-        method: str,
-        *args: Any,
-        ranks: Sequence[int] | None = None,
-        timeout: float | None = None,
-        background: bool = True,
-        per_rank: Mapping[int, Mapping[str, Any]] | None = None,
-        **kwargs: Any,
+        self, method: str, *args: Any, background: bool = True, **kwargs: Any
     ) -> concurrent.futures.Future[list[Any]]:
-        """`collective_rpc` without blocking the caller (defaults to the control lane)."""
+        """`collective_rpc(method, *args, **kwargs)` without blocking the caller (in the
+        control lane unless `background=False`)."""
         if self._async_pool is None:
             self._async_pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix="executor-rpc"
             )
         return self._async_pool.submit(
-            self.collective_rpc,
-            method,
-            *args,
-            ranks=ranks,
-            timeout=timeout,
-            background=background,
-            per_rank=per_rank,
-            **kwargs,
+            self.collective_rpc, method, *args, background=background, **kwargs
         )
 
     @abc.abstractmethod
@@ -150,7 +212,6 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
         priority once started, where the executor can (Ray: `ray_actor.SPARE_NICENESS`); a
         grow's new ranks start at the serving ranks' priority, the grow waits for them."""
 
-    @abc.abstractmethod
     def build_groups(
         self,
         ranks: Sequence[int],
@@ -164,10 +225,11 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
         In the background by default: the active step group keeps serving meanwhile.
         background=False uses the workers' default lane (no step path may be live: a recovery,
         which must not queue behind a transfer stuck on a dead peer). timeout also bounds the
-        rendezvous inside the workers and the new groups' collectives.
+        rendezvous inside the workers and the new groups' collectives. The first member that
+        fails (or that the heartbeat loses) fails the build naming it (`joins`).
         """
+        self.groups.build(ranks, epoch=epoch, timeout=timeout, background=background)
 
-    @abc.abstractmethod
     def switch(
         self,
         ranks: Sequence[int],
@@ -176,15 +238,16 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
         placement: Any = None,
         timeout: float | None = None,
     ) -> None:
-        """Replace the step graph by one over exactly `ranks` (labels, new step order).
+        """Replace the step path by one over exactly `ranks` (labels, new step order).
 
         Call it between steps. With `epoch`, each worker `ranks[i]` first runs
         `activate(epoch, rank=i, num_ranks=len(ranks), placement=placement)`; without it, the
         caller has activated them. Afterwards worker `ranks[i]` is rank i. timeout bounds the
-        whole switch. On any failure the old step path serves again (see the module
-        docstring) before the error is raised; the workers keep their previous state until
+        whole switch. On any failure the old step path serves again (`switch` module) before
+        the error is raised; the workers keep their previous state until
         `collective_rpc("retire_previous")` confirms the switch.
         """
+        self.switcher.switch(ranks, epoch=epoch, placement=placement, timeout=timeout)
 
     def warm_up(self, ranks: Sequence[int]) -> None:
         """Pay one-time costs of pending workers ahead (RayExecutor: their first compiled
@@ -205,12 +268,43 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
         """Ping every live worker: {"ok" | "dead" | "unresponsive"} by rank label."""
 
     @abc.abstractmethod
+    def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
+        """Kill those workers now (a hung worker must not hold its peers in a collective);
+        they stay listed (state dead) until `remove_ranks`."""
+
+    @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop every worker and release what the executor holds."""
 
     @abc.abstractmethod
     def has_step_path(self) -> bool:
-        """A step can run now: the step graph (or its plain-call equivalent) is built."""
+        """A step can run now: the step path is built (a switch in progress counts)."""
+
+    # -- what the parts need of an executor -----------------------------------------------
+    @abc.abstractmethod
+    def _send_ping(self, label: int) -> Any:
+        """Start a ping of worker `label` on its health lane; a handle for `_poll_ping`."""
+
+    @abc.abstractmethod
+    def _poll_ping(self, handle: Any) -> str | None:
+        """None while the ping is pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone)."""
+
+    @abc.abstractmethod
+    def _set_path(self) -> None:
+        """Step the roster's active ranks from the next step on (after a switch)."""
+
+    @abc.abstractmethod
+    def _clear_path(self) -> None:
+        """No step path until the next switch (a switch that could not go back)."""
+
+    @abc.abstractmethod
+    def _tell(self, members: list[roster_mod.Member[Any]]) -> None:
+        """Let relabelled workers know their labels (they name them in their logs)."""
+
+    def _prepare(self, left: float | None) -> None:
+        """Finish what must not overlap a switch, within `left` s; no-op unless an executor
+        prepares anything (Ray: the warm-up of new actors)."""
+        return None
 
     def free_rank_slots(self) -> int | None:
         """Ranks that could be added now (free capacity), or None when unknown/unbounded."""
@@ -244,57 +338,13 @@ class Executor(weight_moves.WeightMoves, health_mod.Heartbeat, abc.ABC):
         self.switch(ranks, epoch=epoch, placement=placement, timeout=timeout)
         self.collective_rpc("retire_previous", ranks=ranks, timeout=timeout)
 
-    def _close_async_pool(self) -> None:
+    def _close(self) -> None:
+        """Stop the parts' threads (the heartbeat, async calls); executors call it first
+        when they shut down."""
+        self.heartbeat.stop()
         if self._async_pool is not None:
             self._async_pool.shutdown(wait=False, cancel_futures=True)
             self._async_pool = None
-
-
-def rpc_targets(
-    method: str,
-    ranks: Sequence[int] | None,
-    *,
-    active: Sequence[int],
-    members: Mapping[int, T],
-) -> tuple[list[int], list[T]]:
-    """The rank labels a `collective_rpc` calls (default: the active ones) and their members.
-
-    Raises ValueError naming the labels that have no worker.
-    """
-    targets = list(active if ranks is None else ranks)
-    unknown = [r for r in targets if r not in members]
-    if unknown:
-        raise ValueError(f"collective_rpc({method}): no worker for ranks {unknown}")
-    return targets, [members[r] for r in targets]
-
-
-def extra_kwargs(per_rank: Mapping[int, Mapping[str, Any]] | None, rank: int) -> dict[str, Any]:
-    """The keyword arguments `per_rank` adds for one rank's call."""
-    return dict(per_rank.get(rank, {})) if per_rank else {}
-
-
-def check_switch(ranks: Sequence[int], *, live: Sequence[int], reserved: int = 0) -> dict[int, int]:
-    """Validate a switch and return {old label: new label} for every live worker.
-
-    Workers left out keep their label, unless the new ranks 0..len(ranks)-1 take it: then
-    they get the next labels above every label in use and below `reserved` (labels handed out
-    to workers still starting), in the order of their old labels, so pending workers (warm
-    spares, workers being prepared) never block a switch.
-    """
-    if not ranks:
-        raise ValueError("switch needs at least one rank")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"switch ranks must be distinct, got {list(ranks)}")
-    unknown = sorted(set(ranks) - set(live))
-    if unknown:
-        raise ValueError(f"switch names ranks {unknown} that are not live workers {sorted(live)}")
-    mapping = {old: new for new, old in enumerate(ranks)}
-    left_out = [r for r in live if r not in mapping]
-    clash = sorted(r for r in left_out if r < len(ranks))
-    mapping.update({r: r for r in left_out if r not in clash})
-    free = max([len(ranks) - 1, reserved - 1, *live]) + 1
-    mapping.update({r: free + i for i, r in enumerate(clash)})
-    return mapping
 
 
 def order_ranks(

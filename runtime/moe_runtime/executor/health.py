@@ -1,7 +1,7 @@
 """Rank health: what the heartbeat knows of each worker (`RankHealth`), the step deadline
-(`StepClock`) and the heartbeat itself (`Heartbeat`, inherited by `base.Executor`).
+(`StepClock`) and the heartbeat itself (`Heartbeat`, a part of every executor).
 
-Heartbeat (`start_heartbeat`): every worker is pinged every `interval` on a lane that no step
+Heartbeat (`Heartbeat.start`): every worker is pinged every `interval` on a lane that no step
 or transfer blocks. A ping that fails because the worker is gone makes it "dead"; one that
 stays unanswered for `hang_timeout` (or for `step_grace` once a step is past its deadline)
 makes it "unresponsive", and the worker is fenced (killed) at once, so no collective waits on
@@ -12,19 +12,18 @@ can hold its interpreter for seconds. `on_lost` is then called; the caller shrin
 
 Step deadline: derived from observed step times (`step_deadline`), not a fixed timeout.
 
-The executor provides the members (`_health_members`), the pings (`_send_ping`, `_poll_ping`)
-and the fence (`fence`); the rounds, and judging what a late answer means, are here.
+The executor gives the heartbeat its members, the pings and the fence (constructor arguments);
+the rounds, and judging what a late answer means, are here.
 """
 
 from __future__ import annotations
 
-import abc
 import collections
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -102,51 +101,51 @@ class StepClock:
         return started is not None and now - started > self.deadline()
 
 
-class Heartbeat(abc.ABC):
-    """The health half of `base.Executor` (see the module docstring); the state is the
-    executor's."""
+class Heartbeat:
+    """The executor's heartbeat (see the module docstring), built with what it watches.
 
-    _heartbeat: threading.Thread | None = None
-    _heartbeat_stop: threading.Event | None = None
-    #: Seconds a ping may stay unanswered once a step is past its deadline.
-    step_grace: float = 1.0
-    #: Seconds a pending worker's ping may stay unanswered (it is in no step).
-    pending_hang_timeout: float = 30.0
-    #: Observed step durations and the step deadline; every executor sets its own.
-    clock: StepClock
+    members(): the RankHealth of every live worker by its current label (the objects the
+    heartbeat updates); stepping(): the labels in the step graph; send_ping(label) starts a
+    ping on the worker's health lane and returns a handle; poll_ping(handle): None while it
+    is pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone); fence(labels, reason=...)
+    kills hung workers; clock: the observed step times; now: the monotonic clock (tests give
+    their own).
+    """
 
-    @property
-    def ranks(self) -> list[int]:
-        raise NotImplementedError
-
-    @abc.abstractmethod
-    def _health_members(self) -> dict[int, RankHealth]:
-        """The RankHealth of every live worker, by its current label."""
-
-    @abc.abstractmethod
-    def _send_ping(self, label: int) -> Any:
-        """Start a ping of worker `label` on its health lane; returns a handle for _poll_ping."""
-
-    @abc.abstractmethod
-    def _poll_ping(self, handle: Any) -> str | None:
-        """None while pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone)."""
-
-    @abc.abstractmethod
-    def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
-        """Kill those workers now (a hung worker must not hold its peers in a collective);
-        they stay listed (state dead) until `remove_ranks`."""
+    def __init__(
+        self,
+        *,
+        members: Callable[[], Mapping[int, RankHealth]],
+        stepping: Callable[[], Collection[int]],
+        send_ping: Callable[[int], Any],
+        poll_ping: Callable[[Any], str | None],
+        fence: Callable[..., None],
+        clock: StepClock,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._members = members
+        self._stepping = stepping
+        self._send_ping = send_ping
+        self._poll_ping = poll_ping
+        self._fence = fence
+        self.clock = clock
+        self._now = now
+        self._thread: threading.Thread | None = None
+        self._stop: threading.Event | None = None
+        #: Seconds a ping may stay unanswered once a step is past its deadline.
+        self.step_grace = 1.0
+        #: Seconds a pending worker's ping may stay unanswered (it is in no step).
+        self.pending_hang_timeout = 30.0
 
     def health(self) -> dict[int, RankHealth]:
         """A copy of what the heartbeat knows, by label (no call is made)."""
-        return {
-            label: dataclasses.replace(h, ping=None) for label, h in self._health_members().items()
-        }
+        return {label: dataclasses.replace(h, ping=None) for label, h in self._members().items()}
 
     def lost_ranks(self) -> dict[int, RankHealth]:
         """Live workers the heartbeat (or a failed step) found dead or unresponsive."""
         return {label: h for label, h in self.health().items() if h.state != HEALTH_OK}
 
-    def start_heartbeat(
+    def start(
         self,
         *,
         interval: float = 0.1,
@@ -154,14 +153,14 @@ class Heartbeat(abc.ABC):
         on_lost: LostCallback | None = None,
     ) -> None:
         """Ping every worker every `interval` s in a thread (see the module docstring)."""
-        if self._heartbeat is not None:
+        if self._thread is not None:
             return
         stop = threading.Event()
 
         def run() -> None:
             while not stop.wait(interval):
                 try:
-                    lost = self.heartbeat_round(hang_timeout=hang_timeout)
+                    lost = self.round(hang_timeout=hang_timeout)
                 except Exception:  # noqa: BLE001 - the heartbeat must outlive one bad round
                     log.exception("heartbeat round failed")
                     continue
@@ -171,28 +170,28 @@ class Heartbeat(abc.ABC):
                     except Exception:  # noqa: BLE001 - the handler logs its own failure
                         log.exception("heartbeat: on_lost handler failed for %s", lost)
 
-        self._heartbeat_stop = stop
-        self._heartbeat = threading.Thread(target=run, name="rank-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._stop = stop
+        self._thread = threading.Thread(target=run, name="rank-heartbeat", daemon=True)
+        self._thread.start()
 
-    def stop_heartbeat(self) -> None:
-        if self._heartbeat_stop is not None:
-            self._heartbeat_stop.set()
-        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=1.0)  # one round is short (non-blocking polls)
-        self._heartbeat = self._heartbeat_stop = None
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)  # one round is short (non-blocking polls)
+        self._thread = self._stop = None
 
-    def heartbeat_round(self, *, hang_timeout: float) -> dict[int, str]:
+    def round(self, *, hang_timeout: float) -> dict[int, str]:
         """One round: collect answered pings, send new ones, judge; fence hung workers.
 
         Returns {label: state} of the workers found lost in this round.
         """
-        now = time.monotonic()
+        now = self._now()
         overdue = self.clock.overdue(now)
         newly: dict[int, str] = {}
         hung: list[int] = []
-        stepping = set(self.ranks)
-        for label, h in self._health_members().items():
+        stepping = set(self._stepping())
+        for label, h in self._members().items():
             if h.state == HEALTH_DEAD:
                 continue
             if h.ping is not None:
@@ -221,5 +220,5 @@ class Heartbeat(abc.ABC):
                 h.ping, h.ping_sent = self._send_ping(label), now
         if hung:
             log.error("heartbeat: ranks %s do not answer: fencing them", hung)
-            self.fence(hung, reason="unresponsive")
+            self._fence(hung, reason="unresponsive")
         return newly

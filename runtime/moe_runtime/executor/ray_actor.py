@@ -6,7 +6,8 @@
   steps), `EXPORT_LANE` (one thread: experts a co-located peer asked for, so an export never
   waits behind a staging call that waits for exports) and `HEALTH_LANE` (pings, never queued
   behind a transfer);
-- `Rank`: one DP rank as the executor keeps it (actor, placement group, info, health);
+- `RankHandle`: how the executor reaches one DP rank (its actor and placement group; the
+  roster keeps it with the rank's info and health);
 - `start_ranks`, `check_health`, `ping` / `poll` (the heartbeat's calls), `get_all` (results
   with errors naming the rank: `RankDied` for a dead actor).
 """
@@ -29,9 +30,10 @@ import ray.util.scheduling_strategies as ray_sched
 from moe_contract import names
 from moe_runtime import logs
 from moe_runtime import step as step_mod
-from moe_runtime import worker as worker_mod
-from moe_runtime.executor import base, ray_transfer
+from moe_runtime.executor import base, ray_transfer, roster
 from moe_runtime.executor import health as health_mod
+from moe_runtime.rank import hooks as hooks_mod
+from moe_runtime.rank import worker as worker_mod
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +61,24 @@ PROBE_STEP_ID = -1
 class RankActor:
     """The actor body: a RankWorker plus what only Ray knows (node id and address)."""
 
-    def __init__(self, *, label: int, device: str, dtype: str, spare: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        label: int,
+        device: str,
+        dtype: str,
+        spare: bool = False,
+        hooks: hooks_mod.HooksFactory | None = None,
+    ) -> None:
         logs.configure_rank()
         if spare:
             set_niceness(label, SPARE_NICENESS, why="waits as a warm spare")
         self.worker = worker_mod.RankWorker(
-            device=device, dtype=dtype, torch_threads=1, label=label
+            device=device,
+            dtype=dtype,
+            torch_threads=1,
+            label=label,
+            hooks=None if hooks is None else hooks(),
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -87,11 +101,11 @@ class RankActor:
         return info
 
     def free_port(self) -> tuple[str, int]:
-        return self.worker.free_port(self.node_ip)
+        return self.worker.groups.free_port(self.node_ip)
 
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._in_background()
-        return getattr(self.worker, method)(*args, **kwargs)
+        return self.worker.call(method, *args, **kwargs)
 
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         if step.step_id == PROBE_STEP_ID:
@@ -119,7 +133,7 @@ class RankActor:
     def export_experts(self, keys: list[tuple[int, int]]) -> ray_transfer.PackedExperts:
         """Live experts `keys` for a co-located peer (the return value goes to shared memory)."""
         self._in_background()
-        return ray_transfer.pack_experts(self.worker.held_experts(keys))
+        return ray_transfer.pack_experts(self.worker.slots.held_experts(keys))
 
     def stage_experts_shared(
         self,
@@ -142,7 +156,7 @@ class RankActor:
         else:
             self._in_background()
         provided, shared_bytes = self._receive(parts)
-        received = self.worker.stage_experts(
+        received = self.worker.slots.stage_experts(
             epoch, moves, new_placement, provided=provided, **kwargs
         )
         return int(received) + shared_bytes
@@ -151,7 +165,8 @@ class RankActor:
         """`RankWorker.prestage_experts` with what co-located peers exported (refs)."""
         self._in_background()
         provided, shared_bytes = self._receive(parts)
-        return int(self.worker.prestage_experts(epoch, moves, provided=provided)) + shared_bytes
+        received = self.worker.slots.prestage_experts(epoch, moves, provided=provided)
+        return int(received) + shared_bytes
 
     def _receive(self, parts: list[Any]) -> tuple[dict[Any, Any], int]:
         """Private copies of the exported experts behind `parts` (refs), each unpacked as soon
@@ -196,9 +211,7 @@ class RankActor:
         return nbytes
 
     def _model(self) -> Any:
-        if self.worker.model is None:
-            raise RuntimeError(f"rank {self.worker.label}: no weights loaded yet")
-        return self.worker.model
+        return self.worker.loaded.require(self.worker.where())[1]
 
     def echo(self, value: Any) -> Any:
         """Does nothing: the method of the throwaway graph that warms a new actor up."""
@@ -210,15 +223,15 @@ RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
 )(RankActor)
 
 
-@dataclasses.dataclass
-class Rank:
-    """One DP rank: its actor, its placement group, what it said when it started, its health."""
+@dataclasses.dataclass(frozen=True)
+class RankHandle:
+    """One DP rank's actor and the placement group it runs in."""
 
-    label: int
     actor: Any
     pg: Any
-    info: dict[str, Any]
-    health: health_mod.RankHealth = dataclasses.field(default_factory=health_mod.RankHealth)
+
+
+Member = roster.Member[RankHandle]
 
 
 def start_ranks(
@@ -231,10 +244,11 @@ def start_ranks(
     driver_node: str,
     existing_nodes: Sequence[str],
     spare: bool = False,
-) -> list[Rank]:
+    hooks: hooks_mod.HooksFactory | None = None,
+) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
     the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
-    spares (below the serving ranks' CPU priority)."""
+    spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks."""
     bundle: dict[str, float] = {RANK_RESOURCE: 1}
     if use_gpu:
         bundle["GPU"] = 1
@@ -259,7 +273,9 @@ def start_ranks(
                     scheduling_strategy=strategy,
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
-                ).remote(label=first_label + i, device=device, dtype=dtype, spare=spare)
+                ).remote(
+                    label=first_label + i, device=device, dtype=dtype, spare=spare, hooks=hooks
+                )
             )
         infos = get_all(
             [a.ready.remote() for a in actors],
@@ -274,16 +290,17 @@ def start_ranks(
             ray.util.remove_placement_group(pg)
         raise
     order = base.order_ranks(infos, driver_node=driver_node, existing_nodes=existing_nodes)
-    started = []
-    for offset, i in enumerate(order):
-        label = first_label + offset
-        infos[i]["label"] = label
-        started.append(Rank(label=label, actor=actors[i], pg=pgs[i], info=infos[i]))
-    ray.get([r.actor.execute_method.remote("set_label", r.label) for r in started])
+    started = [
+        roster.Member(
+            label=first_label + offset, handle=RankHandle(actors[i], pgs[i]), info=infos[i]
+        )
+        for offset, i in enumerate(order)
+    ]
+    ray.get([m.handle.actor.execute_method.remote("set_label", m.label) for m in started])
     log.info(
         "started ranks %s on nodes %s",
-        [r.label for r in started],
-        [r.info["node_id"][:8] for r in started],
+        [m.label for m in started],
+        [m.info["node_id"][:8] for m in started],
     )
     return started
 
@@ -322,13 +339,10 @@ def set_niceness(label: int | None, niceness: int, *, why: str) -> None:
     log.info("rank %s %s: niceness %d for its %d threads", label, why, niceness, len(tids))
 
 
-def check_health(ranks: Mapping[int, Rank], *, timeout: float) -> dict[int, str]:
+def check_health(ranks: Mapping[int, Member], *, timeout: float) -> dict[int, str]:
     """Ping every rank now and wait up to `timeout`: "ok", "dead" or "unresponsive" by label."""
     labels = sorted(ranks)
-    refs = [
-        ranks[r].actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
-        for r in labels
-    ]
+    refs = [ping(ranks[r].handle.actor) for r in labels]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
     done = set(ready)
     report: dict[int, str] = {}

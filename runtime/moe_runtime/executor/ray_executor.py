@@ -1,12 +1,16 @@
 """`RayExecutor`: one Ray actor per DP rank, stepped through a Ray compiled graph.
 
-- Each rank is one actor (`ray_actor.RankActor`, wrapping a `RankWorker`, three concurrency
+- Each rank is one actor (`ray_actor.RankActor`, wrapping a `RankWorker`, four concurrency
   lanes) in its own placement group of one bundle ``{"moe_rank": 1}`` (plus ``{"GPU": 1}`` on
   GPU clusters, where groups use NCCL): the resource a worker pod offers, so the operator can
   map ranks to pods. Ranks are ordered as vLLM's RayDistributedExecutor orders workers.
 - Each step is one execution of a compiled graph (`ray_graph`; about half the per-step
-  overhead of plain actor calls, see tests/integration/test_executor.py), or plain actor calls
-  in "remote" mode (`ray_step.StepPath` carries both).
+  overhead of plain actor calls, bench/step.py), or plain actor calls in "remote" mode (the
+  `path`, `ray_step.StepPath`, carries both).
+- Its parts: the roster, heartbeat, switch and weight mover of every executor (`base`), the
+  mover's shared-memory way (`ray_weights.SharedMemory`), the group builder
+  (`ray_groups.RayGroups`), the step path (`path`: `ray_step.StepPath`) and the warm-up of new
+  actors' first compile (`ray_graph.WarmUp`).
 - Rules learned on Ray 2.60 (REFERENCE.md): two compiled graphs must never be live on the same
   actors, and compiling takes ~0.2 s (~2.5 s over an actor that was just created). So a
   `switch` compiles nothing: it activates the workers, and the new rank set steps through plain
@@ -21,31 +25,34 @@
   the raylet's `kill_worker_timeout_milliseconds` is small (a stopped process cannot exit by
   itself; the raylet SIGKILLs it after that delay, 5 s by default; `cluster.connect` sets
   200 ms). Shrinking around the lost rank then takes ~0.3 s (groups, staging, compile).
-- Group rendezvous: a FileStore in `group_dir` when every member of a new group has one IP
-  (nothing listens on a port), else a TCPStore hosted by the group's rank 0 on a port it
-  reports as free (`RankWorker.free_port`).
+- Group rendezvous: see `ray_groups`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ray
-import ray.dag
-import ray.exceptions
 import ray.util
 
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import base, ray_actor, ray_step, ray_switch, ray_weights
+from moe_runtime.executor import (
+    base,
+    ray_actor,
+    ray_graph,
+    ray_groups,
+    ray_step,
+    ray_weights,
+    roster,
+)
 from moe_runtime.executor import health as health_mod
+from moe_runtime.rank import hooks as hooks_mod
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,7 @@ STEP_COMPILED = "compiled"
 STEP_REMOTE = "remote"
 
 
-class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base.Executor):
+class RayExecutor(base.Executor):
     """DP ranks as Ray actors (see the module docstring).
 
     use_gpu: None = when the cluster has GPUs. ready_timeout: seconds to wait for placement
@@ -71,7 +78,9 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
     calls). Measured on Ray 2.60: while a compiled graph is live, each idle actor busy-waits
     on its input channel (~0.45 of a core, sched_yield loop), so on hosts with fewer cores
     than ranks (laptops, CI, the local demo) "remote" keeps the CPUs for the work; per-step
-    latency is similar there. Default: env MOE_STEP_MODE, else "compiled".
+    latency is similar there. Default: env MOE_STEP_MODE, else "compiled". rank_hooks: a
+    factory of hooks for every rank (`moe_runtime.rank.hooks`; pickled by reference, so its
+    module must be importable in the actors: tests install fault hooks with it).
     """
 
     def __init__(
@@ -87,6 +96,7 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
         rendezvous: str = "auto",
         transfer_backend: group_mod.Backend = "gloo",
         step_mode: str | None = None,
+        rank_hooks: hooks_mod.HooksFactory | None = None,
     ) -> None:
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
         if mode not in (STEP_COMPILED, STEP_REMOTE):
@@ -96,10 +106,8 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
         self.step_mode = mode
         if rendezvous not in ("auto", "tcp", "file"):
             raise ValueError(f"rendezvous must be 'auto', 'tcp' or 'file', got {rendezvous!r}")
-        self._rendezvous = rendezvous
         if transfer_backend not in ("gloo", "nccl"):
             raise ValueError(f"transfer_backend must be 'gloo' or 'nccl', got {transfer_backend!r}")
-        self._transfer_backend: group_mod.Backend = transfer_backend
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if not ray.is_initialized():
@@ -109,114 +117,75 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
         self.use_gpu = use_gpu
         self._dtype = dtype
         self._ready_timeout = ready_timeout
-        self._step_timeout = step_timeout
-        self._switch_timeout = switch_timeout
-        self.clock = health_mod.StepClock()
-        self._group_dir = group_dir or tempfile.gettempdir()
+        #: Seconds one step may take while every rank stays healthy (tests lower it).
+        self.step_timeout = step_timeout
+        self._rank_hooks = rank_hooks
         self._driver_node = ray.get_runtime_context().get_node_id()
-        self._lock = threading.RLock()
-        self._ranks: dict[int, ray_actor.Rank] = {}
-        self._active: list[int] = []
+        members: roster.Roster[ray_actor.RankHandle] = roster.Roster()
         #: The step path (plain calls, or a compiled graph over the stepped actors); no path
         #: after a failed step with lost ranks until the next switch.
-        self._path = ray_step.StepPath(
+        self.path = ray_step.StepPath(
             compiled=mode == STEP_COMPILED, compile_timeout=switch_timeout
         )
-        self._switching = False
+        self._warm = ray_graph.WarmUp(timeout=ready_timeout)
+        super().__init__(
+            roster=members,
+            groups=ray_groups.RayGroups(
+                members=members,
+                lost=self.lost_ranks,
+                step_backend="nccl" if use_gpu else "gloo",
+                transfer_backend=transfer_backend,
+                rendezvous=rendezvous,
+                group_dir=group_dir or tempfile.gettempdir(),
+            ),
+            shared=ray_weights.SharedMemory(members=members, enabled=not use_gpu),
+            switch_timeout=switch_timeout,
+        )
         self._closed = False
-        self._warming: threading.Thread | None = None
-        #: Labels held by workers that are still starting (concurrent add_ranks).
-        self._starting: set[int] = set()
-        self._uids = itertools.count()
-        #: Seconds of the last switch: activate (the workers) and the whole switch. The graph
-        #: compile that follows in the background is in `last_graph_compile`.
-        self.last_switch: dict[str, float] = {}
-        started = self._start_ranks(num_ranks, first_label=0)
-        with self._lock:
-            for r in started:
-                self._ranks[r.label] = r
-            self._active = [r.label for r in started]
-
-    # -- ranks ---------------------------------------------------------------------------
-    @property
-    def ranks(self) -> list[int]:
-        with self._lock:
-            return list(self._active)
-
-    @property
-    def pending_ranks(self) -> list[int]:
-        with self._lock:
-            return sorted(r for r in self._ranks if r not in self._active)
-
-    def rank_infos(self) -> dict[int, dict[str, Any]]:
-        with self._lock:
-            return {label: {**r.info, "label": label} for label, r in sorted(self._ranks.items())}
-
-    def actor(self, rank: int) -> Any:
-        """The actor handle of rank label `rank` (tests kill it to simulate a lost pod)."""
-        with self._lock:
-            return self._ranks[rank].actor
+        members.add(self._start_ranks(num_ranks, first_label=0), active=True)
 
     def _start_ranks(
         self, count: int, *, first_label: int, spare: bool = False
-    ) -> list[ray_actor.Rank]:
-        with self._lock:
-            existing = [r.info["node_id"] for r in self._ranks.values()]
-        started = ray_actor.start_ranks(
+    ) -> list[ray_actor.Member]:
+        return ray_actor.start_ranks(
             count,
             first_label=first_label,
             use_gpu=self.use_gpu,
             dtype=self._dtype,
             timeout=self._ready_timeout,
             driver_node=self._driver_node,
-            existing_nodes=existing,
+            existing_nodes=[m.info["node_id"] for m in self.roster.members().values()],
             spare=spare,
+            hooks=self._rank_hooks,
         )
-        with self._lock:
-            for r in started:
-                r.info["uid"] = next(self._uids)  # follows the worker through relabels
-        return started
 
     # -- calls ---------------------------------------------------------------------------
-    def collective_rpc(
-        self,
-        method: str,
-        *args: Any,
-        ranks: Sequence[int] | None = None,
-        timeout: float | None = None,
-        background: bool = False,
-        per_rank: Mapping[int, Mapping[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> list[Any]:
-        with self._lock:
-            targets, rank_list = base.rpc_targets(
-                method, ranks, active=self._active, members=self._ranks
-            )
-            actors = [r.actor for r in rank_list]
+    def _call(self, calls: base.Calls) -> list[Any]:
         refs = []
-        for label, actor in zip(targets, actors, strict=True):
-            call = actor.execute_method
-            if background:
+        for m, kwargs in calls.per_member:
+            call = m.handle.actor.execute_method
+            if calls.background:
                 call = call.options(concurrency_group=ray_actor.CTL_LANE)
-            refs.append(call.remote(method, *args, **kwargs, **base.extra_kwargs(per_rank, label)))
-        return ray_actor.get_all(refs, targets, what=method, timeout=timeout)
+            refs.append(call.remote(calls.method, *calls.args, **kwargs))
+        return ray_actor.get_all(refs, calls.labels, what=calls.method, timeout=calls.timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
-        ranks = self._path.ranks
+        ranks = self.path.ranks
         if ranks is None:
             lost = sorted(self.lost_ranks())
             if lost:
                 raise base.RankDied(f"no step path: ranks {lost} are lost", ranks=lost)
             self._set_path()  # after a failure: plain calls now, the graph in the background
-            ranks = self._path.ranks
+            ranks = self.path.ranks
             assert ranks is not None
-        self.clock.begin()
+        clock = self.heartbeat.clock
+        clock.begin()
         try:
-            outs = self._path.execute(step, timeout=self._step_timeout)
+            outs = self.path.execute(step, timeout=self.step_timeout)
         except Exception as exc:  # noqa: BLE001 - every step failure ends in one of two states
-            self.clock.end(ok=False)
+            clock.end(ok=False)
             self._step_failed(step, ranks, exc)  # always raises
-        self.clock.end(ok=True)
+        clock.end(ok=True)
         return outs
 
     def _step_failed(self, step: step_mod.StepInput, ranks: list[int], exc: Exception) -> None:
@@ -228,16 +197,16 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
             r for r in ranks if health.get(r) != health_mod.HEALTH_OK or r in self.lost_ranks()
         )
         now = time.monotonic()
-        with self._lock:
-            for r in bad:
-                if r in self._ranks:
-                    state = health.get(r, health_mod.HEALTH_DEAD)
-                    reason = f"step {step.step_id} failed: {ray_actor.first_line(exc)}"
-                    self._ranks[r].health.lose(state, reason, now)
+        members = self.roster.members()
+        for r in bad:
+            if r in members:
+                state = health.get(r, health_mod.HEALTH_DEAD)
+                reason = f"step {step.step_id} failed: {ray_actor.first_line(exc)}"
+                members[r].health.lose(state, reason, now)
         hung = [r for r in bad if health.get(r) == health_mod.HEALTH_UNRESPONSIVE]
         if hung:
             self.fence(hung, reason="unresponsive in a failed step")
-        self._path.clear()
+        self.path.clear()
         if bad:
             log.error("step %d failed; ranks %s are lost: %s", step.step_id, bad, exc)
             raise base.RankDied(f"step {step.step_id} failed: {exc}", ranks=bad) from exc
@@ -247,94 +216,69 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
             f"step {step.step_id} failed: {exc} (step path rebuilt on ranks {ranks})"
         ) from exc
 
-    def execute_step_remote(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
-        """The same step through plain actor calls, whatever the step mode (benchmarks)."""
-        return self._remote_step(step, self.ranks)
-
-    def _remote_step(
-        self, step: step_mod.StepInput, ranks: Sequence[int]
-    ) -> list[step_mod.StepOutput]:
-        with self._lock:
-            actors = [self._ranks[r].actor for r in ranks]
-        refs = [a.execute_step.remote(step) for a in actors]
-        outs: list[step_mod.StepOutput] = ray_actor.get_all(
-            refs, list(ranks), what="execute_step", timeout=self._step_timeout
-        )
-        return outs
-
-    # -- the step path -------------------------------------------------------------------
     def _set_path(self) -> None:
         """Step the active ranks from the next step on (`ray_step.StepPath.set`)."""
-        with self._lock:
-            ranks = list(self._active)
-            actors = [self._ranks[r].actor for r in ranks]
-        self._path.set(ranks, actors)
-
-    def fail_next_compile(self) -> None:
-        """Test hook: the next background compile of the step graph fails (plain actor calls
-        keep serving; the compile is tried again later)."""
-        self._path.fail_next_compile()
-
-    def step_graph_live(self) -> bool:
-        """A compiled graph carries the steps now (else plain actor calls do)."""
-        return self._path.graph_live()
-
-    def wait_step_graph(self, timeout: float = 60.0) -> bool:
-        """Wait until no background compile runs (tests, benchmarks); True when none does."""
-        return self._path.wait_idle(timeout)
-
-    @property
-    def last_graph_compile(self) -> dict[str, Any]:
-        """Seconds of the last background compile (teardown, compile, probe), or its error."""
-        return dict(self._path.last_compile)
+        members = self.roster.targets("step", None)
+        self.path.set([m.label for m in members], [m.handle.actor for m in members])
 
     def has_step_path(self) -> bool:
-        with self._lock:
-            switching = self._switching
-        return switching or self._path.ranks is not None
+        return self.switcher.switching or self.path.ranks is not None
 
     # -- elastic primitives --------------------------------------------------------------
     def add_ranks(
         self, count: int, *, timeout: float | None = None, spare: bool = False
     ) -> list[int]:
-        if count < 1:
-            raise ValueError(f"count must be >= 1, got {count}")
-        with self._lock:
-            first = max([-1, *self._ranks, *self._starting]) + 1
-            labels = range(first, first + count)
-            self._starting.update(labels)  # concurrent add_ranks get other labels
+        labels = self.roster.reserve(count)  # concurrent add_ranks get other labels
         try:
-            started = self._start_ranks(count, first_label=first, spare=spare)
+            started = self._start_ranks(count, first_label=labels[0], spare=spare)
         finally:
-            with self._lock:
-                self._starting.difference_update(labels)
-        with self._lock:
-            for r in started:
-                self._ranks[r.label] = r
-        return [r.label for r in started]
+            self.roster.unreserve(labels)
+        self.roster.add(started)
+        return [m.label for m in started]
+
+    def warm_up(self, ranks: Sequence[int]) -> None:
+        """Pay the first compiled graph of pending workers now, in a thread (compiled mode;
+        a no-op otherwise): a throwaway graph over them only, never over stepped workers.
+        `switch` and `remove_ranks` wait for it; `prepare_switch` does so outside the pause."""
+        if not self.path.compiled or not ranks:
+            return
+        stepped = set(self.path.ranks or [])
+        if stepped & set(ranks):
+            raise ValueError(f"warm_up: ranks {sorted(stepped & set(ranks))} are stepped")
+        self._warm.start([m.handle.actor for m in self.roster.targets("warm_up", ranks)])
+
+    def prepare_switch(self) -> None:
+        self._warm.join()
+
+    def _prepare(self, left: float | None) -> None:
+        self._warm.join(left)
+
+    def _tell(self, members: list[ray_actor.Member]) -> None:
+        """Relabelled actors learn their labels: sent, not awaited (they run before any later
+        call on the same lane)."""
+        for m in members:
+            m.handle.actor.execute_method.remote("set_label", m.label)
+
+    def _clear_path(self) -> None:
+        self.path.clear()
 
     def remove_ranks(self, ranks: Sequence[int]) -> list[dict[str, Any]]:
         started = time.monotonic()
-        self._join_warm_up()
-        with self._lock:
-            unknown = [r for r in ranks if r not in self._ranks]
-            if unknown:
-                raise ValueError(f"remove_ranks: no worker for ranks {unknown}")
-        if any(r in (self._path.ranks or []) for r in ranks):
-            self._path.clear()
-        with self._lock:
-            removed = [self._ranks.pop(r) for r in ranks]
-            self._active = [r for r in self._active if r not in ranks]
-        healthy = [r for r in removed if r.health.state == health_mod.HEALTH_OK]
-        refs = [r.actor.execute_method.remote("shutdown") for r in healthy]
+        self._warm.join()
+        self.roster.targets("remove_ranks", ranks)  # every one exists, or nothing changes
+        if any(r in (self.path.ranks or []) for r in ranks):
+            self.path.clear()
+        removed = self.roster.remove(ranks)
+        healthy = [m for m in removed if m.health.state == health_mod.HEALTH_OK]
+        refs = [m.handle.actor.execute_method.remote("shutdown") for m in healthy]
         asked = time.monotonic()
         ray.wait(refs, num_returns=len(refs), timeout=10.0)
         shut = time.monotonic()
         infos = []
-        for r in removed:
-            ray.kill(r.actor, no_restart=True)
-            ray.util.remove_placement_group(r.pg)
-            infos.append(dict(r.info))
+        for m in removed:
+            ray.kill(m.handle.actor, no_restart=True)
+            ray.util.remove_placement_group(m.handle.pg)
+            infos.append(dict(m.info))
         log.info(
             "removed ranks %s in %.2fs (their shutdown %.2fs, waiting before it %.2fs): pods %s",
             list(ranks),
@@ -346,53 +290,39 @@ class RayExecutor(ray_switch.SwitchAndWarmUp, ray_weights.GroupsAndWeights, base
         return infos
 
     def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
-        with self._lock:
-            ranks = dict(self._ranks)
-        return ray_actor.check_health(ranks, timeout=timeout)
-
-    def _health_members(self) -> dict[int, health_mod.RankHealth]:
-        with self._lock:
-            return {label: r.health for label, r in self._ranks.items()}
+        return ray_actor.check_health(self.roster.members(), timeout=timeout)
 
     def _send_ping(self, label: int) -> Any:
-        with self._lock:
-            actor = self._ranks[label].actor
-        return ray_actor.ping(actor)
+        return ray_actor.ping(self.roster.member(label).handle.actor)
 
     def _poll_ping(self, handle: Any) -> str | None:
         return ray_actor.poll(handle)
 
     def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
         now = time.monotonic()
-        with self._lock:
-            targets = [self._ranks[r] for r in ranks if r in self._ranks]
-        for r in targets:
-            r.health.lose(health_mod.HEALTH_UNRESPONSIVE, reason, now)
-            r.health.fenced = True
+        members = self.roster.members()
+        for m in [members[r] for r in ranks if r in members]:
+            m.health.lose(health_mod.HEALTH_UNRESPONSIVE, reason, now)
+            m.health.fenced = True
             log.error(
                 "fencing rank %d (pid %s, %s): %s",
-                r.label,
-                r.info.get("pid"),
-                r.info.get("pod"),
+                m.label,
+                m.info.get("pid"),
+                m.info.get("pod"),
                 reason,
             )
-            ray.kill(r.actor, no_restart=True)
+            ray.kill(m.handle.actor, no_restart=True)
 
     def free_rank_slots(self) -> int | None:
         return int(ray_actor.free_resource(ray_actor.RANK_RESOURCE))
 
     def shutdown(self) -> None:
-        self.stop_heartbeat()
-        self._join_warm_up()
+        self._close()
+        self._warm.join()
         if self._closed:
             return
         self._closed = True
-        self._path.close()
-        with self._lock:
-            ranks = list(self._ranks.values())
-            self._ranks = {}
-            self._active = []
-        for r in ranks:
-            ray.kill(r.actor)
-            ray.util.remove_placement_group(r.pg)
-        self._close_async_pool()
+        self.path.close()
+        for m in self.roster.clear():
+            ray.kill(m.handle.actor)
+            ray.util.remove_placement_group(m.handle.pg)

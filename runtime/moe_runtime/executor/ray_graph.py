@@ -1,6 +1,6 @@
 """The step graph of `RayExecutor`: a Ray compiled graph ``InputNode -> [rank.execute_step]
 -> MultiOutputNode``, and the warm-up that pays an actor's first compile while it is not
-stepped yet (warm spare ranks).
+stepped yet (`WarmUp`, a part of the executor: warm spare ranks, a grow's new ranks).
 
 Two compiled graphs must never be live on the same actors (REFERENCE.md): `ray_step` tears the
 old graph down before it compiles a new one, and warm-ups run over unstepped actors only.
@@ -9,6 +9,7 @@ old graph down before it compiles a new one, and warm-ups run over unstepped act
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -51,3 +52,30 @@ def warm_up(actors: Sequence[Any], *, timeout: float) -> None:
         log.exception("warming up %d new actors failed; the switch will be slower", len(actors))
         return
     log.info("warmed up %d new actors in %.2fs", len(actors), time.monotonic() - started)
+
+
+class WarmUp:
+    """The warm-up of new actors, one at a time in a thread (`warm_up`); a switch, a removal
+    and `join` wait for it (a switch must not overlap it). timeout: seconds it may take."""
+
+    def __init__(self, *, timeout: float) -> None:
+        self.timeout = timeout
+        self._thread: threading.Thread | None = None
+
+    def start(self, actors: Sequence[Any]) -> None:
+        """Warm `actors` up in a thread, once the last warm-up is over."""
+        self.join()
+        self._thread = threading.Thread(
+            target=warm_up,
+            args=(actors,),
+            kwargs={"timeout": self.timeout},
+            name="rank-warm-up",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the running warm-up (at most `timeout` s; None: its own bound)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=self.timeout if timeout is None else timeout)

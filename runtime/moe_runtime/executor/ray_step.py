@@ -66,7 +66,6 @@ class StepPath:
         self._gen = 0
         self._jobs: list[threading.Thread] = []
         self._retry_at: float | None = None
-        self._fail_compile = False
         self._closed = False
         #: Seconds of the last background compile (teardown, compile, probe), for the logs
         #: and benchmarks; "error" when it failed.
@@ -103,12 +102,6 @@ class StepPath:
             self._ranks, self._actors = None, []
             self._gen += 1
 
-    def relabel(self, ranks: Sequence[int]) -> None:
-        """The stepped actors keep serving under new labels (same order)."""
-        with self._lock:
-            if self._ranks is not None:
-                self._ranks = list(ranks)
-
     def _retire_locked(self) -> None:
         if self._graph is not None:
             self._retired.append(self._graph)
@@ -140,10 +133,6 @@ class StepPath:
         return outs
 
     # -- the background job ---------------------------------------------------------------
-    def fail_next_compile(self) -> None:
-        """Test hook: the next background compile fails (plain calls keep serving)."""
-        self._fail_compile = True
-
     def _start_job(self, gen: int) -> None:
         job = threading.Thread(target=self._run_job, args=(gen,), name="step-graph", daemon=True)
         with self._lock:
@@ -166,9 +155,6 @@ class StepPath:
             if not self._current(gen):
                 return
             try:
-                if self._fail_compile:
-                    self._fail_compile = False
-                    raise RuntimeError("injected failure compiling the step graph")
                 graph = ray_graph.compile_graph(actors)
             except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
                 log.exception(
@@ -229,7 +215,8 @@ class StepPath:
             log.exception("step graph teardown failed")
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait for the background jobs (tests, benchmarks, shutdown); True when none runs."""
+        """Wait for the background jobs (`close`; a caller that needs the graph installed);
+        True when none runs."""
         deadline = time.monotonic() + timeout
         with self._lock:
             jobs = list(self._jobs)

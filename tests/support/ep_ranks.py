@@ -1,4 +1,4 @@
-"""Helpers of test_expert_parallel: a pool of spawned rank processes and the tasks they run.
+"""A pool of spawned rank processes and the tasks they run (tests/integration/test_expert_parallel.py).
 
 The pool starts its processes once (importing torch costs seconds per process) and reuses them
 for every case; a case names a task of ``TASKS`` and gives each participating rank its keyword

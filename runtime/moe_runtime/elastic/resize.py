@@ -1,12 +1,15 @@
-"""What every resize stage works with: the `Plan` of a resize and the primitives its stages
-share (inherited by `grow.GrowStages`, `shrink.ShrinkStages` and so by `ops.EngineResizeOps`).
+"""What every resize stage works with: the `Plan` of one resize and the `ResizeContext`
+every stage runs over (`grow.Grow`, `shrink.Shrink` and `ops.EngineResizeOps` hold the same
+one: the state is passed in, never inherited).
 
 - `Plan`: one resize in progress, what `EngineResizeOps.rollback` must undo;
-- `ResizeBase`: the figures (`num_physical_for`, `balancedness`), the placement a resize
-  aims at (`target_for`, and `fits` for a target made earlier), and the calls the stages are
-  made of: `_rpc` (a bounded `collective_rpc`), `_at_boundary` (a bounded boundary call),
-  `_stage_experts` (stage a target, leaving out what warm spares hold pre-staged) and
-  `_switch` (the step graph over new members at one step boundary).
+- `ResizeContext`: the serving process's pieces a resize changes (engine, executor, the
+  serving state, the live config, EPLB, the warm spares), the figures (`num_physical_for`,
+  `balancedness`), the placement a resize aims at (`target_for`, and `fits` for a target
+  made earlier), and the calls the stages are made of: `rpc` (a bounded `collective_rpc`),
+  `at_boundary` (a bounded boundary call), `stage_experts` (stage a target, leaving out what
+  warm spares hold pre-staged and what ranks retain) and `switch` (the step path over new
+  members at one step boundary).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from moe_runtime.engine import core as engine_core
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
+from moe_runtime.executor import weight_moves
 from moe_runtime.model import config as config_mod
 
 Key = rebalance.Key
@@ -64,18 +68,32 @@ class Plan:
     migrated: bool = False
 
 
-class ResizeBase:
-    """State and shared primitives of the resize stages; the state is `EngineResizeOps`'s."""
+class ResizeContext:
+    """The state every resize stage works on, and the primitives they share (see the module
+    docstring). `config` is replaced live (`settings.LiveSettings`); `spares` is set once the
+    pool exists (`service.ElasticService.attach`)."""
 
-    spares: spares_mod.SparePool | None
-    engine: engine_core.Engine
-    executor: executor_base.Executor
-    model_config: config_mod.ModelConfig
-    serving: serving_mod.Serving
-    config: serving_mod.ElasticConfig
-    rebalancer: rebalance.Rebalancer
-    load: serving_mod.LoadTracker
-    mechanics: threading.Lock
+    def __init__(
+        self,
+        *,
+        engine: engine_core.Engine,
+        executor: executor_base.Executor,
+        model_config: config_mod.ModelConfig,
+        serving: serving_mod.Serving,
+        config: serving_mod.ElasticConfig,
+        rebalancer: rebalance.Rebalancer,
+        spares: spares_mod.SparePool | None = None,
+    ) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.model_config = model_config
+        self.serving = serving
+        self.config = config
+        self.rebalancer = rebalancer
+        self.spares = spares
+        #: The expert load window (EPLB's) and the lock that keeps resizes and rebalances apart.
+        self.load: serving_mod.LoadTracker = rebalancer.load
+        self.mechanics: threading.Lock = rebalancer.mechanics
 
     # -- figures -------------------------------------------------------------------------
     def num_physical_for(self, size: int) -> int:
@@ -117,8 +135,8 @@ class ResizeBase:
             self.load.total(), target, fresh, to_size, min_gain=self.config.eplb_min_gain
         )
 
-    # -- helpers -------------------------------------------------------------------------
-    def _rpc(
+    # -- the calls stages are made of -----------------------------------------------------
+    def rpc(
         self,
         method: str,
         *args: Any,
@@ -127,6 +145,7 @@ class ResizeBase:
         per_rank: dict[int, dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> list[Any]:
+        """`collective_rpc` on `ranks`, within `rpc_timeout`."""
         return self.executor.collective_rpc(
             method,
             *args,
@@ -137,31 +156,33 @@ class ResizeBase:
             **kwargs,
         )
 
-    def _at_boundary(self, fn: Callable[[], Any]) -> Any:
+    def at_boundary(self, fn: Callable[[], Any]) -> Any:
+        """`fn` at the next step boundary, within `boundary_timeout` (see
+        `Engine.run_at_boundary`)."""
         return self.engine.run_at_boundary(fn, timeout=self.config.boundary_timeout)
 
-    def _stage_experts(
+    def stage_experts(
         self,
         plan: Plan,
+        record: records.ResizeRecord,
         *,
         epoch: int,
         members: Sequence[int],
-        old: policy.Placement,
-        old_num_ranks: int,
-        target: policy.Placement,
-        new_num_ranks: int,
-        record: records.ResizeRecord,
         retained: Mapping[int, set[Key]] | None = None,
     ) -> None:
-        """Stage `target` on the members of epoch's transfer group (member i = rank i); a move
+        """Stage `plan.target` (over `plan.to_size` ranks, from the live placement over
+        `plan.from_size`) on the members of epoch's transfer group (member i = rank i); a move
         to a member that holds its expert already beside its live slots is left out: a warm
         spare's pre-staged experts (`plan.prestaged`), a serving rank's retained ones
         (`retained`, asked from the serving members when not given)."""
+        assert plan.target is not None
+        old, target = self.serving.placement, plan.target
+        old_num_ranks, new_num_ranks = plan.from_size, plan.to_size
         planned = moves_mod.plan_moves(
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )
         if retained is None:
-            retained = self._retained_keys({members[m.dst_rank] for m in planned})
+            retained = self.retained_keys({members[m.dst_rank] for m in planned})
         moves, prestaged, kept = rebalance.outstanding(planned, members, plan.prestaged, retained)
         record.experts_prestaged += prestaged
         record.experts_retained += kept
@@ -170,21 +191,18 @@ class ResizeBase:
             old, target, old_num_ranks=old_num_ranks, new_num_ranks=new_num_ranks
         )
         plan.staged_on = list(members)
+        staging = weight_moves.Staging(
+            epoch=epoch, moves=moves, target=target, members=members, new_num_ranks=new_num_ranks
+        )
         record.bytes_expert += rebalance.stage_experts(
-            self.executor,
-            epoch=epoch,
-            moves=moves,
-            target=target,
-            members=members,
-            new_num_ranks=new_num_ranks,
-            staging_id=None,
-            timeout=self.config.rpc_timeout,
+            self.executor, staging, timeout=self.config.rpc_timeout
         )
 
-    def _retained_keys(self, labels: Iterable[int]) -> dict[int, set[Key]]:
+    def retained_keys(self, labels: Iterable[int]) -> dict[int, set[Key]]:
+        """label -> the keys it retains, for the serving ranks among `labels`."""
         return rebalance.retained_keys(self.executor, labels, timeout=self.config.rpc_timeout)
 
-    def _switch(
+    def switch(
         self,
         plan: Plan,
         members: list[int],
@@ -220,5 +238,5 @@ class ResizeBase:
             self.engine.set_active_ranks(range(plan.to_size))
 
         self.executor.prepare_switch()  # outside the pause
-        self._at_boundary(switch)
+        self.at_boundary(switch)
         plan.staged_on = []

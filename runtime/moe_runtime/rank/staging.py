@@ -1,8 +1,8 @@
 """Filling a rank's weights for a new placement: non-expert weights from a peer, expert slots
 from what the rank holds, what moves brought and, after a rank was lost, the model source.
 
-Pure helpers of `moe_runtime.worker.RankWorker` (no state of their own): the worker owns the
-groups and the slot sets and calls these with them.
+Pure helpers of the rank's parts (no state of their own): `groups.RankGroups` and
+`slots.ExpertSlots` own the groups and the slot sets and call these with them.
 """
 
 from __future__ import annotations

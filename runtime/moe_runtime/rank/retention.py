@@ -6,7 +6,7 @@ departing ranks. Expert weights never change while a model serves, so a rank kee
 experts that a confirmed change took off its live slots (`Retained.absorb`, called by
 `ExpertSlots.retire_previous`). `stage_experts` fills slots from them like from its own live
 slots, and the resize stages leave out every move to a rank that retains the expert
-(`ResizeBase._stage_experts`, through `retained_keys`).
+(`elastic.resize.ResizeContext.stage_experts`, through `retained_keys`).
 
 Memory: a rank never holds more distinct experts (live + retained) than it held at once at
 its largest (`peak`: its live slots, or at a change the live slots before and after it, which

@@ -1,12 +1,11 @@
-"""The group half of a rank (`RankGroups`, inherited by `RankWorker`): its communication
-groups and the non-expert weight transfer over them.
+"""A rank's communication groups (`RankGroups`) and the non-expert weight transfer over them.
 
 Groups are keyed by (epoch, role): the *step* group is used only by `execute_step`
 collectives (expert dispatch/combine); the *transfer* group only by background weight moves
 (`transfer_non_expert` here, expert moves in `slots`), so a transfer never interleaves with
 step collectives on one gloo group. `join_group` runs in the control lane while the rank
-serves steps on its active group; `drop_epoch` destroys an epoch's groups (not the active
-one's); `free_port` gives a port for a TCPStore this rank hosts.
+serves steps on its active group; `drop_epoch` destroys an epoch's groups; `free_port` gives a
+port for a TCPStore this rank hosts.
 """
 
 from __future__ import annotations
@@ -18,39 +17,31 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
-
-from moe_runtime import faults
-from moe_runtime import slots as slots_mod
-from moe_runtime import staging as staging_mod
 from moe_runtime.comm import group as group_mod
-from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral
+from moe_runtime.rank import context as context_mod
+from moe_runtime.rank import staging as staging_mod
 
 log = logging.getLogger(__name__)
 
-ROLES = (slots_mod.STEP_ROLE, slots_mod.TRANSFER_ROLE)
+#: Role of the group used only by `execute_step` collectives (expert dispatch/combine).
+STEP = "step"
+#: Role of the group used only by background weight moves (non-expert and expert transfers).
+TRANSFER = "transfer"
+ROLES = (STEP, TRANSFER)
+
+Key = tuple[int, str]
 
 
 class RankGroups:
-    """Groups and the non-expert transfer of a rank; the state is `RankWorker`'s."""
+    """The groups of one rank by (epoch, role), and the non-expert transfer over them (whose
+    weights are the rank's `ctx.loaded`)."""
 
-    epoch: int | None
-    dtype: torch.dtype
-    _groups: dict[tuple[int, str], group_mod.StatelessGroup]
-    _aborted_joins: set[int]
-    _group_ranks: dict[tuple[int, str], int]
-    _previous: slots_mod.Live | None
-    _lock: threading.RLock
-
-    def _ctx(self) -> str:
-        raise NotImplementedError
-
-    def _check_fail(self, operation: str) -> None:
-        raise NotImplementedError
-
-    def _require_model(self) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
-        raise NotImplementedError
+    def __init__(self, ctx: context_mod.RankContext) -> None:
+        self._ctx = ctx
+        self._lock = threading.Lock()
+        self._groups: dict[Key, group_mod.StatelessGroup] = {}
+        self._group_ranks: dict[Key, int] = {}
+        self._aborted_joins: set[int] = set()
 
     def free_port(self, host: str | None = None) -> tuple[str, int]:
         """(address, port) of a port free on this host now, for a TCPStore this rank hosts."""
@@ -64,7 +55,7 @@ class RankGroups:
         spec: group_mod.GroupSpec,
         rank: int,
         *,
-        role: str = slots_mod.STEP_ROLE,
+        role: str = STEP,
         group_timeout: float | None = None,
     ) -> None:
         """Build the `role` group of `spec.epoch` as member `rank` (blocks until all joined).
@@ -72,7 +63,8 @@ class RankGroups:
         Runs in the background while this rank serves steps on its active group. group_timeout:
         seconds the rendezvous and each later collective of the group may take (None: the
         group's default), so a member that never comes does not hold this rank for long.
-        `abort_join(spec.epoch)` calls it off (`group.JoinAborted`), also before it began.
+        `abort_join(spec.epoch)` calls it off (`group.JoinAborted`), also before it began. A
+        join that fails after the rendezvous (at its fault point) leaves no group behind.
         """
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -101,12 +93,12 @@ class RankGroups:
             rank,
             spec.world_size,
             time.monotonic() - started,
-            self._ctx(),
+            self._ctx.where(),
         )
         try:
-            self._check_fail("join_group")
-        except faults.InjectedFailure:
-            self._drop_group(key)
+            self._ctx.check("join_group")
+        except Exception:
+            self.drop_group(key)
             raise
 
     def abort_join(self, epoch: int) -> None:
@@ -114,16 +106,17 @@ class RankGroups:
         died before joining; epochs are never reused). Quick: it only marks the epoch."""
         with self._lock:
             self._aborted_joins.add(epoch)
-        log.info("joins of epoch %d called off (%s)", epoch, self._ctx())
+        log.info("joins of epoch %d called off (%s)", epoch, self._ctx.where())
 
-    def _group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
+    def group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
+        """The `role` group of `epoch` and this rank's rank in it; RuntimeError when absent."""
         with self._lock:
             key = (epoch, role)
             if key not in self._groups:
-                raise RuntimeError(f"no {role} group for epoch {epoch} ({self._ctx()})")
+                raise RuntimeError(f"no {role} group for epoch {epoch} ({self._ctx.where()})")
             return self._groups[key], self._group_ranks[key]
 
-    def _drop_group(self, key: tuple[int, str], *, wait: bool = True) -> None:
+    def drop_group(self, key: Key, *, wait: bool = True) -> None:
         """Forget the group of `key` at once and destroy it: here, or with wait False in a
         thread of its own (a gloo group whose peers are leaving takes up to ~0.5 s to close,
         which a confirmed switch need not wait for)."""
@@ -137,10 +130,35 @@ class RankGroups:
         else:
             threading.Thread(target=dropped.destroy, name=f"destroy-{key}", daemon=True).start()
 
-    def groups(self) -> list[tuple[int, str]]:
+    def drop_epoch(self, epoch: int) -> None:
+        """Destroy the step and transfer groups of `epoch`, here."""
+        for role in ROLES:
+            self.drop_group((epoch, role))
+
+    def retire_before(self, epoch: int | None) -> None:
+        """Destroy (in the background: nothing waits for their peers to close) the groups of
+        the epochs older than `epoch`, the active one (None: none is active, nothing goes)."""
+        with self._lock:
+            old = [key for key in self._groups if epoch is not None and key[0] < epoch]
+        for key in old:
+            self.drop_group(key, wait=False)
+
+    def close(self) -> None:
+        """Destroy every group in the background (the process is about to stop)."""
+        with self._lock:
+            keys = list(self._groups)
+        for key in keys:
+            self.drop_group(key, wait=False)
+
+    def groups(self) -> list[Key]:
         """The (epoch, role) of every group this rank holds."""
         with self._lock:
             return sorted(self._groups)
+
+    def epochs(self) -> list[int]:
+        """The epochs this rank holds a group of."""
+        with self._lock:
+            return sorted({epoch for epoch, _ in self._groups})
 
     # -- non-expert transfer -------------------------------------------------------------
     def transfer_non_expert(
@@ -153,12 +171,12 @@ class RankGroups:
         flat buffer to each of its receivers at once. Ranks are ranks of that group; members
         that neither send nor receive return at once. Returns the bytes this rank received.
         """
-        _, model = self._require_model()
-        grp, me = self._group(epoch, slots_mod.TRANSFER_ROLE)
+        _, model = self._ctx.loaded.require(self._ctx.where())
+        grp, me = self.group(epoch, TRANSFER)
         started = time.monotonic()
         tag = 1_000_000 + epoch  # apart from expert-move tags (move indices)
         sent_to, received = staging_mod.exchange_non_expert(
-            grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self.dtype
+            grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self._ctx.dtype
         )
         log.info(
             "non-expert transfer epoch %d: sent to %s, received %d B in %.2fs (%s)",
@@ -166,23 +184,10 @@ class RankGroups:
             sent_to,
             received,
             time.monotonic() - started,
-            self._ctx(),
+            self._ctx.where(),
         )
-        self._check_fail("transfer_non_expert")
+        self._ctx.check("transfer_non_expert")
         return received
-
-    def drop_epoch(self, epoch: int) -> None:
-        """Destroy the step and transfer groups of `epoch` (a resize undone before its switch).
-
-        The active epoch cannot be dropped.
-        """
-        if epoch == self.epoch:
-            raise ValueError(f"epoch {epoch} is the active one ({self._ctx()})")
-        with self._lock:
-            if self._previous is not None and self._previous.epoch == epoch:
-                self._previous = None  # nothing to go back to without its groups
-        for role in ROLES:
-            self._drop_group((epoch, role))
 
 
 def host_ip() -> str:

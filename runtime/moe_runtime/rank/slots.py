@@ -1,4 +1,4 @@
-"""The expert-slot half of a rank (`RankWorker` inherits it): live, staged and previous slots.
+"""A rank's expert slots (`ExpertSlots`, a part of `RankWorker`): live, staged and previous slots.
 
 - live: the slots the rank serves with, under `placement` as rank `rank` of `num_ranks`, with
   the step group of `epoch` (the expert-parallel backend);
@@ -20,7 +20,6 @@ group, so every rank commits or none does (then every rank discards the staged s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -28,9 +27,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_runtime import retention
-from moe_runtime import staging as staging_mod
-from moe_runtime.comm import ep as ep_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import moves as moves_mod
@@ -38,88 +34,75 @@ from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import mixtral
 from moe_runtime.model import source as source_mod
+from moe_runtime.rank import context as context_mod
+from moe_runtime.rank import groups as groups_mod
+from moe_runtime.rank import live as live_mod
+from moe_runtime.rank import retention
+from moe_runtime.rank import staging as staging_mod
 
 log = logging.getLogger(__name__)
 
-#: Role of the group used only by `execute_step` collectives (expert dispatch/combine).
-STEP_ROLE = "step"
-#: Role of the group used only by background weight moves.
-TRANSFER_ROLE = "transfer"
-
-
-@dataclasses.dataclass
-class Staged:
-    """Expert slots prepared for a future placement; the live slots keep serving meanwhile."""
-
-    stage: int
-    placement: policy.Placement
-    rank: int
-    num_ranks: int
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
-
-
-@dataclasses.dataclass(frozen=True)
-class Live:
-    """What a rank serves with, as one value: kept as the previous state when it is replaced.
-
-    origin: the epoch (`activate`) or staging id (EPLB commit) this state came from.
-    """
-
-    placement: policy.Placement | None
-    rank: int | None
-    num_ranks: int | None
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
-    epoch: int | None
-    backend: mixtral.ExpertBackend | None
-    origin: int | None
-
-    def serves(self, placement: policy.Placement, rank: int, num_ranks: int) -> bool:
-        return (
-            self.placement is not None
-            and self.placement.equals(placement)
-            and (self.rank, self.num_ranks) == (rank, num_ranks)
-        )
-
 
 class ExpertSlots:
-    """Slot state and its changes; the rest of the rank (model, groups, KV) is `RankWorker`'s."""
+    """The slot state of one rank and its changes (see the module docstring).
 
-    device: str
-    dtype: torch.dtype
-    source_name: str | None
-    rank: int | None
-    num_ranks: int | None
-    epoch: int | None
-    placement: policy.Placement | None
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
-    _backend: mixtral.ExpertBackend | None
-    _staged: Staged | None
-    _previous: Live | None
-    _prestaged: dict[tuple[int, int], mixtral.ExpertWeights]
-    _retained: retention.Retained
-    _origin: int | None
-    _groups: dict[tuple[int, str], group_mod.StatelessGroup]
-    _lock: threading.RLock
+    The live state (`placement`, `rank`, `num_ranks`, `experts`, `epoch`, `backend`, `origin`)
+    changes only as a whole (`_become`). ctx: the rank's (its loaded model gives the shapes
+    and the model source); groups: its groups (moves over the transfer group, the backend over
+    the step group).
+    """
 
-    def _ctx(self) -> str:
-        raise NotImplementedError
+    def __init__(self, ctx: context_mod.RankContext, *, groups: groups_mod.RankGroups) -> None:
+        self._ctx = ctx
+        self._groups = groups
+        self._lock = threading.RLock()
+        self.placement: policy.Placement | None = None
+        self.rank: int | None = None
+        self.num_ranks: int | None = None
+        self.experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        self.epoch: int | None = None
+        self.backend: mixtral.ExpertBackend | None = None
+        self.origin: int | None = None
+        self.staged: live_mod.Staged | None = None
+        self.previous: live_mod.Live | None = None
+        self.prestaged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        self.retained = retention.Retained()
 
-    def _check_fail(self, operation: str) -> None:
-        raise NotImplementedError
+    def reset(
+        self,
+        *,
+        placement: policy.Placement | None,
+        rank: int,
+        num_ranks: int,
+        experts: dict[tuple[int, int], mixtral.ExpertWeights],
+        placeholder: bool,
+    ) -> None:
+        """The slots `load_weights` loaded, as rank `rank` of `num_ranks` under `placement`;
+        nothing retained (`placeholder`: the experts are zeros, never to be retained)."""
+        with self._lock:
+            self.experts, self.placement = experts, placement
+            self.rank, self.num_ranks = rank, num_ranks
+            self.retained.reset(experts.values() if placeholder else ())
 
-    def _require_model(self) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
-        raise NotImplementedError
-
-    def _group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
-        raise NotImplementedError
-
-    def _drop_group(self, key: tuple[int, str], *, wait: bool = True) -> None:
-        raise NotImplementedError
-
-    def _require_epoch(self) -> int:
+    def require_epoch(self) -> int:
+        """The active epoch; RuntimeError before the first `activate`."""
         if self.epoch is None:
-            raise RuntimeError(f"rank not activated ({self._ctx()})")
+            raise RuntimeError(f"rank not activated ({self._ctx.where()})")
         return self.epoch
+
+    def forget_previous(self, epoch: int) -> None:
+        """The previous state was `epoch`'s, whose groups go: nothing to go back to."""
+        with self._lock:
+            if self.previous is not None and self.previous.epoch == epoch:
+                self.previous = None
+
+    def close(self) -> None:
+        """Drop every slot set but the live experts (the rank shuts down)."""
+        with self._lock:
+            self.backend = None
+            self.staged = None
+            self.previous = None
+            self.retained.reset()
 
     # -- expert staging ------------------------------------------------------------------
     def stage_experts(
@@ -151,27 +134,27 @@ class ExpertSlots:
         `StepInput.control["expert_epoch"] == stage` (same ranks) or by `activate` (new group).
         stage (the staging id) defaults to epoch.
         """
-        cfg, _ = self._require_model()
-        grp, _me = self._group(epoch, TRANSFER_ROLE)
+        cfg, _ = self._ctx.loaded.require(self._ctx.where())
+        grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
         held = self._held_experts()
         with self._lock:
-            prestaged = dict(self._prestaged)
-            retained = dict(self._retained.experts)
+            prestaged = dict(self.prestaged)
+            retained = dict(self.retained.experts)
         stats, received = self._run_moves(grp, moves, held, cfg)
-        self._check_fail("stage_experts")
+        self._ctx.check("stage_experts")
         if new_rank is None:
             log.info(
                 "sent %d experts for a placement without this rank in %.2fs (%s)",
                 stats.sent,
                 time.monotonic() - started,
-                self._ctx(),
+                self._ctx.where(),
             )
             return stats.bytes_received
         src = (
-            source_mod.open_source(self.source_name)
-            if from_source and self.source_name is not None
+            source_mod.open_source(self._ctx.loaded.source_name)
+            if from_source and self._ctx.loaded.source_name is not None
             else None
         )
         slots, loaded, missing = staging_mod.fill_slots(
@@ -180,19 +163,24 @@ class ExpertSlots:
             num_ranks=new_num_ranks,
             available={**retained, **prestaged, **held, **received, **(provided or {})},
             source=src,
-            dtype=self.dtype,
-            device=self.device,
+            dtype=self._ctx.dtype,
+            device=self._ctx.device,
         )
         if loaded:
-            log.info("read %d experts from %s (%s)", loaded, self.source_name, self._ctx())
+            log.info(
+                "read %d experts from %s (%s)",
+                loaded,
+                self._ctx.loaded.source_name,
+                self._ctx.where(),
+            )
         if missing:
             raise RuntimeError(
                 f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
-                f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx()})"
+                f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx.where()})"
             )
         staging_id = epoch if stage is None else stage
         with self._lock:
-            self._staged = Staged(
+            self.staged = live_mod.Staged(
                 stage=staging_id,
                 placement=new_placement,
                 rank=new_rank,
@@ -210,7 +198,7 @@ class ExpertSlots:
             stats.received,
             stats.bytes_received,
             time.monotonic() - started,
-            self._ctx(),
+            self._ctx.where(),
         )
         return stats.bytes_received
 
@@ -229,19 +217,21 @@ class ExpertSlots:
             if weights is None:
                 raise RuntimeError(
                     f"a move names this rank as source of expert {logical} of layer {layer}, "
-                    f"which it does not hold ({self._ctx()})"
+                    f"which it does not hold ({self._ctx.where()})"
                 )
             return weights
 
         def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
-            received[(move.layer, move.logical)] = weights.to(dtype=self.dtype, device=self.device)
+            received[(move.layer, move.logical)] = weights.to(
+                dtype=self._ctx.dtype, device=self._ctx.device
+            )
 
         stats = transfer_mod.execute_moves(
             grp,
             list(moves),
             read_expert=read_expert,
             write_expert=write_expert,
-            like=staging_mod.zero_expert(cfg, dtype=self.dtype, device=grp.device),
+            like=staging_mod.zero_expert(cfg, dtype=self._ctx.dtype, device=grp.device),
         )
         return stats, received
 
@@ -257,38 +247,41 @@ class ExpertSlots:
         another way) beside the live slots, for a later `stage_experts`; returns the bytes
         received. Every member of epoch's transfer group that a move names calls it with the
         same `moves` (as `stage_experts`); a move's dst_slot is not used."""
-        cfg, _ = self._require_model()
-        grp, _me = self._group(epoch, TRANSFER_ROLE)
+        cfg, _ = self._ctx.loaded.require(self._ctx.where())
+        grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
         stats, received = self._run_moves(grp, moves, self._held_experts(), cfg)
-        extra = {k: w.to(dtype=self.dtype, device=self.device) for k, w in (provided or {}).items()}
+        extra = {
+            k: w.to(dtype=self._ctx.dtype, device=self._ctx.device)
+            for k, w in (provided or {}).items()
+        }
         with self._lock:
-            self._prestaged.update(received)
-            self._prestaged.update(extra)
-            count = len(self._prestaged)
+            self.prestaged.update(received)
+            self.prestaged.update(extra)
+            count = len(self.prestaged)
         log.info(
             "pre-staged %d experts (%d held now) (%s)",
             len(received) + len(extra),
             count,
-            self._ctx(),
+            self._ctx.where(),
         )
         return stats.bytes_received
 
     def prestaged_keys(self) -> list[tuple[int, int]]:
         """The (layer, logical) keys of the pre-staged experts."""
         with self._lock:
-            return sorted(self._prestaged)
+            return sorted(self.prestaged)
 
     def drop_prestaged(self, keep: Sequence[tuple[int, int]] = ()) -> int:
         """Forget the pre-staged experts not in `keep`; returns how many are left."""
         wanted = {(int(a), int(b)) for a, b in keep}
         with self._lock:
-            self._prestaged = {k: w for k, w in self._prestaged.items() if k in wanted}
-            return len(self._prestaged)
+            self.prestaged = {k: w for k, w in self.prestaged.items() if k in wanted}
+            return len(self.prestaged)
 
     def retained_keys(self) -> list[tuple[int, int]]:
         """The (layer, logical) keys of the retained experts (module docstring)."""
         with self._lock:
-            return self._retained.keys()
+            return self.retained.keys()
 
     def held_experts(self, keys: Sequence[tuple[int, int]]) -> staging_mod.Experts:
         """{(layer, logical): weights} of the live slots for `keys` (what a peer asked for);
@@ -298,7 +291,7 @@ class ExpertSlots:
         if missing:
             raise RuntimeError(
                 f"asked for (layer, expert) {missing[:5]} ({len(missing)}) that this rank does "
-                f"not hold ({self._ctx()})"
+                f"not hold ({self._ctx.where()})"
             )
         return {k: held[k] for k in keys}
 
@@ -312,28 +305,28 @@ class ExpertSlots:
     def discard_staged(self) -> None:
         """Forget staged experts (a resize or a rebalance that failed)."""
         with self._lock:
-            self._staged = None
+            self.staged = None
 
     # -- the live state: replace, undo, confirm ------------------------------------------
-    def _snapshot(self) -> Live:
+    def _snapshot(self) -> live_mod.Live:
         with self._lock:
-            return Live(
+            return live_mod.Live(
                 placement=self.placement,
                 rank=self.rank,
                 num_ranks=self.num_ranks,
                 experts=self.experts,
                 epoch=self.epoch,
-                backend=self._backend,
-                origin=self._origin,
+                backend=self.backend,
+                origin=self.origin,
             )
 
-    def _become(self, live: Live, *, previous: Live | None) -> None:
+    def _become(self, live: live_mod.Live, *, previous: live_mod.Live | None) -> None:
         """Make `live` the serving state at once; `previous` is what `revert` goes back to."""
         with self._lock:
             self.placement, self.rank, self.num_ranks = live.placement, live.rank, live.num_ranks
-            self.experts, self.epoch, self._backend = live.experts, live.epoch, live.backend
-            self._origin = live.origin
-            self._previous = previous
+            self.experts, self.epoch, self.backend = live.experts, live.epoch, live.backend
+            self.origin = live.origin
+            self.previous = previous
 
     def revert(self, origin: int) -> bool:
         """Go back to the previous live state if the live one came from `origin` (the epoch of
@@ -343,11 +336,11 @@ class ExpertSlots:
         The previous state's groups still exist: nothing is destroyed before `retire_previous`.
         """
         with self._lock:
-            previous = self._previous
-            if previous is None or self._origin != origin:
+            previous = self.previous
+            if previous is None or self.origin != origin:
                 return False
         self._become(previous, previous=None)
-        log.info("reverted the live state of %d (%s)", origin, self._ctx())
+        log.info("reverted the live state of %d (%s)", origin, self._ctx.where())
         return True
 
     def retire_previous(self) -> None:
@@ -355,17 +348,15 @@ class ExpertSlots:
         served that the live slots do not) and destroy the groups of epochs older than the
         active one (in the background: nothing waits for their peers to close)."""
         with self._lock:
-            previous, self._previous = self._previous, None
+            previous, self.previous = self.previous, None
             if previous is not None:
                 before = staging_mod.held_experts(
                     previous.placement, previous.rank, previous.num_ranks, previous.experts
                 )
-                count = self._retained.absorb(before, self._held_experts())
-                log.debug("retaining %d experts (%s)", count, self._ctx())
+                count = self.retained.absorb(before, self._held_experts())
+                log.debug("retaining %d experts (%s)", count, self._ctx.where())
             active = self.epoch
-            old_keys = [key for key in self._groups if active is not None and key[0] < active]
-        for key in old_keys:
-            self._drop_group(key, wait=False)  # nothing uses them: closed in the background
+        self._groups.retire_before(active)  # nothing uses them: closed in the background
 
     # -- activation ----------------------------------------------------------------------
     def activate(
@@ -378,23 +369,23 @@ class ExpertSlots:
         this placement (switching back), else the live slots must already match `placement`.
         The replaced state is kept for `revert(epoch)` until `retire_previous`.
         """
-        self._check_fail("activate")
-        cfg, _ = self._require_model()
-        grp, group_rank = self._group(epoch, STEP_ROLE)
+        self._ctx.check("activate")
+        cfg, _ = self._ctx.loaded.require(self._ctx.where())
+        grp, group_rank = self._groups.group(epoch, groups_mod.STEP)
         if grp.world_size != num_ranks or group_rank != rank:
             raise ValueError(
                 f"activate: epoch {epoch}'s step group has this worker as {group_rank}/"
-                f"{grp.world_size}, not {rank}/{num_ranks} ({self._ctx()})"
+                f"{grp.world_size}, not {rank}/{num_ranks} ({self._ctx.where()})"
             )
         placement.validate(num_ranks)
         before = self._snapshot()
         with self._lock:
-            staged, previous = self._staged, self._previous
+            staged, previous = self.staged, self.previous
         if staged is not None:
             if staged.rank != rank or not staged.placement.equals(placement):
                 raise ValueError(
                     f"activate: the staged experts (stage {staged.stage}) are for rank "
-                    f"{staged.rank}/{staged.num_ranks} under another placement ({self._ctx()})"
+                    f"{staged.rank}/{staged.num_ranks} under another placement ({self._ctx.where()})"
                 )
             if staged.num_ranks != num_ranks:
                 raise ValueError(
@@ -423,29 +414,31 @@ class ExpertSlots:
             if current != wanted:
                 raise ValueError(
                     f"activate: this rank's slots do not hold the experts rank {rank}/{num_ranks} "
-                    f"needs under the new placement: stage them first ({self._ctx()})"
+                    f"needs under the new placement: stage them first ({self._ctx.where()})"
                 )
             experts = before.experts
-        backend = _make_backend(grp, placement, rank, num_ranks, experts)
-        live = Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
+        backend = live_mod.make_backend(grp, placement, rank, num_ranks, experts)
+        live = live_mod.Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
         with self._lock:
-            self._staged = None
-            self._prestaged = {}  # what it needed is in its slots now
+            self.staged = None
+            self.prestaged = {}  # what it needed is in its slots now
         self._become(live, previous=before)
-        log.info("activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._ctx())
+        log.info(
+            "activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._ctx.where()
+        )
 
-    def _commit_vote(self, staging_id: int) -> bool:
+    def commit_vote(self, staging_id: int) -> bool:
         """The EPLB commit inside a step, all-or-nothing: every rank prepares the staged set
         (and its backend), votes, and commits only if every rank voted yes; otherwise every
         rank discards it. Returns whether it committed. Every rank must call it in that step.
         """
-        epoch = self._require_epoch()
-        grp, _ = self._group(epoch, STEP_ROLE)
-        ready: Live | None = None
+        epoch = self.require_epoch()
+        grp, _ = self._groups.group(epoch, groups_mod.STEP)
+        ready: live_mod.Live | None = None
         try:
-            self._check_fail("commit_staged")
+            self._ctx.check("commit_staged")
             with self._lock:
-                staged = self._staged
+                staged = self.staged
             if staged is None or staged.stage != staging_id:
                 have = None if staged is None else staged.stage
                 raise RuntimeError(f"no experts staged for stage {staging_id} (have {have})")
@@ -454,10 +447,10 @@ class ExpertSlots:
                     f"experts of stage {staged.stage} were staged for {staged.num_ranks} ranks, "
                     f"not {self.num_ranks}"
                 )
-            backend = _make_backend(
+            backend = live_mod.make_backend(
                 grp, staged.placement, staged.rank, staged.num_ranks, staged.experts
             )
-            ready = Live(
+            ready = live_mod.Live(
                 staged.placement,
                 staged.rank,
                 staged.num_ranks,
@@ -467,31 +460,18 @@ class ExpertSlots:
                 origin=staging_id,
             )
         except Exception:  # noqa: BLE001 - this rank votes no; the peers learn it from the vote
-            log.exception("cannot commit stage %d: voting no (%s)", staging_id, self._ctx())
+            log.exception("cannot commit stage %d: voting no (%s)", staging_id, self._ctx.where())
         vote = torch.tensor([1 if ready is not None else 0], dtype=torch.int32, device=grp.device)
         grp.all_reduce(vote, "min")
         with self._lock:
-            self._staged = None
+            self.staged = None
         if ready is None or int(vote.item()) != 1:
             log.warning(
-                "stage %d not committed by every rank: discarded (%s)", staging_id, self._ctx()
+                "stage %d not committed by every rank: discarded (%s)",
+                staging_id,
+                self._ctx.where(),
             )
             return False
         self._become(ready, previous=self._snapshot())
-        log.info("committed staged experts of stage %d (%s)", staging_id, self._ctx())
+        log.info("committed staged experts of stage %d (%s)", staging_id, self._ctx.where())
         return True
-
-
-def _make_backend(
-    grp: group_mod.StatelessGroup,
-    placement: policy.Placement | None,
-    rank: int | None,
-    num_ranks: int | None,
-    experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
-) -> mixtral.ExpertBackend:
-    """The expert-parallel backend over the step group (it keys slots by global index)."""
-    if placement is None or rank is None or num_ranks is None:
-        raise RuntimeError("no placement to serve")
-    base = placement.slots_of_rank(rank, num_ranks).start
-    slots = {(layer, base + slot): w for (layer, slot), w in experts.items()}
-    return ep_mod.ExpertParallelBackend(grp, placement, slots, rank=rank)

@@ -1,0 +1,197 @@
+"""What a step's outputs do to the requests (`Outputs`, a part of `core.Engine`, run on the
+engine thread): sampled tokens appended and streamed, requests finished (stop, length, abort,
+error), and the sequences of a failed step re-prefilled, or failed after
+`EngineConfig.max_step_retries` failed steps in a row."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from moe_runtime import step as step_types
+from moe_runtime.engine import queue as queue_mod
+from moe_runtime.engine import request as req
+from moe_runtime.engine import scheduler as scheduler_mod
+
+log = logging.getLogger(__name__)
+
+
+class Outputs:
+    """Applies step outputs to the scheduler's sequences and finishes requests.
+
+    scheduler: the engine's sequences and ranks; eos_token_id: the tokenizer's; max_model_len,
+    max_step_retries: `core.EngineConfig`'s; observer(): the engine's current step observer
+    (metrics), or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        scheduler: scheduler_mod.Scheduler,
+        eos_token_id: int | None,
+        max_model_len: int,
+        max_step_retries: int,
+        observer: Callable[[], Any],
+    ) -> None:
+        self._scheduler = scheduler
+        self._eos = eos_token_id
+        self._max_model_len = max_model_len
+        self._max_step_retries = max_step_retries
+        self._observer = observer
+
+    def apply(
+        self,
+        step_id: int,
+        work: list[scheduler_mod.Work],
+        by_rank: dict[int, step_types.StepOutput],
+        batches: dict[int, step_types.RankBatch],
+    ) -> tuple[bool, dict[int, str]]:
+        """Appends the sampled tokens; returns (any token produced, {failed rank: message})."""
+        errors: dict[int, str] = {}
+        for rank in batches:
+            out = by_rank.get(rank)
+            if out is None:
+                errors[rank] = f"rank {rank} returned no output for step {step_id}"
+            elif out.error is not None:
+                errors[rank] = f"rank {rank}: {out.error}"
+        for rank, message in errors.items():
+            log.error("engine: step %d failed on rank %d: %s", step_id, rank, message)
+            self._scheduler.free_later(rank, batches[rank].free)
+        produced = False
+        for w in work:
+            if w.rank in errors:
+                self.step_failed(w, errors[w.rank])
+                continue
+            seq = w.seq
+            seq.num_computed += w.num_tokens
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prefill chunk: its sampled token is not used
+            token = by_rank[w.rank].tokens.get(seq.seq_id)
+            if token is None:
+                seq.num_computed -= w.num_tokens
+                self.step_failed(w, f"rank {w.rank} returned no token for {seq.seq_id}")
+                continue
+            seq.failures = 0
+            produced = True
+            self._append_token(seq, token)
+        return produced, errors
+
+    def _append_token(self, seq: scheduler_mod.Seq, token: int) -> None:
+        request = seq.handle.request
+        seq.tokens.append(token)
+        is_eos = not request.ignore_eos and self._eos is not None and token == self._eos
+        delta = "" if is_eos else seq.text.append(token)
+        reason: req.FinishReason | None = None
+        if is_eos or seq.text.stopped:
+            reason = req.FinishReason.STOP
+        elif seq.num_generated >= request.max_tokens or len(seq.tokens) >= self._max_model_len:
+            reason = req.FinishReason.LENGTH
+        if reason is None:
+            seq.handle.push(
+                req.RequestOutput(
+                    request_id=seq.seq_id,
+                    new_token_ids=[token],
+                    new_text=delta,
+                    num_prompt_tokens=seq.prompt_len,
+                    num_generated_tokens=seq.num_generated,
+                )
+            )
+            return
+        self.finish(seq, reason, new_token_ids=[token], new_text=delta)
+
+    def step_failed(self, w: scheduler_mod.Work, message: str) -> None:
+        """The step failed for this work: re-prefill its sequence, or fail it past the
+        retries."""
+        seq = w.seq
+        seq.failures += 1
+        if seq.dirty:
+            self._scheduler.free_later(seq.rank, [seq.seq_id])
+        seq.num_computed = 0
+        seq.dirty = False
+        if seq.failures > self._max_step_retries:
+            log.error(
+                "engine: request %s failed after %d failed steps on rank %d: %s",
+                seq.seq_id,
+                seq.failures,
+                w.rank,
+                message,
+            )
+            self.finish(
+                seq,
+                req.FinishReason.ERROR,
+                error=f"step failed {seq.failures} times in a row: {message}",
+            )
+        else:
+            log.warning(
+                "engine: request %s will be re-prefilled on rank %d after a failed step: %s",
+                seq.seq_id,
+                seq.rank,
+                message,
+            )
+
+    def finish(
+        self,
+        seq: scheduler_mod.Seq,
+        reason: req.FinishReason,
+        *,
+        new_token_ids: list[int] | None = None,
+        new_text: str = "",
+        error: str | None = None,
+    ) -> None:
+        """The request of a running sequence ends (its last output, its KV freed later)."""
+        self._scheduler.running.pop(seq.seq_id, None)
+        if seq.dirty:
+            self._scheduler.free_later(seq.rank, [seq.seq_id])
+            seq.dirty = False
+        seq.handle.push(
+            req.RequestOutput(
+                request_id=seq.seq_id,
+                new_token_ids=new_token_ids or [],
+                new_text=new_text + seq.text.flush(),
+                finished=True,
+                finish_reason=reason,
+                error=error,
+                num_prompt_tokens=seq.prompt_len,
+                num_generated_tokens=seq.num_generated,
+            )
+        )
+        observer = self._observer()
+        if observer is not None:
+            observer.observe_finished(
+                reason=reason,
+                num_prompt_tokens=seq.prompt_len,
+                num_generated_tokens=seq.num_generated,
+            )
+
+    def finish_unstarted(
+        self, handle: req.RequestHandle, reason: req.FinishReason, error: str | None
+    ) -> None:
+        """A request that never ran ends (aborted in the queue, refused, or the engine
+        stopped)."""
+        n = len(handle.request.prompt_token_ids)
+        handle.push(
+            req.RequestOutput(
+                request_id=handle.request_id,
+                new_token_ids=[],
+                new_text="",
+                finished=True,
+                finish_reason=reason,
+                error=error,
+                num_prompt_tokens=n,
+            )
+        )
+        observer = self._observer()
+        if observer is not None:
+            observer.observe_finished(reason=reason, num_prompt_tokens=n, num_generated_tokens=0)
+
+    def abort(self, aborts: set[str], queue: queue_mod.RequestQueue) -> None:
+        """End the requests `aborts` names, queued or running (finish_reason "abort")."""
+        if not aborts:
+            return
+        for handle in queue.remove(aborts):
+            self.finish_unstarted(handle, req.FinishReason.ABORT, None)
+        for rid in aborts:
+            seq = self._scheduler.running.get(rid)
+            if seq is not None:
+                self.finish(seq, req.FinishReason.ABORT)

@@ -1,0 +1,216 @@
+"""Which sequence runs where, and what each rank does in the next step (`Scheduler`, a part of
+`core.Engine`, owned by the engine thread).
+
+- Sequences (`Seq`): a request's running state: its tokens, the rank whose KV cache holds it,
+  how many of its tokens are computed. Its uncomputed tokens are `tokens[num_computed:]`,
+  which covers prefill (the prompt), decode (the last sampled token) and re-prefill after a
+  migration (prompt + generated so far) with one rule.
+- Ranks: the active ones step (every one gets a `RankBatch` in every step, empty when idle:
+  expert parallelism needs every rank in the collectives); draining ones take no new
+  sequence. A new sequence goes to the least loaded assignable rank.
+- One step's batches (`schedule`): every running sequence gets the next slice of its
+  uncomputed tokens within the per-rank token budget (decodes first, one token each; then
+  prefill chunks in arrival order), and the KV frees owed to each rank.
+- The changes a resize or a recovery makes at a step boundary (`set_active`, `migrate`,
+  `drain`, `relabel`): sequences on leaving ranks are re-prefilled on others with prompt +
+  generated tokens (same `num_generated`, so seeded sampling goes on identically); after an
+  executor switch renumbers its workers, sequences, KV frees and marks follow their worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+from moe_runtime import step as step_types
+from moe_runtime.engine import request as req
+from moe_runtime.engine import text as text_mod
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    """One running request on one rank (see the module docstring)."""
+
+    handle: req.RequestHandle
+    tokens: list[int]
+    prompt_len: int
+    text: text_mod.IncrementalText
+    rank: int
+    num_computed: int = 0
+    dirty: bool = False  # this rank may hold KV of the sequence
+    failures: int = 0
+
+    @property
+    def seq_id(self) -> str:
+        return self.handle.request_id
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one sequence runs in one step: `num_tokens` of its tokens on `rank`."""
+
+    seq: Seq
+    rank: int
+    num_tokens: int
+
+
+class Scheduler:
+    """Running sequences, the ranks they run on, and the batches of the next step.
+
+    max_num_seqs_per_rank: sequences a rank takes; max_tokens_per_step: token budget of one
+    rank in one step (`core.EngineConfig`).
+    """
+
+    def __init__(
+        self, *, ranks: Iterable[int], max_num_seqs_per_rank: int, max_tokens_per_step: int
+    ) -> None:
+        self.max_num_seqs_per_rank = max_num_seqs_per_rank
+        self.max_tokens_per_step = max_tokens_per_step
+        self.active: list[int] = sorted(set(ranks))
+        self.draining: set[int] = set()
+        self.running: dict[str, Seq] = {}
+        #: KV frees owed to each rank, sent with its next batch.
+        self.pending_free: dict[int, list[str]] = {}
+
+    def free_later(self, rank: int, seq_ids: Iterable[str]) -> None:
+        """Free those sequences' KV on `rank` in the next step that reaches it."""
+        ids = list(seq_ids)
+        if ids:
+            self.pending_free.setdefault(rank, []).extend(ids)
+
+    def must_step(self) -> bool:
+        """A step has work: running sequences or KV frees owed."""
+        return bool(self.running or any(self.pending_free.values()))
+
+    # -- placing sequences ---------------------------------------------------------------
+    def load(self) -> dict[int, int]:
+        """Running sequences per active rank."""
+        load = dict.fromkeys(self.active, 0)
+        for seq in self.running.values():
+            load[seq.rank] = load.get(seq.rank, 0) + 1
+        return load
+
+    def least_loaded(self, exclude: set[int] | None = None) -> int | None:
+        """The active, not draining rank with room and the fewest sequences (None: none)."""
+        load = self.load()
+        candidates = [
+            (load[r], r)
+            for r in self.active
+            if r not in self.draining
+            and (exclude is None or r not in exclude)
+            and load[r] < self.max_num_seqs_per_rank
+        ]
+        return min(candidates)[1] if candidates else None
+
+    def schedule(self) -> tuple[dict[int, step_types.RankBatch], list[Work]]:
+        """The next step's batch of every active rank, and the work it carries."""
+        batches = {rank: step_types.RankBatch() for rank in self.active}
+        for rank, ids in self.pending_free.items():
+            if rank in batches:
+                batches[rank].free.extend(ids)
+        self.pending_free = {}
+        budget = dict.fromkeys(self.active, self.max_tokens_per_step)
+        work: list[Work] = []
+        decodes = [s for s in self.running.values() if len(s.tokens) - s.num_computed == 1]
+        prefills = [s for s in self.running.values() if len(s.tokens) - s.num_computed > 1]
+        for seq in decodes + prefills:
+            left = budget.get(seq.rank, 0)
+            if left <= 0:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, left)
+            budget[seq.rank] = left - n
+            batches[seq.rank].seqs.append(
+                step_types.SeqWork(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.tokens[seq.num_computed : seq.num_computed + n],
+                    start_pos=seq.num_computed,
+                    sampling=seq.handle.request.sampling,
+                    num_generated=seq.num_generated,
+                )
+            )
+            seq.dirty = True
+            work.append(Work(seq=seq, rank=seq.rank, num_tokens=n))
+        return batches, work
+
+    # -- what a resize changes (at a step boundary) ----------------------------------------
+    def drain(self, leaving: set[int]) -> list[str]:
+        """Those ranks take no new sequence; returns the ids of the sequences on them."""
+        self.draining |= leaving & set(self.active)
+        return [s.seq_id for s in self.running.values() if s.rank in leaving]
+
+    def migrate(self, leaving: set[int]) -> list[str]:
+        """Move the sequences of `leaving` to other active ranks (re-prefilled there); those
+        ranks are marked draining. Returns the ids moved."""
+        self.draining |= leaving & set(self.active)
+        moved: list[str] = []
+        for seq in list(self.running.values()):
+            if seq.rank not in leaving:
+                continue
+            target = self.least_loaded(exclude=leaving)
+            if target is None:
+                # Over capacity: the survivors take it anyway (the limit is a batching
+                # preference; losing the request is worse).
+                survivors = [r for r in self.active if r not in leaving and r not in self.draining]
+                if not survivors:
+                    raise RuntimeError(f"no rank left to take the sequences of ranks {leaving}")
+                load = self.load()
+                target = min(survivors, key=lambda r: (load[r], r))
+            if seq.dirty:
+                self.free_later(seq.rank, [seq.seq_id])
+            log.info(
+                "engine: migrating %s from rank %d to rank %d (%d tokens to re-prefill)",
+                seq.seq_id,
+                seq.rank,
+                target,
+                len(seq.tokens),
+            )
+            seq.rank = target
+            seq.num_computed = 0
+            seq.dirty = False
+            moved.append(seq.seq_id)
+        return moved
+
+    def set_active(self, ranks: list[int]) -> None:
+        """Step exactly `ranks` from now on; sequences on leaving ranks migrate first."""
+        old = list(self.active)
+        leaving = set(old) - set(ranks)
+        # While migrating, the leaving ranks still count as active (their KV is freed in the
+        # next step, which they still receive); then only `ranks` step.
+        self.active = sorted(set(ranks) | leaving)
+        if leaving:
+            self.migrate(leaving)
+        self.active = list(ranks)
+        self.draining = set()
+        # Ranks that no longer step read no StepInput: their KV goes away with them.
+        dropped = {r: ids for r, ids in self.pending_free.items() if r not in ranks and ids}
+        self.pending_free = {r: ids for r, ids in self.pending_free.items() if r in ranks}
+        if dropped:
+            log.info("engine: KV frees for leaving ranks dropped: %s", dropped)
+        log.info("engine: active ranks %s -> %s", old, self.active)
+
+    def relabel(self, mapping: dict[int, int]) -> None:
+        """Rank `old` is now `mapping[old]` (others keep theirs); ValueError, and nothing
+        changes, when two known ranks would get one label."""
+
+        def new(rank: int) -> int:
+            return mapping.get(rank, rank)
+
+        known = set(self.active) | self.draining | set(self.pending_free)
+        known |= {seq.rank for seq in self.running.values()}
+        if len({new(r) for r in known}) != len(known):
+            raise ValueError(
+                f"relabel mapping {mapping} sends two of ranks {sorted(known)} to one label"
+            )
+        self.active = sorted(new(r) for r in self.active)
+        self.draining = {new(r) for r in self.draining}
+        for seq in self.running.values():
+            seq.rank = new(seq.rank)
+        self.pending_free = {new(r): ids for r, ids in self.pending_free.items()}
+        log.info("engine: ranks relabelled %s; active ranks %s", mapping, self.active)

@@ -1,0 +1,104 @@
+"""The engine's seam as types: what it needs (`StepRunner`: an executor, `Tokenizer`,
+`StepObserver`: metrics) and what it is given and gives (`EngineConfig`, `EngineStats`,
+`StepFailure`). Imported by the engine's parts (`core`, `scheduler`, `outputs`) and its users."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+from moe_runtime import step as step_types
+from moe_runtime.engine import request as req
+
+StepCallback = Callable[[list[step_types.StepOutput]], None]
+
+
+class StepRunner(Protocol):
+    """What the engine needs of an executor (moe_runtime.executor.Executor satisfies it)."""
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    def execute_step(self, step: step_types.StepInput) -> list[step_types.StepOutput]: ...
+
+
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer (moe_runtime.model.tokenizer.Tokenizer)."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class StepObserver(Protocol):
+    """Receives figures of every step (moe_runtime.metrics implements it)."""
+
+    def observe_step(
+        self,
+        *,
+        seconds: float,
+        num_seqs: int,
+        num_tokens: int,
+        outputs: list[step_types.StepOutput],
+    ) -> None: ...
+
+    def observe_finished(
+        self, *, reason: req.FinishReason, num_prompt_tokens: int, num_generated_tokens: int
+    ) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Limits of the engine.
+
+    max_model_len: the model's context (max_position_embeddings); a sequence ends with
+    finish_reason "length" when it is full. max_tokens_per_step: token budget of one rank in
+    one step (bounds the prefill chunk, hence the step latency decodes see). max_step_retries:
+    how many failed steps in a row a sequence survives (it is re-prefilled after each) before
+    it fails with an error.
+    """
+
+    max_model_len: int
+    max_num_seqs_per_rank: int = 64
+    max_tokens_per_step: int = 2048
+    max_step_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1 or self.max_num_seqs_per_rank < 1:
+            raise ValueError("max_model_len and max_num_seqs_per_rank must be >= 1")
+        if self.max_tokens_per_step < self.max_num_seqs_per_rank:
+            raise ValueError("max_tokens_per_step must be >= max_num_seqs_per_rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's progress (monotonic clock times)."""
+
+    alive: bool
+    num_waiting: int
+    num_running: int
+    active_ranks: tuple[int, ...]
+    draining_ranks: tuple[int, ...]
+    seqs_per_rank: dict[int, int]
+    step_count: int
+    last_step_seconds: float
+    last_token_time: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFailure:
+    """A step that failed on some ranks (its sequences there will be re-prefilled).
+
+    ranks: the ranks that failed (every stepped rank when `execute_step` raised without naming
+    any); exception: what `execute_step` raised, None when ranks reported StepOutput.error.
+    """
+
+    step_id: int
+    ranks: tuple[int, ...]
+    message: str
+    exception: BaseException | None = None
+
+
+FailureCallback = Callable[[StepFailure], None]

@@ -1,0 +1,118 @@
+"""The groups of an epoch over `RayExecutor`'s rank actors (`RayGroups`, a part of it).
+
+Rendezvous: a FileStore in `group_dir` when every member of the new group has one IP (nothing
+listens on a port), else a TCPStore hosted by the group's rank 0 on a port it reports as free
+(`RankGroups.free_port`, asked on its health lane). Each member joins on its control lane (in
+the background) or its default lane (a recovery); `joins.gather_joins` fails the build at the
+first member that fails or that the heartbeat loses, and calls the others off on their health
+lane, where nothing queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import ray
+
+from moe_runtime.comm import group as group_mod
+from moe_runtime.executor import joins, ray_actor, roster
+from moe_runtime.rank import groups as groups_mod
+
+log = logging.getLogger(__name__)
+
+
+class RayGroups:
+    """Builds epochs' step and transfer groups over rank actors.
+
+    members: the executor's roster; lost(): the labels its heartbeat lost; step_backend /
+    transfer_backend: the backends of the two groups; rendezvous: "auto", "tcp" or "file";
+    group_dir: where FileStores live.
+    """
+
+    def __init__(
+        self,
+        *,
+        members: roster.Roster[ray_actor.RankHandle],
+        lost: Callable[[], Collection[int]],
+        step_backend: group_mod.Backend,
+        transfer_backend: group_mod.Backend,
+        rendezvous: str,
+        group_dir: str,
+    ) -> None:
+        self._members = members
+        self._lost = lost
+        self._backends = {groups_mod.STEP: step_backend, groups_mod.TRANSFER: transfer_backend}
+        self._rendezvous = rendezvous
+        self._group_dir = group_dir
+
+    def build(
+        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+    ) -> None:
+        """See `base.Executor.build_groups`."""
+        members = self._members.targets("build_groups", ranks)
+        one_host = self._rendezvous == "file" or (
+            self._rendezvous == "auto" and len({m.info["ip"] for m in members}) == 1
+        )
+        lane = {"concurrency_group": ray_actor.CTL_LANE} if background else {}
+        for role in groups_mod.ROLES:
+            spec = self._spec(members, epoch=epoch, role=role, one_host=one_host)
+            started = time.monotonic()
+            handles = {
+                m.label: m.handle.actor.execute_method.options(**lane).remote(
+                    "join_group", spec, rank=i, role=role, group_timeout=timeout
+                )
+                for i, m in enumerate(members)
+            }
+            joins.gather_joins(
+                handles,
+                self._join_calls(members, epoch),
+                what=f"join_group (epoch {epoch}, {role})",
+                timeout=timeout,
+            )
+            log.info(
+                "epoch %d %s group over ranks %s built in %.2fs (%s)",
+                epoch,
+                role,
+                list(ranks),
+                time.monotonic() - started,
+                "FileStore" if one_host else f"TCPStore {spec.host}:{spec.port}",
+            )
+
+    def _spec(
+        self, members: Sequence[ray_actor.Member], *, epoch: int, role: str, one_host: bool
+    ) -> group_mod.GroupSpec:
+        backend = self._backends[role]
+        if one_host:
+            return group_mod.GroupSpec.local(
+                len(members), epoch=epoch, backend=backend, directory=self._group_dir
+            )
+        host, port = ray.get(
+            members[0]
+            .handle.actor.free_port.options(concurrency_group=ray_actor.HEALTH_LANE)
+            .remote(),
+            timeout=30,
+        )
+        return group_mod.GroupSpec.tcp(host, port, len(members), epoch=epoch, backend=backend)
+
+    def _join_calls(self, members: Sequence[ray_actor.Member], epoch: int) -> joins.JoinCalls[Any]:
+        actors = {m.label: m.handle.actor for m in members}
+
+        def wait(pending: list[Any], timeout: float) -> list[Any]:
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            return list(done)
+
+        def result(label: int, ref: Any) -> object:
+            return ray_actor.get_all([ref], [label], what="join_group", timeout=0)[0]
+
+        def abort(labels: list[int]) -> None:
+            health = {"concurrency_group": ray_actor.HEALTH_LANE}
+            refs = [
+                actors[r].execute_method.options(**health).remote("abort_join", epoch)
+                for r in labels
+            ]
+            ray.wait(refs, num_returns=len(refs), timeout=joins.ABORT_GRACE_SECONDS)
+
+        return joins.JoinCalls(wait=wait, result=result, abort=abort, lost=self._lost)

@@ -1,0 +1,161 @@
+"""One lockstep step on a rank (`Stepper`, a part of `RankWorker`): the step's control, the KV
+frees, the forward pass of this rank's batch through the live experts, and sampling."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from moe_runtime import step as step_mod
+from moe_runtime.model import config as config_mod
+from moe_runtime.model import mixtral
+from moe_runtime.rank import context as context_mod
+from moe_runtime.rank import sampling
+from moe_runtime.rank import slots as slots_mod
+
+log = logging.getLogger(__name__)
+
+
+class Stepper:
+    """Runs steps on one rank, one at a time (see `execute`), with the weights and KV cache of
+    `ctx.loaded` and the live experts of `slots` (the backend, the rank; the EPLB commit a
+    step's control carries)."""
+
+    def __init__(self, ctx: context_mod.RankContext, *, slots: slots_mod.ExpertSlots) -> None:
+        self._ctx = ctx
+        self._slots = slots
+        #: One step at a time: after a step timed out in the driver, the rebuilt step path
+        #: (plain calls, another thread) must not start the next step on this rank while the
+        #: old one still runs in the compiled graph's loop: both would use the step group at
+        #: once and gloo aborts the process on the mismatched messages.
+        self._lock = threading.Lock()
+        #: Steps run since the rank started.
+        self.steps = 0
+
+    def execute(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        """Apply step.control, free KV, run this rank's batch, sample; never raises.
+
+        An idle rank (no batch) still runs the forward pass with no tokens, so it joins the
+        expert collectives; when no rank has a token, no rank runs it (and `expert_load` is
+        None). When the control fails, or the batch is bad, the rank runs an empty
+        batch instead (its peers must not hang in a collective) and reports the problem in
+        StepOutput.error, as it does any exception. A failed forward pass leaves each sequence's
+        KV cache as it was before the step, so the step can be retried as it was. An EPLB
+        commit in the control is voted on by every rank (`StepOutput.committed` says whether
+        this step committed it), whatever else fails on this rank.
+        """
+        with self._lock:
+            return self._execute(step)
+
+    def _execute(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        slots = self._slots
+        rank = -1 if slots.rank is None else slots.rank
+        out = step_mod.StepOutput(rank=rank, step_id=step.step_id)
+        batch = step.batches.get(rank) or step_mod.RankBatch()
+        errors: list[str] = []
+        run_batch = True
+        try:
+            self._ctx.check("execute_step")
+        except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
+            log.exception(
+                "step %d: failing as armed, running empty (%s)", step.step_id, self._ctx.where()
+            )
+            errors.append(f"{type(exc).__name__}: {exc}")
+            run_batch = False
+        if step.control:
+            try:
+                out.committed = self._apply_control(step.control)
+            except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
+                log.exception(
+                    "step %d: control failed, running empty (%s)", step.step_id, self._ctx.where()
+                )
+                errors.append(f"{type(exc).__name__}: {exc}")
+                run_batch = False
+        try:
+            cfg, model = self._ctx.loaded.require(self._ctx.where())
+            backend, kv = slots.backend, self._ctx.loaded.kv
+            if backend is None or kv is None:
+                raise RuntimeError(f"rank not activated ({self._ctx.where()})")
+            for seq_id in batch.free:
+                kv.free(seq_id)
+            seqs = list(batch.seqs) if run_batch else []
+            bad = _invalid(seqs, cfg, kv)
+            if bad:
+                errors.append(f"invalid sequences, step ran empty: {bad}")
+                seqs = []
+            # When no rank has a token, every rank reads that from the same StepInput and all
+            # of them skip the forward pass and its expert collectives: none waits for a peer.
+            if any(b.seqs for b in step.batches.values()):
+                fwd = mixtral.ForwardBatch(
+                    seq_ids=[s.seq_id for s in seqs],
+                    token_ids=[list(s.token_ids) for s in seqs],
+                    start_pos=[s.start_pos for s in seqs],
+                )
+                load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+                try:
+                    logits = model.forward(fwd, kv, backend, expert_load=load)
+                except Exception:
+                    # Back to the KV state before this step, so the same step can be sent again.
+                    for s in seqs:
+                        if s.start_pos == 0:
+                            kv.free(s.seq_id)
+                        else:
+                            kv.reserve(s.seq_id, s.start_pos, 0)
+                    raise
+                logits = logits.to("cpu")
+                for i, s in enumerate(seqs):
+                    out.tokens[s.seq_id] = sampling.sample_token(
+                        logits[i], s.sampling, s.num_generated
+                    )
+                out.expert_load = load
+                if self._ctx.loaded.total_load is not None:
+                    self._ctx.loaded.total_load += load
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, never kills the actor
+            log.exception("step %d failed (%s)", step.step_id, self._ctx.where())
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            self.steps += 1
+        if errors:
+            out.error = "; ".join(errors)
+        return out
+
+    def _apply_control(self, control: Mapping[str, Any]) -> int | None:
+        """Apply a step's control; returns the staging id committed in this step, if any."""
+        committed = None
+        for key, value in control.items():
+            if key == step_mod.CONTROL_EXPERT_EPOCH:
+                if self._slots.commit_vote(int(value)):
+                    committed = int(value)
+            else:
+                log.debug("ignoring unknown control %r (%s)", key, self._ctx.where())
+        return committed
+
+
+def _invalid(
+    seqs: Sequence[step_mod.SeqWork],
+    cfg: config_mod.ModelConfig,
+    kv: mixtral.KVCache,
+) -> list[str]:
+    """The sequences of a batch this rank cannot run, each with its problem."""
+    bad: list[str] = []
+    seen: set[str] = set()
+    for s in seqs:
+        problem = None
+        if s.seq_id in seen:
+            problem = "duplicate"
+        elif not s.token_ids:
+            problem = "no tokens"
+        elif min(s.token_ids) < 0 or max(s.token_ids) >= cfg.vocab_size:
+            problem = f"token ids outside [0, {cfg.vocab_size})"
+        elif s.start_pos < 0 or s.start_pos > kv.num_tokens(s.seq_id):
+            problem = f"start_pos {s.start_pos} but {kv.num_tokens(s.seq_id)} cached"
+        elif s.start_pos + len(s.token_ids) > cfg.max_position_embeddings:
+            problem = f"longer than {cfg.max_position_embeddings} positions"
+        seen.add(s.seq_id)
+        if problem is not None:
+            bad.append(f"{s.seq_id}: {problem}")
+    return bad

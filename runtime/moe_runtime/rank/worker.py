@@ -1,0 +1,300 @@
+"""The rank worker: one DP rank's model shard, KV cache, groups and expert slots, as parts.
+
+A `RankWorker` is a plain object. `moe_runtime.executor` runs it as a Ray actor (one per rank)
+or in this process (`LocalExecutor`); nothing here knows about Ray. It holds:
+
+- `loaded` (`loaded.LoadedModel`): the non-expert weights (`MixtralModel`) and a `KVCache` of
+  its own sequences (attention is data-parallel: a sequence lives on one rank);
+- `groups` (`groups.RankGroups`): communication groups keyed by (epoch, role): the *step*
+  group is used only by `execute_step` collectives (expert dispatch/combine); the *transfer*
+  group only by background weight moves, so a transfer never interleaves with step
+  collectives on one gloo group;
+- `slots` (`slots.ExpertSlots`): its physical expert slots (`ExpertWeights` per (layer, local
+  slot), where local slot ``s`` of rank ``r`` of ``N`` is global slot ``r * P/N + s`` of the
+  current `Placement`), the *staged* set that becomes live at a step boundary
+  (`StepInput.control["expert_epoch"]`) or at `activate`, the *previous* live state kept until
+  `retire_previous` (so `revert` can undo a switch or an EPLB commit), pre-staged and retained
+  experts;
+- `stepper` (`stepper.Stepper`): the step itself;
+- `hooks` (`hooks.Hooks`, optional): what tests install to make operations fail or hang.
+
+Control methods are called by name (`call`, what `Executor.collective_rpc(method)` reaches):
+`CONTROLS` names the part that answers each; hooks may add more (`Hooks.controls`).
+
+Every change of the live slots is all-or-nothing across ranks: `activate` runs on every rank
+between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
+is voted on first (a min all-reduce over the step group: every rank commits, or none does).
+
+Threads: the executor calls `execute_step` from one thread (a second one only after a failed
+step, and a lock keeps their steps apart) and control methods (`join_group`,
+`transfer_non_expert`, `stage_experts`) from another (Ray's "ctl" concurrency group), so they
+overlap. The parts share only lock-protected state; a control call never uses the active step
+group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moe_contract import names as contract_names
+from moe_runtime import step as step_mod
+from moe_runtime.eplb import policy
+from moe_runtime.model import mixtral, names
+from moe_runtime.model import source as source_mod
+from moe_runtime.rank import context as context_mod
+from moe_runtime.rank import groups as groups_mod
+from moe_runtime.rank import hooks as hooks_mod
+from moe_runtime.rank import loaded as loaded_mod
+from moe_runtime.rank import slots as slots_mod
+from moe_runtime.rank import staging as staging_mod
+from moe_runtime.rank import stepper as stepper_mod
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: The control methods an executor calls by name (`RankWorker.call`), by the part that answers.
+WORKER_CONTROLS = (
+    "info",
+    "ping",
+    "set_label",
+    "live_state",
+    "load_weights",
+    "drop_epoch",
+    "kv_seq_ids",
+    "expert_load_total",
+    "shutdown",
+)
+GROUP_CONTROLS = ("free_port", "join_group", "abort_join", "groups", "transfer_non_expert")
+SLOT_CONTROLS = (
+    "stage_experts",
+    "prestage_experts",
+    "prestaged_keys",
+    "drop_prestaged",
+    "retained_keys",
+    "held_experts",
+    "discard_staged",
+    "activate",
+    "revert",
+    "retire_previous",
+)
+#: control method -> the attribute of the part that answers it ("": the worker itself)
+CONTROLS: dict[str, str] = {
+    **dict.fromkeys(WORKER_CONTROLS, ""),
+    **dict.fromkeys(GROUP_CONTROLS, "groups"),
+    **dict.fromkeys(SLOT_CONTROLS, "slots"),
+}
+
+
+class RankWorker:
+    """One DP rank. See the module docstring; methods are called through an Executor."""
+
+    def __init__(
+        self,
+        *,
+        device: str | None = None,
+        dtype: str = "float32",
+        torch_threads: int | None = None,
+        label: int | None = None,
+        hooks: hooks_mod.Hooks | None = None,
+    ) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = _DTYPES[dtype]
+        self.label = label  # the executor's label of this worker (logging only)
+        self.hooks = hooks
+        self.loaded = loaded_mod.LoadedModel()
+        ctx = context_mod.RankContext(
+            loaded=self.loaded,
+            device=self.device,
+            dtype=self.dtype,
+            check=self._check,
+            where=self.where,
+        )
+        self.groups = groups_mod.RankGroups(ctx)
+        self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups)
+        self.stepper = stepper_mod.Stepper(ctx, slots=self.slots)
+
+    # -- calls by name -------------------------------------------------------------------
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Run the control method `method` (`CONTROLS`, or one the hooks add)."""
+        return self.control(method)(*args, **kwargs)
+
+    def control(self, method: str) -> Callable[..., Any]:
+        """The control method named `method`; AttributeError naming it when there is none."""
+        part = CONTROLS.get(method)
+        if part is not None:
+            fn: Callable[..., Any] = getattr(getattr(self, part) if part else self, method)
+            return fn
+        extra = {} if self.hooks is None else self.hooks.controls()
+        if method in extra:
+            return extra[method]
+        raise AttributeError(
+            f"rank {self.label}: no control method {method!r} "
+            f"(test controls come with rank hooks, `{hooks_mod.ENV}`)"
+        )
+
+    def _check(self, point: str) -> None:
+        """A fault point: the hooks' check, when there are hooks."""
+        if self.hooks is not None:
+            self.hooks.check(point, self.where())
+
+    # -- identity ------------------------------------------------------------------------
+    def where(self) -> str:
+        """This rank's log context."""
+        slots = self.slots
+        return f"rank={slots.rank} label={self.label} epoch={slots.epoch} step={self.stepper.steps}"
+
+    def info(self) -> dict[str, Any]:
+        """pid, host, ip, pod (env MOE_POD_NAME, else the host name), device, rank, epoch."""
+        host = socket.gethostname()
+        kv = self.loaded.kv
+        return {
+            "pid": os.getpid(),
+            "host": host,
+            "ip": groups_mod.host_ip(),
+            "pod": os.environ.get(contract_names.POD_NAME_ENV) or host,
+            "device": self.device,
+            "rank": self.slots.rank,
+            "num_ranks": self.slots.num_ranks,
+            "epoch": self.slots.epoch,
+            "num_experts": len(self.slots.experts),
+            "num_seqs": 0 if kv is None else len(kv),
+            "steps": self.stepper.steps,
+        }
+
+    def set_label(self, label: int) -> None:
+        """The executor's label of this worker (logs only; `rank` is set by activate)."""
+        self.label = label
+
+    def ping(self) -> dict[str, Any]:
+        """Cheap liveness answer for health checks."""
+        slots = self.slots
+        return {
+            "pid": os.getpid(),
+            "rank": slots.rank,
+            "epoch": slots.epoch,
+            "steps": self.stepper.steps,
+        }
+
+    def live_state(self) -> dict[str, Any]:
+        """What serves now (debugging; the tests read it): epoch, origin, rank, placement
+        (phy2log rows), whether a staged or a previous state is held, and the groups' epochs."""
+        slots = self.slots
+        placement = slots.placement
+        return {
+            "epoch": slots.epoch,
+            "origin": slots.origin,
+            "rank": slots.rank,
+            "num_ranks": slots.num_ranks,
+            "phy2log": None if placement is None else placement.phy2log.tolist(),
+            "staged": slots.staged is not None,
+            "prestaged": len(slots.prestaged),
+            "retained": len(slots.retained),
+            "previous": slots.previous is not None,
+            "group_epochs": self.groups.epochs(),
+        }
+
+    # -- weights -------------------------------------------------------------------------
+    def load_weights(
+        self,
+        *,
+        source: str,
+        rank: int,
+        num_ranks: int,
+        placement: policy.Placement | None,
+        placeholder: bool = False,
+    ) -> int:
+        """Load the non-expert weights and this rank's expert slots; returns bytes loaded.
+
+        placeholder: zeros of the right shapes instead (a new rank that will receive its
+        weights from peers); with placement None it holds no expert slot until one is staged.
+        """
+        self._check("load_weights")
+        started = time.monotonic()
+        src = source_mod.open_source(source)
+        cfg = src.config
+        model = mixtral.MixtralModel(cfg, dtype=self.dtype, device=self.device)
+        non_expert = names.non_expert_tensor_names(cfg)
+        if placeholder:
+            state = {
+                n: torch.zeros(names.tensor_shape(cfg, n), dtype=self.dtype) for n in non_expert
+            }
+        else:
+            state = {n: src.tensor(n) for n in non_expert}
+        model.load_non_expert(state)
+        experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        if placement is not None:
+            placement.validate(num_ranks)
+            for layer in range(cfg.num_layers):
+                for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
+                    if placeholder:
+                        experts[(layer, slot)] = staging_mod.zero_expert(
+                            cfg, dtype=self.dtype, device=self.device
+                        )
+                    else:
+                        experts[(layer, slot)] = mixtral.load_expert(
+                            src, layer, logical, dtype=self.dtype, device=self.device
+                        )
+        kv = mixtral.KVCache(cfg, dtype=self.dtype, device=self.device)
+        self.loaded.load(source, cfg, model, kv)
+        self.slots.reset(
+            placement=placement,
+            rank=rank,
+            num_ranks=num_ranks,
+            experts=experts,
+            placeholder=placeholder,
+        )
+        nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
+        nbytes += sum(w.nbytes for w in experts.values())
+        log.info(
+            "loaded %s%s: %d expert slots, %.1f MB in %.2fs (%s)",
+            source,
+            " (placeholder)" if placeholder else "",
+            len(experts),
+            nbytes / 1e6,
+            time.monotonic() - started,
+            self.where(),
+        )
+        return nbytes
+
+    # -- the step ------------------------------------------------------------------------
+    def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        """One step (`stepper.Stepper.execute`), never two at once on this rank."""
+        return self.stepper.execute(step)
+
+    # -- groups and slots together -------------------------------------------------------
+    def drop_epoch(self, epoch: int) -> None:
+        """Destroy the step and transfer groups of `epoch` (a resize undone before its switch);
+        a previous state of that epoch goes with them. The active epoch cannot be dropped."""
+        if epoch == self.slots.epoch:
+            raise ValueError(f"epoch {epoch} is the active one ({self.where()})")
+        self.slots.forget_previous(epoch)
+        self.groups.drop_epoch(epoch)
+
+    # -- queries for the engine / coordinator --------------------------------------------
+    def kv_seq_ids(self) -> list[str]:
+        kv = self.loaded.kv
+        return [] if kv is None else kv.seq_ids()
+
+    def expert_load_total(self) -> torch.Tensor | None:
+        """Tokens routed per logical expert [L, E] by this rank since its weights loaded."""
+        total = self.loaded.total_load
+        return None if total is None else total.clone()
+
+    def shutdown(self) -> None:
+        """Destroy every group (in the background: the process is about to stop, nothing
+        waits for its peers to close) and drop weights."""
+        self.groups.close()
+        self.slots.close()
+        log.info("shut down (%s)", self.where())
