@@ -43,7 +43,9 @@ from moe_runtime import step as step_types
 from moe_runtime.comm import ep, group
 from moe_runtime.eplb import policy
 from moe_runtime.executor import cluster, ray_executor
-from moe_runtime.model import mixtral
+from moe_runtime.model import decoder
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 
 DP = 2
@@ -203,14 +205,14 @@ def _rank_process(rank: int, model: str, spec: group.GroupSpec, steps: int, resu
     placement = policy.identity(cfg.num_layers, cfg.num_experts, physical, DP)
     slots = placement.slots_of_rank(rank, DP)
     local = {
-        (layer, slot): mixtral.load_expert(src, layer, int(placement.phy2log[layer, slot]))
+        (layer, slot): experts_mod.load_expert(src, layer, int(placement.phy2log[layer, slot]))
         for layer in range(cfg.num_layers)
         for slot in slots
     }
     backend = ep.ExpertParallelBackend(timed, placement, local, rank=rank)  # type: ignore[arg-type]
-    model_ = mixtral.MixtralModel.from_source(src)
-    kv = mixtral.KVCache(cfg)
-    empty = mixtral.ForwardBatch(seq_ids=[], token_ids=[], start_pos=[])
+    model_ = decoder.MoEModel.from_source(src)
+    kv = kv_mod.KVCache(cfg)
+    empty = kv_mod.ForwardBatch(seq_ids=[], token_ids=[], start_pos=[])
     for _ in range(5):
         model_.forward(empty, kv, backend)
     timed.barrier()

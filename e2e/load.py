@@ -68,22 +68,24 @@ def reference_tokens(
     import torch
 
     from moe_runtime import sampling, step
-    from moe_runtime.model import mixtral, source
+    from moe_runtime.model import decoder, source
+    from moe_runtime.model import experts as experts_mod
+    from moe_runtime.model import kv as kv_mod
 
     todo = list(todo or cases())
     torch.set_num_threads(1)
     src = source.open_source(model)
-    net = mixtral.MixtralModel.from_source(src)
-    experts = mixtral.LocalExperts.from_source(src)
+    net = decoder.MoEModel.from_source(src)
+    experts = experts_mod.LocalExperts.from_source(src)
     # One sequence per (prompt, seed), generated as long as the longest length asked.
     longest: dict[tuple[int, int | None], int] = {}
     for c in todo:
         longest[(c.prompt, c.seed)] = max(longest.get((c.prompt, c.seed), 0), c.max_tokens)
     seqs = sorted(longest, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
     out: dict[tuple[int, int | None], list[int]] = {k: [] for k in seqs}
-    kv = mixtral.KVCache(net.config, dtype=net.dtype, device=net.device)
+    kv = kv_mod.KVCache(net.config, dtype=net.dtype, device=net.device)
     active = list(seqs)
-    batch = mixtral.ForwardBatch(
+    batch = kv_mod.ForwardBatch(
         seq_ids=[str(k) for k in active],
         token_ids=[list(PROMPTS[k[0]]) for k in active],
         start_pos=[0] * len(active),
@@ -106,7 +108,7 @@ def reference_tokens(
                 else:
                     kv.free(str(k))
             active = still
-            batch = mixtral.ForwardBatch(
+            batch = kv_mod.ForwardBatch(
                 seq_ids=[str(k) for k in active],
                 token_ids=[[out[k][-1]] for k in active],
                 start_pos=[len(PROMPTS[k[0]]) + len(out[k]) - 1 for k in active],

@@ -254,7 +254,7 @@ def _build_into(
             num_ranks,
             num_physical // num_ranks,
         )
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, num_physical, num_ranks)
+    placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, num_physical, num_ranks)
     runtime.name = args.served_model_name or _default_name(args.model)
     if args.executor == "ray":
         from moe_runtime.executor import cluster as cluster_mod  # imports ray: only here

@@ -25,7 +25,7 @@ from moe_runtime import slots as slots_mod
 from moe_runtime import staging as staging_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import decoder
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class RankGroups:
     def _check_fail(self, operation: str) -> None:
         raise NotImplementedError
 
-    def _require_model(self) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
+    def _require_model(self) -> tuple[config_mod.ModelConfig, decoder.MoEModel]:
         raise NotImplementedError
 
     def free_port(self, host: str | None = None) -> tuple[str, int]:

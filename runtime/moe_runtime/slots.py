@@ -36,7 +36,8 @@ from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import decoder
+from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import source as source_mod
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Staged:
     placement: policy.Placement
     rank: int
     num_ranks: int
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
+    experts: dict[tuple[int, int], experts_mod.ExpertWeights]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +69,9 @@ class Live:
     placement: policy.Placement | None
     rank: int | None
     num_ranks: int | None
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
+    experts: dict[tuple[int, int], experts_mod.ExpertWeights]
     epoch: int | None
-    backend: mixtral.ExpertBackend | None
+    backend: experts_mod.ExpertBackend | None
     origin: int | None
 
     def serves(self, placement: policy.Placement, rank: int, num_ranks: int) -> bool:
@@ -91,11 +92,11 @@ class ExpertSlots:
     num_ranks: int | None
     epoch: int | None
     placement: policy.Placement | None
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
-    _backend: mixtral.ExpertBackend | None
+    experts: dict[tuple[int, int], experts_mod.ExpertWeights]
+    _backend: experts_mod.ExpertBackend | None
     _staged: Staged | None
     _previous: Live | None
-    _prestaged: dict[tuple[int, int], mixtral.ExpertWeights]
+    _prestaged: dict[tuple[int, int], experts_mod.ExpertWeights]
     _retained: retention.Retained
     _origin: int | None
     _groups: dict[tuple[int, str], group_mod.StatelessGroup]
@@ -107,7 +108,7 @@ class ExpertSlots:
     def _check_fail(self, operation: str) -> None:
         raise NotImplementedError
 
-    def _require_model(self) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
+    def _require_model(self) -> tuple[config_mod.ModelConfig, decoder.MoEModel]:
         raise NotImplementedError
 
     def _group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
@@ -132,7 +133,7 @@ class ExpertSlots:
         new_num_ranks: int,
         stage: int | None = None,
         from_source: bool = False,
-        provided: Mapping[tuple[int, int], mixtral.ExpertWeights] | None = None,
+        provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
     ) -> int:
         """Prepare this rank's slots of `new_placement` in a staging area; returns bytes received.
 
@@ -224,7 +225,7 @@ class ExpertSlots:
         """This rank's part of `moves` over `grp`: sends from `held`; returns what it got."""
         received: staging_mod.Experts = {}
 
-        def read_expert(layer: int, logical: int) -> mixtral.ExpertWeights:
+        def read_expert(layer: int, logical: int) -> experts_mod.ExpertWeights:
             weights = held.get((layer, logical))
             if weights is None:
                 raise RuntimeError(
@@ -233,7 +234,7 @@ class ExpertSlots:
                 )
             return weights
 
-        def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
+        def write_expert(move: moves_mod.ExpertMove, weights: experts_mod.ExpertWeights) -> None:
             received[(move.layer, move.logical)] = weights.to(dtype=self.dtype, device=self.device)
 
         stats = transfer_mod.execute_moves(
@@ -241,7 +242,7 @@ class ExpertSlots:
             list(moves),
             read_expert=read_expert,
             write_expert=write_expert,
-            like=staging_mod.zero_expert(cfg, dtype=self.dtype, device=grp.device),
+            like=experts_mod.zero_expert(cfg, dtype=self.dtype, device=grp.device),
         )
         return stats, received
 
@@ -251,7 +252,7 @@ class ExpertSlots:
         epoch: int,
         moves: Sequence[moves_mod.ExpertMove],
         *,
-        provided: Mapping[tuple[int, int], mixtral.ExpertWeights] | None = None,
+        provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
     ) -> int:
         """Keep the experts `moves` bring to this rank (and `provided`: brought by the executor
         another way) beside the live slots, for a later `stage_experts`; returns the bytes
@@ -410,14 +411,15 @@ class ExpertSlots:
             experts = previous.experts
         else:
             wanted = [
-                placement.experts_on_rank(layer, rank, num_ranks) for layer in range(cfg.num_layers)
+                placement.experts_on_rank(layer, rank, num_ranks)
+                for layer in range(cfg.num_moe_layers)
             ]
             current = (
                 None
                 if before.placement is None or before.rank is None or before.num_ranks is None
                 else [
                     before.placement.experts_on_rank(layer, before.rank, before.num_ranks)
-                    for layer in range(cfg.num_layers)
+                    for layer in range(cfg.num_moe_layers)
                 ]
             )
             if current != wanted:
@@ -487,8 +489,8 @@ def _make_backend(
     placement: policy.Placement | None,
     rank: int | None,
     num_ranks: int | None,
-    experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
-) -> mixtral.ExpertBackend:
+    experts: Mapping[tuple[int, int], experts_mod.ExpertWeights],
+) -> experts_mod.ExpertBackend:
     """The expert-parallel backend over the step group (it keys slots by global index)."""
     if placement is None or rank is None or num_ranks is None:
         raise RuntimeError("no placement to serve")

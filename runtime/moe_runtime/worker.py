@@ -5,7 +5,7 @@ or in this process (`LocalExecutor`); nothing here knows about Ray.
 
 What a rank holds
 -----------------
-- the non-expert weights (`MixtralModel`) and a `KVCache` of its own sequences (attention is
+- the non-expert weights (`MoEModel`) and a `KVCache` of its own sequences (attention is
   data-parallel: a sequence lives on one rank);
 - its physical expert slots: `ExpertWeights` per (layer, local slot), where local slot ``s`` of
   rank ``r`` of ``N`` is global slot ``r * P/N + s`` of the current `Placement`;
@@ -43,12 +43,13 @@ import torch
 
 from moe_runtime import faults, rank_groups, retention, sampling
 from moe_runtime import slots as slots_mod
-from moe_runtime import staging as staging_mod
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral, names
+from moe_runtime.model import decoder, names
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 
 log = logging.getLogger(__name__)
@@ -79,17 +80,17 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         self.epoch: int | None = None
         self.source_name: str | None = None
         self.config: config_mod.ModelConfig | None = None
-        self.model: mixtral.MixtralModel | None = None
-        self.kv: mixtral.KVCache | None = None
+        self.model: decoder.MoEModel | None = None
+        self.kv: kv_mod.KVCache | None = None
         self.placement: policy.Placement | None = None
-        self.experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
-        self._backend: mixtral.ExpertBackend | None = None
+        self.experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        self._backend: experts_mod.ExpertBackend | None = None
         self._groups: dict[tuple[int, str], group_mod.StatelessGroup] = {}
         self._aborted_joins: set[int] = set()
         self._group_ranks: dict[tuple[int, str], int] = {}
         self._staged: slots_mod.Staged | None = None
         self._previous: slots_mod.Live | None = None
-        self._prestaged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        self._prestaged: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         self._retained = retention.Retained()
         self._origin: int | None = None
         self._fail: dict[str, str] = {}
@@ -169,7 +170,7 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         started = time.monotonic()
         src = source_mod.open_source(source)
         cfg = src.config
-        model = mixtral.MixtralModel(cfg, dtype=self.dtype, device=self.device)
+        model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device)
         non_expert = names.non_expert_tensor_names(cfg)
         if placeholder:
             state = {
@@ -178,29 +179,29 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         else:
             state = {n: src.tensor(n) for n in non_expert}
         model.load_non_expert(state)
-        experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         if placement is not None:
             placement.validate(num_ranks)
-            for layer in range(cfg.num_layers):
+            for layer in range(cfg.num_moe_layers):
                 for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
                     if placeholder:
-                        experts[(layer, slot)] = staging_mod.zero_expert(
+                        experts[(layer, slot)] = experts_mod.zero_expert(
                             cfg, dtype=self.dtype, device=self.device
                         )
                     else:
-                        experts[(layer, slot)] = mixtral.load_expert(
+                        experts[(layer, slot)] = experts_mod.load_expert(
                             src, layer, logical, dtype=self.dtype, device=self.device
                         )
         with self._lock:
             self.source_name = source
             self.config = cfg
             self.model = model
-            self.kv = mixtral.KVCache(cfg, dtype=self.dtype, device=self.device)
+            self.kv = kv_mod.KVCache(cfg, dtype=self.dtype, device=self.device)
             self.experts = experts
             self.placement = placement
             self.rank = rank
             self.num_ranks = num_ranks
-            self.total_load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+            self.total_load = torch.zeros(cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64)
             self._retained.reset(experts.values() if placeholder else ())
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
         nbytes += sum(w.nbytes for w in experts.values())
@@ -215,7 +216,7 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         )
         return nbytes
 
-    def _require_model(self) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
+    def _require_model(self) -> tuple[config_mod.ModelConfig, decoder.MoEModel]:
         if self.config is None or self.model is None:
             raise RuntimeError(f"no weights loaded yet ({self._ctx()})")
         return self.config, self.model
@@ -275,12 +276,12 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
             # When no rank has a token, every rank reads that from the same StepInput and all
             # of them skip the forward pass and its expert collectives: none waits for a peer.
             if any(b.seqs for b in step.batches.values()):
-                fwd = mixtral.ForwardBatch(
+                fwd = kv_mod.ForwardBatch(
                     seq_ids=[s.seq_id for s in seqs],
                     token_ids=[list(s.token_ids) for s in seqs],
                     start_pos=[s.start_pos for s in seqs],
                 )
-                load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+                load = torch.zeros(cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64)
                 try:
                     logits = model.forward(fwd, kv, self._backend, expert_load=load)
                 except Exception:
@@ -312,7 +313,7 @@ class RankWorker(faults.FaultHooks, rank_groups.RankGroups, slots_mod.ExpertSlot
         self,
         seqs: Sequence[step_mod.SeqWork],
         cfg: config_mod.ModelConfig,
-        kv: mixtral.KVCache,
+        kv: kv_mod.KVCache,
     ) -> list[str]:
         bad: list[str] = []
         seen: set[str] = set()

@@ -22,7 +22,7 @@ from moe_runtime.engine import core
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 
 SOURCE = "synthetic://tiny?seed=0"
@@ -34,7 +34,7 @@ LENGTHS = [4, 9, 16, 24]
 def reference() -> dict[tuple[int, int], list[int]]:
     """Greedy tokens of every (prompt, length), single process, all experts local."""
     torch.set_num_threads(1)
-    longest = mixtral.generate_greedy(SOURCE, PROMPTS, max(LENGTHS))
+    longest = generate.generate_greedy(SOURCE, PROMPTS, max(LENGTHS))
     return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in LENGTHS}
 
 

@@ -20,7 +20,7 @@ from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.executor import base
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from tests.unit import test_worker as lockstep
 
 pytestmark = pytest.mark.ray
@@ -34,7 +34,7 @@ ELASTIC_MAX_TOKENS = 40  # long enough that every sequence outlives both resizes
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     torch.set_num_threads(1)
-    return mixtral.generate_greedy(SOURCE, PROMPTS, MAX_TOKENS)
+    return generate.generate_greedy(SOURCE, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_two_ranks_generate_like_single_process(
 
 
 def test_grow_2_to_4_then_shrink_to_2_while_generating(ray_executor_mod: Any) -> None:
-    reference = mixtral.generate_greedy(SOURCE, PROMPTS, ELASTIC_MAX_TOKENS)
+    reference = generate.generate_greedy(SOURCE, PROMPTS, ELASTIC_MAX_TOKENS)
     ex = ray_executor_mod.RayExecutor(2)
     try:
         _grow_and_shrink(ex, reference)
@@ -283,7 +283,7 @@ def test_killed_actor_is_reported_dead_and_survivors_recover(
         run.migrate("b", 0)
         run.to_free.pop(1, None)
         got = run.run()
-        assert [got["a"], got["b"]] == mixtral.generate_greedy(SOURCE, PROMPTS[:2], MAX_TOKENS)
+        assert [got["a"], got["b"]] == generate.generate_greedy(SOURCE, PROMPTS[:2], MAX_TOKENS)
     finally:
         ex.shutdown()
 

@@ -39,7 +39,7 @@ from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 from tests.integration import test_elastic_local as checked
 
@@ -53,7 +53,7 @@ LONG = 40  # long enough to outlive a resize
 def reference() -> dict[tuple[int, int], list[int]]:
     torch.set_num_threads(1)
     lengths = [*checked.LENGTHS, LONG]
-    longest = mixtral.generate_greedy(SOURCE, checked.PROMPTS, max(lengths))
+    longest = generate.generate_greedy(SOURCE, checked.PROMPTS, max(lengths))
     return {(p, n): longest[p][:n] for p in range(len(checked.PROMPTS)) for n in lengths}
 
 

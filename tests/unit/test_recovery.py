@@ -21,7 +21,7 @@ from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base, local
 from moe_runtime.executor import health as health_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 from tests.unit import test_engine as fake
 from tests.unit import test_engine_server as api
@@ -288,7 +288,7 @@ def _submit(engine: core.Engine, prompts: list[list[int]]) -> list[Any]:
 def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> None:
     prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(6)]
     torch.set_num_threads(1)
-    want = mixtral.generate_greedy(SOURCE, prompts, 24)
+    want = generate.generate_greedy(SOURCE, prompts, 24)
     ex, engine, elastic, _ = _deployment(3)
     try:
         handles = _submit(engine, prompts)
@@ -315,7 +315,7 @@ def test_a_rank_lost_after_a_grow_heals_from_what_the_survivors_retain() -> None
     again, whose experts they retain, so nothing is copied or read from the model source."""
     prompts = [[(5 * i + j) % 250 + 1 for j in range(4 + i)] for i in range(6)]
     torch.set_num_threads(1)
-    want = mixtral.generate_greedy(SOURCE, prompts, 24)
+    want = generate.generate_greedy(SOURCE, prompts, 24)
     # no tolerance limit: size 2's placement always fits the load
     ex, engine, elastic, placement = _deployment(2, eplb_min_gain=1.0)
     try:

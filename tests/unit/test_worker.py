@@ -18,7 +18,7 @@ from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base, local
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 
 SOURCE = "synthetic://tiny?seed=0"
@@ -99,7 +99,7 @@ class Lockstep:
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     torch.set_num_threads(1)
-    return mixtral.generate_greedy(SOURCE, PROMPTS, 8)
+    return generate.generate_greedy(SOURCE, PROMPTS, 8)
 
 
 def _config() -> config_mod.ModelConfig:
@@ -165,7 +165,7 @@ def test_seeded_sampling_is_the_same_on_rank_0_and_rank_1(
         run.add("other", PROMPTS[1], rank=1 - rank, max_tokens=3)
         tokens.append(run.run()["s"])
     assert tokens[0] == tokens[1]
-    greedy = mixtral.generate_greedy(SOURCE, [PROMPTS[2]], 12)[0]
+    greedy = generate.generate_greedy(SOURCE, [PROMPTS[2]], 12)[0]
     assert tokens[0] != greedy  # it did sample
 
 

@@ -34,9 +34,22 @@ class Tokenizer(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence (the model's eos ids; eos_token_id among them)."""
+        ...
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+def _stops(eos: int | None, stops: tuple[int, ...]) -> tuple[int, ...]:
+    """The stop ids, eos first when it is not among them."""
+    out = tuple(stops)
+    if eos is not None and eos not in out:
+        out = (eos, *out)
+    return out
 
 
 class TokenizerUnavailable(ValueError):
@@ -57,11 +70,13 @@ class NoTokenizer:
         vocab_size: int,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
         reason: str = "the model is served without a tokenizer",
     ) -> None:
         self._vocab_size = vocab_size
         self._bos = bos_token_id
         self._eos = eos_token_id
+        self._stops = _stops(eos_token_id, stop_token_ids)
         self.reason = reason
 
     @property
@@ -75,6 +90,10 @@ class NoTokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stops
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         raise TokenizerUnavailable(
@@ -101,6 +120,10 @@ class ByteTokenizer:
     def eos_token_id(self) -> int | None:
         return BYTE_EOS_ID
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (BYTE_EOS_ID,)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [BYTE_BOS_ID, *ids] if add_special_tokens else ids
@@ -119,6 +142,7 @@ class HFTokenizer:
         *,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.path = os.fspath(path)
         try:
@@ -127,6 +151,7 @@ class HFTokenizer:
             raise errors.CheckpointError(self.path, f"cannot load tokenizer: {exc}") from exc
         self._bos = bos_token_id if bos_token_id is not None else self._tok.token_to_id("<s>")
         self._eos = eos_token_id if eos_token_id is not None else self._tok.token_to_id("</s>")
+        self._stops = _stops(self._eos, stop_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -139,6 +164,10 @@ class HFTokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stops
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
