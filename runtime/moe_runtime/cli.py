@@ -84,7 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve token ids only (no tokenizer: a text prompt gets 400), as vLLM's flag",
     )
-    serve.add_argument("--dtype", default="float32")
+    serve.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="serving dtype; auto: the checkpoint's (config.json dtype / torch_dtype), float32 "
+        "when it says none (synthetic models)",
+    )
     serve.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -255,6 +261,7 @@ def _build_into(
             num_physical // num_ranks,
         )
     placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, num_physical, num_ranks)
+    dtype = args.dtype if args.dtype != "auto" else (cfg.dtype or "float32")
     runtime.name = args.served_model_name or _default_name(args.model)
     if args.executor == "ray":
         from moe_runtime.executor import cluster as cluster_mod  # imports ray: only here
@@ -265,20 +272,28 @@ def _build_into(
         runtime.owns_ray = cluster_mod.connect(num_rank_slots=slots)
         use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
         runtime.executor = ray_executor.RayExecutor(
-            num_ranks, dtype=args.dtype, step_mode=args.step_mode, use_gpu=use_gpu
+            num_ranks, dtype=dtype, step_mode=args.step_mode, use_gpu=use_gpu
         )
     else:
         from moe_runtime.executor import local
 
-        runtime.executor = local.LocalExecutor(num_ranks, dtype=args.dtype)
+        runtime.executor = local.LocalExecutor(num_ranks, dtype=dtype)
     executor = runtime.executor
-    log.info("serve: loading %s on %d ranks (%s executor)", args.model, num_ranks, args.executor)
+    log.info(
+        "serve: loading %s (%s, %s) on %d ranks (%s executor)",
+        args.model,
+        cfg.family,
+        dtype,
+        num_ranks,
+        args.executor,
+    )
     executor.start(args.model, placement=placement)
     if args.skip_tokenizer_init:
         tok: tokenizer_mod.Tokenizer = tokenizer_mod.NoTokenizer(
             vocab_size=cfg.vocab_size,
             bos_token_id=cfg.bos_token_id,
             eos_token_id=cfg.eos_token_id,
+            stop_token_ids=cfg.all_stop_token_ids,
             reason="served with --skip-tokenizer-init",
         )
     else:
@@ -331,6 +346,7 @@ def _build_into(
         vocab_size=cfg.vocab_size,
         admin_router=elastic.router(token=tokens),
         readiness=elastic.readiness,
+        chat_template=None if args.skip_tokenizer_init else src.chat_template(),
     )
     engine.start()
 

@@ -60,7 +60,9 @@ class Tokenizer(Protocol):
     """What the engine needs of a tokenizer (moe_runtime.model.tokenizer.Tokenizer)."""
 
     @property
-    def eos_token_id(self) -> int | None: ...
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence (the model's eos ids)."""
+        ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -185,7 +187,7 @@ class Engine(boundary_mod.BoundaryOps):
         self.tokenizer = tokenizer
         self.config = config
         self._observer = observer
-        self._eos = tokenizer.eos_token_id
+        self._eos = frozenset(tokenizer.stop_token_ids)
         # Shared with other threads: guarded by _cond.
         self._cond = threading.Condition()
         #: Requests waiting for a slot; the bound is `queue.max_queued` (live: set_max_queued).
@@ -545,7 +547,7 @@ class Engine(boundary_mod.BoundaryOps):
     def _append_token(self, seq: _Seq, token: int) -> None:
         request = seq.handle.request
         seq.tokens.append(token)
-        is_eos = not request.ignore_eos and self._eos is not None and token == self._eos
+        is_eos = not request.ignore_eos and token in self._eos
         delta = "" if is_eos else seq.text.append(token)
         reason: req.FinishReason | None = None
         if is_eos or seq.text.stopped:
