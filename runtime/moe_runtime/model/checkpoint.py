@@ -313,7 +313,7 @@ class CheckpointSource:
                 reason=f"{path} is missing and vocab_size {cfg.vocab_size} is below "
                 f"the {tokenizer.BYTE_VOCAB_SIZE} ids of the byte-level fallback",
             )
-        return tokenizer.ByteTokenizer()
+        return tokenizer.ByteTokenizer(stop_token_ids=cfg.all_stop_token_ids)
 
     def chat_template(self) -> chat_mod.ChatTemplate | None:
         """The checkpoint's chat template (None when it ships none)."""

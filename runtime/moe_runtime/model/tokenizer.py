@@ -106,7 +106,14 @@ class NoTokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, BOS = 256, EOS = 257; encode prepends BOS."""
+    """UTF-8 bytes as ids 0..255, BOS = 256, EOS = 257; encode prepends BOS.
+
+    stop_token_ids: what ends a sequence (a checkpoint's own eos ids when it falls back to
+    bytes for want of a tokenizer.json); EOS by default.
+    """
+
+    def __init__(self, *, stop_token_ids: tuple[int, ...] = (BYTE_EOS_ID,)) -> None:
+        self._stops = tuple(stop_token_ids) or (BYTE_EOS_ID,)
 
     @property
     def vocab_size(self) -> int:
@@ -118,11 +125,11 @@ class ByteTokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        return BYTE_EOS_ID
+        return self._stops[0]
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        return (BYTE_EOS_ID,)
+        return self._stops
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
