@@ -99,7 +99,8 @@ def test_gpt_oss_experts_carry_their_biases(saved: dict[str, pathlib.Path]) -> N
     flat = weights.flatten()
     back = experts_mod.ExpertWeights.unflatten(flat, weights)
     assert all(
-        torch.equal(a, b) for a, b in zip(back.tensors().values(), weights.tensors().values())
+        torch.equal(a, b)
+        for a, b in zip(back.tensors().values(), weights.tensors().values(), strict=True)
     )
 
 
@@ -120,7 +121,8 @@ def test_fused_layout_reads_the_same_experts(
         for e in (0, cfg.num_experts - 1):
             a, b = (experts_mod.load_expert(s, m, e) for s in (fused, per_expert))
             assert all(
-                torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values())
+                torch.equal(x, y)
+                for x, y in zip(a.tensors().values(), b.tensors().values(), strict=True)
             )
     assert generate.generate_greedy(fused, PROMPTS[:1], 6) == generate.generate_greedy(
         per_expert, PROMPTS[:1], 6
