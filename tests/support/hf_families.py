@@ -206,3 +206,80 @@ def min_gap(model: transformers.PreTrainedModel, prompt: Sequence[int], n: int) 
     )
     gaps = [float((lg[0].topk(2).values[0] - lg[0].topk(2).values[1]).item()) for lg in out.logits]
     return min(gaps)
+
+
+# --- a chat checkpoint ------------------------------------------------------------------------
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello there, how are you today? I am fine, thank you.",
+    "system user assistant: answer briefly and well",
+] * 20
+
+
+def chat_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE of VOCAB ids at most, with ChatML's special tokens and template."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=VOCAB - 8,
+        special_tokens=list(SPECIAL),
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def make_chat_checkpoint(
+    model: transformers.PreTrainedModel, path: pathlib.Path, messages: list[dict[str, str]]
+) -> tuple[pathlib.Path, transformers.PreTrainedTokenizerFast, list[int]]:
+    """Save `model` with a ChatML tokenizer and a generation_config.json listing two eos ids
+    (<|im_end|>, <|endoftext|>), after making <|endoftext|> the greedy answer's 4th token
+    (its lm_head row scaled from the token transformers picks there), so the answer to
+    `messages` ends on the second eos id. Returns (path, tokenizer, the stop ids)."""
+    tok = chat_tokenizer()
+    stops = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    free = [t for t in greedy(model, prompt, 12) if t not in stops]
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + free[:3]])).logits[0, -1]
+        target = int(logits.argmax())
+        scale = 1.1 if float(logits[target]) > 0 else 0.9
+        head[stops[1]] = head[target] * scale
+    model.generation_config.eos_token_id = stops
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, tok, stops
+
+
+def chat_answer(
+    model: transformers.PreTrainedModel,
+    tok: transformers.PreTrainedTokenizerFast,
+    messages: list[dict[str, str]],
+    max_new_tokens: int,
+) -> tuple[list[int], str, str, int]:
+    """transformers' answer: (generated ids, decoded text, finish reason, prompt length)."""
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)[
+        0, len(prompt) :
+    ].tolist()
+    stops = model.generation_config.eos_token_id or []
+    ended = bool(out) and out[-1] in stops
+    text = tok.decode(out, skip_special_tokens=True)
+    return out, text, "stop" if ended else "length", len(prompt)

@@ -123,6 +123,17 @@ POPULARITY_STD = 0.5
 COMMON_DIRECTION_WEIGHT = 0.3
 # DeepSeek-V3's correction biases (they move the choice of experts, not their weights).
 CORRECTION_STD = 0.05
+#: The chat template of synthetic models: roles marked in plain text (their byte-level
+#: tokenizer has no special tokens), so the chat route can be tried on any of them.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 _NORMS = {"input_norm", "post_norm", "norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm"}
 _QK = {"q", "k", "q_b", "kv_b"}
 
@@ -268,4 +279,4 @@ class SyntheticSource:
         return tokenizer.ByteTokenizer()
 
     def chat_template(self) -> chat_mod.ChatTemplate | None:
-        return None
+        return chat_mod.ChatTemplate(CHAT_TEMPLATE)
