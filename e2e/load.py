@@ -54,11 +54,16 @@ class Case:
         return body
 
 
-def cases(*, lengths: Sequence[int] = LENGTHS, seeds: Sequence[int] = (1, 2)) -> list[Case]:
-    """Every prompt × length, greedy and seeded (the stream flag is drawn per request)."""
-    return [
-        Case(p, n, seed) for p in range(len(PROMPTS)) for n in lengths for seed in (None, *seeds)
-    ]
+def cases(
+    *,
+    lengths: Sequence[int] = LENGTHS,
+    seeds: Sequence[int] = (1, 2),
+    prompts: Sequence[int] | None = None,
+) -> list[Case]:
+    """Every prompt (of `prompts`, default all) × length, greedy and seeded (the stream flag
+    is drawn per request)."""
+    chosen = range(len(PROMPTS)) if prompts is None else prompts
+    return [Case(p, n, seed) for p in chosen for n in lengths for seed in (None, *seeds)]
 
 
 def reference_tokens(
@@ -135,13 +140,14 @@ class Load:
         lengths: Sequence[int] = LENGTHS,
         seeds: Sequence[int] = (1, 2),
         headers: dict[str, str] | None = None,
+        prompts: Sequence[int] | None = None,
     ) -> None:
         self._url = url
         self.model_name = model_name
         self.reference = reference
         self.timeout_s = timeout_s
         self.headers = headers or {}
-        self.cases = cases(lengths=lengths, seeds=seeds)
+        self.cases = cases(lengths=lengths, seeds=seeds, prompts=prompts)
         self.ok = 0
         self.by_kind: dict[str, int] = {}
         self.failures: list[str] = []

@@ -184,8 +184,8 @@ def sampled(
     out: list[int] = []
     cache = None
     while len(out) < n:
-        result = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        cache = result.past_key_values
+        result = model(input_ids=ids, cache=cache, use_cache=True)
+        cache = result.cache
         token = sampling.sample_token(result.logits[0, -1].float(), params, len(out))
         out.append(token)
         ids = torch.tensor([[token]])
