@@ -187,9 +187,9 @@ def task_grow_and_generate(
         checks["sent"] = stats.sent
         checks["moves_total"] = len(plan)
         checks["moved_identical"] = all(
-            torch.equal(getattr(w, n), getattr(_expert(layer, logical), n))
+            torch.equal(w[n], _expert(layer, logical)[n])
             for (layer, logical), w in received.items()
-            for n in ("w1", "w2", "w3")
+            for n in w.tensors()
         )
         available = {**by_logical, **received}
         local = {
