@@ -69,10 +69,10 @@ def _rank_main(rank: int, spec: group.GroupSpec, args: dict[str, int], out: Any)
     src = source.open_source(MODEL)
     cfg = src.config
     num_ranks = spec.world_size
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, cfg.num_experts, num_ranks)
+    placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, num_ranks)
     local = {
         (layer, slot): experts_mod.load_expert(src, layer, int(placement.phy2log[layer, slot]))
-        for layer in range(cfg.num_layers)
+        for layer in range(cfg.num_moe_layers)
         for slot in placement.slots_of_rank(rank, num_ranks)
     }
     model = decoder.MoEModel.from_source(src)

@@ -126,7 +126,7 @@ def executor_figures(model: str, steps: int) -> dict[str, float]:
     try:
         physical = policy.num_physical_for(cfg.num_experts, DP)
         executor.start(
-            model, placement=policy.identity(cfg.num_layers, cfg.num_experts, physical, DP)
+            model, placement=policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, DP)
         )
         first = 10_000
         compiled = median_ms(lambda i: executor.execute_step(empty_step(first + i)), steps)
@@ -202,11 +202,11 @@ def _rank_process(rank: int, model: str, spec: group.GroupSpec, steps: int, resu
     cfg = src.config
     timed = TimedGroup(group.StatelessGroup(spec, rank))
     physical = policy.num_physical_for(cfg.num_experts, DP)
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, physical, DP)
+    placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, DP)
     slots = placement.slots_of_rank(rank, DP)
     local = {
         (layer, slot): experts_mod.load_expert(src, layer, int(placement.phy2log[layer, slot]))
-        for layer in range(cfg.num_layers)
+        for layer in range(cfg.num_moe_layers)
         for slot in slots
     }
     backend = ep.ExpertParallelBackend(timed, placement, local, rank=rank)  # type: ignore[arg-type]
@@ -219,7 +219,7 @@ def _rank_process(rank: int, model: str, spec: group.GroupSpec, steps: int, resu
     timed.seconds, timed.calls = 0.0, 0
     samples, in_collectives = [], []
     for _ in range(steps):
-        load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        load = torch.zeros(cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64)
         before = timed.seconds
         start = time.perf_counter()
         model_.forward(empty, kv, backend, expert_load=load)
@@ -261,12 +261,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = source_mod.open_source(args.model).config
     print(
-        f"{args.model}: {cfg.num_layers} layers ({cfg.num_layers} MoE), {cfg.num_experts} "
+        f"{args.model}: {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), {cfg.num_experts} "
         f"experts; DP={DP}; medians of {args.steps} steps"
     )
     owns = cluster.connect(num_rank_slots=8)
     try:
-        figures = bare_figures(args.steps, cfg.num_layers, cfg.num_experts)
+        figures = bare_figures(args.steps, cfg.num_moe_layers, cfg.num_experts)
         figures.update(executor_figures(args.model, args.steps))
     finally:
         if owns:
@@ -281,13 +281,13 @@ def main() -> None:
     )
 
     print("\nwhere an empty step's time goes (no Ray):")
-    for name, ms in pickle_figures(cfg.num_layers, cfg.num_experts, args.steps * 10).items():
+    for name, ms in pickle_figures(cfg.num_moe_layers, cfg.num_experts, args.steps * 10).items():
         print(f"  {name:<36} {1e3 * ms:8.1f} us (dumps + loads)")
     for f in forward_figures(args.model, args.steps):
         print(
             f"  rank {f['rank']:.0f}: forward over 0 tokens {f['forward_ms']:6.2f} ms, of which "
             f"expert collectives {f['collective_ms']:6.2f} ms "
-            f"({f['collective_calls']:.0f} calls, {cfg.num_layers} MoE layers)"
+            f"({f['collective_calls']:.0f} calls, {cfg.num_moe_layers} MoE layers)"
         )
 
 

@@ -9,7 +9,7 @@ sliding windows shorter than the prompts, random correction and expert biases, Y
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,81 +55,103 @@ def _mla(**kw: Any) -> dict[str, Any]:
     )
 
 
-#: family -> the transformers config of its tiny checkpoint (the serving tests' shapes).
-CONFIGS: dict[str, Callable[[], Any]] = {
-    "mixtral": lambda: transformers.MixtralConfig(
-        **_COMMON,
-        num_hidden_layers=3,
-        head_dim=12,
-        intermediate_size=40,
-        num_local_experts=5,
-        num_experts_per_tok=2,
-        sliding_window=7,
+#: family -> (transformers config class, its arguments): the tiny checkpoints' shapes.
+CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            head_dim=12,
+            intermediate_size=40,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            sliding_window=7,
+        ),
     ),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **_COMMON,
-        num_hidden_layers=4,
-        head_dim=12,
-        intermediate_size=56,
-        moe_intermediate_size=24,
-        num_experts=7,
-        num_experts_per_tok=3,
-        mlp_only_layers=[1],
-        norm_topk_prob=True,
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            head_dim=12,
+            intermediate_size=56,
+            moe_intermediate_size=24,
+            num_experts=7,
+            num_experts_per_tok=3,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        ),
     ),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **_COMMON,
-        num_hidden_layers=4,
-        intermediate_size=56,
-        moe_intermediate_size=24,
-        shared_expert_intermediate_size=36,
-        num_experts=5,
-        num_experts_per_tok=2,
-        mlp_only_layers=[2],
-        use_sliding_window=True,
-        sliding_window=5,
-        max_window_layers=3,
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=56,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=36,
+            num_experts=5,
+            num_experts_per_tok=2,
+            mlp_only_layers=[2],
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=3,
+        ),
     ),
-    "olmoe": lambda: transformers.OlmoeConfig(
-        **dict(_COMMON, num_key_value_heads=3),
-        num_hidden_layers=3,
-        intermediate_size=40,
-        num_experts=7,
-        num_experts_per_tok=2,
-        clip_qkv=3.0,
+    "olmoe": (
+        transformers.OlmoeConfig,
+        dict(
+            _COMMON,
+            num_key_value_heads=3,
+            num_hidden_layers=3,
+            intermediate_size=40,
+            num_experts=7,
+            num_experts_per_tok=2,
+            clip_qkv=3.0,
+        ),
     ),
     # DeepSeek-V2-Lite's shape: no q low-rank, greedy routing, a dense first layer, YaRN.
-    "deepseek_v2": lambda: transformers.DeepseekV2Config(
-        **_mla(q_lora_rank=None),
-        num_hidden_layers=4,
-        n_routed_experts=7,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        n_shared_experts=2,
-        topk_method="greedy",
-        routed_scaling_factor=1.0,
-        rope_parameters=_YARN,
+    "deepseek_v2": (
+        transformers.DeepseekV2Config,
+        dict(
+            _mla(q_lora_rank=None),
+            num_hidden_layers=4,
+            n_routed_experts=7,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+            topk_method="greedy",
+            routed_scaling_factor=1.0,
+            rope_parameters=_YARN,
+        ),
     ),
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **_mla(q_lora_rank=20),
-        num_hidden_layers=4,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(
+            _mla(q_lora_rank=20),
+            num_hidden_layers=4,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=1.0),
+        ),
     ),
-    "gpt_oss": lambda: transformers.GptOssConfig(
-        **_COMMON,
-        num_hidden_layers=4,
-        head_dim=12,
-        intermediate_size=40,
-        num_local_experts=5,
-        num_experts_per_tok=2,
-        sliding_window=4,
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            head_dim=12,
+            intermediate_size=40,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            sliding_window=4,
+        ),
     ),
 }
 FAMILIES = tuple(CONFIGS)
@@ -137,9 +159,8 @@ FAMILIES = tuple(CONFIGS)
 
 def build(family: str, *, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
     """The family's tiny model, random (correction and expert biases too), eval mode, fp32."""
-    config = CONFIGS[family]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    cls, arguments = CONFIGS[family]
+    config = cls(**{**arguments, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
