@@ -218,3 +218,45 @@ def test_deepseek_v3_mtp_layers_are_skipped_with_a_log_line(
     assert generate.generate_greedy(src, PROMPTS[:1], 4) == generate.generate_greedy(
         str(saved["deepseek_v3"]), PROMPTS[:1], 4
     )
+
+
+DEEPSEEK_SYNTHETIC = "synthetic://deepseek-tiny?seed=0"
+
+
+def test_synthetic_deepseek_shape() -> None:
+    """synthetic://deepseek-tiny: MLA (a q low-rank), a dense first layer, shared experts,
+    sigmoid routing over groups with correction biases; every tensor from (seed, name)."""
+    src = source.open_source(DEEPSEEK_SYNTHETIC)
+    cfg = src.config
+    assert cfg.family == "deepseek_v3" and cfg.mla is not None and cfg.mla.q_lora_rank
+    assert cfg.moe_layer_ids == (1, 2, 3) and cfg.shared_intermediate_size > 0
+    assert cfg.router == "sigmoid_group" and cfg.n_group > 1
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    assert torch.equal(src.tensor(name), source.open_source(DEEPSEEK_SYNTHETIC).tensor(name))
+    assert src.chat_template() is not None
+
+
+def test_synthetic_deepseek_served_on_three_ranks_equals_one_process() -> None:
+    """Expert parallelism over 3 in-process ranks (8 experts in 9 slots: one redundant) gives
+    the single-process tokens; the chat route answers with the synthetic template."""
+    from fastapi import testclient
+
+    from moe_runtime import cli
+
+    prompts = [[256, *range(65, 65 + n)] for n in (3, 9, 17)]
+    want = generate.generate_greedy(DEEPSEEK_SYNTHETIC, prompts, 12)
+    args = cli.build_parser().parse_args(
+        ["serve", "--model", DEEPSEEK_SYNTHETIC, "--data-parallel-size", "3"]
+        + ["--executor", "local", "--served-model-name", "ds"]
+    )
+    runtime = cli.build(args)
+    try:
+        client = testclient.TestClient(runtime.app)
+        for prompt, tokens in zip(prompts, want, strict=True):
+            body = {"model": "ds", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            r = client.post("/v1/completions", json={**body, "ignore_eos": True})
+            assert r.json()["choices"][0]["token_ids"] == tokens
+        chat = {"model": "ds", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    finally:
+        runtime.close()

@@ -116,6 +116,8 @@ ROUTER_GAIN = 2.0
 # Sharper attention and a stronger attention output: the next token depends on the history,
 # not only on the current token, so greedy text does not settle into one repeated token.
 QK_GAIN = 2.5
+#: MLA's queries and keys (through q_b and kv_b) need sharper ones for varied text.
+MLA_QK_GAIN = 4.0
 ATTN_OUT_GAIN = 3.0
 # Skewed expert popularity (a shared direction in every embedding that the router reads with a
 # per-expert weight), so expert load is uneven as in trained models and EPLB has work to do.
@@ -180,7 +182,8 @@ def _values(cfg: config_mod.ModelConfig, seed: int, name: str) -> torch.Tensor:
     if len(shape) == 1:  # biases, sinks
         return base * 0.1
     if role in _QK:
-        return base * (QK_GAIN / math.sqrt(shape[1]))
+        gain = QK_GAIN if cfg.mla is None else MLA_QK_GAIN
+        return base * (gain / math.sqrt(shape[1]))
     if role == "o":
         return base * (ATTN_OUT_GAIN / math.sqrt(shape[1]))
     # Values, MLPs and experts: unit gain, 1/sqrt(fan_in).
