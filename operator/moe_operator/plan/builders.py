@@ -139,6 +139,8 @@ def serve_command(
         str(spec.data_parallel_size if size is None else size),
         "--served-model-name",
         served_model_name(owner_name=owner_name, spec=spec),
+        "--dtype",
+        spec.model.dtype,
         "--host",
         "0.0.0.0",  # inside the pod; the Service is the way in
         "--port",
