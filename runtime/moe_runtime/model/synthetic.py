@@ -182,8 +182,8 @@ def _values(cfg: config_mod.ModelConfig, seed: int, name: str) -> torch.Tensor:
     if len(shape) == 1:  # biases, sinks
         return base * 0.1
     if role in _QK:
-        gain = QK_GAIN if cfg.mla is None else MLA_QK_GAIN
-        return base * (gain / math.sqrt(shape[1]))
+        qk_gain = QK_GAIN if cfg.mla is None else MLA_QK_GAIN
+        return base * (qk_gain / math.sqrt(shape[1]))
     if role == "o":
         return base * (ATTN_OUT_GAIN / math.sqrt(shape[1]))
     # Values, MLPs and experts: unit gain, 1/sqrt(fan_in).
