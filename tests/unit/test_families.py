@@ -151,6 +151,28 @@ def test_dtype_follows_the_checkpoint(
     assert families.from_hf_config(hf, "c").dtype == "bfloat16"
 
 
+@pytest.mark.parametrize(("flag", "served"), [(None, "bfloat16"), ("float32", "float32")])
+def test_serve_takes_the_checkpoint_dtype_unless_told(
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+    flag: str | None,
+    served: str,
+) -> None:
+    from moe_runtime import cli
+
+    path = hf_families.save(hf_families.build("olmoe").to(torch.bfloat16), tmp_path / "bf16")
+    argv = ["serve", "--model", str(path), "--data-parallel-size", "1", "--executor", "local"]
+    args = cli.build_parser().parse_args(argv + ([] if flag is None else ["--dtype", flag]))
+    with caplog.at_level(logging.INFO):
+        runtime = cli.build(args)
+    try:
+        assert any(f"(olmoe, {served})" in r.message for r in caplog.records)
+        state = runtime.executor.collective_rpc("live_state")  # type: ignore[union-attr]
+        assert state  # the rank serves
+    finally:
+        runtime.close()
+
+
 def _config(path: pathlib.Path) -> dict[str, object]:
     loaded: dict[str, object] = json.loads((path / "config.json").read_text())
     return loaded
