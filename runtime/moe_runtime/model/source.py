@@ -18,8 +18,6 @@ from moe_runtime.model import chat_template as chat_mod
 from moe_runtime.model import checkpoint, errors, synthetic, tokenizer
 from moe_runtime.model import config as config_mod
 
-SYNTHETIC_SCHEME = synthetic.SCHEME
-
 
 class ModelSource(Protocol):
     """A model's configuration, tensors (by `names`), tokenizer and chat template."""
@@ -45,7 +43,7 @@ class ModelSource(Protocol):
 
 def open_source(source: str) -> ModelSource:
     """Open `synthetic://NAME?seed=S` or a local Hugging Face checkpoint directory."""
-    if source.startswith(SYNTHETIC_SCHEME):
+    if source.startswith(synthetic.SCHEME):
         return synthetic.SyntheticSource.parse(source)
     if source.startswith("file://"):
         source = source[len("file://") :]
