@@ -63,11 +63,11 @@ def exchange_non_expert(
     works: list[Any] = []
     if mine:
         state = model.non_expert_state()
-        flat = _flatten([state[n] for n in tensor_names]).to(grp.device)
+        flat = _flatten([state[n] for n in tensor_names]).to(grp.device, model.transfer_dtype)
         works.extend(grp.isend(flat, dst, tag) for dst in mine)
     recv: torch.Tensor | None = None
     if me in sender_of:
-        recv = torch.empty(numel, dtype=dtype, device=grp.device)
+        recv = torch.empty(numel, dtype=model.transfer_dtype, device=grp.device)
         works.append(grp.irecv(recv, sender_of[me], tag))
     for work in works:
         work.wait()

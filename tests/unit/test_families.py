@@ -282,3 +282,42 @@ def test_synthetic_deepseek_served_on_three_ranks_equals_one_process() -> None:
         assert client.post("/v1/chat/completions", json=chat).status_code == 200
     finally:
         runtime.close()
+
+
+def test_non_expert_transfer_keeps_float32_roles_exact_in_bfloat16() -> None:
+    """DeepSeek keeps its router and correction bias in float32 whatever the serving dtype
+    (as transformers does): a new rank receives them bit for bit from a bfloat16 peer."""
+    from moe_runtime.eplb import policy
+    from moe_runtime.executor import local
+
+    cfg = source.open_source(DEEPSEEK_SYNTHETIC).config
+    ex = local.LocalExecutor(1, dtype="bfloat16")
+    try:
+        placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 1)
+        ex.start(DEEPSEEK_SYNTHETIC, placement=placement)
+        (new,) = ex.add_ranks(1)
+        ex.collective_rpc(
+            "load_weights",
+            ranks=[new],
+            source=DEEPSEEK_SYNTHETIC,
+            rank=1,
+            num_ranks=2,
+            placement=None,
+            placeholder=True,
+        )
+        ex.build_groups([0, new], epoch=1)
+        ex.collective_rpc("transfer_non_expert", 1, ranks=[0, new], src_ranks=[0], dst_ranks=[new])
+        sender, receiver = (ex.worker(r).model.non_expert_state() for r in (0, new))
+        router = "model.layers.1.mlp.gate.weight"
+        assert (
+            sender[router].dtype == torch.float32
+            and sender["model.norm.weight"].dtype == torch.bfloat16
+        )
+        assert set(sender) == set(receiver)
+        assert all(
+            torch.equal(sender[n], receiver[n]) and sender[n].dtype == receiver[n].dtype
+            for n in sender
+        )
+        assert cfg.router == "sigmoid_group"
+    finally:
+        ex.shutdown()

@@ -80,6 +80,12 @@ class MoEModel:
     def loaded(self) -> bool:
         return bool(self._state)
 
+    @property
+    def transfer_dtype(self) -> torch.dtype:
+        """A dtype that holds every non-expert tensor exactly (float32 when some role is kept
+        in float32): what a flat buffer of the whole state is sent in."""
+        return torch.float32 if self._float32 else self.dtype
+
     def load_non_expert(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Set every non-expert weight (names from `names.non_expert_tensor_names`).
 
