@@ -231,6 +231,7 @@ def test_deepseek_v3_mtp_layers_are_skipped_with_a_log_line(
     tensors = safetensors.torch.load_file(str(file))
     tensors["model.layers.4.eh_proj.weight"] = torch.zeros(48, 96)  # layer 4 = the MTP layer
     tensors["model.layers.4.enorm.weight"] = torch.ones(48)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # older saves
     safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
     with caplog.at_level(logging.INFO):
         src = source.open_source(str(path))

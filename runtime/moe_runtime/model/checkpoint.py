@@ -32,6 +32,8 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 GENERATION_FILE = "generation_config.json"
 TOKENIZER_FILE = "tokenizer.json"
+#: A buffer older transformers saved with the weights; every family recomputes it.
+ROTARY_BUFFER = "rotary_emb.inv_freq"
 
 _SafetensorsErrors = (safetensors.SafetensorError, OSError)
 #: Stored dtypes that are never weights to cast: they need a dequantisation we know.
@@ -197,6 +199,8 @@ class CheckpointSource:
         skip = families.by_name(self._config.family).skip
         for stored in unused:
             reason = skip(self._config, stored)
+            if reason is None and stored.endswith(ROTARY_BUFFER):
+                reason = "rotary frequencies (computed from config.json)"
             if reason is None:
                 refused.append(stored)
             else:
