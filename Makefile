@@ -101,6 +101,7 @@ bench: setup controlplane
 	$(PY) bench/eplb.py
 	$(PY) bench/engine.py
 	$(PY) bench/step.py
+	$(PY) bench/families.py
 
 clean: cluster-down
 	rm -rf .cluster .pytest_cache .mypy_cache .ruff_cache

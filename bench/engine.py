@@ -161,7 +161,7 @@ def run_variant(name: str, args: argparse.Namespace, *, profile: bool) -> dict[s
     physical = policy.num_physical_for(cfg.num_experts, args.ranks)
     executor = local.LocalExecutor(args.ranks)
     executor.start(
-        SOURCE, placement=policy.identity(cfg.num_layers, cfg.num_experts, physical, args.ranks)
+        SOURCE, placement=policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, args.ranks)
     )
     runner = TimedRunner(executor)
     engine_cls = ProfiledEngine if profile else core.Engine

@@ -30,7 +30,9 @@ import torch
 
 from moe_runtime.comm import ep, group
 from moe_runtime.eplb import policy
-from moe_runtime.model import mixtral, source
+from moe_runtime.model import decoder, source
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 
 MODEL = "synthetic://small?seed=0"
 
@@ -53,9 +55,9 @@ class TimedGroup:
 
 def _random_batch(
     gen: torch.Generator, vocab: int, num_seqs: int, length: int, prefix: str
-) -> mixtral.ForwardBatch:
+) -> kv_mod.ForwardBatch:
     tokens = torch.randint(3, vocab, (num_seqs, length), generator=gen).tolist()
-    return mixtral.ForwardBatch(
+    return kv_mod.ForwardBatch(
         seq_ids=[f"{prefix}{i}" for i in range(num_seqs)],
         token_ids=tokens,
         start_pos=[0] * num_seqs,
@@ -67,13 +69,13 @@ def _rank_main(rank: int, spec: group.GroupSpec, args: dict[str, int], out: Any)
     src = source.open_source(MODEL)
     cfg = src.config
     num_ranks = spec.world_size
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, cfg.num_experts, num_ranks)
+    placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, num_ranks)
     local = {
-        (layer, slot): mixtral.load_expert(src, layer, int(placement.phy2log[layer, slot]))
-        for layer in range(cfg.num_layers)
+        (layer, slot): experts_mod.load_expert(src, layer, int(placement.phy2log[layer, slot]))
+        for layer in range(cfg.num_moe_layers)
         for slot in placement.slots_of_rank(rank, num_ranks)
     }
-    model = mixtral.MixtralModel.from_source(src)
+    model = decoder.MoEModel.from_source(src)
     grp = group.StatelessGroup(spec, rank)
     timed = TimedGroup(grp)
     backend = ep.ExpertParallelBackend(timed, placement, local)  # type: ignore[arg-type]
@@ -82,12 +84,12 @@ def _rank_main(rank: int, spec: group.GroupSpec, args: dict[str, int], out: Any)
 
     # prefill
     batch = _random_batch(gen, cfg.vocab_size, args["prefill_seqs"], args["prefill_len"], "p")
-    model.forward(batch, mixtral.KVCache(cfg), backend)  # warm-up
+    model.forward(batch, kv_mod.KVCache(cfg), backend)  # warm-up
     grp.barrier()
     timed.a2a_seconds = 0.0
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(args["prefill_iters"]):
-        model.forward(batch, mixtral.KVCache(cfg), backend)
+        model.forward(batch, kv_mod.KVCache(cfg), backend)
     grp.barrier()
     results["prefill_s"] = time.perf_counter() - start
     results["prefill_cpu_s"] = time.process_time() - cpu
@@ -95,7 +97,7 @@ def _rank_main(rank: int, spec: group.GroupSpec, args: dict[str, int], out: Any)
     results["prefill_tokens"] = args["prefill_iters"] * batch.num_tokens
 
     # decode
-    kv = mixtral.KVCache(cfg)
+    kv = kv_mod.KVCache(cfg)
     prompt = _random_batch(gen, cfg.vocab_size, args["decode_seqs"], 16, "d")
     logits = model.forward(prompt, kv, backend)
     next_ids = torch.argmax(logits, dim=-1).tolist()
@@ -103,7 +105,7 @@ def _rank_main(rank: int, spec: group.GroupSpec, args: dict[str, int], out: Any)
     timed.a2a_seconds = 0.0
     start, cpu = time.perf_counter(), time.process_time()
     for step in range(args["decode_steps"]):
-        batch = mixtral.ForwardBatch(
+        batch = kv_mod.ForwardBatch(
             seq_ids=prompt.seq_ids,
             token_ids=[[t] for t in next_ids],
             start_pos=[16 + step] * len(next_ids),

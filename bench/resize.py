@@ -174,10 +174,12 @@ def resize(url: str, to: int) -> dict[str, Any]:
 
 
 def bytes_per_expert(model: str) -> int:
-    from moe_runtime.model import source
+    import math
+
+    from moe_runtime.model import names, source
 
     cfg = source.open_source(model).config
-    return 3 * cfg.hidden_size * cfg.intermediate_size * 4
+    return sum(math.prod(shape) for shape in names.expert_parts(cfg).values()) * 4
 
 
 @dataclasses.dataclass

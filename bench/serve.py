@@ -157,7 +157,9 @@ def main() -> None:
                 num_physical = -(-cfg.num_experts // dp) * dp
                 executor.start(
                     args.model,
-                    placement=policy.identity(cfg.num_layers, cfg.num_experts, num_physical, dp),
+                    placement=policy.identity(
+                        cfg.num_moe_layers, cfg.num_experts, num_physical, dp
+                    ),
                 )
                 load_s = time.monotonic() - loaded
                 engine = core.Engine(

@@ -44,7 +44,9 @@ from moe_runtime import step as step_types
 from moe_runtime.comm import ep, group
 from moe_runtime.eplb import policy
 from moe_runtime.executor import cluster, ray_executor, ray_step
-from moe_runtime.model import mixtral
+from moe_runtime.model import decoder
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 
 DP = 2
@@ -125,7 +127,7 @@ def executor_figures(model: str, steps: int) -> dict[str, float]:
     try:
         physical = policy.num_physical_for(cfg.num_experts, DP)
         executor.start(
-            model, placement=policy.identity(cfg.num_layers, cfg.num_experts, physical, DP)
+            model, placement=policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, DP)
         )
         first = 10_000
         compiled = median_ms(lambda i: executor.execute_step(empty_step(first + i)), steps)
@@ -203,24 +205,24 @@ def _rank_process(rank: int, model: str, spec: group.GroupSpec, steps: int, resu
     cfg = src.config
     timed = TimedGroup(group.StatelessGroup(spec, rank))
     physical = policy.num_physical_for(cfg.num_experts, DP)
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, physical, DP)
+    placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, DP)
     slots = placement.slots_of_rank(rank, DP)
     local = {
-        (layer, slot): mixtral.load_expert(src, layer, int(placement.phy2log[layer, slot]))
-        for layer in range(cfg.num_layers)
+        (layer, slot): experts_mod.load_expert(src, layer, int(placement.phy2log[layer, slot]))
+        for layer in range(cfg.num_moe_layers)
         for slot in slots
     }
     backend = ep.ExpertParallelBackend(timed, placement, local, rank=rank)  # type: ignore[arg-type]
-    model_ = mixtral.MixtralModel.from_source(src)
-    kv = mixtral.KVCache(cfg)
-    empty = mixtral.ForwardBatch(seq_ids=[], token_ids=[], start_pos=[])
+    model_ = decoder.MoEModel.from_source(src)
+    kv = kv_mod.KVCache(cfg)
+    empty = kv_mod.ForwardBatch(seq_ids=[], token_ids=[], start_pos=[])
     for _ in range(5):
         model_.forward(empty, kv, backend)
     timed.barrier()
     timed.seconds, timed.calls = 0.0, 0
     samples, in_collectives = [], []
     for _ in range(steps):
-        load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        load = torch.zeros(cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64)
         before = timed.seconds
         start = time.perf_counter()
         model_.forward(empty, kv, backend, expert_load=load)
@@ -262,12 +264,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = source_mod.open_source(args.model).config
     print(
-        f"{args.model}: {cfg.num_layers} layers ({cfg.num_layers} MoE), {cfg.num_experts} "
+        f"{args.model}: {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), {cfg.num_experts} "
         f"experts; DP={DP}; medians of {args.steps} steps"
     )
     owns = cluster.connect(num_rank_slots=8)
     try:
-        figures = bare_figures(args.steps, cfg.num_layers, cfg.num_experts)
+        figures = bare_figures(args.steps, cfg.num_moe_layers, cfg.num_experts)
         figures.update(executor_figures(args.model, args.steps))
     finally:
         if owns:
@@ -282,13 +284,13 @@ def main() -> None:
     )
 
     print("\nwhere an empty step's time goes (no Ray):")
-    for name, ms in pickle_figures(cfg.num_layers, cfg.num_experts, args.steps * 10).items():
+    for name, ms in pickle_figures(cfg.num_moe_layers, cfg.num_experts, args.steps * 10).items():
         print(f"  {name:<36} {1e3 * ms:8.1f} us (dumps + loads)")
     for f in forward_figures(args.model, args.steps):
         print(
             f"  rank {f['rank']:.0f}: forward over 0 tokens {f['forward_ms']:6.2f} ms, of which "
             f"expert collectives {f['collective_ms']:6.2f} ms "
-            f"({f['collective_calls']:.0f} calls, {cfg.num_layers} MoE layers)"
+            f"({f['collective_calls']:.0f} calls, {cfg.num_moe_layers} MoE layers)"
         )
 
 

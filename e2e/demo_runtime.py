@@ -78,6 +78,12 @@ def show_completions(url: str) -> None:
             if line.startswith("data: ") and line != "data: [DONE]":
                 pieces.append(json.loads(line[6:])["choices"][0]["text"])
     say(f"streamed (temperature 0.8, seed 1) in {len(pieces)} events: {''.join(pieces)!r}")
+    chat = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()
+    say(
+        f"chat (the model's template, {answer['usage']['prompt_tokens']} prompt tokens): "
+        f"{answer['choices'][0]['message']['content']!r}"
+    )
 
 
 async def throughput(url: str, *, n: int = 32, max_tokens: int = 32) -> None:

@@ -54,11 +54,16 @@ class Case:
         return body
 
 
-def cases(*, lengths: Sequence[int] = LENGTHS, seeds: Sequence[int] = (1, 2)) -> list[Case]:
-    """Every prompt × length, greedy and seeded (the stream flag is drawn per request)."""
-    return [
-        Case(p, n, seed) for p in range(len(PROMPTS)) for n in lengths for seed in (None, *seeds)
-    ]
+def cases(
+    *,
+    lengths: Sequence[int] = LENGTHS,
+    seeds: Sequence[int] = (1, 2),
+    prompts: Sequence[int] | None = None,
+) -> list[Case]:
+    """Every prompt (of `prompts`, default all) × length, greedy and seeded (the stream flag
+    is drawn per request)."""
+    chosen = range(len(PROMPTS)) if prompts is None else prompts
+    return [Case(p, n, seed) for p in chosen for n in lengths for seed in (None, *seeds)]
 
 
 def reference_tokens(
@@ -68,23 +73,25 @@ def reference_tokens(
     import torch
 
     from moe_runtime import step
-    from moe_runtime.model import mixtral, source
+    from moe_runtime.model import decoder, source
+    from moe_runtime.model import experts as experts_mod
+    from moe_runtime.model import kv as kv_mod
     from moe_runtime.rank import sampling
 
     todo = list(todo or cases())
     torch.set_num_threads(1)
     src = source.open_source(model)
-    net = mixtral.MixtralModel.from_source(src)
-    experts = mixtral.LocalExperts.from_source(src)
+    net = decoder.MoEModel.from_source(src)
+    experts = experts_mod.LocalExperts.from_source(src)
     # One sequence per (prompt, seed), generated as long as the longest length asked.
     longest: dict[tuple[int, int | None], int] = {}
     for c in todo:
         longest[(c.prompt, c.seed)] = max(longest.get((c.prompt, c.seed), 0), c.max_tokens)
     seqs = sorted(longest, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
     out: dict[tuple[int, int | None], list[int]] = {k: [] for k in seqs}
-    kv = mixtral.KVCache(net.config, dtype=net.dtype, device=net.device)
+    kv = kv_mod.KVCache(net.config, dtype=net.dtype, device=net.device)
     active = list(seqs)
-    batch = mixtral.ForwardBatch(
+    batch = kv_mod.ForwardBatch(
         seq_ids=[str(k) for k in active],
         token_ids=[list(PROMPTS[k[0]]) for k in active],
         start_pos=[0] * len(active),
@@ -107,7 +114,7 @@ def reference_tokens(
                 else:
                     kv.free(str(k))
             active = still
-            batch = mixtral.ForwardBatch(
+            batch = kv_mod.ForwardBatch(
                 seq_ids=[str(k) for k in active],
                 token_ids=[[out[k][-1]] for k in active],
                 start_pos=[len(PROMPTS[k[0]]) + len(out[k]) - 1 for k in active],
@@ -134,13 +141,14 @@ class Load:
         lengths: Sequence[int] = LENGTHS,
         seeds: Sequence[int] = (1, 2),
         headers: dict[str, str] | None = None,
+        prompts: Sequence[int] | None = None,
     ) -> None:
         self._url = url
         self.model_name = model_name
         self.reference = reference
         self.timeout_s = timeout_s
         self.headers = headers or {}
-        self.cases = cases(lengths=lengths, seeds=seeds)
+        self.cases = cases(lengths=lengths, seeds=seeds, prompts=prompts)
         self.ok = 0
         self.by_kind: dict[str, int] = {}
         self.failures: list[str] = []

@@ -18,6 +18,7 @@ COMMAND: Final = ("moe-runtime", "serve")
 MODEL: Final = "--model"
 DATA_PARALLEL_SIZE: Final = "--data-parallel-size"
 SERVED_MODEL_NAME: Final = "--served-model-name"
+DTYPE: Final = "--dtype"
 HOST: Final = "--host"
 PORT: Final = "--port"
 MIN_DATA_PARALLEL_SIZE: Final = "--min-data-parallel-size"
@@ -41,6 +42,9 @@ DEVICE_AUTO: Final = "auto"
 DEVICE_CPU: Final = "cpu"
 DEVICE_CUDA: Final = "cuda"
 DEVICES: Final = (DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA)
+
+#: Values of ``--dtype`` (``auto``: the checkpoint's).
+DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
 
 
 def negated(flag: str) -> str:
@@ -68,6 +72,7 @@ class ServeArgs:
     model: str
     data_parallel_size: int
     served_model_name: str
+    dtype: str
     host: str
     port: int
     min_data_parallel_size: int
@@ -92,6 +97,7 @@ class ServeArgs:
         out += _option(MODEL, self.model)
         out += _option(DATA_PARALLEL_SIZE, self.data_parallel_size)
         out += _option(SERVED_MODEL_NAME, self.served_model_name)
+        out += _option(DTYPE, self.dtype)
         out += _option(HOST, self.host)
         out += _option(PORT, self.port)
         out += _option(MIN_DATA_PARALLEL_SIZE, self.min_data_parallel_size)

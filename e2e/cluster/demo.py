@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+import httpx
+
 from e2e import kube, timeline
 from e2e import load as load_mod
 from e2e.cluster import conftest
@@ -97,6 +99,11 @@ def main() -> int:
         follow(dep, 2)
         ready_s = time.monotonic() - applied
         say(f"Serving at DP=2, {ready_s:.1f}s after kubectl apply")
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12}
+        url = forward.url()
+        assert url is not None
+        answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()
+        say(f"POST /v1/chat/completions: {answer['choices'][0]['message']['content']!r}")
         source = conftest.sample_model()
         say(f"load: 4 clients (greedy, seeded, streamed; up to 96 tokens) checked against {source}")
         reference = load_mod.reference_tokens(source)

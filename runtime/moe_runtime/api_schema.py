@@ -63,6 +63,27 @@ class Completion(pydantic.BaseModel):
     usage: Usage
 
 
+class ChatMessageOut(pydantic.BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(pydantic.BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(pydantic.BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
 class ModelCard(pydantic.BaseModel):
     id: str
     object: Literal["model"]
@@ -100,6 +121,15 @@ COMPLETION_200: dict[str, Any] = {
     "description": "The completion (JSON), or with `stream` server-sent events ending with "
     "`data: [DONE]`",
     "model": Completion,
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
+CHAT_COMPLETION_200: dict[str, Any] = {
+    "description": "The assistant's message (JSON), or with `stream` server-sent events of "
+    "`chat.completion.chunk` deltas (the role first, `finish_reason` last, then `usage` when "
+    "`stream_options.include_usage`) ending with `data: [DONE]`",
+    "model": ChatCompletion,
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
 }
 

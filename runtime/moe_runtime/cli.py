@@ -89,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve token ids only (no tokenizer: a text prompt gets 400), as vLLM's flag",
     )
-    serve.add_argument("--dtype", default="float32")
+    serve.add_argument(
+        flags.DTYPE,
+        choices=flags.DTYPES,
+        default="auto",
+        help="serving dtype; auto: the checkpoint's (config.json dtype / torch_dtype), float32 "
+        "when it says none (synthetic models)",
+    )
     serve.add_argument(
         flags.DEVICE,
         choices=flags.DEVICES,
@@ -262,7 +268,8 @@ def _build_into(
             num_ranks,
             num_physical // num_ranks,
         )
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, num_physical, num_ranks)
+    placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, num_physical, num_ranks)
+    dtype = args.dtype if args.dtype != "auto" else (cfg.dtype or "float32")
     runtime.name = args.served_model_name or _default_name(args.model)
     rank_hooks = hooks_mod.from_env()  # none but in tests (fault injection)
     if args.executor == "ray":
@@ -275,7 +282,7 @@ def _build_into(
         use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
         runtime.executor = ray_executor.RayExecutor(
             num_ranks,
-            dtype=args.dtype,
+            dtype=dtype,
             step_mode=args.step_mode,
             use_gpu=use_gpu,
             rank_hooks=rank_hooks,
@@ -283,15 +290,23 @@ def _build_into(
     else:
         from moe_runtime.executor import local
 
-        runtime.executor = local.LocalExecutor(num_ranks, dtype=args.dtype, rank_hooks=rank_hooks)
+        runtime.executor = local.LocalExecutor(num_ranks, dtype=dtype, rank_hooks=rank_hooks)
     executor = runtime.executor
-    log.info("serve: loading %s on %d ranks (%s executor)", args.model, num_ranks, args.executor)
+    log.info(
+        "serve: loading %s (%s, %s) on %d ranks (%s executor)",
+        args.model,
+        cfg.family,
+        dtype,
+        num_ranks,
+        args.executor,
+    )
     executor.start(args.model, placement=placement)
     if args.skip_tokenizer_init:
         tok: tokenizer_mod.Tokenizer = tokenizer_mod.NoTokenizer(
             vocab_size=cfg.vocab_size,
             bos_token_id=cfg.bos_token_id,
             eos_token_id=cfg.eos_token_id,
+            stop_token_ids=cfg.all_stop_token_ids,
             reason="served with --skip-tokenizer-init",
         )
     else:
@@ -344,6 +359,7 @@ def _build_into(
         vocab_size=cfg.vocab_size,
         admin_router=elastic.router(token=tokens),
         readiness=elastic.readiness,
+        chat_template=None if args.skip_tokenizer_init else src.chat_template(),
     )
     engine.start()
 

@@ -20,7 +20,7 @@ from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.executor import base
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.rank import groups as groups_mod
 from tests.support import lockstep
 
@@ -38,7 +38,7 @@ GROUP_TIMEOUT = 300.0
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     torch.set_num_threads(1)
-    return mixtral.generate_greedy(SOURCE, PROMPTS, MAX_TOKENS)
+    return generate.generate_greedy(SOURCE, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_two_ranks_generate_like_single_process(
 
 
 def test_grow_2_to_4_then_shrink_to_2_while_generating(ray_executor_mod: Any) -> None:
-    reference = mixtral.generate_greedy(SOURCE, PROMPTS, ELASTIC_MAX_TOKENS)
+    reference = generate.generate_greedy(SOURCE, PROMPTS, ELASTIC_MAX_TOKENS)
     ex = ray_executor_mod.RayExecutor(2)
     try:
         _grow_and_shrink(ex, reference)
@@ -290,7 +290,7 @@ def test_killed_actor_is_reported_dead_and_survivors_recover(
         run.migrate("b", 0)
         run.to_free.pop(1, None)
         got = run.run()
-        assert [got["a"], got["b"]] == mixtral.generate_greedy(SOURCE, PROMPTS[:2], MAX_TOKENS)
+        assert [got["a"], got["b"]] == generate.generate_greedy(SOURCE, PROMPTS[:2], MAX_TOKENS)
     finally:
         ex.shutdown()
 

@@ -19,7 +19,8 @@ import torch
 
 from moe_runtime.comm import ep, group
 from moe_runtime.eplb import moves, policy
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import generate
 from tests.support import ep_ranks
 
 LAYERS, EXPERTS = 4, 8  # synthetic tiny
@@ -64,7 +65,7 @@ def pool() -> Iterator[ep_ranks.RankPool]:
 def reference() -> dict[str, list[int]]:
     """Single-process tokens (LocalExperts, all sequences in one batch)."""
     longest = max(r["max_new"] for r in REQUESTS)
-    tokens = mixtral.generate_greedy(ep_ranks.MODEL, [r["prompt"] for r in REQUESTS], longest)
+    tokens = generate.generate_greedy(ep_ranks.MODEL, [r["prompt"] for r in REQUESTS], longest)
     return {r["seq_id"]: t[: r["max_new"]] for r, t in zip(REQUESTS, tokens, strict=True)}
 
 
@@ -263,7 +264,7 @@ def test_layer_output_matches_local_experts_with_an_idle_rank(num_ranks, make_pl
     placement = make_placement()
     src = ep_ranks._source()
     hidden_size = src.config.hidden_size
-    local_all = mixtral.LocalExperts.from_source(src)
+    local_all = experts_mod.LocalExperts.from_source(src)
     gen = torch.Generator().manual_seed(3)
     layer = 1
     inputs = []

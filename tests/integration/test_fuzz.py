@@ -37,6 +37,7 @@ TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 OPERATIONS = [
     ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/ready"),
@@ -132,6 +133,10 @@ def test_fuzzing_left_the_server_serving(runtime: cli.Runtime) -> None:
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) == 4
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
     # The caps held: never more in-process ranks than the capped size and spares allow.
     caps = {snake: cap for snake, _, cap, _ in CAPS}
     ranks = runtime.executor.rank_infos()

@@ -21,7 +21,7 @@ from moe_runtime import step as step_mod
 from moe_runtime.engine import core
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate as generate_mod
 
 SOURCE = "synthetic://tiny?seed=0&max_position_embeddings=512"
 TOKEN = "live-token"
@@ -67,7 +67,7 @@ def client(runtime: cli.Runtime) -> Iterator[testclient.TestClient]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    return mixtral.generate_greedy(SOURCE, PROMPTS, LONG)
+    return generate_mod.generate_greedy(SOURCE, PROMPTS, LONG)
 
 
 def scale(c: testclient.TestClient, to: int, **body: Any) -> dict[str, Any]:

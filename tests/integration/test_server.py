@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 
 pytestmark = pytest.mark.ray
@@ -214,7 +214,7 @@ def test_concurrent_greedy_completions_equal_dp1(server: Server) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: more threads only fight the server's ranks
     try:
-        want = mixtral.generate_greedy(
+        want = generate.generate_greedy(
             MODEL, ids, max(n for _, n in cases), eos_token_id=tokenizer.eos_token_id
         )
     finally:

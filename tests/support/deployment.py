@@ -18,7 +18,7 @@ from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base as executor_base
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 from tests.support import faults
 
@@ -33,7 +33,7 @@ def reference(lengths: list[int] | None = None) -> dict[tuple[int, int], list[in
     LENGTHS and LONG by default)."""
     torch.set_num_threads(1)
     lengths = [*LENGTHS, LONG] if lengths is None else lengths
-    longest = mixtral.generate_greedy(SOURCE, PROMPTS, max(lengths))
+    longest = generate.generate_greedy(SOURCE, PROMPTS, max(lengths))
     return {(p, n): longest[p][:n] for p in range(len(PROMPTS)) for n in lengths}
 
 
@@ -53,7 +53,7 @@ class Deployment:
         self.cfg = src.config
         size = executor.num_ranks
         physical = policy.num_physical_for(self.cfg.num_experts, size)
-        placement = policy.identity(self.cfg.num_layers, self.cfg.num_experts, physical, size)
+        placement = policy.identity(self.cfg.num_moe_layers, self.cfg.num_experts, physical, size)
         self.executor = executor
         self.executor.start(SOURCE, placement=placement)
         self.engine = core.Engine(

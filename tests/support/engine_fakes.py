@@ -28,6 +28,7 @@ class LetterTokenizer:
     """Token i is the letter chr(ord('a') + i); 'z' (25) is EOS."""
 
     eos_token_id: int | None = EOS
+    stop_token_ids = (EOS,)
     vocab_size = VOCAB
 
     def encode(self, s: str) -> list[int]:

@@ -18,7 +18,9 @@ import torch
 
 from moe_runtime.comm import ep, group, transfer
 from moe_runtime.eplb import moves, policy
-from moe_runtime.model import mixtral, source
+from moe_runtime.model import decoder, source
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 
 MODEL = "synthetic://tiny?seed=0"
 GROUP_TIMEOUT_S = 60.0
@@ -32,24 +34,24 @@ def _source() -> Any:
     return _cache["source"]
 
 
-def _model() -> mixtral.MixtralModel:
+def _model() -> decoder.MoEModel:
     if "model" not in _cache:
-        _cache["model"] = mixtral.MixtralModel.from_source(_source())
-    model: mixtral.MixtralModel = _cache["model"]
+        _cache["model"] = decoder.MoEModel.from_source(_source())
+    model: decoder.MoEModel = _cache["model"]
     return model
 
 
-def _expert(layer: int, logical: int) -> mixtral.ExpertWeights:
+def _expert(layer: int, logical: int) -> experts_mod.ExpertWeights:
     key = f"expert/{layer}/{logical}"
     if key not in _cache:
-        _cache[key] = mixtral.load_expert(_source(), layer, logical)
-    weights: mixtral.ExpertWeights = _cache[key]
+        _cache[key] = experts_mod.load_expert(_source(), layer, logical)
+    weights: experts_mod.ExpertWeights = _cache[key]
     return weights
 
 
 def _slots_from_source(
     placement: policy.Placement, rank: int, num_ranks: int
-) -> dict[tuple[int, int], mixtral.ExpertWeights]:
+) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
     return {
         (layer, slot): _expert(layer, int(placement.phy2log[layer, slot]))
         for layer in range(placement.num_layers)
@@ -59,8 +61,8 @@ def _slots_from_source(
 
 def lockstep_generate(
     grp: group.StatelessGroup,
-    model: mixtral.MixtralModel,
-    experts: mixtral.ExpertBackend,
+    model: decoder.MoEModel,
+    experts: experts_mod.ExpertBackend,
     requests: list[dict[str, Any]],
 ) -> dict[str, list[int]]:
     """Greedy generation of this rank's requests, stepping in lockstep with the other ranks.
@@ -71,7 +73,7 @@ def lockstep_generate(
     """
     mine = [r for r in requests if r["rank"] == grp.rank]
     out: dict[str, list[int]] = {r["seq_id"]: [] for r in mine}
-    kv = mixtral.KVCache(model.config)
+    kv = kv_mod.KVCache(model.config)
     step = 0
     while True:
         left = torch.tensor([sum(len(out[r["seq_id"]]) < r["max_new"] for r in mine)])
@@ -81,7 +83,7 @@ def lockstep_generate(
         running = [
             r for r in mine if r["start_step"] <= step and len(out[r["seq_id"]]) < r["max_new"]
         ]
-        batch = mixtral.ForwardBatch(
+        batch = kv_mod.ForwardBatch(
             seq_ids=[r["seq_id"] for r in running],
             token_ids=[
                 [out[r["seq_id"]][-1]] if out[r["seq_id"]] else list(r["prompt"]) for r in running
@@ -160,17 +162,17 @@ def task_grow_and_generate(
         checks["state_identical"] = sorted(state) == sorted(reference) and all(
             torch.equal(state[name], reference[name]) for name in reference
         )
-        model = mixtral.MixtralModel(cfg)
+        model = decoder.MoEModel(cfg)
         model.load_non_expert(state)
 
         # Expert moves.
         plan = moves.plan_moves(old, new, old_num_ranks=old_size, new_num_ranks=new_size)
-        by_logical: dict[tuple[int, int], mixtral.ExpertWeights] = {
+        by_logical: dict[tuple[int, int], experts_mod.ExpertWeights] = {
             (layer, int(old.phy2log[layer, slot])): w for (layer, slot), w in held.items()
         }
-        received: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        received: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
 
-        def write(move: moves.ExpertMove, weights: mixtral.ExpertWeights) -> None:
+        def write(move: moves.ExpertMove, weights: experts_mod.ExpertWeights) -> None:
             received[(move.layer, move.logical)] = weights
 
         stats = transfer.execute_moves(
@@ -185,9 +187,9 @@ def task_grow_and_generate(
         checks["sent"] = stats.sent
         checks["moves_total"] = len(plan)
         checks["moved_identical"] = all(
-            torch.equal(getattr(w, n), getattr(_expert(layer, logical), n))
+            torch.equal(w[n], _expert(layer, logical)[n])
             for (layer, logical), w in received.items()
-            for n in ("w1", "w2", "w3")
+            for n in w.tensors()
         )
         available = {**by_logical, **received}
         local = {

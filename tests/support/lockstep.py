@@ -93,4 +93,4 @@ def config() -> config_mod.ModelConfig:
 def identity(num_ranks: int, num_physical: int | None = None) -> policy.Placement:
     cfg = config()
     phys = num_physical or cfg.num_experts
-    return policy.identity(cfg.num_layers, cfg.num_experts, phys, num_ranks)
+    return policy.identity(cfg.num_moe_layers, cfg.num_experts, phys, num_ranks)

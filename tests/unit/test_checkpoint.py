@@ -15,7 +15,18 @@ import tokenizers
 import torch
 import transformers
 
-from moe_runtime.model import config, errors, mixtral, names, source, tokenizer
+from moe_runtime.model import (
+    checkpoint,
+    decoder,
+    errors,
+    families,
+    generate,
+    names,
+    source,
+    tokenizer,
+)
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 from tests.support import hf_models
 
 PROMPTS = [[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)]]
@@ -49,7 +60,7 @@ def test_layouts_are_what_we_think(
     checkpoints: dict[str, tuple[pathlib.Path, transformers.MixtralForCausalLM]],
 ) -> None:
     assert len(list(checkpoints["sharded-index"][0].glob("*.safetensors"))) > 2
-    assert (checkpoints["sharded-index"][0] / source.INDEX_FILE).is_file()
+    assert (checkpoints["sharded-index"][0] / checkpoint.INDEX_FILE).is_file()
     with safetensors.safe_open(
         str(checkpoints["fused-tied-window"][0] / "model.safetensors"), "pt"
     ) as handle:
@@ -62,9 +73,9 @@ def test_greedy_tokens_and_logits_match_transformers(
 ) -> None:
     path, hf = checkpoints[layout]
     src = source.open_source(str(path))
-    ours = mixtral.generate_greedy(src, PROMPTS, NEW_TOKENS)
-    model = mixtral.MixtralModel.from_source(src)
-    experts = mixtral.LocalExperts.from_source(src)
+    ours = generate.generate_greedy(src, PROMPTS, NEW_TOKENS)
+    model = decoder.MoEModel.from_source(src)
+    experts = experts_mod.LocalExperts.from_source(src)
     for prompt, got in zip(PROMPTS, ours, strict=True):
         out = hf.generate(
             torch.tensor([prompt]),
@@ -75,8 +86,8 @@ def test_greedy_tokens_and_logits_match_transformers(
         )
         assert got == out.sequences[0, len(prompt) :].tolist()
         # Logits of the last step, recomputed by a single prefill of prompt + generated.
-        batch = mixtral.ForwardBatch(["s"], [prompt + got[:-1]], [0])
-        logits = model.forward(batch, mixtral.KVCache(src.config), experts)[0]
+        batch = kv_mod.ForwardBatch(["s"], [prompt + got[:-1]], [0])
+        logits = model.forward(batch, kv_mod.KVCache(src.config), experts)[0]
         torch.testing.assert_close(logits, out.logits[-1][0].float(), atol=1e-4, rtol=0)
 
 
@@ -87,15 +98,15 @@ def test_expert_tensors_under_classic_names_in_every_layout(
     sharded = source.open_source(str(checkpoints["sharded-index"][0]))
     fused_path, fused_hf = checkpoints["fused-tied-window"]
     fused = source.open_source(str(fused_path))
-    for name in mixtral.expert_tensor_names(1, 4):
+    for name in names.expert_tensor_names(single.config, 1, 4):
         assert torch.equal(single.tensor(name), sharded.tensor(name))
     inter = fused.config.intermediate_size
     gate_up = fused_hf.model.layers[1].mlp.experts.gate_up_proj.detach()
     down = fused_hf.model.layers[1].mlp.experts.down_proj.detach()
-    weights = mixtral.load_expert(fused, 1, 4)
-    assert torch.equal(weights.w1, gate_up[4, :inter])
-    assert torch.equal(weights.w3, gate_up[4, inter:])
-    assert torch.equal(weights.w2, down[4])
+    weights = experts_mod.load_expert(fused, 1, 4)
+    assert torch.equal(weights["gate"], gate_up[4, :inter])
+    assert torch.equal(weights["up"], gate_up[4, inter:])
+    assert torch.equal(weights["down"], down[4])
     assert fused.config.tie_word_embeddings and fused.config.sliding_window == 6
     assert "lm_head.weight" not in names.non_expert_tensor_names(fused.config)
 
@@ -105,13 +116,13 @@ def test_sliding_window_matters(
 ) -> None:
     """The fused checkpoint's match with transformers depends on honouring its window."""
     src = source.open_source(str(checkpoints["fused-tied-window"][0]))
-    batch = mixtral.ForwardBatch(["s"], [PROMPTS[2]], [0])
-    experts = mixtral.LocalExperts.from_source(src)
-    windowed = mixtral.MixtralModel.from_source(src)
-    full = mixtral.MixtralModel(dataclasses.replace(src.config, sliding_window=None))
+    batch = kv_mod.ForwardBatch(["s"], [PROMPTS[2]], [0])
+    experts = experts_mod.LocalExperts.from_source(src)
+    windowed = decoder.MoEModel.from_source(src)
+    full = decoder.MoEModel(dataclasses.replace(src.config, sliding_window=None))
     full.load_non_expert(windowed.non_expert_state())
-    a = windowed.forward(batch, mixtral.KVCache(src.config), experts)
-    b = full.forward(batch, mixtral.KVCache(src.config), experts)
+    a = windowed.forward(batch, kv_mod.KVCache(src.config), experts)
+    b = full.forward(batch, kv_mod.KVCache(src.config), experts)
     assert (a - b).abs().max() > 1e-3
 
 
@@ -161,7 +172,7 @@ def _shrink_q0(t: dict[str, torch.Tensor]) -> None:
 
 
 def _first_shard(path: pathlib.Path) -> str:
-    index = json.loads((path / source.INDEX_FILE).read_text())
+    index = json.loads((path / checkpoint.INDEX_FILE).read_text())
     return str(index["weight_map"][Q0])
 
 
@@ -211,30 +222,30 @@ BROKEN: dict[str, tuple[str, Callable[[pathlib.Path], object], str, list[str]]] 
     ),
     "index-not-json": (
         "sharded-index",
-        lambda p: (p / source.INDEX_FILE).write_text("not json"),
-        source.INDEX_FILE,
+        lambda p: (p / checkpoint.INDEX_FILE).write_text("not json"),
+        checkpoint.INDEX_FILE,
         ["unreadable JSON"],
     ),
     "index-without-weight-map": (
         "sharded-index",
-        lambda p: (p / source.INDEX_FILE).write_text('{"metadata": {}}'),
-        source.INDEX_FILE,
+        lambda p: (p / checkpoint.INDEX_FILE).write_text('{"metadata": {}}'),
+        checkpoint.INDEX_FILE,
         ["weight_map"],
     ),
     "index-points-to-missing-shard": (
         "sharded-index",
         lambda p: (p / _first_shard(p)).unlink(),
-        source.INDEX_FILE,
+        checkpoint.INDEX_FILE,
         ["does not exist", "model-0"],
     ),
     "index-lacks-tensor": (
         "sharded-index",
-        lambda p: (p / source.INDEX_FILE).write_text(
+        lambda p: (p / checkpoint.INDEX_FILE).write_text(
             json.dumps(
                 {
                     "weight_map": {
                         k: v
-                        for k, v in json.loads((p / source.INDEX_FILE).read_text())[
+                        for k, v in json.loads((p / checkpoint.INDEX_FILE).read_text())[
                             "weight_map"
                         ].items()
                         if k != Q0
@@ -242,7 +253,7 @@ BROKEN: dict[str, tuple[str, Callable[[pathlib.Path], object], str, list[str]]] 
                 }
             )
         ),
-        source.INDEX_FILE,
+        checkpoint.INDEX_FILE,
         ["missing tensor", Q0],
     ),
 }
@@ -275,7 +286,7 @@ def test_misshapen_tensor_fails_when_loaded(
     _rewrite(path / "model.safetensors", _shrink_q0)
     src = source.open_source(str(path))
     with pytest.raises(errors.CheckpointError) as info:
-        mixtral.MixtralModel.from_source(src)
+        decoder.MoEModel.from_source(src)
     message = str(info.value)
     assert str(path / "model.safetensors") in message
     assert Q0 in message and "[63, 64]" in message and "[64, 64]" in message
@@ -294,7 +305,7 @@ def test_misshapen_fused_expert_fails_when_loaded(
 
     _rewrite(path / "model.safetensors", shrink)
     with pytest.raises(errors.CheckpointError, match="down_proj.*shape") as info:
-        mixtral.load_expert(source.open_source(str(path)), 1, 0)
+        experts_mod.load_expert(source.open_source(str(path)), 1, 0)
     assert str(path / "model.safetensors") in str(info.value)
 
 
@@ -338,7 +349,9 @@ _GOOD_HF = dict(
         pytest.param({"num_hidden_layers": 2.5}, ["'num_hidden_layers'"], id="fraction"),
         pytest.param({"hidden_act": "gelu"}, ["hidden_act", "silu"], id="activation"),
         pytest.param(
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, ["yarn"], id="rope"
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}},
+            ["'dynamic'", "yarn"],
+            id="rope",
         ),
         pytest.param({"num_key_value_heads": 3}, ["num_kv_heads"], id="gqa-groups"),
         pytest.param({"num_experts_per_tok": 9}, ["top_k"], id="top-k"),
@@ -347,7 +360,7 @@ _GOOD_HF = dict(
 )
 def test_config_field_errors_name_the_field(changes: dict[str, Any], words: list[str]) -> None:
     with pytest.raises(errors.CheckpointError) as info:
-        config.from_hf_config({**_GOOD_HF, **changes}, "/ckpt/config.json")
+        families.from_hf_config({**_GOOD_HF, **changes}, "/ckpt/config.json")
     message = str(info.value)
     assert message.startswith("/ckpt/config.json: ")
     assert message.count("/ckpt/config.json") == 1
@@ -356,7 +369,7 @@ def test_config_field_errors_name_the_field(changes: dict[str, Any], words: list
 
 
 def test_config_defaults_and_rope_theta() -> None:
-    cfg = config.from_hf_config(
+    cfg = families.from_hf_config(
         {**_GOOD_HF, "rope_theta": 5e5, "eos_token_id": [2, 7], "sliding_window": None}, "c"
     )
     assert (cfg.head_dim, cfg.rope_theta, cfg.eos_token_id, cfg.sliding_window) == (

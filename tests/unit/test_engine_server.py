@@ -15,6 +15,7 @@ import pytest
 
 from moe_runtime import server
 from moe_runtime.engine import core, request, seam
+from moe_runtime.server import generation
 from tests.support import engine_fakes as fakes
 
 MAX_LEN = 64
@@ -253,7 +254,7 @@ def test_health_and_queueing_while_a_boundary_call_holds_the_loop(app: fastapi.F
 
 
 def test_non_streamed_request_is_aborted_when_the_client_goes(app: fastapi.FastAPI) -> None:
-    api: server._Api = app.state.api
+    api: generation.Generation = app.state.api
 
     class Gone:
         async def is_disconnected(self) -> bool:
@@ -264,8 +265,7 @@ def test_non_streamed_request_is_aborted_when_the_client_goes(app: fastapi.FastA
             request_id="gone", prompt_token_ids=[0], max_tokens=MAX_LEN - 1, ignore_eos=True
         )
         handle = api.engine.add_request(endless)
-        outputs = await api._collect_unless_gone(handle, Gone())  # type: ignore[arg-type]
-        api.engine.abort(handle.request_id)
+        outputs = await api.collect_unless_gone(handle, Gone())  # type: ignore[arg-type]
         return outputs, handle
 
     release = threading.Event()

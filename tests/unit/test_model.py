@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_runtime.model import errors, mixtral, names, source, tokenizer
+from moe_runtime.model import decoder, errors, generate, names, source, tokenizer
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 
 TINY = "synthetic://tiny?seed=0"
 
@@ -21,13 +23,13 @@ def tiny() -> source.ModelSource:
 
 
 @pytest.fixture(scope="module")
-def model(tiny: source.ModelSource) -> mixtral.MixtralModel:
-    return mixtral.MixtralModel.from_source(tiny)
+def model(tiny: source.ModelSource) -> decoder.MoEModel:
+    return decoder.MoEModel.from_source(tiny)
 
 
 @pytest.fixture(scope="module")
-def experts(tiny: source.ModelSource) -> mixtral.LocalExperts:
-    return mixtral.LocalExperts.from_source(tiny)
+def experts(tiny: source.ModelSource) -> experts_mod.LocalExperts:
+    return experts_mod.LocalExperts.from_source(tiny)
 
 
 def _prompts(tok: tokenizer.Tokenizer) -> list[list[int]]:
@@ -36,9 +38,9 @@ def _prompts(tok: tokenizer.Tokenizer) -> list[list[int]]:
 
 
 def _decode(
-    model: mixtral.MixtralModel,
-    experts: mixtral.ExpertBackend,
-    kv: mixtral.KVCache,
+    model: decoder.MoEModel,
+    experts: experts_mod.ExpertBackend,
+    kv: kv_mod.KVCache,
     seq_id: str,
     context: list[int],
     start: int,
@@ -46,11 +48,11 @@ def _decode(
 ) -> list[int]:
     """Feed context[start:] as one chunk, then decode `steps` tokens one at a time, alone."""
     out: list[int] = []
-    batch = mixtral.ForwardBatch([seq_id], [context[start:]], [start])
+    batch = kv_mod.ForwardBatch([seq_id], [context[start:]], [start])
     for _ in range(steps):
         token = int(model.forward(batch, kv, experts).argmax(-1)[0])
         out.append(token)
-        batch = mixtral.ForwardBatch([seq_id], [[token]], [len(context) + len(out) - 1])
+        batch = kv_mod.ForwardBatch([seq_id], [[token]], [len(context) + len(out) - 1])
     return out
 
 
@@ -76,9 +78,9 @@ def test_synthetic_tensors_depend_only_on_seed_and_name() -> None:
 
 def test_synthetic_same_seed_same_tokens_other_seed_other_tokens(tiny: source.ModelSource) -> None:
     prompts = _prompts(tiny.tokenizer())[:2]
-    first = mixtral.generate_greedy(TINY, prompts, 12)
-    again = mixtral.generate_greedy(source.open_source(TINY), prompts, 12)
-    other = mixtral.generate_greedy("synthetic://tiny?seed=1", prompts, 12)
+    first = generate.generate_greedy(TINY, prompts, 12)
+    again = generate.generate_greedy(source.open_source(TINY), prompts, 12)
+    other = generate.generate_greedy("synthetic://tiny?seed=1", prompts, 12)
     assert first == again
     assert first != other
 
@@ -103,7 +105,7 @@ def test_synthetic_overrides() -> None:
     src = source.open_source("synthetic://tiny?seed=3&num_experts=16&tie_word_embeddings=true")
     assert src.config.num_experts == 16
     assert "lm_head.weight" not in names.non_expert_tensor_names(src.config)
-    out = mixtral.generate_greedy(src, [[256, 72, 105]], 4)
+    out = generate.generate_greedy(src, [[256, 72, 105]], 4)
     assert len(out[0]) == 4
 
 
@@ -134,12 +136,12 @@ def test_unknown_tensor_name(tiny: source.ModelSource) -> None:
 
 
 def test_logit_margin_and_varied_text(
-    tiny: source.ModelSource, model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    tiny: source.ModelSource, model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     prompts = _prompts(tiny.tokenizer())
-    kv = mixtral.KVCache(model.config)
+    kv = kv_mod.KVCache(model.config)
     ids = [str(i) for i in range(len(prompts))]
-    batch = mixtral.ForwardBatch(ids, prompts, [0] * len(prompts))
+    batch = kv_mod.ForwardBatch(ids, prompts, [0] * len(prompts))
     gaps: list[float] = []
     outputs: list[list[int]] = [[] for _ in prompts]
     for step in range(80):
@@ -150,7 +152,7 @@ def test_logit_margin_and_varied_text(
         for out, token in zip(outputs, tokens, strict=True):
             out.append(token)
         starts = [len(p) + step for p in prompts]
-        batch = mixtral.ForwardBatch(ids, [[t] for t in tokens], starts)
+        batch = kv_mod.ForwardBatch(ids, [[t] for t in tokens], starts)
     median_gap = float(torch.tensor(gaps).median())
     assert len(gaps) == 320
     assert median_gap > 0.1, f"median top1-top2 logit gap {median_gap} is too small"
@@ -163,51 +165,51 @@ def test_logit_margin_and_varied_text(
 
 def test_sequence_alone_equals_sequence_in_batch(tiny: source.ModelSource) -> None:
     prompts = _prompts(tiny.tokenizer())
-    batched = mixtral.generate_greedy(tiny, prompts, 16)
+    batched = generate.generate_greedy(tiny, prompts, 16)
     for i, prompt in enumerate(prompts):
-        assert mixtral.generate_greedy(tiny, [prompt], 16)[0] == batched[i]
+        assert generate.generate_greedy(tiny, [prompt], 16)[0] == batched[i]
 
 
 def test_token_by_token_prefill_equals_whole_prompt(
-    tiny: source.ModelSource, model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    tiny: source.ModelSource, model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     prompt = _prompts(tiny.tokenizer())[1]
-    whole = _decode(model, experts, mixtral.KVCache(model.config), "s", prompt, 0, 10)
-    kv = mixtral.KVCache(model.config)
+    whole = _decode(model, experts, kv_mod.KVCache(model.config), "s", prompt, 0, 10)
+    kv = kv_mod.KVCache(model.config)
     for pos in range(len(prompt) - 1):
-        model.forward(mixtral.ForwardBatch(["s"], [[prompt[pos]]], [pos]), kv, experts)
+        model.forward(kv_mod.ForwardBatch(["s"], [[prompt[pos]]], [pos]), kv, experts)
     assert kv.num_tokens("s") == len(prompt) - 1
     stepwise = _decode(model, experts, kv, "s", prompt, len(prompt) - 1, 10)
     assert stepwise == whole
 
 
 def test_reprefill_after_migration_continues_identically(
-    tiny: source.ModelSource, model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    tiny: source.ModelSource, model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     prompt = _prompts(tiny.tokenizer())[3]
-    straight = _decode(model, experts, mixtral.KVCache(model.config), "s", prompt, 0, 20)
+    straight = _decode(model, experts, kv_mod.KVCache(model.config), "s", prompt, 0, 20)
     # Another rank, fresh cache: prefill prompt + the 8 tokens generated so far, then continue.
     context = prompt + straight[:8]
-    resumed = _decode(model, experts, mixtral.KVCache(model.config), "s", context, 0, 12)
+    resumed = _decode(model, experts, kv_mod.KVCache(model.config), "s", context, 0, 12)
     assert resumed == straight[8:]
 
 
 def test_mixed_prefill_and_decode_batch(
-    tiny: source.ModelSource, model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    tiny: source.ModelSource, model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     """Continuous batching: B is prefilled in the same step as A's decode tokens."""
     a, b = _prompts(tiny.tokenizer())[:2]
-    want_a = _decode(model, experts, mixtral.KVCache(model.config), "a", a, 0, 10)
-    want_b = _decode(model, experts, mixtral.KVCache(model.config), "b", b, 0, 6)
-    kv = mixtral.KVCache(model.config)
+    want_a = _decode(model, experts, kv_mod.KVCache(model.config), "a", a, 0, 10)
+    want_b = _decode(model, experts, kv_mod.KVCache(model.config), "b", b, 0, 6)
+    kv = kv_mod.KVCache(model.config)
     got_a = _decode(model, experts, kv, "a", a, 0, 4)
     got_b: list[int] = []
-    batch = mixtral.ForwardBatch(["a", "b"], [[got_a[-1]], b], [len(a) + 3, 0])
+    batch = kv_mod.ForwardBatch(["a", "b"], [[got_a[-1]], b], [len(a) + 3, 0])
     while len(got_b) < 6:
         ta, tb = model.forward(batch, kv, experts).argmax(-1).tolist()
         got_a.append(ta)
         got_b.append(tb)
-        batch = mixtral.ForwardBatch(
+        batch = kv_mod.ForwardBatch(
             ["a", "b"], [[ta], [tb]], [len(a) + len(got_a) - 1, len(b) + len(got_b) - 1]
         )
     assert got_a == want_a
@@ -218,7 +220,7 @@ def test_mixed_prefill_and_decode_batch(
 
 
 class _Recorder:
-    def __init__(self, inner: mixtral.ExpertBackend) -> None:
+    def __init__(self, inner: experts_mod.ExpertBackend) -> None:
         self.inner = inner
         self.calls: list[tuple[int, int]] = []
 
@@ -232,27 +234,27 @@ class _Recorder:
 
 
 def test_empty_batch_runs_every_layer_with_zero_tokens(
-    model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     recorder = _Recorder(experts)
-    logits = model.forward(mixtral.ForwardBatch.empty(), mixtral.KVCache(model.config), recorder)
+    logits = model.forward(kv_mod.ForwardBatch.empty(), kv_mod.KVCache(model.config), recorder)
     assert logits.shape == (0, model.config.vocab_size)
     assert recorder.calls == [(layer, 0) for layer in range(model.config.num_layers)]
 
 
 def test_kv_cache_counts_frees_and_truncates(
-    model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
-    kv = mixtral.KVCache(model.config, initial_capacity=2)
-    model.forward(mixtral.ForwardBatch(["x", "y"], [[1, 2, 3], [4, 5]], [0, 0]), kv, experts)
+    kv = kv_mod.KVCache(model.config, initial_capacity=2)
+    model.forward(kv_mod.ForwardBatch(["x", "y"], [[1, 2, 3], [4, 5]], [0, 0]), kv, experts)
     assert (kv.num_tokens("x"), kv.num_tokens("y"), kv.num_tokens("z")) == (3, 2, 0)
-    model.forward(mixtral.ForwardBatch(["x"], [[9, 9]], [1]), kv, experts)  # drops token 2..
+    model.forward(kv_mod.ForwardBatch(["x"], [[9, 9]], [1]), kv, experts)  # drops token 2..
     assert kv.num_tokens("x") == 3
     kv.free("x")
     kv.free("never-there")
     assert kv.seq_ids() == ["y"]
     with pytest.raises(ValueError, match="start_pos 5"):
-        model.forward(mixtral.ForwardBatch(["y"], [[1]], [5]), kv, experts)
+        model.forward(kv_mod.ForwardBatch(["y"], [[1]], [5]), kv, experts)
 
 
 @pytest.mark.parametrize(
@@ -268,16 +270,16 @@ def test_kv_cache_counts_frees_and_truncates(
 )
 def test_forward_batch_validation(kwargs: dict[str, list[object]], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        mixtral.ForwardBatch(**kwargs)  # type: ignore[arg-type]
+        kv_mod.ForwardBatch(**kwargs)  # type: ignore[arg-type]
 
 
 def test_out_of_range_token_is_refused(
-    model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     with pytest.raises(ValueError, match="token ids"):
         model.forward(
-            mixtral.ForwardBatch(["a"], [[model.config.vocab_size]], [0]),
-            mixtral.KVCache(model.config),
+            kv_mod.ForwardBatch(["a"], [[model.config.vocab_size]], [0]),
+            kv_mod.KVCache(model.config),
             experts,
         )
 
@@ -286,7 +288,7 @@ def test_out_of_range_token_is_refused(
 
 
 def test_local_experts_match_per_token_reference(
-    model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(9, model.config.hidden_size, generator=gen)
@@ -295,16 +297,17 @@ def test_local_experts_match_per_token_reference(
     got = experts(2, hidden, ids, weights)
     for t in range(9):
         want = sum(
-            weights[t, j] * mixtral.expert_forward(experts.weights[(2, int(ids[t, j]))], hidden[t])
+            weights[t, j]
+            * experts_mod.expert_forward(experts.weights[(2, int(ids[t, j]))], hidden[t])
             for j in range(ids.shape[1])
         )
         assert torch.allclose(got[t], torch.as_tensor(want), atol=1e-5)
 
 
-def test_router_is_softmax_topk_renormalised(model: mixtral.MixtralModel) -> None:
+def test_router_is_softmax_topk_renormalised(model: decoder.MoEModel) -> None:
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     ids, weights = model.route(0, hidden)
-    router = model.non_expert_state()[names.router_tensor_name(0)]
+    router = model.non_expert_state()["model.layers.0.block_sparse_moe.gate.weight"]
     probs = torch.softmax(hidden @ router.T, dim=-1)
     want_w, want_ids = probs.topk(model.config.top_k, dim=-1)
     assert torch.equal(ids, want_ids)
@@ -312,43 +315,39 @@ def test_router_is_softmax_topk_renormalised(model: mixtral.MixtralModel) -> Non
 
 
 def test_expert_load_counts_routed_tokens(
-    model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     cfg = model.config
     load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
-    batch = mixtral.ForwardBatch(["a", "b"], [[1, 2, 3], [4, 5]], [0, 0])
-    model.forward(batch, mixtral.KVCache(cfg), experts, expert_load=load)
+    batch = kv_mod.ForwardBatch(["a", "b"], [[1, 2, 3], [4, 5]], [0, 0])
+    model.forward(batch, kv_mod.KVCache(cfg), experts, expert_load=load)
     assert load.sum(1).tolist() == [5 * cfg.top_k] * cfg.num_layers
 
 
-def test_missing_local_expert_is_named(model: mixtral.MixtralModel) -> None:
-    partial = mixtral.LocalExperts({})
+def test_missing_local_expert_is_named(model: decoder.MoEModel) -> None:
+    partial = experts_mod.LocalExperts({})
     with pytest.raises(KeyError, match="layer 0, expert"):
-        model.forward(
-            mixtral.ForwardBatch(["a"], [[1]], [0]), mixtral.KVCache(model.config), partial
-        )
+        model.forward(kv_mod.ForwardBatch(["a"], [[1]], [0]), kv_mod.KVCache(model.config), partial)
 
 
 def test_non_expert_state_transfers_to_a_new_rank(
-    model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
-    fresh = mixtral.MixtralModel(model.config)
+    fresh = decoder.MoEModel(model.config)
     assert not fresh.loaded
     with pytest.raises(RuntimeError, match="not loaded"):
-        fresh.forward(
-            mixtral.ForwardBatch(["a"], [[1]], [0]), mixtral.KVCache(model.config), experts
-        )
+        fresh.forward(kv_mod.ForwardBatch(["a"], [[1]], [0]), kv_mod.KVCache(model.config), experts)
     fresh.load_non_expert(model.non_expert_state())
-    batch = mixtral.ForwardBatch(["a"], [[1, 2, 3]], [0])
+    batch = kv_mod.ForwardBatch(["a"], [[1, 2, 3]], [0])
     assert torch.equal(
-        fresh.forward(batch, mixtral.KVCache(model.config), experts),
-        model.forward(batch, mixtral.KVCache(model.config), experts),
+        fresh.forward(batch, kv_mod.KVCache(model.config), experts),
+        model.forward(batch, kv_mod.KVCache(model.config), experts),
     )
 
 
-def test_load_non_expert_refuses_missing_and_misshapen(model: mixtral.MixtralModel) -> None:
+def test_load_non_expert_refuses_missing_and_misshapen(model: decoder.MoEModel) -> None:
     state = model.non_expert_state()
-    fresh = mixtral.MixtralModel(model.config)
+    fresh = decoder.MoEModel(model.config)
     with pytest.raises(ValueError, match="missing"):
         fresh.load_non_expert({k: v for k, v in state.items() if k != "model.norm.weight"})
     bad = dict(state, **{"model.norm.weight": torch.ones(3)})
@@ -357,26 +356,26 @@ def test_load_non_expert_refuses_missing_and_misshapen(model: mixtral.MixtralMod
     assert not fresh.loaded
 
 
-def test_expert_names() -> None:
-    got = mixtral.expert_tensor_names(2, 5)
+def test_expert_names(tiny: source.ModelSource) -> None:
+    got = names.expert_tensor_names(tiny.config, 2, 5)
     assert got == [
-        f"model.layers.2.block_sparse_moe.experts.5.{w}.weight" for w in ("w1", "w2", "w3")
+        f"model.layers.2.block_sparse_moe.experts.5.{w}.weight" for w in ("w1", "w3", "w2")
     ]
-    assert all(mixtral.is_expert_tensor(n) for n in got)
-    assert not mixtral.is_expert_tensor("model.layers.2.block_sparse_moe.gate.weight")
+    assert all(names.is_expert_tensor(tiny.config, n) for n in got)
+    assert not names.is_expert_tensor(tiny.config, "model.layers.2.block_sparse_moe.gate.weight")
 
 
 def test_bfloat16_model_runs(tiny: source.ModelSource) -> None:
-    out = mixtral.generate_greedy(tiny, [[256, 65, 66]], 3, dtype=torch.bfloat16)
+    out = generate.generate_greedy(tiny, [[256, 65, 66]], 3, dtype=torch.bfloat16)
     assert len(out[0]) == 3
 
 
 def test_generate_stops_at_eos(
-    tiny: source.ModelSource, model: mixtral.MixtralModel, experts: mixtral.LocalExperts
+    tiny: source.ModelSource, model: decoder.MoEModel, experts: experts_mod.LocalExperts
 ) -> None:
     prompt = _prompts(tiny.tokenizer())[0]
-    full = mixtral.generate_greedy(model, [prompt], 6, experts=experts)[0]
-    stopped = mixtral.generate_greedy(model, [prompt], 6, experts=experts, eos_token_id=full[2])[0]
+    full = generate.generate_greedy(model, [prompt], 6, experts=experts)[0]
+    stopped = generate.generate_greedy(model, [prompt], 6, experts=experts, eos_token_id=full[2])[0]
     assert stopped == full[: full.index(full[2]) + 1]
 
 

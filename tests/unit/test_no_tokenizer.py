@@ -12,7 +12,8 @@ import torch
 from fastapi import testclient
 
 from moe_runtime import cli
-from moe_runtime.model import mixtral, source, tokenizer
+from moe_runtime.model import checkpoint as checkpoint_mod
+from moe_runtime.model import generate, source, tokenizer
 from tests.support import hf_models
 
 VOCAB = 200
@@ -23,7 +24,7 @@ PROMPT = [1, 5, 9, 100, 3]
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("no-tokenizer") / "model"
     hf_models.mixtral(vocab_size=VOCAB, max_position_embeddings=64).save_pretrained(path)
-    assert not (path / source.TOKENIZER_FILE).exists()
+    assert not (path / checkpoint_mod.TOKENIZER_FILE).exists()
     return path
 
 
@@ -56,7 +57,7 @@ def test_token_id_prompts_are_served(
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     (choice,) = r.json()["choices"]
-    (want,) = mixtral.generate_greedy(str(checkpoint), [PROMPT], 6)
+    (want,) = generate.generate_greedy(str(checkpoint), [PROMPT], 6)
     assert (choice["token_ids"], choice["text"]) == (want, "")
 
 

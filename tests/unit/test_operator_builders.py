@@ -82,13 +82,16 @@ def test_each_worker_offers_one_rank_resource() -> None:
 def test_head_runs_the_runtime() -> None:
     container = head_container(
         builders.build_raycluster(
-            owner=OWNER, spec=make_spec(model={"source": "/models/mixtral", "servedModelName": "m"})
+            owner=OWNER,
+            spec=make_spec(
+                model={"source": "/models/mixtral", "servedModelName": "m", "dtype": "bfloat16"}
+            ),
         )
     )
     command = container["args"][0].split("exec ", 1)[1]
     assert shlex.split(command) == [
         "moe-runtime", "serve", "--model", "/models/mixtral", "--data-parallel-size", "2",
-        "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "m", "--dtype", "bfloat16", "--host", "0.0.0.0", "--port", "8000",
         "--min-data-parallel-size", "1", "--max-data-parallel-size", "4",
         "--num-redundant-experts", "0", "--eplb", "--eplb-window-size", "1000",
         "--eplb-step-interval", "3000", "--device", "cpu",

@@ -21,7 +21,7 @@ from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base, local
 from moe_runtime.executor import health as health_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 from tests.support import engine_fakes
 
@@ -254,16 +254,16 @@ def test_a_recovery_is_the_current_record_and_joins_the_history() -> None:
 
 
 def _deployment(
-    size: int, **config: Any
+    size: int, *, model: str = SOURCE, **config: Any
 ) -> tuple[local.LocalExecutor, core.Engine, service.ElasticService, policy.Placement]:
     """An in-process deployment of `size` ranks (identity placement, no EPLB, no
     autoRecover, sizes 1..3), its engine started."""
-    src = source_mod.open_source(SOURCE)
+    src = source_mod.open_source(model)
     cfg = src.config
     physical = policy.num_physical_for(cfg.num_experts, size)
-    placement = policy.identity(cfg.num_layers, cfg.num_experts, physical, size)
+    placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, size)
     ex = local.LocalExecutor(size)
-    ex.start(SOURCE, placement=placement)
+    ex.start(model, placement=placement)
     engine = core.Engine(ex, src.tokenizer(), seam.EngineConfig(max_model_len=512))
     elastic = service.ElasticService.attach(
         engine=engine,
@@ -271,7 +271,7 @@ def _deployment(
         model_config=cfg,
         placement=placement,
         config=serving.ElasticConfig(
-            source=SOURCE, eplb_enabled=False, auto_recover=False, **config
+            source=model, eplb_enabled=False, auto_recover=False, **config
         ),
         limits=coordinator.Limits(min_size=1, max_size=3, num_experts=cfg.num_experts),
     )
@@ -298,11 +298,14 @@ def _submit(engine: core.Engine, prompts: list[list[int]]) -> list[Any]:
     return handles
 
 
-def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens() -> None:
+@pytest.mark.parametrize(
+    "model", [SOURCE, "synthetic://deepseek-tiny?seed=0"], ids=["mixtral", "deepseek-shape"]
+)
+def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens(model: str) -> None:
     prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(6)]
     torch.set_num_threads(1)
-    want = mixtral.generate_greedy(SOURCE, prompts, 24)
-    ex, engine, elastic, _ = _deployment(3)
+    want = generate.generate_greedy(model, prompts, 24)
+    ex, engine, elastic, _ = _deployment(3, model=model)
     try:
         handles = _submit(engine, prompts)
         ex.fence([1], reason="test")
@@ -328,7 +331,7 @@ def test_a_rank_lost_after_a_grow_heals_from_what_the_survivors_retain() -> None
     again, whose experts they retain, so nothing is copied or read from the model source."""
     prompts = [[(5 * i + j) % 250 + 1 for j in range(4 + i)] for i in range(6)]
     torch.set_num_threads(1)
-    want = mixtral.generate_greedy(SOURCE, prompts, 24)
+    want = generate.generate_greedy(SOURCE, prompts, 24)
     # no tolerance limit: size 2's placement always fits the load
     ex, engine, elastic, placement = _deployment(2, eplb_min_gain=1.0)
     try:

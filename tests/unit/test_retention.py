@@ -9,17 +9,17 @@ import torch
 
 from moe_runtime.elastic import rebalance
 from moe_runtime.eplb import moves as moves_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
 from moe_runtime.rank import retention
 
 
-def _weights(tag: float) -> mixtral.ExpertWeights:
-    return mixtral.ExpertWeights(
+def _weights(tag: float) -> experts_mod.ExpertWeights:
+    return experts_mod.ExpertWeights(
         w1=torch.full((2, 3), tag), w2=torch.full((3, 2), tag), w3=torch.full((2, 3), tag)
     )
 
 
-def _experts(*keys: tuple[int, int]) -> dict[tuple[int, int], mixtral.ExpertWeights]:
+def _experts(*keys: tuple[int, int]) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
     return {k: _weights(10 * k[0] + k[1]) for k in keys}
 
 

@@ -13,7 +13,7 @@ import torch
 from moe_runtime import step as step_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
 
 SOURCE = "synthetic://tiny?seed=0"
@@ -98,6 +98,6 @@ def test_step_with_no_token_on_any_rank_skips_the_forward_and_keeps_lockstep(
             6, {0: step_mod.RankBatch(seqs=[step_mod.SeqWork("a", [token], len(prompt), greedy)])}
         )
     )
-    want = mixtral.generate_greedy(SOURCE, [prompt], 2)[0]
+    want = generate.generate_greedy(SOURCE, [prompt], 2)[0]
     assert [token, decode[0].tokens["a"]] == want
     assert after[1].tokens["b"] == want[0]

@@ -14,7 +14,7 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import base, local
-from moe_runtime.model import mixtral
+from moe_runtime.model import generate
 from moe_runtime.rank import sampling
 from tests.support import faults, lockstep
 
@@ -22,7 +22,7 @@ from tests.support import faults, lockstep
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
     torch.set_num_threads(1)
-    return mixtral.generate_greedy(lockstep.SOURCE, lockstep.PROMPTS, 8)
+    return generate.generate_greedy(lockstep.SOURCE, lockstep.PROMPTS, 8)
 
 
 Factory = Callable[[int], local.LocalExecutor]
@@ -63,8 +63,8 @@ def test_expert_load_counts_routed_tokens(executor_factory: Factory) -> None:
     run.add("a", lockstep.PROMPTS[0], rank=0, max_tokens=1)
     outs = run.step()
     load = outs[0].expert_load
-    assert tuple(load.shape) == (cfg.num_layers, cfg.num_experts)
-    assert load.sum(dim=1).tolist() == [len(lockstep.PROMPTS[0]) * cfg.top_k] * cfg.num_layers
+    assert tuple(load.shape) == (cfg.num_moe_layers, cfg.num_experts)
+    assert load.sum(dim=1).tolist() == [len(lockstep.PROMPTS[0]) * cfg.top_k] * cfg.num_moe_layers
     assert outs[1].expert_load.sum().item() == 0  # the idle rank routed nothing
 
 
@@ -81,7 +81,7 @@ def test_seeded_sampling_is_the_same_on_rank_0_and_rank_1(
         run.add("other", lockstep.PROMPTS[1], rank=1 - rank, max_tokens=3)
         tokens.append(run.run()["s"])
     assert tokens[0] == tokens[1]
-    greedy = mixtral.generate_greedy(lockstep.SOURCE, [lockstep.PROMPTS[2]], 12)[0]
+    greedy = generate.generate_greedy(lockstep.SOURCE, [lockstep.PROMPTS[2]], 12)[0]
     assert tokens[0] != greedy  # it did sample
 
 

@@ -88,20 +88,24 @@ def test_packed_weights_come_back_equal_and_private(dtype: str) -> None:
     import torch
 
     from moe_runtime.executor import ray_transfer
-    from moe_runtime.model import mixtral
+    from moe_runtime.model import experts as experts_mod
 
     torch_dtype = getattr(torch, dtype)
-    w = mixtral.ExpertWeights(
-        w1=torch.randn(4, 3).to(torch_dtype),
-        w2=torch.randn(3, 4).to(torch_dtype),
-        w3=torch.randn(4, 3).to(torch_dtype),
+    w = experts_mod.ExpertWeights(
+        experts_mod.Activation("gpt_oss", 1.5, 6.0),
+        gate=torch.randn(4, 3).to(torch_dtype),
+        down=torch.randn(3, 4).to(torch_dtype),
+        up=torch.randn(4, 3).to(torch_dtype),
+        down_bias=torch.randn(3).to(torch_dtype),
     )
     packed = ray_transfer.pack_experts({(2, 5): w})
     experts, nbytes = ray_transfer.unpack_experts([packed], dtype=torch_dtype, device="cpu")
     got = experts[(2, 5)]
-    assert nbytes == 3 * 12 * torch_dtype.itemsize
-    for a, b in zip((got.w1, got.w2, got.w3), (w.w1, w.w2, w.w3), strict=True):
+    assert nbytes == (3 * 12 + 3) * torch_dtype.itemsize
+    assert list(got.tensors()) == ["gate", "down", "up", "down_bias"]  # every tensor, in order
+    assert got.activation == w.activation
+    for a, b in zip(got.tensors().values(), w.tensors().values(), strict=True):
         assert a.dtype == torch_dtype and torch.equal(a, b)
         assert a.data_ptr() != b.data_ptr()  # a copy, not a view of the sender's memory
-    state, nbytes = ray_transfer.unpack_state(ray_transfer.pack_state({"x": w.w2}))
-    assert nbytes == 12 * torch_dtype.itemsize and torch.equal(state["x"], w.w2)
+    state, nbytes = ray_transfer.unpack_state(ray_transfer.pack_state({"x": w["down"]}))
+    assert nbytes == 12 * torch_dtype.itemsize and torch.equal(state["x"], w["down"])

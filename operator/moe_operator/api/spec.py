@@ -55,8 +55,9 @@ class ModelSpec(ApiModel):
         min_length=1,
         max_length=4096,
         description=(
-            "synthetic://NAME?seed=N or a local directory holding a Hugging Face Mixtral-format "
-            "checkpoint (config.json + *.safetensors). Immutable."
+            "synthetic://NAME?seed=N or a local directory holding a Hugging Face checkpoint of a "
+            "supported family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss) "
+            "as save_pretrained writes it (config.json + *.safetensors). Immutable."
         ),
         json_schema_extra={
             "x-kubernetes-validations": [
@@ -69,6 +70,11 @@ class ModelSpec(ApiModel):
         min_length=1,
         max_length=253,
         description="Name of the model in the OpenAI-compatible API (default: the deployment name).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = pydantic.Field(
+        default="auto",
+        description="Serving dtype: auto = the checkpoint's (config.json dtype), float32 for "
+        "synthetic models.",
     )
     load_timeout_seconds: int = pydantic.Field(
         default=1800,

@@ -131,6 +131,7 @@ def serve_args(
         model=spec.model.source,
         data_parallel_size=spec.data_parallel_size if size is None else size,
         served_model_name=served_model_name(owner_name=owner_name, spec=spec),
+        dtype=spec.model.dtype,
         host="0.0.0.0",  # inside the pod; the Service is the way in
         port=names.RUNTIME_PORT,
         min_data_parallel_size=spec.min_data_parallel_size,

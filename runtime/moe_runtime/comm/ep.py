@@ -19,13 +19,13 @@ One call of one layer (every rank of the group calls it, in lockstep, T may be 0
 1. flatten the T x k choices (N = T * k pairs), pick each pair's slot, sort pairs by slot;
 2. all_to_all of the per-slot counts (int64 [W * S]) so every rank knows what it receives;
 3. all_to_all of the hidden rows ([N, H] out, [sum received, H] in);
-4. run each local slot's expert on its received rows (``mixtral.apply_experts``);
+4. run each local slot's expert on its received rows (``experts.apply_experts``);
 5. all_to_all of the outputs back, unsort to [T, k, H] and combine with
-   ``mixtral.combine_expert_outputs`` (fixed order k = 0, 1, ...), exactly as ``LocalExperts``.
+   ``experts.combine_expert_outputs`` (fixed order k = 0, 1, ...), exactly as ``LocalExperts``.
 
 Shapes: hidden [T, H], topk_ids [T, k] int64 logical ids, topk_weights [T, k] float32,
-result [T, H]; local_experts maps (layer, global slot index) -> ``ExpertWeights`` (w1 [I, H],
-w2 [H, I], w3 [I, H]).
+result [T, H]; local_experts maps (layer, global slot index) -> ``ExpertWeights`` (every
+tensor of one expert).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
 
 
 class ExpertParallelBackend:
@@ -46,7 +46,7 @@ class ExpertParallelBackend:
         self,
         group: group_mod.StatelessGroup,
         placement: policy.Placement,
-        local_experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
+        local_experts: Mapping[tuple[int, int], experts_mod.ExpertWeights],
         *,
         rank: int | None = None,
     ) -> None:
@@ -56,7 +56,7 @@ class ExpertParallelBackend:
         self.rank = group.rank
         self.num_ranks = group.world_size
         self.placement = placement
-        self.local_experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        self.local_experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         self._log2phy = placement.log2phy
         self._logcnt = placement.logcnt
         self.set_placement(placement, local_experts)
@@ -72,7 +72,7 @@ class ExpertParallelBackend:
     def set_placement(
         self,
         placement: policy.Placement,
-        local_experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
+        local_experts: Mapping[tuple[int, int], experts_mod.ExpertWeights],
     ) -> None:
         """Swap in a new placement and this rank's slots of it (call at a step boundary, on
         every rank). local_experts: (layer, slot) -> weights for every layer and every slot in
@@ -113,22 +113,22 @@ class ExpertParallelBackend:
         rows = hidden.index_select(0, order // k)  # [N, H], grouped by slot
         base = self.local_slots().start
 
-        def weights_for(local: int) -> mixtral.ExpertWeights:
+        def weights_for(local: int) -> experts_mod.ExpertWeights:
             return self.local_experts[(layer, base + local)]
 
         if self.num_ranks == 1:
-            out_sorted = mixtral.apply_experts(weights_for, rows, slots[order])
+            out_sorted = experts_mod.apply_experts(weights_for, rows, slots[order])
         else:
             out_sorted = self._exchange(rows, send_counts, weights_for, width)
         expert_out = torch.empty_like(out_sorted)
         expert_out[order] = out_sorted
-        return mixtral.combine_expert_outputs(expert_out.view(tokens, k, width), topk_weights)
+        return experts_mod.combine_expert_outputs(expert_out.view(tokens, k, width), topk_weights)
 
     def _exchange(
         self,
         rows: torch.Tensor,
         send_counts: torch.Tensor,
-        weights_for: Callable[[int], mixtral.ExpertWeights],
+        weights_for: Callable[[int], experts_mod.ExpertWeights],
         width: int,
     ) -> torch.Tensor:
         """Steps 2-5 of the module docstring for rows [N, H] sorted by destination slot."""
@@ -142,7 +142,7 @@ class ExpertParallelBackend:
         local_slot = torch.repeat_interleave(
             torch.arange(per, device=rows.device).repeat(self.num_ranks), recv_counts
         )
-        computed = mixtral.apply_experts(weights_for, received, local_slot)
+        computed = experts_mod.apply_experts(weights_for, received, local_slot)
         back = rows.new_empty((rows.shape[0], width))
         self.group.all_to_all_single(back, computed, in_splits, out_splits)
         return back

@@ -13,11 +13,12 @@ replica
     Any one of the slots holding the same logical expert.
 move
     ``eplb.moves.ExpertMove(layer, logical, src_rank, dst_rank, dst_slot)``: one expert's
-    weights (w1 [I, H], w2 [H, I], w3 [I, H]) from src_rank to dst_rank. Every rank of the group
+    weights (every tensor of the expert: ``ExpertWeights``) from src_rank to dst_rank. Every rank of the group
     passes the same list of moves (computed from the same placements), so matching sends and
     receives are found by position in that list (used as the message tag).
 
-Expert weights travel as one flat buffer per move ([3 * I * H] in the weights' dtype); only the
+Expert weights travel as one flat buffer per move (``ExpertWeights.flatten``, in the weights'
+dtype); only the
 two ranks of a move take part in it, the others skip it (point-to-point, no collective).
 ``broadcast_state`` is a collective over the whole group: metadata as JSON bytes, then one flat
 buffer per dtype bucket.
@@ -34,7 +35,7 @@ import torch
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
 
 # Most bytes one broadcast bucket holds, to bound the extra memory of packing.
 BUCKET_BYTES = 64 << 20
@@ -50,26 +51,13 @@ class TransferStats:
     bytes_received: int
 
 
-def _flatten(weights: mixtral.ExpertWeights) -> torch.Tensor:
-    return torch.cat([weights.w1.reshape(-1), weights.w2.reshape(-1), weights.w3.reshape(-1)])
-
-
-def _unflatten(flat: torch.Tensor, like: mixtral.ExpertWeights) -> mixtral.ExpertWeights:
-    n1, n2 = like.w1.numel(), like.w2.numel()
-    return mixtral.ExpertWeights(
-        w1=flat[:n1].view(like.w1.shape),
-        w2=flat[n1 : n1 + n2].view(like.w2.shape),
-        w3=flat[n1 + n2 :].view(like.w3.shape),
-    )
-
-
 def execute_moves(
     group: group_mod.StatelessGroup,
     moves: Sequence[moves_mod.ExpertMove],
     *,
-    read_expert: Callable[[int, int], mixtral.ExpertWeights],
-    write_expert: Callable[[moves_mod.ExpertMove, mixtral.ExpertWeights], None],
-    like: mixtral.ExpertWeights,
+    read_expert: Callable[[int, int], experts_mod.ExpertWeights],
+    write_expert: Callable[[moves_mod.ExpertMove, experts_mod.ExpertWeights], None],
+    like: experts_mod.ExpertWeights,
     max_in_flight: int = 32,
 ) -> TransferStats:
     """Runs this rank's part of ``moves`` (the same list on every rank of ``group``).
@@ -83,8 +71,8 @@ def execute_moves(
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     rank = group.rank
-    numel = like.w1.numel() + like.w2.numel() + like.w3.numel()
-    elem = like.w1.element_size()
+    numel = like.numel
+    elem = like.dtype.itemsize
     sent = received = 0
     for start in range(0, len(moves), max_in_flight):
         works: list[Any] = []
@@ -92,11 +80,11 @@ def execute_moves(
         for tag, move in enumerate(moves[start : start + max_in_flight], start=start):
             if move.src_rank == move.dst_rank:
                 if move.src_rank == rank:
-                    flat = _flatten(read_expert(move.layer, move.logical))
+                    flat = read_expert(move.layer, move.logical).flatten()
                     incoming.append((move, flat))
                 continue
             if move.src_rank == rank:
-                flat = _flatten(read_expert(move.layer, move.logical))
+                flat = read_expert(move.layer, move.logical).flatten()
                 if flat.numel() != numel:
                     raise ValueError(
                         f"expert layer {move.layer} logical {move.logical} has {flat.numel()} "
@@ -105,14 +93,14 @@ def execute_moves(
                 works.append(group.isend(flat.to(group.device), move.dst_rank, tag))
                 sent += 1
             if move.dst_rank == rank:
-                buf = torch.empty(numel, dtype=like.w1.dtype, device=group.device)
+                buf = torch.empty(numel, dtype=like.dtype, device=group.device)
                 works.append(group.irecv(buf, move.src_rank, tag))
                 incoming.append((move, buf))
                 received += 1
         for work in works:
             work.wait()
         for move, buf in incoming:
-            write_expert(move, _unflatten(buf, like))
+            write_expert(move, experts_mod.ExpertWeights.unflatten(buf, like))
     return TransferStats(sent, received, sent * numel * elem, received * numel * elem)
 
 

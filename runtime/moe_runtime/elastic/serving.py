@@ -116,7 +116,7 @@ class LoadTracker:
 
     def __init__(self, config: config_mod.ModelConfig, window_size: int) -> None:
         self._lock = threading.Lock()
-        self.window = window_mod.LoadWindow(config.num_layers, config.num_experts, window_size)
+        self.window = window_mod.LoadWindow(config.num_moe_layers, config.num_experts, window_size)
         self.steps = 0
 
     def observe(self, outputs: Sequence[step_mod.StepOutput]) -> None:

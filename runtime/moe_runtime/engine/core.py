@@ -102,7 +102,7 @@ class Engine:
         )
         self.outputs = outputs_mod.Outputs(
             scheduler=self.scheduler,
-            eos_token_id=tokenizer.eos_token_id,
+            stop_token_ids=tokenizer.stop_token_ids,
             max_model_len=config.max_model_len,
             max_step_retries=config.max_step_retries,
             observer=lambda: self._observer,

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class Outputs:
     """Applies step outputs to the scheduler's sequences and finishes requests.
 
-    scheduler: the engine's sequences and ranks; eos_token_id: the tokenizer's; max_model_len,
+    scheduler: the engine's sequences and ranks; stop_token_ids: the tokenizer's stop ids; max_model_len,
     max_step_retries: `core.EngineConfig`'s; observer(): the engine's current step observer
     (metrics), or None.
     """
@@ -29,13 +29,13 @@ class Outputs:
         self,
         *,
         scheduler: scheduler_mod.Scheduler,
-        eos_token_id: int | None,
+        stop_token_ids: tuple[int, ...],
         max_model_len: int,
         max_step_retries: int,
         observer: Callable[[], Any],
     ) -> None:
         self._scheduler = scheduler
-        self._eos = eos_token_id
+        self._eos = frozenset(stop_token_ids)
         self._max_model_len = max_model_len
         self._max_step_retries = max_step_retries
         self._observer = observer
@@ -80,7 +80,7 @@ class Outputs:
     def _append_token(self, seq: scheduler_mod.Seq, token: int) -> None:
         request = seq.handle.request
         seq.tokens.append(token)
-        is_eos = not request.ignore_eos and self._eos is not None and token == self._eos
+        is_eos = not request.ignore_eos and token in self._eos
         delta = "" if is_eos else seq.text.append(token)
         reason: req.FinishReason | None = None
         if is_eos or seq.text.stopped:

@@ -27,7 +27,9 @@ class Tokenizer(Protocol):
     """What the engine needs of a tokenizer (moe_runtime.model.tokenizer.Tokenizer)."""
 
     @property
-    def eos_token_id(self) -> int | None: ...
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence (the model's eos ids)."""
+        ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 

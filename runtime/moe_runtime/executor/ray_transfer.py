@@ -32,10 +32,13 @@ import numpy as np
 import torch
 
 from moe_runtime.eplb import moves as moves_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
 
-#: (layer, logical) -> (dtype name, [(shape, bytes) for w1, w2, w3]).
-PackedExperts = dict[tuple[int, int], tuple[str, list[tuple[tuple[int, ...], np.ndarray]]]]
+#: (layer, logical) -> (dtype name, activation, [(part, shape, bytes) for every tensor]).
+PackedExperts = dict[
+    tuple[int, int],
+    tuple[str, experts_mod.Activation, list[tuple[str, tuple[int, ...], np.ndarray]]],
+]
 PackedState = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 
 
@@ -72,26 +75,28 @@ def _tensor_of(dtype: str, shape: Sequence[int], data: np.ndarray) -> torch.Tens
     return raw.view(getattr(torch, dtype)).view(tuple(shape)).clone()
 
 
-def pack_experts(experts: Mapping[tuple[int, int], mixtral.ExpertWeights]) -> PackedExperts:
+def pack_experts(experts: Mapping[tuple[int, int], experts_mod.ExpertWeights]) -> PackedExperts:
     """Expert weights as byte arrays (Ray puts numpy arrays in the object store as they are)."""
     out: PackedExperts = {}
     for key, w in experts.items():
-        dtype = str(w.w1.dtype).removeprefix("torch.")
-        out[key] = (dtype, [(tuple(t.shape), _bytes_of(t)) for t in (w.w1, w.w2, w.w3)])
+        dtype = str(w.dtype).removeprefix("torch.")
+        parts = [(part, tuple(t.shape), _bytes_of(t)) for part, t in w.tensors().items()]
+        out[key] = (dtype, w.activation, parts)
     return out
 
 
 def unpack_experts(
     parts: Sequence[PackedExperts], *, dtype: torch.dtype, device: str
-) -> tuple[dict[tuple[int, int], mixtral.ExpertWeights], int]:
+) -> tuple[dict[tuple[int, int], experts_mod.ExpertWeights], int]:
     """Private copies of the experts in `parts` (packed by peers), and their bytes."""
-    out: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+    out: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
     nbytes = 0
     for part in parts:
-        for key, (name, arrays) in part.items():
-            w1, w2, w3 = (_tensor_of(name, shape, data) for shape, data in arrays)
-            nbytes += sum(int(data.nbytes) for _, data in arrays)
-            out[key] = mixtral.ExpertWeights(w1=w1, w2=w2, w3=w3).to(dtype=dtype, device=device)
+        for key, (name, activation, arrays) in part.items():
+            tensors = {p: _tensor_of(name, shape, data) for p, shape, data in arrays}
+            nbytes += sum(int(data.nbytes) for _, _, data in arrays)
+            weights = experts_mod.ExpertWeights(activation, **tensors)
+            out[key] = weights.to(dtype=dtype, device=device)
     return out, nbytes
 
 

@@ -1,1 +1,1 @@
-"""Mixtral-style MoE decoder and its weight sources (synthetic and Hugging Face safetensors)."""
+"""MoE decoders of several families (Mixtral, Qwen-MoE, OLMoE, DeepSeek, gpt-oss) and their weight sources."""

@@ -34,9 +34,22 @@ class Tokenizer(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence (the model's eos ids; eos_token_id among them)."""
+        ...
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+def _stops(eos: int | None, stops: tuple[int, ...]) -> tuple[int, ...]:
+    """The stop ids, eos first when it is not among them."""
+    out = tuple(stops)
+    if eos is not None and eos not in out:
+        out = (eos, *out)
+    return out
 
 
 class TokenizerUnavailable(ValueError):
@@ -57,11 +70,13 @@ class NoTokenizer:
         vocab_size: int,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
         reason: str = "the model is served without a tokenizer",
     ) -> None:
         self._vocab_size = vocab_size
         self._bos = bos_token_id
         self._eos = eos_token_id
+        self._stops = _stops(eos_token_id, stop_token_ids)
         self.reason = reason
 
     @property
@@ -76,6 +91,10 @@ class NoTokenizer:
     def eos_token_id(self) -> int | None:
         return self._eos
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stops
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         raise TokenizerUnavailable(
             f"this model has no tokenizer ({self.reason}): send the prompt as a list of token "
@@ -87,7 +106,14 @@ class NoTokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, BOS = 256, EOS = 257; encode prepends BOS."""
+    """UTF-8 bytes as ids 0..255, BOS = 256, EOS = 257; encode prepends BOS.
+
+    stop_token_ids: what ends a sequence (a checkpoint's own eos ids when it falls back to
+    bytes for want of a tokenizer.json); EOS by default.
+    """
+
+    def __init__(self, *, stop_token_ids: tuple[int, ...] = (BYTE_EOS_ID,)) -> None:
+        self._stops = tuple(stop_token_ids) or (BYTE_EOS_ID,)
 
     @property
     def vocab_size(self) -> int:
@@ -99,7 +125,11 @@ class ByteTokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        return BYTE_EOS_ID
+        return self._stops[0]
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stops
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -119,6 +149,7 @@ class HFTokenizer:
         *,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.path = os.fspath(path)
         try:
@@ -127,6 +158,7 @@ class HFTokenizer:
             raise errors.CheckpointError(self.path, f"cannot load tokenizer: {exc}") from exc
         self._bos = bos_token_id if bos_token_id is not None else self._tok.token_to_id("<s>")
         self._eos = eos_token_id if eos_token_id is not None else self._tok.token_to_id("</s>")
+        self._stops = _stops(self._eos, stop_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -139,6 +171,10 @@ class HFTokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stops
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from moe_runtime.comm import ep as ep_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
 
 
 @dataclasses.dataclass
@@ -21,7 +21,7 @@ class Staged:
     placement: policy.Placement
     rank: int
     num_ranks: int
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
+    experts: dict[tuple[int, int], experts_mod.ExpertWeights]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +34,9 @@ class Live:
     placement: policy.Placement | None
     rank: int | None
     num_ranks: int | None
-    experts: dict[tuple[int, int], mixtral.ExpertWeights]
+    experts: dict[tuple[int, int], experts_mod.ExpertWeights]
     epoch: int | None
-    backend: mixtral.ExpertBackend | None
+    backend: experts_mod.ExpertBackend | None
     origin: int | None
 
     def serves(self, placement: policy.Placement, rank: int, num_ranks: int) -> bool:
@@ -52,8 +52,8 @@ def make_backend(
     placement: policy.Placement | None,
     rank: int | None,
     num_ranks: int | None,
-    experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
-) -> mixtral.ExpertBackend:
+    experts: Mapping[tuple[int, int], experts_mod.ExpertWeights],
+) -> experts_mod.ExpertBackend:
     """The expert-parallel backend over the step group (it keys slots by global index)."""
     if placement is None or rank is None or num_ranks is None:
         raise RuntimeError("no placement to serve")

@@ -9,7 +9,8 @@ import dataclasses
 import torch
 
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import decoder
+from moe_runtime.model import kv as kv_mod
 
 
 @dataclasses.dataclass
@@ -18,8 +19,8 @@ class LoadedModel:
 
     source_name: str | None = None
     config: config_mod.ModelConfig | None = None
-    model: mixtral.MixtralModel | None = None
-    kv: mixtral.KVCache | None = None
+    model: decoder.MoEModel | None = None
+    kv: kv_mod.KVCache | None = None
     #: Tokens routed per logical expert [L, E] by this rank since its weights loaded.
     total_load: torch.Tensor | None = None
 
@@ -27,14 +28,14 @@ class LoadedModel:
         self,
         source_name: str,
         config: config_mod.ModelConfig,
-        model: mixtral.MixtralModel,
-        kv: mixtral.KVCache,
+        model: decoder.MoEModel,
+        kv: kv_mod.KVCache,
     ) -> None:
         """The weights of `source_name`, an empty KV cache and no load counted yet."""
         self.source_name, self.config, self.model, self.kv = source_name, config, model, kv
-        self.total_load = torch.zeros(config.num_layers, config.num_experts, dtype=torch.int64)
+        self.total_load = torch.zeros(config.num_moe_layers, config.num_experts, dtype=torch.int64)
 
-    def require(self, where: str) -> tuple[config_mod.ModelConfig, mixtral.MixtralModel]:
+    def require(self, where: str) -> tuple[config_mod.ModelConfig, decoder.MoEModel]:
         """(config, model), or RuntimeError when nothing is loaded (`where`: the rank's log
         context)."""
         if self.config is None or self.model is None:

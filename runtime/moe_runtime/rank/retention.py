@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
 
 Key = tuple[int, int]
 
@@ -28,14 +28,14 @@ class Retained:
     """The retained experts of one rank: (layer, logical) -> weights, oldest first."""
 
     def __init__(self) -> None:
-        self.experts: dict[Key, mixtral.ExpertWeights] = {}
+        self.experts: dict[Key, experts_mod.ExpertWeights] = {}
         #: the most distinct experts the rank held at once (module docstring)
         self.peak = 0
         #: ids of placeholder weights (zeros), never retained
         self._placeholders: set[int] = set()
 
     def absorb(
-        self, previous: Mapping[Key, mixtral.ExpertWeights], live: Mapping[Key, object]
+        self, previous: Mapping[Key, experts_mod.ExpertWeights], live: Mapping[Key, object]
     ) -> int:
         """A change from `previous` to `live` ((layer, logical) -> weights of the live slots,
         before and after) is confirmed: keep what left the live slots, within the bound.
@@ -52,7 +52,7 @@ class Retained:
         self.experts = kept
         return len(kept)
 
-    def reset(self, placeholders: Iterable[mixtral.ExpertWeights] = ()) -> None:
+    def reset(self, placeholders: Iterable[experts_mod.ExpertWeights] = ()) -> None:
         """Forget everything (the rank loaded its weights again); `placeholders`: the zeros it
         holds live now, which a later change must not retain as experts."""
         self.experts, self.peak = {}, 0

@@ -32,7 +32,7 @@ from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import source as source_mod
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
@@ -59,13 +59,13 @@ class ExpertSlots:
         self.placement: policy.Placement | None = None
         self.rank: int | None = None
         self.num_ranks: int | None = None
-        self.experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        self.experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         self.epoch: int | None = None
-        self.backend: mixtral.ExpertBackend | None = None
+        self.backend: experts_mod.ExpertBackend | None = None
         self.origin: int | None = None
         self.staged: live_mod.Staged | None = None
         self.previous: live_mod.Live | None = None
-        self.prestaged: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        self.prestaged: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         self.retained = retention.Retained()
 
     def reset(
@@ -74,7 +74,7 @@ class ExpertSlots:
         placement: policy.Placement | None,
         rank: int,
         num_ranks: int,
-        experts: dict[tuple[int, int], mixtral.ExpertWeights],
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights],
         placeholder: bool,
     ) -> None:
         """The slots `load_weights` loaded, as rank `rank` of `num_ranks` under `placement`;
@@ -115,7 +115,7 @@ class ExpertSlots:
         new_num_ranks: int,
         stage: int | None = None,
         from_source: bool = False,
-        provided: Mapping[tuple[int, int], mixtral.ExpertWeights] | None = None,
+        provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
     ) -> int:
         """Prepare this rank's slots of `new_placement` in a staging area; returns bytes received.
 
@@ -212,7 +212,7 @@ class ExpertSlots:
         """This rank's part of `moves` over `grp`: sends from `held`; returns what it got."""
         received: staging_mod.Experts = {}
 
-        def read_expert(layer: int, logical: int) -> mixtral.ExpertWeights:
+        def read_expert(layer: int, logical: int) -> experts_mod.ExpertWeights:
             weights = held.get((layer, logical))
             if weights is None:
                 raise RuntimeError(
@@ -221,7 +221,7 @@ class ExpertSlots:
                 )
             return weights
 
-        def write_expert(move: moves_mod.ExpertMove, weights: mixtral.ExpertWeights) -> None:
+        def write_expert(move: moves_mod.ExpertMove, weights: experts_mod.ExpertWeights) -> None:
             received[(move.layer, move.logical)] = weights.to(
                 dtype=self._ctx.dtype, device=self._ctx.device
             )
@@ -231,7 +231,7 @@ class ExpertSlots:
             list(moves),
             read_expert=read_expert,
             write_expert=write_expert,
-            like=staging_mod.zero_expert(cfg, dtype=self._ctx.dtype, device=grp.device),
+            like=experts_mod.zero_expert(cfg, dtype=self._ctx.dtype, device=grp.device),
         )
         return stats, received
 
@@ -241,7 +241,7 @@ class ExpertSlots:
         epoch: int,
         moves: Sequence[moves_mod.ExpertMove],
         *,
-        provided: Mapping[tuple[int, int], mixtral.ExpertWeights] | None = None,
+        provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
     ) -> int:
         """Keep the experts `moves` bring to this rank (and `provided`: brought by the executor
         another way) beside the live slots, for a later `stage_experts`; returns the bytes
@@ -401,14 +401,15 @@ class ExpertSlots:
             experts = previous.experts
         else:
             wanted = [
-                placement.experts_on_rank(layer, rank, num_ranks) for layer in range(cfg.num_layers)
+                placement.experts_on_rank(layer, rank, num_ranks)
+                for layer in range(cfg.num_moe_layers)
             ]
             current = (
                 None
                 if before.placement is None or before.rank is None or before.num_ranks is None
                 else [
                     before.placement.experts_on_rank(layer, before.rank, before.num_ranks)
-                    for layer in range(cfg.num_layers)
+                    for layer in range(cfg.num_moe_layers)
                 ]
             )
             if current != wanted:

@@ -15,13 +15,13 @@ import torch
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral, names
+from moe_runtime.model import decoder, names
+from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import source as source_mod
 
 log = logging.getLogger(__name__)
 
-Experts = dict[tuple[int, int], mixtral.ExpertWeights]
+Experts = dict[tuple[int, int], experts_mod.ExpertWeights]
 """(layer, local slot) -> weights (a rank's slots) or (layer, logical) -> weights (what it holds)."""
 
 
@@ -39,22 +39,10 @@ def senders_for(src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> dict[int,
     return out
 
 
-def zero_expert(
-    cfg: config_mod.ModelConfig, *, dtype: torch.dtype, device: str | torch.device
-) -> mixtral.ExpertWeights:
-    """Zeros shaped like one expert's weights (placeholders, receive buffers)."""
-    i, h = cfg.intermediate_size, cfg.hidden_size
-    return mixtral.ExpertWeights(
-        w1=torch.zeros(i, h, dtype=dtype, device=device),
-        w2=torch.zeros(h, i, dtype=dtype, device=device),
-        w3=torch.zeros(i, h, dtype=dtype, device=device),
-    )
-
-
 def exchange_non_expert(
     grp: group_mod.StatelessGroup,
     me: int,
-    model: mixtral.MixtralModel,
+    model: decoder.MoEModel,
     *,
     src_ranks: Sequence[int],
     dst_ranks: Sequence[int],
@@ -75,11 +63,11 @@ def exchange_non_expert(
     works: list[Any] = []
     if mine:
         state = model.non_expert_state()
-        flat = _flatten([state[n] for n in tensor_names]).to(grp.device)
+        flat = _flatten([state[n] for n in tensor_names]).to(grp.device, model.transfer_dtype)
         works.extend(grp.isend(flat, dst, tag) for dst in mine)
     recv: torch.Tensor | None = None
     if me in sender_of:
-        recv = torch.empty(numel, dtype=dtype, device=grp.device)
+        recv = torch.empty(numel, dtype=model.transfer_dtype, device=grp.device)
         works.append(grp.irecv(recv, sender_of[me], tag))
     for work in works:
         work.wait()
@@ -99,7 +87,7 @@ def held_experts(
     placement: policy.Placement | None,
     rank: int | None,
     num_ranks: int | None,
-    experts: Mapping[tuple[int, int], mixtral.ExpertWeights],
+    experts: Mapping[tuple[int, int], experts_mod.ExpertWeights],
 ) -> Experts:
     """{(layer, logical): weights} of a rank's slots `experts` under `placement`."""
     if placement is None or rank is None or num_ranks is None:
@@ -136,7 +124,9 @@ def fill_slots(
         for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
             weights = pool.get((layer, logical))
             if weights is None and source is not None:
-                weights = mixtral.load_expert(source, layer, logical, dtype=dtype, device=device)
+                weights = experts_mod.load_expert(
+                    source, layer, logical, dtype=dtype, device=device
+                )
                 pool[(layer, logical)] = weights
                 loaded += 1
             if weights is None:

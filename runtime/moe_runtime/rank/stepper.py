@@ -12,7 +12,7 @@ import torch
 
 from moe_runtime import step as step_mod
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import mixtral
+from moe_runtime.model import kv as kv_mod
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import sampling
 from moe_runtime.rank import slots as slots_mod
@@ -90,12 +90,12 @@ class Stepper:
             # When no rank has a token, every rank reads that from the same StepInput and all
             # of them skip the forward pass and its expert collectives: none waits for a peer.
             if any(b.seqs for b in step.batches.values()):
-                fwd = mixtral.ForwardBatch(
+                fwd = kv_mod.ForwardBatch(
                     seq_ids=[s.seq_id for s in seqs],
                     token_ids=[list(s.token_ids) for s in seqs],
                     start_pos=[s.start_pos for s in seqs],
                 )
-                load = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+                load = torch.zeros(cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64)
                 try:
                     logits = model.forward(fwd, kv, backend, expert_load=load)
                 except Exception:
@@ -138,7 +138,7 @@ class Stepper:
 def _invalid(
     seqs: Sequence[step_mod.SeqWork],
     cfg: config_mod.ModelConfig,
-    kv: mixtral.KVCache,
+    kv: kv_mod.KVCache,
 ) -> list[str]:
     """The sequences of a batch this rank cannot run, each with its problem."""
     bad: list[str] = []

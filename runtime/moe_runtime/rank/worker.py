@@ -46,14 +46,15 @@ import torch
 from moe_contract import names as contract_names
 from moe_runtime import step as step_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import mixtral, names
+from moe_runtime.model import decoder, names
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import loaded as loaded_mod
 from moe_runtime.rank import slots as slots_mod
-from moe_runtime.rank import staging as staging_mod
 from moe_runtime.rank import stepper as stepper_mod
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class RankWorker:
         started = time.monotonic()
         src = source_mod.open_source(source)
         cfg = src.config
-        model = mixtral.MixtralModel(cfg, dtype=self.dtype, device=self.device)
+        model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device)
         non_expert = names.non_expert_tensor_names(cfg)
         if placeholder:
             state = {
@@ -233,20 +234,20 @@ class RankWorker:
         else:
             state = {n: src.tensor(n) for n in non_expert}
         model.load_non_expert(state)
-        experts: dict[tuple[int, int], mixtral.ExpertWeights] = {}
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         if placement is not None:
             placement.validate(num_ranks)
-            for layer in range(cfg.num_layers):
+            for layer in range(cfg.num_moe_layers):
                 for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
                     if placeholder:
-                        experts[(layer, slot)] = staging_mod.zero_expert(
+                        experts[(layer, slot)] = experts_mod.zero_expert(
                             cfg, dtype=self.dtype, device=self.device
                         )
                     else:
-                        experts[(layer, slot)] = mixtral.load_expert(
+                        experts[(layer, slot)] = experts_mod.load_expert(
                             src, layer, logical, dtype=self.dtype, device=self.device
                         )
-        kv = mixtral.KVCache(cfg, dtype=self.dtype, device=self.device)
+        kv = kv_mod.KVCache(cfg, dtype=self.dtype, device=self.device)
         self.loaded.load(source, cfg, model, kv)
         self.slots.reset(
             placement=placement,

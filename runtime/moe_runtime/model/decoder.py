@@ -1,0 +1,233 @@
+"""The MoE decoder of every family: non-expert weights in `MoEModel`, routed experts behind an
+`experts.ExpertBackend`.
+
+One `forward` runs a batch of sequences of different lengths (prefill of a prompt, one decode
+token, or re-prefill of prompt + generated tokens after a migration) against a `KVCache`.
+Each decoder layer is: RMSNorm, attention (grouped-query or MLA: `attention`), residual,
+RMSNorm, then a dense SwiGLU MLP (a dense layer) or the MoE block (the router: `routing`;
+the routed experts through the backend; shared experts, gated or not, here on every rank),
+residual. The family's `ModelConfig` says which variant each block is; tensor names come
+from `names` by role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.model import attention, names, routing
+from moe_runtime.model import config as config_mod
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import rope as rope_mod
+from moe_runtime.model import source as source_mod
+
+#: Roles kept in float32 whatever the serving dtype, as transformers keeps them
+#: (`_keep_in_fp32_modules`): DeepSeek's router and correction bias, gpt-oss's norms.
+FLOAT32_ROLES = {
+    "deepseek_v2": frozenset({"router"}),
+    "deepseek_v3": frozenset({"router", "correction_bias"}),
+    "gpt_oss": frozenset({"input_norm", "post_norm", "norm"}),
+}
+
+
+def _swiglu(x: torch.Tensor, w: Mapping[str, torch.Tensor], role: str) -> torch.Tensor:
+    gate = F.linear(x, w[role + "_gate"], w.get(role + "_gate_bias"))
+    up = F.linear(x, w[role + "_up"], w.get(role + "_up_bias"))
+    return F.linear(F.silu(gate) * up, w[role + "_down"], w.get(role + "_down_bias"))
+
+
+class MoEModel:
+    """The non-expert part of a MoE model; `forward` calls an ExpertBackend for experts.
+
+    Weights start empty (a rank that will receive them); `load_non_expert` fills them.
+    """
+
+    def __init__(
+        self,
+        config: config_mod.ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._state: dict[str, torch.Tensor] = {}
+        self._layers: list[dict[str, torch.Tensor]] = []
+        self._global: dict[str, torch.Tensor] = {}
+        self._rotary = rope_mod.Rotary(config, device=self.device)
+        self._float32 = FLOAT32_ROLES.get(config.family, frozenset())
+
+    @classmethod
+    def from_source(
+        cls,
+        source: source_mod.ModelSource,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> MoEModel:
+        """A model with its non-expert weights read from `source`."""
+        model = cls(source.config, dtype=dtype, device=device)
+        model.load_non_expert(
+            {name: source.tensor(name) for name in names.non_expert_tensor_names(source.config)}
+        )
+        return model
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self._state)
+
+    @property
+    def transfer_dtype(self) -> torch.dtype:
+        """A dtype that holds every non-expert tensor exactly (float32 when some role is kept
+        in float32): what a flat buffer of the whole state is sent in."""
+        return torch.float32 if self._float32 else self.dtype
+
+    def load_non_expert(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Set every non-expert weight (names from `names.non_expert_tensor_names`).
+
+        All are checked (present, right shape) before any is set. Expert tensors and a tied
+        `lm_head.weight` are ignored; unknown names are refused.
+        """
+        cfg = self.config
+        wanted = names.non_expert_tensor_names(cfg)
+        missing = [n for n in wanted if n not in tensors]
+        if missing:
+            raise ValueError(f"load_non_expert: missing {len(missing)} tensors: {missing[:5]}")
+        for name in tensors:
+            if name == names.LM_HEAD or names.is_expert_tensor(cfg, name):
+                continue
+            try:
+                names.tensor_shape(cfg, name)
+            except KeyError:
+                raise ValueError(
+                    f"load_non_expert: {name!r} is not a tensor of this model"
+                ) from None
+        state: dict[str, torch.Tensor] = {}
+        for name in wanted:
+            value = tensors[name]
+            entry = names.entry(cfg, name)
+            if tuple(value.shape) != entry.shape:
+                raise ValueError(
+                    f"load_non_expert: {name!r} has shape {list(value.shape)}, "
+                    f"expected {list(entry.shape)}"
+                )
+            dtype = torch.float32 if entry.role in self._float32 else self.dtype
+            state[name] = value.to(device=self.device, dtype=dtype).contiguous()
+        self._state = state
+        self._global = {role: state[name] for role, (name, _) in names.global_tensors(cfg).items()}
+        self._layers = [
+            {role: state[name] for role, (name, _) in names.layer_tensors(cfg, layer).items()}
+            for layer in range(cfg.num_layers)
+        ]
+
+    def non_expert_state(self) -> dict[str, torch.Tensor]:
+        """The non-expert weights by name (the tensors themselves: do not modify them)."""
+        self._require_loaded()
+        return dict(self._state)
+
+    def _require_loaded(self) -> None:
+        if not self._state:
+            raise RuntimeError("MoEModel: non-expert weights are not loaded yet")
+
+    @property
+    def _lm_head(self) -> torch.Tensor:
+        return self._global["embed" if self.config.tie_word_embeddings else "lm_head"]
+
+    def route(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing of hidden [T, H] in MoE layer `layer`: (topk_ids [T, k], topk_weights f32)."""
+        decoder_layer = self.config.moe_layer_ids[layer]
+        return routing.route(self.config, self._layers[decoder_layer], hidden)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return attention.rms_norm(x, weight, cfg.rms_norm_eps, scale_first=cfg.norm_scale_first)
+
+    def _check(self, batch: kv_mod.ForwardBatch, kv: kv_mod.KVCache) -> list[attention.Span]:
+        cfg = self.config
+        spans: list[attention.Span] = []
+        offset = 0
+        for seq_id, tokens, start in zip(
+            batch.seq_ids, batch.token_ids, batch.start_pos, strict=True
+        ):
+            if start + len(tokens) > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"sequence {seq_id!r}: {start + len(tokens)} tokens exceed "
+                    f"max_position_embeddings {cfg.max_position_embeddings}"
+                )
+            if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
+                raise ValueError(f"sequence {seq_id!r}: token ids must be in [0, {cfg.vocab_size})")
+            if start > kv.num_tokens(seq_id):
+                raise ValueError(
+                    f"sequence {seq_id!r}: start_pos {start} but the KV cache holds only "
+                    f"{kv.num_tokens(seq_id)} tokens of it"
+                )
+            spans.append(attention.Span(seq_id, offset, len(tokens), start))
+            offset += len(tokens)
+        return spans
+
+    @torch.no_grad()
+    def forward(
+        self,
+        batch: kv_mod.ForwardBatch,
+        kv: kv_mod.KVCache,
+        experts: experts_mod.ExpertBackend,
+        *,
+        expert_load: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [num_seqs, vocab] (float32) of the last new token of each sequence.
+
+        Appends the new tokens' attention state to `kv`. An empty batch still calls `experts`
+        once per MoE layer with T = 0 and returns a [0, vocab] tensor. `expert_load` (int64
+        [num_moe_layers, E]), if given, is incremented by the tokens routed to each expert.
+        """
+        self._require_loaded()
+        cfg = self.config
+        spans = self._check(batch, kv)
+        for s in spans:
+            kv.reserve(s.seq_id, s.start, s.n)
+        ids = torch.tensor(
+            [t for tokens in batch.token_ids for t in tokens], dtype=torch.int64, device=self.device
+        )
+        positions = torch.tensor(
+            [p for s in spans for p in range(s.start, s.start + s.n)],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        cos, sin = self._rotary.cos_sin(positions, self.dtype)
+        ctx = attention.Context(spans=spans, kv=kv, rotary=self._rotary, cos=cos, sin=sin)
+        attend = attention.mla if cfg.mla is not None else attention.gqa
+        hidden = F.embedding(ids, self._global["embed"])
+        num_tokens = hidden.shape[0]
+        for index, w in enumerate(self._layers):
+            if num_tokens:
+                x = self._norm(hidden, w["input_norm"])
+                hidden = hidden + attend(cfg, w, x, ctx, index)
+            x = self._norm(hidden, w["post_norm"])
+            moe = cfg.moe_index(index)
+            if moe is None:
+                if num_tokens:
+                    hidden = hidden + _swiglu(x, w, "mlp")
+                continue
+            topk_ids, topk_weights = routing.route(cfg, w, x)
+            if expert_load is not None and num_tokens:
+                expert_load[moe] += torch.bincount(
+                    topk_ids.reshape(-1), minlength=cfg.num_experts
+                ).to(expert_load.device, expert_load.dtype)
+            out = experts(moe, x, topk_ids, topk_weights).to(hidden.dtype)
+            if cfg.shared_intermediate_size and num_tokens:
+                shared = _swiglu(x, w, "shared")
+                if cfg.shared_expert_gate:
+                    shared = torch.sigmoid(F.linear(x, w["shared_expert_gate"])) * shared
+                out = out + shared
+            hidden = hidden + out
+        if not spans:
+            return torch.empty((0, cfg.vocab_size), dtype=torch.float32, device=self.device)
+        last = torch.tensor([s.offset + s.n - 1 for s in spans], device=self.device)
+        final = self._norm(hidden[last], self._global["norm"])
+        return F.linear(final, self._lm_head).to(torch.float32)
+
+    __call__ = forward

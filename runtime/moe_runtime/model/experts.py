@@ -1,0 +1,255 @@
+"""Routed experts: one expert's weights (`ExpertWeights`, named tensors + how they run), the
+fixed-order combine every backend uses, and the in-process backend (`LocalExperts`).
+
+An expert is the unit EPLB places and moves: every tensor of it travels together (biases
+included). `ExpertWeights.flatten` / `unflatten` turn one into a flat buffer and back (the
+transfer code sends those); `zero_expert(config)` gives the shapes of a model's experts.
+
+Shapes: T tokens, H hidden size, I expert intermediate size, k experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from moe_runtime.model import config as config_mod
+from moe_runtime.model import names
+from moe_runtime.model import source as source_mod
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """How an expert joins its gate and up projections.
+
+    "silu": silu(gate) * up (SwiGLU). "gpt_oss": gpt-oss's clamped SwiGLU:
+    gate' = min(gate, limit), up' = clamp(up, -limit, limit),
+    (up' + 1) * gate' * sigmoid(alpha * gate').
+    """
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, config: config_mod.ModelConfig) -> Activation:
+        if config.expert_activation == "silu":
+            return SILU
+        return cls(config.expert_activation, config.swiglu_alpha, config.swiglu_limit)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = Activation()
+
+
+class ExpertWeights:
+    """One expert (one physical slot): named tensors, in a fixed order, and its activation.
+
+    Parts: gate [I, H], up [I, H], down [H, I] and, for some families, gate_bias [I],
+    up_bias [I], down_bias [H]. Any names may be held (tests use opaque ones); `forward`
+    needs gate, up and down.
+    """
+
+    __slots__ = ("_tensors", "activation")
+
+    def __init__(self, activation: Activation = SILU, /, **tensors: torch.Tensor) -> None:
+        self._tensors = dict(tensors)
+        self.activation = activation
+
+    def __getitem__(self, part: str) -> torch.Tensor:
+        return self._tensors[part]
+
+    def get(self, part: str) -> torch.Tensor | None:
+        return self._tensors.get(part)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{part: tensor}, in order."""
+        return dict(self._tensors)
+
+    def to(self, *, dtype: torch.dtype, device: str | torch.device) -> ExpertWeights:
+        return ExpertWeights(
+            self.activation,
+            **{k: t.to(device=device, dtype=dtype) for k, t in self._tensors.items()},
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self._tensors.values())).dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self._tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def flatten(self) -> torch.Tensor:
+        """Every tensor, in order, as one 1-D tensor (what a transfer sends)."""
+        return torch.cat([t.reshape(-1) for t in self._tensors.values()])
+
+    @staticmethod
+    def unflatten(flat: torch.Tensor, like: ExpertWeights) -> ExpertWeights:
+        """Views of `flat` shaped as `like`'s tensors (its names, shapes and activation)."""
+        if flat.numel() != like.numel:
+            raise ValueError(f"expert buffer has {flat.numel()} elements, expected {like.numel}")
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for part, t in like._tensors.items():
+            out[part] = flat[offset : offset + t.numel()].view(t.shape)
+            offset += t.numel()
+        return ExpertWeights(like.activation, **out)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={list(t.shape)}" for k, t in self._tensors.items())
+        return f"ExpertWeights({self.activation.kind}: {shapes})"
+
+
+def expert_forward(weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    """down(act(gate x + b, up x + b)) + b; x [N, H] -> [N, H]."""
+    gate = F.linear(x, weights["gate"], weights.get("gate_bias"))
+    up = F.linear(x, weights["up"], weights.get("up_bias"))
+    return F.linear(weights.activation(gate, up), weights["down"], weights.get("down_bias"))
+
+
+def apply_experts(
+    weights_for: Callable[[int], ExpertWeights], hidden: torch.Tensor, expert_ids: torch.Tensor
+) -> torch.Tensor:
+    """Run each row of hidden [N, H] through expert expert_ids[N]; returns [N, H].
+
+    Rows are grouped by expert (one batched matmul per expert present); `weights_for(id)`
+    gives the weights of an id (logical or physical, as the caller's ids are).
+    """
+    out = torch.empty_like(hidden)
+    if hidden.shape[0] == 0:
+        return out
+    for expert in torch.unique(expert_ids).tolist():
+        rows = (expert_ids == expert).nonzero().squeeze(1)
+        out[rows] = expert_forward(weights_for(int(expert)), hidden[rows]).to(out.dtype)
+    return out
+
+
+def combine_expert_outputs(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * expert_out[t, k], summed in float32 in the order k = 0, 1, ...
+
+    expert_out [T, k, H], topk_weights [T, k] -> [T, H] in expert_out's dtype. Every backend
+    combines through this function, so results do not depend on the backend.
+    """
+    weights = topk_weights.to(torch.float32)
+    acc = weights[:, 0, None] * expert_out[:, 0].to(torch.float32)
+    for j in range(1, expert_out.shape[1]):
+        acc = acc + weights[:, j, None] * expert_out[:, j].to(torch.float32)
+    return acc.to(expert_out.dtype)
+
+
+class ExpertBackend(Protocol):
+    """Runs the routed experts of one MoE layer and combines them (`combine_expert_outputs`).
+
+    layer: the MoE layer index (as placements count layers); hidden [T, H] (the normalised
+    hidden state), topk_ids [T, k] logical expert ids (int64), topk_weights [T, k] (float32)
+    -> [T, H]. Called with T = 0 too.
+    """
+
+    def __call__(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+def zero_expert(
+    config: config_mod.ModelConfig, *, dtype: torch.dtype, device: str | torch.device
+) -> ExpertWeights:
+    """Zeros shaped like one expert of `config` (placeholders, receive buffers)."""
+    return ExpertWeights(
+        Activation.of(config),
+        **{
+            part: torch.zeros(shape, dtype=dtype, device=device)
+            for part, shape in names.expert_parts(config).items()
+        },
+    )
+
+
+def load_expert(
+    source: source_mod.ModelSource,
+    layer: int,
+    expert: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> ExpertWeights:
+    """Read one logical expert of MoE layer `layer` from a source (its tensors only)."""
+    parts = names.expert_tensors(source.config, layer, expert)
+    return ExpertWeights(
+        Activation.of(source.config),
+        **{
+            part: source.tensor(name).to(device=device, dtype=dtype)
+            for part, (name, _) in parts.items()
+        },
+    )
+
+
+class LocalExperts:
+    """An ExpertBackend over experts held in this process, keyed by (MoE layer, logical id)."""
+
+    def __init__(self, weights: Mapping[tuple[int, int], ExpertWeights]) -> None:
+        self.weights = dict(weights)
+
+    @classmethod
+    def from_source(
+        cls,
+        source: source_mod.ModelSource,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        experts: Sequence[tuple[int, int]] | None = None,
+    ) -> LocalExperts:
+        """Load `experts` ((MoE layer, logical) pairs; default: every expert of every layer)."""
+        cfg = source.config
+        wanted: Iterable[tuple[int, int]] = (
+            list(experts)
+            if experts is not None
+            else [(m, e) for m in range(cfg.num_moe_layers) for e in range(cfg.num_experts)]
+        )
+        return cls(
+            {
+                (layer, e): load_expert(source, layer, e, dtype=dtype, device=device)
+                for layer, e in wanted
+            }
+        )
+
+    def _weights_for(self, layer: int) -> Callable[[int], ExpertWeights]:
+        def lookup(expert: int) -> ExpertWeights:
+            try:
+                return self.weights[(layer, expert)]
+            except KeyError:
+                raise KeyError(
+                    f"LocalExperts holds no weights for layer {layer}, expert {expert}"
+                ) from None
+
+        return lookup
+
+    def __call__(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens, k = topk_ids.shape
+        # Row t*k + j of the flattened problem is token t's j-th expert.
+        rows = hidden.repeat_interleave(k, dim=0)
+        out = apply_experts(self._weights_for(layer), rows, topk_ids.reshape(-1))
+        return combine_expert_outputs(out.view(tokens, k, hidden.shape[1]), topk_weights)

@@ -1,0 +1,5 @@
+"""The runtime's HTTP API (DESIGN §4): OpenAI-compatible completions and chat, models, health, metrics."""
+
+from moe_runtime.server.app import create_app
+
+__all__ = ["create_app"]
