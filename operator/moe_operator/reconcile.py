@@ -25,6 +25,7 @@ from moe_operator.k8s import api as k8s_api
 from moe_operator.plan import (
     access,
     actions,
+    availability,
     builders,
     clock,
     credentials,
@@ -34,6 +35,7 @@ from moe_operator.plan import (
     resize,
     scale_answer,
     settings,
+    storage,
 )
 from moe_operator.plan import status as plan_status
 
@@ -246,6 +248,32 @@ async def scale_runtime(
     return actions.ScaleAccepted(resize_id=accepted.resize_id, stage=accepted.stage)
 
 
+async def model_problem(
+    *, api: k8s_api.Api, owner: builders.Owner, spec: spec_.MoEDeploymentSpec, logger: Logger
+) -> str | None:
+    """Why the spec's model cannot be served (``plan.availability``: a ``pvc://`` claim that
+    is missing); ``None`` when it can, or when the operator may not read claims (its RBAC
+    predates ``pvc://``): the pods then wait for the claim themselves."""
+    pvc = storage.claim(spec)
+    if pvc is None:
+        return None
+    try:
+        claim = await api.get(
+            api_version="v1",
+            kind="PersistentVolumeClaim",
+            namespace=owner.namespace,
+            name=pvc.claim,
+        )
+    except k8s_api.ApiError as error:
+        if error.status != 403:
+            raise
+        logger.warning(
+            "%s/%s: claim %s not checked: %s", owner.namespace, owner.name, pvc.claim, error
+        )
+        return None
+    return availability.claim_problem(source=pvc, claim=claim, namespace=owner.namespace)
+
+
 async def _apply_unless_current(
     api: k8s_api.Api,
     desired: dict[str, Any],
@@ -376,6 +404,10 @@ async def reconcile(
                 _WARNED_SETTINGS.add((where, generation, refused))
                 events("SettingsRefused", f"the runtime refused the spec's settings: {refused}")
     steps = resize.plan_resize(spec, current, observed)
+    if observed.raycluster is None:  # nothing created yet: is the model there to serve?
+        problem = await model_problem(api=api, owner=owner, spec=spec, logger=logger)
+        if problem is not None:
+            steps = availability.hold_back(steps, problem=problem, status=current)
     created: list[str] = []
     phase: actions.SetPhase | None = None
     planned: status_.ResizeStatus | None | actions.Keep = actions.KEEP

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from moe_operator.api import group
 from moe_operator.api import spec as spec_
+from moe_operator.plan import storage
 
 RUNTIME_PORT: Final = 8000
 #: The runtime's liveness route (DESIGN §4) and its readiness route (a step path serves).
@@ -54,6 +55,10 @@ WORKER_READY_PERIOD_SECONDS: Final = 2
 OVERWRITE_CMD_ANNOTATION: Final = "ray.io/overwrite-container-cmd"
 #: Environment variable in which KubeRay passes its generated ``ray start`` command.
 RAY_START_ENV: Final = "KUBERAY_GEN_RAY_START_CMD"
+#: A container that fails says why in its status (``kubectl describe pod``, and the operator
+#: reads it): the runtime writes its reason to /dev/termination-log, and the log's last lines
+#: stand in when it could not (``ray start`` failed, a kill).
+TERMINATION_MESSAGE_POLICY: Final = "FallbackToLogsOnError"
 
 COMPONENT_RAY: Final = "ray"
 COMPONENT_HEAD: Final = "head"
@@ -134,7 +139,7 @@ def serve_command(
         "moe-runtime",
         "serve",
         "--model",
-        spec.model.source,
+        storage.model_path(spec),  # a pvc:// source: the claim's directory in the pod
         "--data-parallel-size",
         str(spec.data_parallel_size if size is None else size),
         "--served-model-name",
@@ -371,7 +376,13 @@ def _head_template(
         **_head_probes(spec),
         "resources": _resources(spec.ray.head_resources),
         "securityContext": _container_security(),
-        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT), dict(_ADMIN_TOKEN_MOUNT)],
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "volumeMounts": [
+            dict(_SHM_MOUNT),
+            dict(_RAY_TOKEN_MOUNT),
+            dict(_ADMIN_TOKEN_MOUNT),
+            *storage.mounts(spec),
+        ],
     }
     return {
         "metadata": {
@@ -385,7 +396,12 @@ def _head_template(
             "securityContext": _pod_security(),
             **_pod_placement(spec),
             "containers": [container],
-            "volumes": [_shm_volume(spec), _ray_token_volume(owner), _admin_token_volume(owner)],
+            "volumes": [
+                _shm_volume(spec),
+                _ray_token_volume(owner),
+                _admin_token_volume(owner),
+                *storage.volumes(spec),
+            ],
         },
     }
 
@@ -400,7 +416,8 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         **_worker_probes(),
         "resources": _resources(spec.ray.worker_resources, gpus=gpus),
         "securityContext": _container_security(),
-        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT)],
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT), *storage.mounts(spec)],
         "lifecycle": {"preStop": WORKER_PRESTOP},
     }
     return {
@@ -410,7 +427,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
             **_pod_placement(spec),
             "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
             "containers": [container],
-            "volumes": [_shm_volume(spec), _ray_token_volume(owner)],
+            "volumes": [_shm_volume(spec), _ray_token_volume(owner), *storage.volumes(spec)],
         },
     }
 
