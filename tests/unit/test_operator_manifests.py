@@ -67,7 +67,7 @@ def test_kustomization_lists_every_file() -> None:
 
 
 def test_operator_runs_locked_down() -> None:
-    deployment = by_kind(MANIFESTS / "deployment.yaml", "Deployment")
+    deployment = by_kind(MANIFESTS / "base" / "deployment.yaml", "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
@@ -77,7 +77,7 @@ def test_operator_runs_locked_down() -> None:
 
 
 def test_rbac_has_no_wildcards_and_no_delete() -> None:
-    role = by_kind(MANIFESTS / "rbac.yaml", "ClusterRole")
+    role = by_kind(MANIFESTS / "base" / "rbac.yaml", "ClusterRole")
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]) or rule[
@@ -87,7 +87,7 @@ def test_rbac_has_no_wildcards_and_no_delete() -> None:
     secrets = [r for r in role["rules"] if r["resources"] == ["secrets"]]
     assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
     # ... and the one Secret read is the operator's key, by name, in its own namespace.
-    key = by_kind(MANIFESTS / "rbac.yaml", "Role")
+    key = by_kind(MANIFESTS / "base" / "rbac.yaml", "Role")
     assert key["metadata"]["namespace"] == "elastic-moe-system"
     reads = [r for r in key["rules"] if "get" in r["verbs"]]
     assert reads == [{"apiGroups": [""], "resources": ["secrets"],
@@ -95,13 +95,13 @@ def test_rbac_has_no_wildcards_and_no_delete() -> None:
 
 
 def test_chart_rbac_matches_the_manifests() -> None:
-    role = by_kind(MANIFESTS / "rbac.yaml", "ClusterRole")
+    role = by_kind(MANIFESTS / "base" / "rbac.yaml", "ClusterRole")
     template = (CHART / "templates" / "rbac.yaml").read_text()
     blocks = [part.split("---", 1)[0].split("{{-", 1)[0] for part in template.split("rules:\n")[1:]]
     cluster_rules = yaml.safe_load(blocks[0]) + yaml.safe_load(blocks[1])  # main + children
     key = sorted(role["rules"], key=str)
     assert sorted(cluster_rules, key=str) == key
-    assert yaml.safe_load(blocks[2]) == by_kind(MANIFESTS / "rbac.yaml", "Role")["rules"]
+    assert yaml.safe_load(blocks[2]) == by_kind(MANIFESTS / "base" / "rbac.yaml", "Role")["rules"]
 
 
 def test_chart_ships_the_generated_crd() -> None:
@@ -144,11 +144,11 @@ def test_the_hpa_and_keda_samples_target_the_sample_and_the_operator_stands_down
 
 
 def test_the_metrics_service_reaches_the_operator() -> None:
-    deployment = by_kind(MANIFESTS / "deployment.yaml", "Deployment")
+    deployment = by_kind(MANIFESTS / "base" / "deployment.yaml", "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
     assert f"--metrics=0.0.0.0:{port}" in container["command"]
-    service = by_kind(MANIFESTS / "service.yaml", "Service")
+    service = by_kind(MANIFESTS / "base" / "service.yaml", "Service")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.controlplane
 def test_kustomize_dry_run(control_plane: cluster.ControlPlane) -> None:
     # A dry run creates nothing, so namespaced objects need their namespace to exist.
     control_plane.kubectl(
-        "apply", "--server-side", "-f", str(ops.REPO / "manifests/namespace.yaml")
+        "apply", "--server-side", "-f", str(ops.REPO / "manifests/base/namespace.yaml")
     )
     done = control_plane.kubectl(
         "apply", "--dry-run=server", "--validate=strict", "-k", str(ops.REPO / "manifests")
@@ -39,8 +39,8 @@ def test_operator_service_account_cannot_delete(control_plane: cluster.ControlPl
     """Least privilege: the operator's identity may create children but never delete them."""
     control_plane.kubectl(
         "apply", "--server-side",
-        "-f", str(ops.REPO / "manifests/namespace.yaml"),
-        "-f", str(ops.REPO / "manifests/rbac.yaml"),
+        "-f", str(ops.REPO / "manifests/base/namespace.yaml"),
+        "-f", str(ops.REPO / "manifests/base/rbac.yaml"),
     )  # fmt: skip
     sa = f"system:serviceaccount:{ops.OPERATOR_NAMESPACE}:{ops.OPERATOR_SA}"
 
@@ -85,7 +85,7 @@ def test_helm_chart_dry_run(control_plane: cluster.ControlPlane) -> None:
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     control_plane.kubectl(
-        "apply", "--server-side", "-f", str(ops.REPO / "manifests/namespace.yaml")
+        "apply", "--server-side", "-f", str(ops.REPO / "manifests/base/namespace.yaml")
     )
     control_plane.kubectl(
         "apply", "--dry-run=server", "--validate=strict", "-f", "-", input=rendered

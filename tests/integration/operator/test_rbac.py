@@ -1,4 +1,4 @@
-"""The operator's RBAC (manifests/rbac.yaml) as the real API server evaluates it
+"""The operator's RBAC (manifests/base/rbac.yaml) as the real API server evaluates it
 (`kubectl auth can-i --as` its ServiceAccount): what it needs, and no read of other Secrets."""
 
 from __future__ import annotations
