@@ -94,14 +94,27 @@ def test_rbac_has_no_wildcards_and_no_delete() -> None:
                       "resourceNames": ["elastic-moe-operator-key"], "verbs": ["get"]}]  # fmt: skip
 
 
-def test_chart_rbac_matches_the_manifests() -> None:
-    role = by_kind(MANIFESTS / "base" / "rbac.yaml", "ClusterRole")
-    template = (CHART / "templates" / "rbac.yaml").read_text()
-    blocks = [part.split("---", 1)[0].split("{{-", 1)[0] for part in template.split("rules:\n")[1:]]
-    cluster_rules = yaml.safe_load(blocks[0]) + yaml.safe_load(blocks[1])  # main + children
-    key = sorted(role["rules"], key=str)
-    assert sorted(cluster_rules, key=str) == key
-    assert yaml.safe_load(blocks[2]) == by_kind(MANIFESTS / "base" / "rbac.yaml", "Role")["rules"]
+def test_a_watched_namespace_gets_the_namespaced_rules_and_nothing_else() -> None:
+    """manifests/namespaced/: the Role in each watched namespace holds exactly the namespaced
+    rules of the cluster-wide ClusterRole; the ClusterRole is cut down to reading CRDs; the
+    operator is told to watch each namespace that has a Role (rendered and checked against a
+    real API server in tests/integration/operator/test_operator_manifests.py)."""
+    cluster_rules = by_kind(MANIFESTS / "base" / "rbac.yaml", "ClusterRole")["rules"]
+    crds = [r for r in cluster_rules if r["resources"] == ["customresourcedefinitions"]]
+    role = by_kind(MANIFESTS / "namespaced" / "watched" / "role.yaml", "Role")
+    assert role["rules"] == [r for r in cluster_rules if r not in crds]
+    overlay = yaml.safe_load((MANIFESTS / "namespaced" / "kustomization.yaml").read_text())
+    patches = {p["target"]["kind"]: yaml.safe_load(p["patch"]) for p in overlay["patches"]}
+    assert patches["ClusterRole"] == [{"op": "replace", "path": "/rules", "value": crds}]
+    watched = [r for r in overlay["resources"] if not r.startswith("..")]
+    namespaces = [
+        yaml.safe_load((MANIFESTS / "namespaced" / d / "kustomization.yaml").read_text())[
+            "namespace"
+        ]
+        for d in watched
+    ]
+    args = [op["value"] for op in patches["Deployment"]]
+    assert args == [f"--namespace={n}" for n in namespaces] and namespaces == ["ml"]
 
 
 def test_chart_ships_the_generated_crd() -> None:
