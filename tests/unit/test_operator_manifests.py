@@ -11,7 +11,7 @@ import prometheus_client
 import yaml
 
 from moe_operator import metrics
-from moe_operator.api import crd
+from moe_operator.api import crd, storage
 from moe_operator.api import spec as spec_
 from moe_operator.plan import autoscale, builders
 
@@ -205,3 +205,25 @@ def test_the_dashboard_only_uses_metrics_that_exist() -> None:
     for subject in ("tokens/s", "time to first token", "queue depth", "data-parallel size",
                     "resize stage", "balancedness"):  # fmt: skip
         assert subject in titles
+
+
+def test_the_pvc_sample_serves_a_checkpoint_the_download_job_puts_on_its_claim() -> None:
+    claim, moed = docs(MANIFESTS / "samples" / "moedeployment-pvc.yaml")
+    assert claim["kind"] == "PersistentVolumeClaim"
+    spec = spec_.MoEDeploymentSpec.model_validate(moed["spec"])
+    pvc = storage.parse_pvc(spec.model.source)
+    assert pvc is not None and pvc.claim == claim["metadata"]["name"]
+    # several nodes mount it at once: not a one-node access mode
+    assert set(claim["spec"]["accessModes"]) & {"ReadWriteMany", "ReadOnlyMany"}
+    (job,) = docs(MANIFESTS / "samples" / "model-download-job.yaml")
+    pod = job["spec"]["template"]["spec"]
+    (volume,) = pod["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc.claim
+    (container,) = pod["containers"]
+    (mount,) = container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # the Job writes where the deployment reads: <mount>/<repo> is pvc://<claim>/<repo>
+    assert f"{mount['mountPath']}/{env['REPO']}" == f"/models/{pvc.path}"
+    assert '--local-dir "/models/$REPO"' in container["args"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}

@@ -72,6 +72,15 @@ def test_the_hpa_sample_is_accepted(control_plane: cluster.ControlPlane) -> None
     )  # fmt: skip
 
 
+def test_the_pvc_samples_are_accepted(control_plane: cluster.ControlPlane) -> None:
+    control_plane.kubectl("create", "namespace", "pvc-sample", check=False)
+    control_plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-n", "pvc-sample",
+        "-f", str(ops.REPO / "manifests/samples/moedeployment-pvc.yaml"),
+        "-f", str(ops.REPO / "manifests/samples/model-download-job.yaml"),
+    )  # fmt: skip
+
+
 HELM = shutil.which("helm") or shutil.which("helm", path=str(cluster.cache_dir() / "bin"))
 
 
