@@ -195,7 +195,9 @@ except OSError as error:
     print(type(error).__name__)
 """
 
-#: The TCP ports the raylet listens on outside loopback (node manager, object manager).
+#: The TCP ports the raylet listens on outside loopback (node manager, object manager: Ray
+#: picks them at random), from its sockets' inodes and /proc/net/tcp{,6} (gRPC listens on
+#: "::", an IPv6 socket that also takes IPv4).
 RAYLET_PORTS = """
 import os, re
 socks = set()
@@ -209,11 +211,14 @@ for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
                 socks.add(m.group(1))
     except OSError:
         pass
+loopback = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
 ports = set()
-for line in open("/proc/net/tcp").read().splitlines()[1:]:
-    f = line.split()
-    if f[3] == "0A" and f[9] in socks and not f[1].startswith("0100007F"):
-        ports.add(int(f[1].split(":")[1], 16))
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        f = line.split()
+        address, port = f[1].split(":")
+        if f[3] == "0A" and f[9] in socks and address not in loopback:
+            ports.add(int(port, 16))
 print(" ".join(map(str, sorted(ports))))
 """
 
