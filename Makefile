@@ -34,7 +34,8 @@ crds-check: setup
 controlplane: setup
 	@bash e2e/controlplane/build.sh
 
-## node-build: also kube-controller-manager, kube-scheduler, kubelet, kube-proxy, CoreDNS
+## node-build: also kube-controller-manager, kube-scheduler, kubelet, kube-proxy, CoreDNS,
+## kube-router (NetworkPolicy enforcement)
 node-build: setup
 	@bash e2e/controlplane/build.sh --node
 

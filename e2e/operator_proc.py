@@ -126,9 +126,9 @@ def operator_kubeconfig(plane: cluster.ControlPlane, directory: pathlib.Path) ->
         "apply",
         "--server-side",
         "-f",
-        str(REPO / "manifests" / "namespace.yaml"),
+        str(REPO / "manifests" / "base" / "namespace.yaml"),
         "-f",
-        str(REPO / "manifests" / "rbac.yaml"),
+        str(REPO / "manifests" / "base" / "rbac.yaml"),
     )
     token = plane.kubectl(
         "create", "token", OPERATOR_SA, "-n", OPERATOR_NAMESPACE, "--duration=2h"

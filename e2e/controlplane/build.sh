@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build (or reuse) the Kubernetes pieces the tests run: kube-apiserver, kube-controller-manager,
 # kube-scheduler and kubelet (one Kubernetes version, one Go module), etcd, KubeRay's CRDs, helm.
+# The node also gets CoreDNS and kube-router (its network-policy controller).
 #
 #   build.sh            the control plane only (kube-apiserver + etcd + CRDs): tests/integration
-#   build.sh --node     also kube-controller-manager, kube-scheduler, kubelet, kube-proxy and
-#                       CoreDNS (the real node tier, e2e/node)
+#   build.sh --node     also kube-controller-manager, kube-scheduler, kubelet, kube-proxy,
+#                       CoreDNS and kube-router (the real node tier, e2e/node)
 #
 # Everything lands in ${MOE_CACHE:-~/.cache/elastic-moe}; stamp files holding the versions make
 # a second run a no-op. Safe to run concurrently from several shells (flock). Builds run under
@@ -201,4 +202,19 @@ if ((NODE)) && [[ ! -x "$BIN/coredns-$COREDNS_VERSION" ]]; then
   done_in
 fi
 ((NODE)) && ln -sfn "coredns-$COREDNS_VERSION" "$BIN/coredns"
+# --- kube-router (the node's NetworkPolicy enforcement: only its policy controller runs) -----
+# A plain `go install` (its go.mod has no replace lines). v2.1.0 is the version the Go proxy
+# serves here; its reported advisory (GHSA-phqm-jgc3-qf8g) is in the service proxy, which the
+# node never runs (--run-service-proxy=false). Cold: about 3.5 minutes, ~1 GB RAM.
+KUBE_ROUTER_VERSION="${MOE_KUBE_ROUTER_VERSION:-v2.1.0}"
+if ((NODE)) && [[ ! -x "$BIN/kube-router-$KUBE_ROUTER_VERSION" ]]; then
+  begin "building kube-router $KUBE_ROUTER_VERSION from github.com/cloudnativelabs/kube-router/v2 (about 3.5 minutes)"
+  gobin="$(mktemp -d)"
+  CGO_ENABLED=0 GOBIN="$gobin" nice -n 10 go install -trimpath -ldflags="-s -w" \
+    "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router@$KUBE_ROUTER_VERSION"
+  mv "$gobin/kube-router" "$BIN/kube-router-$KUBE_ROUTER_VERSION"
+  rm -rf "$gobin"
+  done_in
+fi
+((NODE)) && ln -sfn "kube-router-$KUBE_ROUTER_VERSION" "$BIN/kube-router"
 log "ready: ${COMPONENTS[*]} $K8S_VERSION, etcd ($("$BIN/etcd" --version 2>/dev/null | head -n1)), KubeRay $KUBERAY_VERSION CRDs"

@@ -6,7 +6,8 @@ Network layout (all of it created by :mod:`e2e.node.host`, removed by ``cluster-
                                                                               │ kube-apiserver :6443
                                                                               │ etcd, kcm, scheduler,
                                                                               │ containerd, kubelet,
-                                                                              │ kube-proxy, CoreDNS
+                                                                              │ kube-proxy, CoreDNS,
+                                                                              │ kube-router (policies)
                                                            bridge emoe0 10.244.0.1/24
                                                               └── pods 10.244.0.0/24
 
@@ -16,6 +17,12 @@ The node's network namespace forwards between the bridge, its loopback and the v
 DNS name (CoreDNS on 10.244.0.1:53). From this machine: kubectl against 10.243.0.2:6443,
 ``kubectl port-forward`` for pod ports, or pod and Service IPs directly (routes for 10.244.0.0/24
 and 10.96.0.0/16 over the veth: traffic that does not depend on the API server).
+
+NetworkPolicies are enforced: kube-router's network-policy controller (only that part of
+kube-router) turns them into iptables rules and ipsets in the node's namespace, for traffic
+between pods on the bridge (bridged frames go through iptables there:
+``net.bridge.bridge-nf-call-iptables`` is set in the node's namespace only) and from this
+machine over the veth.
 """
 
 from __future__ import annotations
@@ -50,6 +57,10 @@ KUBELET_PORT: Final = 10250
 COREDNS_READY_PORT: Final = 8181
 COREDNS_HEALTH_PORT: Final = 8080
 KUBE_PROXY_HEALTH_PORT: Final = 10256
+#: kube-router's health endpoint (``/healthz``; it listens on every address of the node's
+#: network namespace, which only the veth and the pod bridge reach).
+KUBE_ROUTER_HEALTH_PORT: Final = 20244
+KUBE_ROUTER_VERSION: Final = os.environ.get("MOE_KUBE_ROUTER_VERSION", "v2.1.0")
 
 #: Namespaces the stack installs into.
 KUBERAY_NAMESPACE: Final = "kuberay-system"
@@ -134,6 +145,7 @@ IDENTITIES: Final = {
     "kubelet": (f"system:node:{NODE_NAME}", "system:nodes"),
     "kube-proxy": ("system:kube-proxy", ""),
     "coredns": ("coredns", ""),
+    "kube-router": ("system:kube-router", ""),
 }
 
 
@@ -314,4 +326,31 @@ metadata: {name: "system:coredns"}
 roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:coredns"}
 subjects:
 - {apiGroup: rbac.authorization.k8s.io, kind: User, name: coredns}
+"""
+
+
+#: kube-router's network-policy controller: it reads policies, pods and namespaces (and, as
+#: every kube-router starts its informers for them, services, endpoints and nodes); it writes
+#: nothing to the API. Its own daemonset's ClusterRole, less what the router, the service
+#: proxy and the load-balancer allocator need.
+KUBE_ROUTER_RBAC: Final = """apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "system:kube-router"}
+rules:
+- apiGroups: [""]
+  resources: [namespaces, pods, services, nodes, endpoints]
+  verbs: [get, list, watch]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "system:kube-router"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:kube-router"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:kube-router"}
 """

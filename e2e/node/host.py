@@ -94,6 +94,9 @@ def create_network() -> None:
     run("ip", "link", "set", config.BRIDGE, "up", netns=True)
     # Forwarding between the bridge, the veth and loopback, in the node's namespace only.
     run("sysctl", "-q", "-w", "net.ipv4.ip_forward=1", netns=True)
+    # Frames between two pods on the bridge go through iptables, where kube-router enforces
+    # NetworkPolicies (a new namespace has it on already; said, not assumed).
+    run("sysctl", "-q", "-w", "net.bridge.bridge-nf-call-iptables=1", netns=True)
     # The CNI firewall plugin creates these on first use; two sandboxes made at once on a
     # fresh namespace race on `iptables -N CNI-ADMIN` and one pod loses ~12 s to backoff.
     ipt = ["iptables", "-w"]

@@ -76,18 +76,20 @@ def start(paths: config.Paths, *, timeout: float = 180.0) -> stack.Node:
         step(f"kubelet {config.K8S_VERSION} up, node Ready")
         node.kubectl(
             "apply", "--server-side", "--field-manager=elastic-moe-node", "-f", "-",
-            input=config.COREDNS_RBAC,
+            input=config.COREDNS_RBAC + "---\n" + config.KUBE_ROUTER_RBAC,
         )  # fmt: skip
         stack.start_process(node, "kube-proxy", cmds["kube-proxy"])
         stack.start_process(node, "coredns", cmds["coredns"])
+        stack.start_process(node, "kube-router", cmds["kube-router"])
         coredns = f"http://{config.NODE_IP_VETH}:{config.COREDNS_READY_PORT}/ready"
         proxy = f"http://{config.NODE_IP_VETH}:{config.KUBE_PROXY_HEALTH_PORT}/healthz"
+        router = f"http://{config.NODE_IP_VETH}:{config.KUBE_ROUTER_HEALTH_PORT}/healthz"
         stack.wait_for(
-            "kube-proxy and CoreDNS",
-            lambda: stack.http_ok(coredns) and stack.http_ok(proxy),
-            node=node, timeout=60, names=("kube-proxy", "coredns"),
+            "kube-proxy, CoreDNS and kube-router",
+            lambda: stack.http_ok(coredns) and stack.http_ok(proxy) and stack.http_ok(router),
+            node=node, timeout=60, names=("kube-proxy", "coredns", "kube-router"),
         )  # fmt: skip
-        step("kube-proxy and CoreDNS ready")
+        step("kube-proxy, CoreDNS and kube-router (network policies) ready")
         install.install_kuberay(node)
         step(f"KubeRay {config.KUBERAY_VERSION} operator running as a pod")
         install.install_operator(node)
@@ -107,7 +109,15 @@ def stop(node: stack.Node) -> None:
     if "kubelet" in node.pids and cluster.pid_alive(node.pids["kubelet"]):
         install.delete_all_pods(node)
     stack.stop_processes(
-        node, ["coredns", "kube-proxy", "kubelet", "kube-scheduler", "kube-controller-manager"]
+        node,
+        [
+            "kube-router",
+            "coredns",
+            "kube-proxy",
+            "kubelet",
+            "kube-scheduler",
+            "kube-controller-manager",
+        ],
     )
     if "containerd" in node.pids and cluster.pid_alive(node.pids["containerd"]):
         install.remove_containers(node.paths)

@@ -1,7 +1,8 @@
 """The node's processes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-containerd, kubelet, kube-proxy and CoreDNS, each in the node's network namespace, their
-configuration and identities; pids in ``.cluster/node/state.json`` (stopped by pid, checked
-against their command lines). :mod:`e2e.node.lifecycle` puts them together."""
+containerd, kubelet, kube-proxy, CoreDNS and kube-router (network policies), each in the
+node's network namespace, their configuration and identities; pids in
+``.cluster/node/state.json`` (stopped by pid, checked against their command lines).
+:mod:`e2e.node.lifecycle` puts them together."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ COMPONENTS: Final = (
     "kubelet",
     "kube-proxy",
     "coredns",
+    "kube-router",
 )
 #: What each component's command line must contain for ``down`` to signal its pid.
 MARKERS: Final = (
@@ -41,6 +43,7 @@ MARKERS: Final = (
     b"kubelet",
     b"kube-proxy",
     b"coredns",
+    b"kube-router",
 )
 
 
@@ -96,13 +99,14 @@ DEBIAN_PACKAGES: Final = {
     "/usr/sbin/runc": "runc",
     "/usr/lib/cni/bridge": "containernetworking-plugins",
     "/usr/sbin/iptables": "iptables",
+    "/usr/sbin/ipset": "ipset",
     "/usr/sbin/conntrack": "conntrack",
     "/usr/bin/nsenter": "util-linux",
 }
 
 
 def ensure_packages() -> None:
-    """Debian's containerd, runc, CNI plugins and iptables (installed when missing)."""
+    """Debian's containerd, runc, CNI plugins, iptables and ipset (installed when missing)."""
     missing = sorted(
         {pkg for path, pkg in DEBIAN_PACKAGES.items() if not pathlib.Path(path).exists()}
     )
@@ -115,7 +119,8 @@ def ensure_packages() -> None:
 
 
 def ensure_built() -> None:
-    """The Kubernetes binaries, CoreDNS and the images (cached; builds print progress)."""
+    """The Kubernetes binaries, CoreDNS, kube-router and the images (cached; builds print
+    progress)."""
     for cmd in (
         ["bash", str(REPO / "e2e" / "controlplane" / "build.sh"), "--node"],
         ["bash", str(REPO / "images" / "build.sh")],
@@ -132,7 +137,12 @@ def write_pki_and_kubeconfigs(paths: config.Paths) -> str:
     ``.cluster``); the admin token."""
     pki = paths.pki
     tokens_file = paths.node / "tokens.csv"
-    if not (pki / "ca.crt").exists() or not tokens_file.exists():
+    identities = [paths.kubeconfig_of(name) for name in config.IDENTITIES]
+    if (
+        not (pki / "ca.crt").exists()
+        or not tokens_file.exists()
+        or not all(path.exists() for path in identities)  # a component added since
+    ):
         cluster.generate_pki(
             pki, sans=[f"IP:{config.NODE_IP_VETH}", f"IP:{config.KUBERNETES_SERVICE_IP}"]
         )
@@ -242,6 +252,16 @@ def commands(paths: config.Paths, files: dict[str, pathlib.Path]) -> dict[str, l
         ],
         "kube-proxy": [b["kube-proxy"], f"--config={files['kube-proxy']}", "--v=1"],
         "coredns": [b["coredns"], "-conf", str(files["coredns"])],
+        # Only the network-policy controller: no BGP routing, no IPVS service proxy
+        # (kube-proxy is the proxy), no load-balancer allocator; no metrics.
+        "kube-router": [
+            b["kube-router"], f"--kubeconfig={kc('kube-router')}",
+            f"--hostname-override={config.NODE_NAME}",
+            "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
+            "--run-loadbalancer=false", "--enable-ipv4=true", "--enable-ipv6=false",
+            f"--service-cluster-ip-range={config.SERVICE_CIDR}",
+            f"--health-port={config.KUBE_ROUTER_HEALTH_PORT}", "--metrics-port=0", "--v=1",
+        ],
     }  # fmt: skip
 
 

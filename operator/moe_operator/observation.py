@@ -17,8 +17,9 @@ from typing import Any, Union
 import httpx
 
 from moe_operator import runtime_client
+from moe_operator.api import spec as spec_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import access, builders, observe
+from moe_operator.plan import access, availability, builders, observe, storage
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
 #: ``factory(base_url, admin_token)``: a client of one runtime (tests pass a fake transport).
@@ -53,6 +54,9 @@ class Observation:
     runtime_asked: bool
     #: ``GET /elastic_ep/config`` (``None``: not asked, away, or an older runtime).
     runtime_config: dict[str, Any] | None = None
+    #: Why the spec's model cannot be served (``plan.availability``), read only while no
+    #: RayCluster exists; ``None``: it can, or it was not checked.
+    model_problem: str | None = None
 
 
 async def _ray_pods(
@@ -134,10 +138,37 @@ async def observe_runtime(
     return runtime, config
 
 
+async def model_problem(
+    *, api: k8s_api.Api, owner: builders.Owner, spec: spec_.MoEDeploymentSpec, logger: Logger
+) -> str | None:
+    """Why the spec's model cannot be served (``plan.availability``: a ``pvc://`` claim that
+    is missing); ``None`` when it can, or when the operator may not read claims (its RBAC
+    predates ``pvc://``): the pods then wait for the claim themselves."""
+    pvc = storage.claim(spec)
+    if pvc is None:
+        return None
+    try:
+        claim = await api.get(
+            api_version="v1",
+            kind="PersistentVolumeClaim",
+            namespace=owner.namespace,
+            name=pvc.claim,
+        )
+    except k8s_api.ApiError as error:
+        if error.status != 403:
+            raise
+        logger.warning(
+            "%s/%s: claim %s not checked: %s", owner.namespace, owner.name, pvc.claim, error
+        )
+        return None
+    return availability.claim_problem(source=pvc, claim=claim, namespace=owner.namespace)
+
+
 async def observe_all(
     *,
     api: k8s_api.Api,
     owner: builders.Owner,
+    spec: spec_.MoEDeploymentSpec,
     annotations: dict[str, str] | None,
     has_status: bool,
     generation: int,
@@ -173,6 +204,14 @@ async def observe_all(
             url=url, token=admin_token, factory=factory, logger=logger
         )
         observed = dataclasses.replace(observed, runtime=runtime)
+    problem = None
+    if observed.raycluster is None:  # nothing created yet: is the model there to serve?
+        problem = await model_problem(api=api, owner=owner, spec=spec, logger=logger)
     return Observation(
-        children=children, observed=observed, url=url, runtime_asked=asked, runtime_config=config
+        children=children,
+        observed=observed,
+        url=url,
+        runtime_asked=asked,
+        runtime_config=config,
+        model_problem=problem,
     )

@@ -31,7 +31,15 @@ from moe_operator.api import group
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import actions, builders, clock, credentials, resize, settings
+from moe_operator.plan import (
+    actions,
+    availability,
+    builders,
+    clock,
+    credentials,
+    resize,
+    settings,
+)
 from moe_operator.plan import status as plan_status
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
@@ -116,6 +124,8 @@ def plan(
         if wanted:
             steps.append(actions.PatchSettings(wanted))
     steps += resize.plan_resize(spec, status, seen.observed)
+    if seen.model_problem is not None:
+        steps = availability.hold_back(steps, problem=seen.model_problem, status=status)
     return steps
 
 
@@ -176,6 +186,7 @@ async def reconcile(
     seen = await observation.observe_all(
         api=api,
         owner=owner,
+        spec=spec,
         annotations=meta.get("annotations"),
         has_status=bool(raw_status),
         generation=generation,

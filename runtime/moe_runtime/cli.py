@@ -38,6 +38,12 @@ from moe_runtime.rank import hooks as hooks_mod
 log = logging.getLogger("moe_runtime.cli")
 
 DEFAULT_MAX_QUEUED = 1024
+#: Where a container's reason to stop goes (Kubernetes' default terminationMessagePath; the
+#: kubelet shows it in the pod's status). Written only when the file is there and writable.
+TERMINATION_LOG_ENV = "MOE_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+#: The kubelet keeps at most 4096 bytes of a termination message.
+MAX_TERMINATION_MESSAGE = 1024
 #: The running resize, for the JSON log lines (``--log-format json``).
 RESIZE_CONTEXT = logs.ResizeContext()
 
@@ -364,6 +370,22 @@ def _build_into(
     engine.start()
 
 
+def _failed(reason: str) -> int:
+    """`serve` could not start or stopped on an error: ``reason`` as one line on stderr and in
+    the container's termination message (``kubectl describe pod``; the operator reads it),
+    and the exit status 1."""
+    line = " ".join(reason.split())[:MAX_TERMINATION_MESSAGE]
+    print(f"moe-runtime serve: {line}", file=sys.stderr, flush=True)
+    path = os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG)
+    if os.path.isfile(path) and os.access(path, os.W_OK):  # never created outside a pod
+        try:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(line + "\n")
+        except OSError as exc:
+            log.warning("serve: termination message not written to %s: %s", path, exc)
+    return 1
+
+
 def serve(args: argparse.Namespace) -> int:
     """Runs the server until SIGINT/SIGTERM; returns the exit status."""
     # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
@@ -373,14 +395,14 @@ def serve(args: argparse.Namespace) -> int:
         src = source_mod.open_source(args.model)
     except (OSError, ValueError) as exc:
         log.error("serve: cannot open model %r: %s", args.model, exc)
-        return 1
+        return _failed(f"cannot open model {args.model}: {exc}")
     try:
         tokens = elastic_admin.token_source(
             token=args.admin_token, token_file=args.admin_token_file
         )
     except ValueError as exc:
         log.error("serve: admin token: %s", exc)
-        return 1
+        return _failed(f"admin token: {exc}")
 
     status = 0
     runtime: Runtime | None = None
@@ -408,9 +430,12 @@ def serve(args: argparse.Namespace) -> int:
         if exc.code not in stops:
             status = exc.code if isinstance(exc.code, int) else 1
         log.info("serve: exiting (%s)", exc.code)
-    except Exception:
+    except Exception as exc:
         log.exception("serve: failed (model %s, %d ranks)", args.model, args.data_parallel_size)
-        status = 1
+        status = _failed(
+            f"failed (model {args.model}, {args.data_parallel_size} ranks): "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        )
     finally:
         if runtime is not None:
             runtime.close()
@@ -445,6 +470,15 @@ def _shutdown(engine: core.Engine | None, executor: Any, cluster: Any, *, owns_r
         if owns_ray:
             log.info("serve: local Ray instance stopped")
     log.info("serve: stopped")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The message of ``exc`` that says what went wrong: a rank's error reaches the head
+    wrapped with its traceback (Ray's task errors), whose last line is the cause."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and "Traceback" in str(exc):
+        return lines[-1]
+    return lines[0] if lines else repr(exc)
 
 
 def _default_name(model: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from moe_operator.api import spec as spec_
-from moe_operator.plan import access, builders
+from moe_operator.plan import access, builders, storage
 
 OWNER = builders.Owner(name="tiny", namespace="ml", uid="1234")
 
@@ -313,3 +313,55 @@ def test_a_worker_is_ready_when_its_raylet_answers_not_after_kuberays_delay() ->
         assert probe["httpGet"] == {"path": "/api/local_raylet_healthz", "port": 52365}
     assert ready["initialDelaySeconds"] + ready["periodSeconds"] < 10
     assert live["initialDelaySeconds"] >= 30  # a slow start is not a dead raylet
+
+
+def _pods(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return [obj["spec"]["headGroupSpec"]["template"], worker_group(obj)["template"]]
+
+
+def test_a_pvc_source_is_mounted_read_only_at_one_path_in_every_ray_pod() -> None:
+    spec = make_spec(model={"source": "pvc://models/mixtral/tiny"}, elastic={"warmSpareRanks": 1})
+    obj = builders.build_raycluster(owner=OWNER, spec=spec)
+    for pod in _pods(obj):  # the head, and every worker (warm spares are workers too)
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == storage.VOLUME]
+        assert volume == {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+        }
+        (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        assert mount == {"name": "model", "mountPath": "/models/models", "readOnly": True}
+    # the runtime is given the checkpoint's directory inside the pod, not the URI
+    command = shlex.split(head_container(obj)["args"][0].split("&& exec ", 1)[1])
+    assert command[command.index("--model") + 1] == "/models/models/mixtral/tiny"
+
+
+def test_the_root_of_a_claim_is_a_checkpoint_directory_too() -> None:
+    spec = make_spec(model={"source": "pvc://hf-cache"})
+    assert storage.model_path(spec) == "/models/hf-cache"
+
+
+@pytest.mark.parametrize("source", ["synthetic://tiny?seed=0", "/opt/models/tiny"])
+def test_other_sources_mount_nothing_and_pass_through(source: str) -> None:
+    spec = make_spec(model={"source": source})
+    obj = builders.build_raycluster(owner=OWNER, spec=spec)
+    for pod in _pods(obj):
+        assert all("persistentVolumeClaim" not in v for v in pod["spec"]["volumes"])
+    assert storage.model_path(spec) == source
+
+
+def test_a_pvc_mount_keeps_the_pods_pod_security_restricted() -> None:
+    """`restricted` allows persistentVolumeClaim volumes; nothing else changes."""
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec(model={"source": "pvc://m/d"}))
+    allowed = {"emptyDir", "secret", "persistentVolumeClaim", "configMap", "projected"}
+    for pod in _pods(obj):
+        for volume in pod["spec"]["volumes"]:
+            assert set(volume) - {"name"} <= allowed, volume
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_ray_containers_report_why_they_failed() -> None:
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec())
+    for pod in _pods(obj):
+        container = pod["spec"]["containers"][0]
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        assert "terminationMessagePath" not in container  # the default: /dev/termination-log

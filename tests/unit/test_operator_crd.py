@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from moe_operator import cli
-from moe_operator.api import crd
+from moe_operator.api import crd, storage
 from moe_operator.api import spec as spec_
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -84,9 +84,14 @@ def test_cel_rules() -> None:
     assert "self.minDataParallelSize <= self.maxDataParallelSize" in rules
     assert "self.dataParallelSize <= self.maxDataParallelSize" in rules
     source = spec["properties"]["model"]["properties"]["source"]
-    assert source["x-kubernetes-validations"] == [
-        {"rule": "self == oldSelf", "message": "model.source is immutable"}
-    ]
+    assert source["x-kubernetes-validations"][0] == {
+        "rule": "self == oldSelf",
+        "message": "model.source is immutable",
+    }
+    assert all(
+        r["rule"].startswith("!self.startsWith('pvc://') || ")
+        for r in source["x-kubernetes-validations"][1:]
+    )
 
 
 def test_quantities_are_int_or_string() -> None:
@@ -138,8 +143,19 @@ VALID = {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
         ({"minDataParallelSize": 5, "maxDataParallelSize": 4}, "minDataParallelSize"),
         ({"replicas": 2}, "Extra inputs are not permitted"),
         ({"tensorParallelSize": 0}, "greater than or equal to 1"),
+        ({"model": {"source": "pvc://Models/x"}}, "CLAIM a PersistentVolumeClaim name"),
+        ({"model": {"source": "pvc:///abs"}}, "CLAIM a PersistentVolumeClaim name"),
+        ({"model": {"source": "pvc://models/a/../etc"}}, r"must not contain '\.' or '\.\.'"),
     ],
-    ids=["dp-above-max", "min-above-max", "unknown-field", "tp-zero"],
+    ids=[
+        "dp-above-max",
+        "min-above-max",
+        "unknown-field",
+        "tp-zero",
+        "pvc-claim-upper-case",
+        "pvc-no-claim",
+        "pvc-dot-dot",
+    ],
 )
 def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message):
@@ -151,3 +167,43 @@ def test_models_fill_defaults() -> None:
     assert parsed.max_data_parallel_size == 8
     assert parsed.expert_parallel.eplb.step_interval == 3000
     assert parsed.to_wire()["expertParallel"]["eplb"]["windowSize"] == 1000
+
+
+@pytest.mark.parametrize(
+    ("source", "claim", "path"),
+    [
+        ("pvc://models/mixtral-8x7b", "models", "mixtral-8x7b"),
+        ("pvc://models/org/model/", "models", "org/model"),
+        ("pvc://my.claim-1", "my.claim-1", ""),
+        ("pvc://models/v1..2/.cache-free", "models", "v1..2/.cache-free"),
+    ],
+    ids=["claim-and-dir", "nested-trailing-slash", "claim-root", "dots-inside-names"],
+)
+def test_pvc_sources_name_a_claim_and_a_relative_path(source: str, claim: str, path: str) -> None:
+    parsed = storage.parse_pvc(source)
+    assert parsed == storage.PvcSource(claim=claim, path=path)
+    assert (
+        spec_.MoEDeploymentSpec.model_validate({**VALID, "model": {"source": source}}).model.source
+        == source
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["pvc://models/a/../../etc", "pvc://models/./x", "pvc://models//x", "pvc://-bad/x",
+     "pvc://" + "a" * 254 + "/x"],
+    ids=["dot-dot", "dot", "empty-segment", "claim-starts-with-dash", "claim-too-long"],
+)  # fmt: skip
+def test_bad_pvc_sources_are_refused_naming_the_source(source: str) -> None:
+    with pytest.raises(ValueError, match="model.source"):
+        storage.parse_pvc(source)
+
+
+def test_the_cel_rules_and_python_agree_on_pvc_sources() -> None:
+    """The CRD's regular expressions are the ones Python matches (CEL's RE2 and Python's re
+    agree on these simple patterns)."""
+    rules = [r["rule"] for r in storage.CEL_RULES]
+    assert "self.matches('" + storage.PVC_PATTERN.replace("\\", "\\\\") + "')" in rules[0]
+    assert "self.matches('" + storage.DOT_SEGMENT_PATTERN.replace("\\", "\\\\") + "')" in rules[1]
+    assert storage.parse_pvc("synthetic://tiny") is None
+    assert storage.parse_pvc("/models/local") is None

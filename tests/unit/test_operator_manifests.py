@@ -11,7 +11,7 @@ import prometheus_client
 import yaml
 
 from moe_operator import metrics
-from moe_operator.api import crd
+from moe_operator.api import crd, storage
 from moe_operator.api import spec as spec_
 from moe_operator.plan import autoscale, builders
 
@@ -67,7 +67,7 @@ def test_kustomization_lists_every_file() -> None:
 
 
 def test_operator_runs_locked_down() -> None:
-    deployment = by_kind(MANIFESTS / "deployment.yaml", "Deployment")
+    deployment = by_kind(MANIFESTS / "base" / "deployment.yaml", "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
@@ -77,7 +77,7 @@ def test_operator_runs_locked_down() -> None:
 
 
 def test_rbac_has_no_wildcards_and_no_delete() -> None:
-    role = by_kind(MANIFESTS / "rbac.yaml", "ClusterRole")
+    role = by_kind(MANIFESTS / "base" / "rbac.yaml", "ClusterRole")
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]) or rule[
@@ -87,21 +87,34 @@ def test_rbac_has_no_wildcards_and_no_delete() -> None:
     secrets = [r for r in role["rules"] if r["resources"] == ["secrets"]]
     assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
     # ... and the one Secret read is the operator's key, by name, in its own namespace.
-    key = by_kind(MANIFESTS / "rbac.yaml", "Role")
+    key = by_kind(MANIFESTS / "base" / "rbac.yaml", "Role")
     assert key["metadata"]["namespace"] == "elastic-moe-system"
     reads = [r for r in key["rules"] if "get" in r["verbs"]]
     assert reads == [{"apiGroups": [""], "resources": ["secrets"],
                       "resourceNames": ["elastic-moe-operator-key"], "verbs": ["get"]}]  # fmt: skip
 
 
-def test_chart_rbac_matches_the_manifests() -> None:
-    role = by_kind(MANIFESTS / "rbac.yaml", "ClusterRole")
-    template = (CHART / "templates" / "rbac.yaml").read_text()
-    blocks = [part.split("---", 1)[0].split("{{-", 1)[0] for part in template.split("rules:\n")[1:]]
-    cluster_rules = yaml.safe_load(blocks[0]) + yaml.safe_load(blocks[1])  # main + children
-    key = sorted(role["rules"], key=str)
-    assert sorted(cluster_rules, key=str) == key
-    assert yaml.safe_load(blocks[2]) == by_kind(MANIFESTS / "rbac.yaml", "Role")["rules"]
+def test_a_watched_namespace_gets_the_namespaced_rules_and_nothing_else() -> None:
+    """manifests/namespaced/: the Role in each watched namespace holds exactly the namespaced
+    rules of the cluster-wide ClusterRole; the ClusterRole is cut down to reading CRDs; the
+    operator is told to watch each namespace that has a Role (rendered and checked against a
+    real API server in tests/integration/operator/test_operator_manifests.py)."""
+    cluster_rules = by_kind(MANIFESTS / "base" / "rbac.yaml", "ClusterRole")["rules"]
+    crds = [r for r in cluster_rules if r["resources"] == ["customresourcedefinitions"]]
+    role = by_kind(MANIFESTS / "namespaced" / "watched" / "role.yaml", "Role")
+    assert role["rules"] == [r for r in cluster_rules if r not in crds]
+    overlay = yaml.safe_load((MANIFESTS / "namespaced" / "kustomization.yaml").read_text())
+    patches = {p["target"]["kind"]: yaml.safe_load(p["patch"]) for p in overlay["patches"]}
+    assert patches["ClusterRole"] == [{"op": "replace", "path": "/rules", "value": crds}]
+    watched = [r for r in overlay["resources"] if not r.startswith("..")]
+    namespaces = [
+        yaml.safe_load((MANIFESTS / "namespaced" / d / "kustomization.yaml").read_text())[
+            "namespace"
+        ]
+        for d in watched
+    ]
+    args = [op["value"] for op in patches["Deployment"]]
+    assert args == [f"--namespace={n}" for n in namespaces] and namespaces == ["ml"]
 
 
 def test_chart_ships_the_generated_crd() -> None:
@@ -144,11 +157,11 @@ def test_the_hpa_and_keda_samples_target_the_sample_and_the_operator_stands_down
 
 
 def test_the_metrics_service_reaches_the_operator() -> None:
-    deployment = by_kind(MANIFESTS / "deployment.yaml", "Deployment")
+    deployment = by_kind(MANIFESTS / "base" / "deployment.yaml", "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
     assert f"--metrics=0.0.0.0:{port}" in container["command"]
-    service = by_kind(MANIFESTS / "service.yaml", "Service")
+    service = by_kind(MANIFESTS / "base" / "service.yaml", "Service")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
@@ -192,3 +205,25 @@ def test_the_dashboard_only_uses_metrics_that_exist() -> None:
     for subject in ("tokens/s", "time to first token", "queue depth", "data-parallel size",
                     "resize stage", "balancedness"):  # fmt: skip
         assert subject in titles
+
+
+def test_the_pvc_sample_serves_a_checkpoint_the_download_job_puts_on_its_claim() -> None:
+    claim, moed = docs(MANIFESTS / "samples" / "moedeployment-pvc.yaml")
+    assert claim["kind"] == "PersistentVolumeClaim"
+    spec = spec_.MoEDeploymentSpec.model_validate(moed["spec"])
+    pvc = storage.parse_pvc(spec.model.source)
+    assert pvc is not None and pvc.claim == claim["metadata"]["name"]
+    # several nodes mount it at once: not a one-node access mode
+    assert set(claim["spec"]["accessModes"]) & {"ReadWriteMany", "ReadOnlyMany"}
+    (job,) = docs(MANIFESTS / "samples" / "model-download-job.yaml")
+    pod = job["spec"]["template"]["spec"]
+    (volume,) = pod["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc.claim
+    (container,) = pod["containers"]
+    (mount,) = container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # the Job writes where the deployment reads: <mount>/<repo> is pvc://<claim>/<repo>
+    assert f"{mount['mountPath']}/{env['REPO']}" == f"/models/{pvc.path}"
+    assert '--local-dir "/models/$REPO"' in container["args"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import copy
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from moe_contract import status as runtime_status
 from moe_operator import reconcile
 from moe_operator.k8s import api as k8s_api
+from moe_operator.plan import availability
 from tests.support import reconcile_fakes as fakes
 
 
@@ -277,3 +280,69 @@ def test_a_refused_scale_fails_with_the_runtime_message() -> None:
         api, fakes.body(status=api.status, dp=1), events=events, factory=factory, now=fakes.LATER
     )
     assert len(posts) == 1  # not retried for the same generation
+
+
+# -- a pvc:// model whose claim is missing (plan.availability) -------------------------------
+
+
+def claim(phase: str = "Bound") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "models", "namespace": "ml"},
+        "status": {"phase": phase},
+    }
+
+
+def pvc_body(status: dict[str, Any] | None = None) -> dict[str, Any]:
+    obj = fakes.body(status=status)
+    obj["spec"]["model"] = {"source": "pvc://models/mixtral/tiny"}
+    return obj
+
+
+def test_a_missing_claim_creates_nothing_until_it_exists() -> None:
+    api, events = fakes.FakeApi(), []
+    outcome = fakes.run(api, pvc_body(), events=events)
+    assert outcome.created == () and api.writes == ["status/tiny"]
+    assert api.status["phase"] == "Pending"
+    (ready,) = [c for c in api.status["conditions"] if c["type"] == "Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "ModelUnavailable"
+    assert "'models'" in ready["message"] and "not found" in ready["message"]
+    assert [reason for reason, _ in events] == ["ModelUnavailable"]
+    assert outcome.requeue_after == availability.RECHECK_SECONDS
+    # looked again: still missing, nothing new to say
+    events.clear()
+    fakes.run(api, pvc_body(copy.deepcopy(api.status)), events=events, now=fakes.LATER)
+    assert events == [] and [w for w in api.writes if not w.startswith("status/")] == []
+    # the claim appears: the deployment starts
+    api.objects[("PersistentVolumeClaim", "ml", "models")] = claim()
+    outcome = fakes.run(api, pvc_body(copy.deepcopy(api.status)), events=events, now=fakes.LATER)
+    assert "RayCluster/tiny" in outcome.created
+    assert api.status["phase"] == "Provisioning"
+    head = api.objects[("RayCluster", "ml", "tiny")]["spec"]["headGroupSpec"]["template"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in (head["spec"]["volumes"])
+
+
+def test_an_operator_that_may_not_read_claims_does_not_hold_deployments_back() -> None:
+    api, events = fakes.FakeApi(), []
+    get = api.get
+
+    async def forbidden(**kw: Any) -> dict[str, Any] | None:
+        if kw["kind"] == "PersistentVolumeClaim":
+            raise k8s_api.ApiError(method="GET", url="/pvc", status=403, body="forbidden")
+        return await get(**kw)
+
+    api.get = forbidden  # type: ignore[method-assign]
+    outcome = asyncio.run(
+        reconcile.reconcile(
+            api=api,  # type: ignore[arg-type]
+            body=pvc_body(),
+            events=lambda reason, message: events.append((reason, message)),
+            logger=fakes.LOG,
+            now=fakes.NOW,
+        )
+    )
+    assert "RayCluster/tiny" in outcome.created

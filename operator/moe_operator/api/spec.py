@@ -13,6 +13,8 @@ from typing import Any, Final, Literal, Union
 import pydantic
 from pydantic import alias_generators
 
+from moe_operator.api import storage
+
 #: Largest data-parallel size the schema accepts (bounds CEL cost estimates too).
 MAX_DATA_PARALLEL_SIZE = 1024
 MAX_TENSOR_PARALLEL_SIZE = 64
@@ -55,13 +57,17 @@ class ModelSpec(ApiModel):
         min_length=1,
         max_length=4096,
         description=(
-            "synthetic://NAME?seed=N or a local directory holding a Hugging Face checkpoint of a "
-            "supported family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss) "
-            "as save_pretrained writes it (config.json + *.safetensors). Immutable."
+            "synthetic://NAME?seed=N; pvc://CLAIM/PATH: the directory PATH of the "
+            "PersistentVolumeClaim CLAIM in the deployment's namespace, mounted read-only in "
+            "the head and every worker; or a directory inside the image. The directory holds "
+            "a Hugging Face checkpoint of a supported family (Mixtral, Qwen2-MoE, Qwen3-MoE, "
+            "OLMoE, DeepSeek-V2/V3, gpt-oss) as save_pretrained writes it (config.json + "
+            "*.safetensors). Immutable."
         ),
         json_schema_extra={
             "x-kubernetes-validations": [
-                {"rule": "self == oldSelf", "message": "model.source is immutable"}
+                {"rule": "self == oldSelf", "message": "model.source is immutable"},
+                *storage.CEL_RULES,
             ]
         },
     )
@@ -85,6 +91,12 @@ class ModelSpec(ApiModel):
             "restarts it (the head's startupProbe)."
         ),
     )
+
+    @pydantic.field_validator("source")
+    @classmethod
+    def _pvc_source(cls, value: str) -> str:
+        storage.parse_pvc(value)  # ValueError naming what is wrong (the CRD's CEL rules)
+        return value
 
 
 class EplbSpec(ApiModel):

@@ -64,6 +64,9 @@ REASON_RANK_LOST: Final = "RankLost"
 REASON_RANK_UNHEALTHY: Final = "RankUnhealthy"
 REASON_RECOVERING: Final = "Recovering"
 REASON_RUNTIME_RESTARTED: Final = "RuntimeRestarted"
+#: The model cannot be served from here (a ``pvc://`` claim that does not exist): nothing is
+#: created until it can (``plan.availability``).
+REASON_MODEL_UNAVAILABLE: Final = "ModelUnavailable"
 # Autoscaler reasons (``status.autoscaling.reason``; the first three are also event reasons).
 REASON_SCALED_UP: Final = "ScaledUp"
 REASON_SCALED_DOWN: Final = "ScaledDown"
@@ -85,6 +88,7 @@ WARNING_REASONS: Final = frozenset(
         REASON_RANK_LOST,
         REASON_RANK_UNHEALTHY,
         REASON_RUNTIME_RESTARTED,
+        REASON_MODEL_UNAVAILABLE,
         REASON_EXTERNAL_AUTOSCALER,
         REASON_SCALE_FAILED,
     }

@@ -54,6 +54,7 @@ _KINDS: Final[dict[tuple[str, str], tuple[str, str]]] = {
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "Secret"): ("/api/v1", "secrets"),
     ("v1", "Pod"): ("/api/v1", "pods"),
+    ("v1", "PersistentVolumeClaim"): ("/api/v1", "persistentvolumeclaims"),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
     ("ray.io/v1", "RayCluster"): ("/apis/ray.io/v1", "rayclusters"),
     (group.API_VERSION, group.KIND): (f"/apis/{group.API_VERSION}", group.PLURAL),

@@ -17,6 +17,7 @@ from moe_contract import names
 from moe_contract import serve as flags
 from moe_operator.api import group
 from moe_operator.api import spec as spec_
+from moe_operator.plan import storage
 
 HEAD_CONTAINER: Final = "ray-head"
 WORKER_CONTAINER: Final = "ray-worker"
@@ -50,6 +51,10 @@ WORKER_READY_PERIOD_SECONDS: Final = 2
 OVERWRITE_CMD_ANNOTATION: Final = "ray.io/overwrite-container-cmd"
 #: Environment variable in which KubeRay passes its generated ``ray start`` command.
 RAY_START_ENV: Final = "KUBERAY_GEN_RAY_START_CMD"
+#: A container that fails says why in its status (``kubectl describe pod``, and the operator
+#: reads it): the runtime writes its reason to /dev/termination-log, and the log's last lines
+#: stand in when it could not (``ray start`` failed, a kill).
+TERMINATION_MESSAGE_POLICY: Final = "FallbackToLogsOnError"
 
 COMPONENT_RAY: Final = "ray"
 COMPONENT_HEAD: Final = "head"
@@ -128,7 +133,7 @@ def serve_args(
     resizes change it from there)."""
     experts = spec.expert_parallel
     return flags.ServeArgs(
-        model=spec.model.source,
+        model=storage.model_path(spec),  # a pvc:// source: the claim's directory in the pod
         data_parallel_size=spec.data_parallel_size if size is None else size,
         served_model_name=served_model_name(owner_name=owner_name, spec=spec),
         dtype=spec.model.dtype,
@@ -361,7 +366,13 @@ def _head_template(
         **_head_probes(spec),
         "resources": _resources(spec.ray.head_resources),
         "securityContext": _container_security(),
-        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT), dict(_ADMIN_TOKEN_MOUNT)],
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "volumeMounts": [
+            dict(_SHM_MOUNT),
+            dict(_RAY_TOKEN_MOUNT),
+            dict(_ADMIN_TOKEN_MOUNT),
+            *storage.mounts(spec),
+        ],
     }
     return {
         "metadata": {
@@ -375,7 +386,12 @@ def _head_template(
             "securityContext": _pod_security(),
             **_pod_placement(spec),
             "containers": [container],
-            "volumes": [_shm_volume(spec), _ray_token_volume(owner), _admin_token_volume(owner)],
+            "volumes": [
+                _shm_volume(spec),
+                _ray_token_volume(owner),
+                _admin_token_volume(owner),
+                *storage.volumes(spec),
+            ],
         },
     }
 
@@ -390,7 +406,8 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         **_worker_probes(),
         "resources": _resources(spec.ray.worker_resources, gpus=gpus),
         "securityContext": _container_security(),
-        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT)],
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
+        "volumeMounts": [dict(_SHM_MOUNT), dict(_RAY_TOKEN_MOUNT), *storage.mounts(spec)],
         "lifecycle": {"preStop": WORKER_PRESTOP},
     }
     return {
@@ -400,7 +417,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
             **_pod_placement(spec),
             "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
             "containers": [container],
-            "volumes": [_shm_volume(spec), _ray_token_volume(owner)],
+            "volumes": [_shm_volume(spec), _ray_token_volume(owner), *storage.volumes(spec)],
         },
     }
 

@@ -126,6 +126,16 @@ CASES = [
         id="bad-enum-toleration",
     ),
     pytest.param(
+        variant("spec.model.source", "pvc://Models/mixtral"),
+        "CLAIM must be a PersistentVolumeClaim name",
+        id="pvc-claim-not-a-name",
+    ),
+    pytest.param(
+        variant("spec.model.source", "pvc://models/a/../../etc"),
+        "PATH must not contain '.' or '..' segments",
+        id="pvc-path-escapes",
+    ),
+    pytest.param(
         variant("metadata.name", "a" * 41),
         "metadata.name must be at most 40 characters",
         id="name-too-long",
@@ -151,6 +161,12 @@ def test_invalid_spec_is_refused(
         "get", "moed", doc["metadata"]["name"], "-n", namespace, check=False
     )
     assert gone.returncode != 0  # nothing was stored
+
+
+def test_a_pvc_source_is_accepted(control_plane: cluster.ControlPlane) -> None:
+    doc = variant("spec.model.source", "pvc://models/org.model/v1.0")
+    doc["metadata"]["name"] = f"pvc-{uuid.uuid4().hex[:8]}"
+    control_plane.kubectl("apply", "--validate=strict", "-f", "-", input=yaml.safe_dump(doc))
 
 
 def test_valid_spec_gets_defaults(control_plane: cluster.ControlPlane) -> None:

@@ -1,4 +1,4 @@
-"""The operator's RBAC (manifests/rbac.yaml) as the real API server evaluates it
+"""The operator's RBAC (manifests/base/rbac.yaml) as the real API server evaluates it
 (`kubectl auth can-i --as` its ServiceAccount): what it needs, and no read of other Secrets."""
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ def can(plane: cluster.ControlPlane, *args: str) -> bool:
         (("watch", "pods", "--all-namespaces"), True),
         (("create", "networkpolicies.networking.k8s.io", "-n", "ml"), True),
         (("patch", "moedeployments.elasticmoe.io/scale", "-n", "ml"), True),
+        # the claim of a pvc:// model is checked before anything is created: read, by name
+        (("get", "persistentvolumeclaims", "-n", "ml"), True),
+        (("list", "persistentvolumeclaims", "-n", "ml"), False),
+        (("create", "persistentvolumeclaims", "-n", "ml"), False),
         # and what it never does
         (("delete", "pods", "-n", "ml"), False),
         (("delete", "rayclusters.ray.io", "-n", "ml"), False),

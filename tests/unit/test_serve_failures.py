@@ -1,0 +1,86 @@
+"""`moe-runtime serve` that cannot start says why in one line: on stderr, in the container's
+termination message (/dev/termination-log, which the kubelet shows in the pod's status), and
+by a non-zero exit status."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+from collections.abc import Iterator
+
+import pytest
+import safetensors.torch
+import torch
+
+from moe_runtime import cli
+from tests.support import checkpoints
+
+
+@pytest.fixture
+def termination_log(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    path = tmp_path / "termination-log"
+    path.write_text("")  # the kubelet makes the file; the runtime only writes it
+    monkeypatch.setenv(cli.TERMINATION_LOG_ENV, str(path))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _keep_sigterm() -> Iterator[None]:
+    handler = signal.getsignal(signal.SIGTERM)  # serve installs its own
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _serve(model: str) -> int:
+    argv = ["serve", "--model", model, "--data-parallel-size", "1", "--executor", "local"]
+    return cli.serve(cli.build_parser().parse_args(argv))
+
+
+def _wrong_shape(path: pathlib.Path) -> None:
+    """A checkpoint whose every tensor is listed but one has the wrong shape: it opens, and
+    fails when a rank loads it."""
+    checkpoints.build(path)
+    tensors = safetensors.torch.load_file(str(path / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(7)
+    safetensors.torch.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _refused_family(path: pathlib.Path) -> None:
+    checkpoints.build(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+
+
+CASES = [
+    pytest.param(lambda p: None, "no such checkpoint directory", id="bad-path"),
+    pytest.param(lambda p: p.mkdir(), "needs config.json", id="no-config-json"),
+    pytest.param(_refused_family, "model_type 'llama' is not supported", id="refused-model-type"),
+    pytest.param(_wrong_shape, "model.norm.weight", id="load-error"),
+]
+
+
+@pytest.mark.parametrize(("make", "reason"), CASES)
+def test_a_serve_that_cannot_start_says_why(
+    make: object,
+    reason: str,
+    tmp_path: pathlib.Path,
+    termination_log: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = tmp_path / "model"
+    make(model)  # type: ignore[operator]
+    assert _serve(str(model)) == 1
+    message = termination_log.read_text()
+    assert reason in message and str(model) in message
+    assert message.count("\n") == 1 and len(message) <= cli.MAX_TERMINATION_MESSAGE + 1
+    assert f"moe-runtime serve: {message.strip()}" in capsys.readouterr().err
+
+
+def test_no_termination_log_is_created_outside_a_pod(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "absent"
+    monkeypatch.setenv(cli.TERMINATION_LOG_ENV, str(path))
+    assert _serve(str(tmp_path / "nowhere")) == 1
+    assert not path.exists()
