@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pathlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,13 +53,23 @@ def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cli.Runtime]:
     rt.close()
 
 
+def _spare_ready(pool: Any, timeout: float = 120.0) -> bool:
+    """Polls until the pool has a ready spare (deadline: ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not pool.ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @pytest.fixture(scope="module")
 def payload(runtime: cli.Runtime) -> dict[str, Any]:
     """``/elastic_ep/status`` after a grow the warm spare covers (2->3) and a shrink (3->2):
     records with stages, freed ranks and a spare, as the operator's client reads them."""
     assert runtime.app is not None and runtime.elastic is not None
     pool = runtime.elastic.spares
-    assert pool is not None and pool.wait_ready(1, timeout=120)
+    assert pool is not None and _spare_ready(pool)
     transport = httpx.ASGITransport(app=runtime.app)
 
     async def drive() -> dict[str, Any]:
@@ -69,7 +80,7 @@ def payload(runtime: cli.Runtime) -> dict[str, Any]:
             for size in (3, 2):
                 answer = await client.scale(size, wait=True)
                 assert answer.resize_id and answer.stage == stages.Stage.COMPLETED.value
-            assert pool.wait_ready(1, timeout=120)
+            assert _spare_ready(pool)
             return await client.status_json()
 
     return asyncio.run(drive())
