@@ -186,6 +186,7 @@ class RayExecutor(base.Executor):
             clock.end(ok=False)
             self._step_failed(step, ranks, exc)  # always raises
         clock.end(ok=True)
+        self.after_step(step, ranks, outs)
         return outs
 
     def _step_failed(self, step: step_mod.StepInput, ranks: list[int], exc: Exception) -> None:
@@ -208,6 +209,7 @@ class RayExecutor(base.Executor):
             self.fence(hung, reason="unresponsive in a failed step")
         self.path.clear()
         if bad:
+            self.abort_peers(bad)  # stepped peers still waiting for them in a collective
             log.error("step %d failed; ranks %s are lost: %s", step.step_id, bad, exc)
             raise base.RankDied(f"step {step.step_id} failed: {exc}", ranks=bad) from exc
         log.error("step %d failed with every rank healthy: %s; rebuilding", step.step_id, exc)
@@ -297,6 +299,10 @@ class RayExecutor(base.Executor):
 
     def _poll_ping(self, handle: Any) -> str | None:
         return ray_actor.poll(handle)
+
+    def _send_abort(self, member: ray_actor.Member, reason: str) -> None:
+        health = {"concurrency_group": ray_actor.HEALTH_LANE}
+        member.handle.actor.execute_method.options(**health).remote("abort_live_groups", reason)
 
     def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
         now = time.monotonic()

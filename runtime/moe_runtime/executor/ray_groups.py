@@ -49,7 +49,13 @@ class RayGroups:
         self._group_dir = group_dir
 
     def build(
-        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int,
+        timeout: float | None,
+        background: bool,
+        step_op_timeout: float | None,
     ) -> None:
         """See `base.Executor.build_groups`."""
         members = self._members.targets("build_groups", ranks)
@@ -62,7 +68,12 @@ class RayGroups:
             started = time.monotonic()
             handles = {
                 m.label: m.handle.actor.execute_method.options(**lane).remote(
-                    "join_group", spec, rank=i, role=role, group_timeout=timeout
+                    "join_group",
+                    spec,
+                    rank=i,
+                    role=role,
+                    group_timeout=timeout,
+                    op_timeout=step_op_timeout if role == groups_mod.STEP else None,
                 )
                 for i, m in enumerate(members)
             }
