@@ -124,6 +124,7 @@ class Executor(abc.ABC):
             fence=self.fence,
             clock=health_mod.StepClock(),
             abort_peers=self.abort_peers,
+            ping_error=self._ping_error,
         )
         self.switcher = switch_mod.Switch(
             roster=roster,
@@ -358,6 +359,11 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def _poll_ping(self, handle: Any) -> str | None:
         """None while the ping is pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone)."""
+
+    def _ping_error(self, handle: Any) -> str | None:
+        """What a finished ping that made its worker dead said (a `RankFailed` message), if
+        anything."""
+        return None
 
     @abc.abstractmethod
     def _set_path(self) -> None:

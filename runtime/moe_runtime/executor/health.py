@@ -126,8 +126,9 @@ class Heartbeat:
     ping on the worker's health lane and returns a handle; poll_ping(handle): None while it
     is pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone); fence(labels, reason=...)
     kills hung workers; abort_peers(labels): the stepped workers were lost, their peers must
-    leave the live groups (see the module docstring); clock: the observed step times; now: the
-    monotonic clock (tests give their own).
+    leave the live groups (see the module docstring); ping_error(handle): why a dead ping's
+    worker cannot serve when it said so (`RankFailed`), else None; clock: the observed step
+    times; now: the monotonic clock (tests give their own).
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class Heartbeat:
         fence: Callable[..., None],
         clock: StepClock,
         abort_peers: Callable[[list[int]], None] = lambda labels: None,
+        ping_error: Callable[[Any], str | None] = lambda handle: None,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         self._members = members
@@ -148,6 +150,7 @@ class Heartbeat:
         self._poll_ping = poll_ping
         self._fence = fence
         self._abort_peers = abort_peers
+        self._ping_error = ping_error
         self.clock = clock
         self._now = now
         self._thread: threading.Thread | None = None
@@ -221,8 +224,9 @@ class Heartbeat:
                     if h.state == HEALTH_OK:
                         h.last_ok = now
                 elif result == HEALTH_DEAD:
+                    why = self._ping_error(h.ping) or "its process died"
                     h.ping = None
-                    if h.lose(HEALTH_DEAD, h.reason or "its process died", now):
+                    if h.lose(HEALTH_DEAD, h.reason or why, now):
                         newly[label] = HEALTH_DEAD
                 else:
                     waited = now - h.ping_sent

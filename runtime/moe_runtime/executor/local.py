@@ -161,6 +161,10 @@ class LocalExecutor(base.Executor):
             return None
         return health_mod.HEALTH_DEAD if handle.exception() is not None else health_mod.HEALTH_OK
 
+    def _ping_error(self, handle: Any) -> str | None:
+        exc = handle.exception() if handle.done() else None
+        return str(exc) if isinstance(exc, worker_mod.RankFailed) else None
+
     def _send_abort(self, member: Member, reason: str) -> None:
         self._submit(member.handle.abort_live_groups, reason)
 

@@ -380,6 +380,19 @@ def poll(ref: Any) -> str | None:
     return health_mod.HEALTH_OK
 
 
+def ping_error(ref: Any) -> str | None:
+    """The `worker.RankFailed` message a finished ping raised, else None."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayError as exc:
+        if _rank_failed(exc):
+            cause = getattr(exc, "cause", None)
+            return str(cause if cause is not None else exc)
+    except Exception:  # noqa: BLE001 - a ping that cannot be read says nothing more
+        return None
+    return None
+
+
 def _rank_failed(exc: BaseException) -> bool:
     """A ping answered with `worker.RankFailed` (the rank cannot step again)."""
     cause = getattr(exc, "cause", None)

@@ -300,6 +300,9 @@ class RayExecutor(base.Executor):
     def _poll_ping(self, handle: Any) -> str | None:
         return ray_actor.poll(handle)
 
+    def _ping_error(self, handle: Any) -> str | None:
+        return ray_actor.ping_error(handle)
+
     def _send_abort(self, member: ray_actor.Member, reason: str) -> None:
         health = {"concurrency_group": ray_actor.HEALTH_LANE}
         member.handle.actor.execute_method.options(**health).remote("abort_live_groups", reason)
