@@ -19,6 +19,7 @@ import types
 from typing import Any
 
 import fastapi
+import torch
 import uvicorn
 
 from moe_contract import names
@@ -89,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve token ids only (no tokenizer: a text prompt gets 400), as vLLM's flag",
     )
-    serve.add_argument("--dtype", default="float32")
+    serve.add_argument(
+        flags.DTYPE,
+        choices=flags.DTYPES,
+        default=flags.DTYPE_AUTO,
+        help="serving dtype; auto: bfloat16 on GPUs, float32 on CPUs (each rank by its device)",
+    )
     serve.add_argument(
         flags.DEVICE,
         choices=flags.DEVICES,
@@ -283,7 +289,12 @@ def _build_into(
     else:
         from moe_runtime.executor import local
 
-        runtime.executor = local.LocalExecutor(num_ranks, dtype=args.dtype, rank_hooks=rank_hooks)
+        device = args.device
+        if device == flags.DEVICE_AUTO:
+            device = flags.DEVICE_CUDA if torch.cuda.is_available() else flags.DEVICE_CPU
+        runtime.executor = local.LocalExecutor(
+            num_ranks, device=device, dtype=args.dtype, rank_hooks=rank_hooks
+        )
     executor = runtime.executor
     log.info("serve: loading %s on %d ranks (%s executor)", args.model, num_ranks, args.executor)
     executor.start(args.model, placement=placement)

@@ -70,6 +70,13 @@ class ModelSpec(ApiModel):
         max_length=253,
         description="Name of the model in the OpenAI-compatible API (default: the deployment name).",
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = pydantic.Field(
+        default="auto",
+        description=(
+            "Serving dtype. auto: the checkpoint's (config.json), else bfloat16 on GPUs and "
+            "float32 on CPUs; a synthetic model on nvidia.com/gpu workers is served in bfloat16."
+        ),
+    )
     load_timeout_seconds: int = pydantic.Field(
         default=1800,
         ge=30,

@@ -88,7 +88,7 @@ class RayExecutor(base.Executor):
         num_ranks: int,
         *,
         use_gpu: bool | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         ready_timeout: float = 120.0,
         step_timeout: float = 120.0,
         switch_timeout: float = 60.0,
