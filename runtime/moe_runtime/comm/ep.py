@@ -174,9 +174,7 @@ def apply_grouped(
     for expert, n in enumerate(counts):
         if n:
             part = rows[start : start + n]
-            out[start : start + n] = mixtral.expert_forward(weights_for(expert), part).to(
-                out.dtype
-            )
+            out[start : start + n] = mixtral.expert_forward(weights_for(expert), part).to(out.dtype)
         start += n
     return out
 

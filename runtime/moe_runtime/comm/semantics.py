@@ -96,6 +96,10 @@ class Nccl(Semantics):
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
         "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
         "TORCH_NCCL_BLOCKING_WAIT": "0",
+        # every connection at the communicator's creation (NCCL >= 2.22): no device allocation
+        # (an implicit device synchronisation) in the middle of a transfer or a step, where it
+        # would wait for another communicator's spinning kernel
+        "NCCL_RUNTIME_CONNECT": "0",
     }
 
     def prepare(self) -> None:

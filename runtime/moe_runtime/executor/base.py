@@ -336,7 +336,9 @@ class Executor(abc.ABC):
         lost = [r for r, o in failed if o.failure == step_mod.FAILURE_RANK]
         for r, o in failed:
             if r in lost and r in members:
-                members[r].health.lose(health_mod.HEALTH_DEAD, f"step {step.step_id}: {o.error}", now)
+                members[r].health.lose(
+                    health_mod.HEALTH_DEAD, f"step {step.step_id}: {o.error}", now
+                )
         self._clear_path()
         if lost:
             self.abort_peers(lost)

@@ -70,6 +70,7 @@ class RankFailed(RuntimeError):
     """The rank cannot step again (`RankWorker.fail`): its pings raise this, so the heartbeat
     reports it lost and the recovery shrinks around it."""
 
+
 #: The control methods an executor calls by name (`RankWorker.call`), by the part that answers.
 WORKER_CONTROLS = (
     "info",
@@ -102,6 +103,15 @@ CONTROLS: dict[str, str] = {
     **dict.fromkeys(GROUP_CONTROLS, "groups"),
     **dict.fromkeys(SLOT_CONTROLS, "slots"),
 }
+
+
+def nccl_version() -> str | None:
+    """The NCCL version this process's torch runs ("2.27.3"), None without NCCL."""
+    try:
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+    except (RuntimeError, AttributeError):
+        return None
+    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
 
 
 class RankWorker:
@@ -172,7 +182,8 @@ class RankWorker:
         return f"rank={slots.rank} label={self.label} epoch={slots.epoch} step={self.stepper.steps}"
 
     def info(self) -> dict[str, Any]:
-        """pid, host, ip, pod (env MOE_POD_NAME, else the host name), device, rank, epoch."""
+        """pid, host, ip, pod (env MOE_POD_NAME, else the host name), device, nccl (the NCCL
+        version of a GPU rank), rank, epoch."""
         host = socket.gethostname()
         kv = self.loaded.kv
         return {
@@ -181,6 +192,7 @@ class RankWorker:
             "ip": groups_mod.host_ip(),
             "pod": os.environ.get(contract_names.POD_NAME_ENV) or host,
             "device": self.device,
+            "nccl": nccl_version() if self.device.startswith("cuda") else None,
             "rank": self.slots.rank,
             "num_ranks": self.slots.num_ranks,
             "epoch": self.slots.epoch,
