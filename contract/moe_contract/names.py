@@ -34,3 +34,7 @@ POD_NAME_ENV: Final = "MOE_POD_NAME"
 #: ``_system_config``.
 RAY_KILL_WORKER_TIMEOUT_MS: Final = 200
 RAY_KILL_WORKER_TIMEOUT_ENV: Final = "RAY_kill_worker_timeout_milliseconds"
+
+#: The scheme of a synthetic model source (``synthetic://NAME?seed=N``): weights made from a
+#: seed, no checkpoint behind them (so no dtype to read: the operator says bfloat16 on GPUs).
+SYNTHETIC_SCHEME: Final = "synthetic://"

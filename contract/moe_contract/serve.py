@@ -18,7 +18,6 @@ COMMAND: Final = ("moe-runtime", "serve")
 MODEL: Final = "--model"
 DATA_PARALLEL_SIZE: Final = "--data-parallel-size"
 SERVED_MODEL_NAME: Final = "--served-model-name"
-DTYPE: Final = "--dtype"
 HOST: Final = "--host"
 PORT: Final = "--port"
 MIN_DATA_PARALLEL_SIZE: Final = "--min-data-parallel-size"
@@ -30,6 +29,7 @@ EPLB_WINDOW_SIZE: Final = "--eplb-window-size"
 EPLB_STEP_INTERVAL: Final = "--eplb-step-interval"
 MAX_EXPERTS_PER_RANK: Final = "--max-experts-per-rank"
 DEVICE: Final = "--device"
+DTYPE: Final = "--dtype"
 DRAIN_TIMEOUT: Final = "--drain-timeout"
 MAX_QUEUED_REQUESTS: Final = "--max-queued-requests"
 ADMIN_TOKEN_FILE: Final = "--admin-token-file"
@@ -43,8 +43,11 @@ DEVICE_CPU: Final = "cpu"
 DEVICE_CUDA: Final = "cuda"
 DEVICES: Final = (DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA)
 
-#: Values of ``--dtype`` (``auto``: the checkpoint's).
-DTYPES: Final = ("auto", "float32", "bfloat16", "float16")
+#: Values of ``--dtype``: ``auto`` is the checkpoint's dtype, else bfloat16 on a GPU and
+#: float32 on a CPU (the runtime decides per rank).
+DTYPE_AUTO: Final = "auto"
+DTYPE_BFLOAT16: Final = "bfloat16"
+DTYPES: Final = (DTYPE_AUTO, "float32", DTYPE_BFLOAT16, "float16")
 
 
 def negated(flag: str) -> str:
@@ -72,7 +75,6 @@ class ServeArgs:
     model: str
     data_parallel_size: int
     served_model_name: str
-    dtype: str
     host: str
     port: int
     min_data_parallel_size: int
@@ -90,6 +92,8 @@ class ServeArgs:
     max_experts_per_rank: int | None = None
     #: 0 (the runtime's default) is left out.
     warm_spare_ranks: int = 0
+    #: One of ``DTYPES``.
+    dtype: str = DTYPE_AUTO
 
     def argv(self) -> list[str]:
         """``moe-runtime serve ...``, in a fixed order (the head's command in the RayCluster)."""
@@ -97,7 +101,6 @@ class ServeArgs:
         out += _option(MODEL, self.model)
         out += _option(DATA_PARALLEL_SIZE, self.data_parallel_size)
         out += _option(SERVED_MODEL_NAME, self.served_model_name)
-        out += _option(DTYPE, self.dtype)
         out += _option(HOST, self.host)
         out += _option(PORT, self.port)
         out += _option(MIN_DATA_PARALLEL_SIZE, self.min_data_parallel_size)
@@ -109,6 +112,7 @@ class ServeArgs:
         if self.max_experts_per_rank is not None:
             out += _option(MAX_EXPERTS_PER_RANK, self.max_experts_per_rank)
         out += _option(DEVICE, self.device)
+        out += _option(DTYPE, self.dtype)
         out += _option(DRAIN_TIMEOUT, self.drain_timeout)
         out += _option(MAX_QUEUED_REQUESTS, self.max_queued_requests)
         out += _option(ADMIN_TOKEN_FILE, self.admin_token_file)

@@ -19,6 +19,7 @@ import types
 from typing import Any
 
 import fastapi
+import torch
 import uvicorn
 
 from moe_contract import names
@@ -98,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         flags.DTYPE,
         choices=flags.DTYPES,
-        default="auto",
-        help="serving dtype; auto: the checkpoint's (config.json dtype / torch_dtype), float32 "
-        "when it says none (synthetic models)",
+        default=flags.DTYPE_AUTO,
+        help="serving dtype; auto: the checkpoint's (config.json dtype / torch_dtype), else "
+        "bfloat16 on GPUs and float32 on CPUs (each rank by its device)",
     )
     serve.add_argument(
         flags.DEVICE,
@@ -275,7 +276,7 @@ def _build_into(
             num_physical // num_ranks,
         )
     placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, num_physical, num_ranks)
-    dtype = args.dtype if args.dtype != "auto" else (cfg.dtype or "float32")
+    dtype = args.dtype if args.dtype != flags.DTYPE_AUTO else (cfg.dtype or flags.DTYPE_AUTO)
     runtime.name = args.served_model_name or _default_name(args.model)
     rank_hooks = hooks_mod.from_env()  # none but in tests (fault injection)
     if args.executor == "ray":
@@ -296,7 +297,12 @@ def _build_into(
     else:
         from moe_runtime.executor import local
 
-        runtime.executor = local.LocalExecutor(num_ranks, dtype=dtype, rank_hooks=rank_hooks)
+        device = args.device
+        if device == flags.DEVICE_AUTO:
+            device = flags.DEVICE_CUDA if torch.cuda.is_available() else flags.DEVICE_CPU
+        runtime.executor = local.LocalExecutor(
+            num_ranks, device=device, dtype=dtype, rank_hooks=rank_hooks
+        )
     executor = runtime.executor
     log.info(
         "serve: loading %s (%s, %s) on %d ranks (%s executor)",

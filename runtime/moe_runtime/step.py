@@ -16,6 +16,13 @@ import torch
 #: start of that step, all or none (a vote over the step group; see `moe_runtime.rank.slots`).
 CONTROL_EXPERT_EPOCH = "expert_epoch"
 
+#: StepOutput.failure: the rank's step group failed (a peer gone, an op timed out, aborted): it
+#: serves no more steps; the executor leaves no step path and a new epoch's groups replace it.
+FAILURE_GROUP = "group"
+#: StepOutput.failure: the rank itself cannot step again (out of device memory in a step): the
+#: executor reports it lost (the recovery shrinks around it), as if its process had died.
+FAILURE_RANK = "rank"
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -72,6 +79,8 @@ class StepOutput:
     expert_load: tokens routed to each logical expert by this rank's sequences, int64 [L, E].
     committed: the staging id whose experts this rank committed at the start of this step
     (`CONTROL_EXPERT_EPOCH`); None when the step carried no commit or the vote refused it.
+    failure: with `error`, what the error broke (`FAILURE_GROUP`, `FAILURE_RANK`); None when
+    the same step may simply be sent again.
     """
 
     rank: int
@@ -80,6 +89,7 @@ class StepOutput:
     expert_load: Any = None
     error: str | None = None
     committed: int | None = None
+    failure: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A CPU expert-load tensor travels as raw bytes: pickling a torch tensor costs ~170 us

@@ -12,6 +12,8 @@ every failure path ends in a serving engine with the tokens of single-process ge
   changes its placement; a commit every rank makes moves them all;
 - a rank actor killed with SIGKILL (its pid from rank_infos) while requests run: the runtime
   shrinks around it, no request fails, and with autoRecover off it stays smaller until asked;
+  the same with NCCL's failure semantics in the ranks (emulated over gloo): the survivor,
+  which would wait for its dead peer until the op timeout, is released by the peer-loss abort;
   killed during a resize's Standby: the resize fails, the runtime recovers, nothing is left;
   a grow's new rank killed before it joins the standby groups: the grow fails in seconds.
 
@@ -36,7 +38,7 @@ from moe_runtime.elastic import rebalance, stages
 from moe_runtime.engine import seam
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.executor import base as executor_base
-from tests.support import deployment
+from tests.support import deployment, nccl_emulation
 
 pytestmark = pytest.mark.ray
 
@@ -376,3 +378,35 @@ def test_a_rank_killed_during_a_resize_fails_the_resize_and_the_runtime_recovers
     deployment.assert_clean(dep, 1, reference)
     dep.ensure(2)
     deployment.assert_clean(dep, 2, reference)
+
+
+def test_a_killed_rank_with_nccl_semantics_releases_its_peer_and_is_shrunk_around(
+    ray_session: None, reference: dict[tuple[int, int], list[int]]
+) -> None:
+    """NCCL's failure semantics in the rank actors (`nccl_emulation.NcclFaults`): the survivor
+    does not notice its dead peer by itself and would wait in its collective for the op
+    timeout (set far past the recovery deadline here); the heartbeat's loss makes it abort its
+    live groups (`Executor.abort_peers`), its step fails, and the runtime shrinks around the
+    dead rank with every request completed. Own deployment (DP 2)."""
+    from moe_runtime.executor import ray_executor
+
+    executor = ray_executor.RayExecutor(2, rank_hooks=nccl_emulation.NcclFaults)
+    executor.heartbeat.clock.min_group_timeout = 600.0
+    d = deployment.Deployment(executor, max_size=2, eplb_enabled=False, auto_recover=False)
+    try:
+        pid = executor.rank_infos()[1]["pid"]
+        with deployment.LongRequests(d) as running:
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            deadline = killed + 60
+            while executor.num_ranks != 1 or d.elastic.coordinator.recovering:
+                assert time.monotonic() < deadline, "no recovery"
+                time.sleep(0.01)
+            recovered = time.monotonic()
+        running.check(reference)
+        (rec,) = [r for r in d.elastic.coordinator.history() if r.recovery is not None][-1:]
+        assert rec.succeeded and [r["pid"] for r in rec.recovery.ranks_lost] == [pid]
+        print(f"\nNCCL semantics: SIGKILL -> serving on 1 rank after {recovered - killed:.2f}s")
+        deployment.assert_clean(d, 1, reference)
+    finally:
+        d.close()

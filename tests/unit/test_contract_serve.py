@@ -82,6 +82,10 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         spec["model"]["servedModelName"] = draw(text("model.servedModelName"))
     if draw(st.booleans()):
+        spec["model"]["dtype"] = draw(st.sampled_from(node("model.dtype")["enum"]))
+    if draw(st.booleans()):
+        spec["model"]["source"] = "synthetic://" + spec["model"]["source"]
+    if draw(st.booleans()):
         spec["expertParallel"]["maxExpertsPerRank"] = draw(
             integers("expertParallel.maxExpertsPerRank")
         )

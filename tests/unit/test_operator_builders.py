@@ -91,10 +91,10 @@ def test_head_runs_the_runtime() -> None:
     command = container["args"][0].split("exec ", 1)[1]
     assert shlex.split(command) == [
         "moe-runtime", "serve", "--model", "/models/mixtral", "--data-parallel-size", "2",
-        "--served-model-name", "m", "--dtype", "bfloat16", "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "m", "--host", "0.0.0.0", "--port", "8000",
         "--min-data-parallel-size", "1", "--max-data-parallel-size", "4",
         "--num-redundant-experts", "0", "--eplb", "--eplb-window-size", "1000",
-        "--eplb-step-interval", "3000", "--device", "cpu",
+        "--eplb-step-interval", "3000", "--device", "cpu", "--dtype", "bfloat16",
         "--drain-timeout", "120", "--max-queued-requests", "1024",
         "--admin-token-file", "/var/run/elastic-moe/admin/token", "--no-auto-recover",
     ]  # fmt: skip
@@ -133,6 +133,29 @@ def test_the_runtime_is_told_its_device(accelerator: str, device: str) -> None:
     args = head_container(builders.build_raycluster(owner=OWNER, spec=spec))["args"][0]
     command = shlex.split(args.split("exec ", 1)[1])
     assert command[command.index("--device") + 1] == device
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "model", "dtype"),
+    [
+        pytest.param("nvidia.com/gpu", {"source": "synthetic://tiny?seed=0"}, "bfloat16",
+                     id="gpu-synthetic-bf16"),
+        pytest.param("nvidia.com/gpu", {"source": "/models/mixtral"}, "auto",
+                     id="gpu-checkpoint-its-own-dtype"),
+        pytest.param("cpu", {"source": "synthetic://tiny?seed=0"}, "auto", id="cpu-auto"),
+        pytest.param("nvidia.com/gpu", {"source": "/m", "dtype": "float16"}, "float16",
+                     id="gpu-override"),
+        pytest.param("cpu", {"source": "synthetic://t", "dtype": "bfloat16"}, "bfloat16",
+                     id="cpu-override"),
+    ],
+)  # fmt: skip
+def test_the_runtime_is_told_its_dtype(accelerator: str, model: dict[str, str], dtype: str) -> None:
+    """bfloat16 on nvidia.com/gpu workers unless the spec says otherwise; a checkpoint's own
+    dtype is the runtime's to read (`auto`); spec.model.dtype wins."""
+    spec = make_spec(ray={"accelerator": accelerator}, model=model)
+    args = head_container(builders.build_raycluster(owner=OWNER, spec=spec))["args"][0]
+    command = shlex.split(args.split("exec ", 1)[1])
+    assert command[command.index("--dtype") + 1] == dtype
 
 
 def test_extra_env_and_shared_memory_reach_head_and_workers() -> None:

@@ -172,6 +172,40 @@ def test_a_pending_worker_gets_the_longer_pending_hang_timeout() -> None:
     assert beat.health()[0].state == beat.health()[1].state == health_mod.HEALTH_OK
 
 
+def test_a_lost_stepped_worker_makes_its_peers_abort_their_groups() -> None:
+    """A stepped worker found lost (dead, or hung and fenced) makes the heartbeat ask its peers
+    to abort their live groups at once (NCCL notices no dead peer by itself); a lost pending
+    worker (in no step group) does not."""
+    members = {label: health_mod.RankHealth() for label in (0, 1, 2, 3)}
+    pings = Pings(hung={1, 3})
+    aborted: list[list[int]] = []
+    now = [0.0]
+    beat = health_mod.Heartbeat(
+        members=lambda: members,
+        stepping=lambda: [0, 1, 2],
+        send_ping=pings.send,
+        poll_ping=pings.poll,
+        fence=pings.fence,
+        clock=health_mod.StepClock(),
+        abort_peers=aborted.append,
+        now=lambda: now[0],
+    )
+    beat.pending_hang_timeout = 10.0
+    for t in (0.0, 0.1, 0.5):  # rank 1 (stepped) is hung past hang_timeout 0.2; 3 is pending
+        now[0] = t
+        beat.round(hang_timeout=0.2)
+    assert pings.fenced == [1] and aborted == [[1]]
+
+
+def test_a_step_groups_op_timeout_follows_observed_step_times() -> None:
+    clock = health_mod.StepClock()
+    assert clock.group_timeout() == health_mod.MIN_GROUP_TIMEOUT
+    clock._recent.append(3.0)  # a slow step was observed
+    assert clock.group_timeout() == pytest.approx(health_mod.GROUP_TIMEOUT_FACTOR * 3.0)
+    clock.min_group_timeout = 100.0
+    assert clock.group_timeout() == 100.0
+
+
 def test_step_deadline_follows_observed_step_times() -> None:
     clock = health_mod.StepClock()
     assert clock.deadline() == health_mod.MIN_STEP_DEADLINE

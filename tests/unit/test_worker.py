@@ -360,3 +360,20 @@ def test_group_whose_member_never_comes_fails_at_its_timeout_naming_it(
         )
     assert ex.collective_rpc("groups") == [[(0, "step"), (0, "transfer")]] * 2
     assert all(o.error is None for o in ex.execute_step(step_mod.StepInput(0, {})))
+
+
+def test_a_batch_is_sampled_as_each_row_alone() -> None:
+    """The batch sampler gives every row the token that row gets alone (greedy and seeded rows
+    mixed; one host read for the batch)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=g) * 3
+    params = [
+        step_mod.SamplingParams(temperature=t, top_p=p, seed=s)
+        for t, p, s in [(0.0, 1.0, None), (0.8, 0.9, 1), (1.0, 1.0, 2), (0.0, 0.5, 3),
+                        (1.3, 0.3, 4), (0.7, 1.0, 5)]
+    ]  # fmt: skip
+    counts = [0, 3, 7, 1, 2, 9]
+    batch = sampling.sample(logits, params, counts)
+    alone = [sampling.sample_token(logits[i], params[i], counts[i]) for i in range(6)]
+    assert batch == alone
+    assert batch[0] == int(torch.argmax(logits[0])) and batch[3] == int(torch.argmax(logits[3]))

@@ -79,8 +79,11 @@ class ModelSpec(ApiModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = pydantic.Field(
         default="auto",
-        description="Serving dtype: auto = the checkpoint's (config.json dtype), float32 for "
-        "synthetic models.",
+        description=(
+            "Serving dtype. auto: the checkpoint's (config.json dtype / torch_dtype), else "
+            "bfloat16 on GPUs and float32 on CPUs; a synthetic model on nvidia.com/gpu workers "
+            "is served in bfloat16."
+        ),
     )
     load_timeout_seconds: int = pydantic.Field(
         default=1800,

@@ -136,7 +136,6 @@ def serve_args(
         model=storage.model_path(spec),  # a pvc:// source: the claim's directory in the pod
         data_parallel_size=spec.data_parallel_size if size is None else size,
         served_model_name=served_model_name(owner_name=owner_name, spec=spec),
-        dtype=spec.model.dtype,
         host="0.0.0.0",  # inside the pod; the Service is the way in
         port=names.RUNTIME_PORT,
         min_data_parallel_size=spec.min_data_parallel_size,
@@ -148,6 +147,7 @@ def serve_args(
         max_experts_per_rank=experts.max_experts_per_rank,
         # Said, not guessed: at start the head may not see the GPU workers yet.
         device=flags.DEVICE_CUDA if spec.wants_gpus else flags.DEVICE_CPU,
+        dtype=serve_dtype(spec),
         drain_timeout=spec.elastic.drain_timeout_seconds,
         max_queued_requests=spec.max_queued_requests,
         # a file, not an environment variable every process of the head would inherit
@@ -157,6 +157,18 @@ def serve_args(
         # read live): the runtime only shrinks around a loss and waits to be asked.
         auto_recover=False,
     )
+
+
+def serve_dtype(spec: spec_.MoEDeploymentSpec) -> str:
+    """``--dtype``: spec.model.dtype when it names one; for ``auto``, bfloat16 when the workers
+    get GPUs and the model is synthetic (nothing to read a dtype from), else ``auto`` (the
+    runtime takes the checkpoint's dtype, which the operator cannot read: it lives on the
+    workers' volume; without one, bfloat16 on GPUs and float32 on CPUs)."""
+    if spec.model.dtype != flags.DTYPE_AUTO:
+        return spec.model.dtype
+    if spec.wants_gpus and spec.model.source.startswith(names.SYNTHETIC_SCHEME):
+        return flags.DTYPE_BFLOAT16
+    return flags.DTYPE_AUTO
 
 
 def serve_command(

@@ -19,9 +19,15 @@ One call of one layer (every rank of the group calls it, in lockstep, T may be 0
 1. flatten the T x k choices (N = T * k pairs), pick each pair's slot, sort pairs by slot;
 2. all_to_all of the per-slot counts (int64 [W * S]) so every rank knows what it receives;
 3. all_to_all of the hidden rows ([N, H] out, [sum received, H] in);
-4. run each local slot's expert on its received rows (``experts.apply_experts``);
+4. run each local slot's expert on its received rows, grouped by slot (`apply_grouped`);
 5. all_to_all of the outputs back, unsort to [T, k, H] and combine with
    ``experts.combine_expert_outputs`` (fixed order k = 0, 1, ...), exactly as ``LocalExperts``.
+
+Host reads: one per layer (`_host_counts`: the split sizes of the all_to_alls, which c10d takes
+as host integers, and the rows per local slot, in one copy), none per expert. Counting is
+``scatter_add_`` (``bincount`` reads its maximum back on a GPU), and ``repeat_interleave`` is
+given its output size. Each expert runs on the same rows in the same order as
+``experts.apply_experts`` would give it (a stable sort by slot), so results are identical.
 
 Shapes: hidden [T, H], topk_ids [T, k] int64 logical ids, topk_weights [T, k] float32,
 result [T, H]; local_experts maps (layer, global slot index) -> ``ExpertWeights`` (every
@@ -109,7 +115,7 @@ class ExpertParallelBackend:
         replica = (torch.arange(num, device=ids.device) + self.rank) % cnt
         slots = self._log2phy[layer][ids, replica]  # [N] global slot of each pair
         order = torch.argsort(slots, stable=True)
-        send_counts = torch.bincount(slots, minlength=self.placement.num_physical)  # [W * S]
+        send_counts = _count(slots, self.placement.num_physical)  # [W * S]
         rows = hidden.index_select(0, order // k)  # [N, H], grouped by slot
         base = self.local_slots().start
 
@@ -117,7 +123,8 @@ class ExpertParallelBackend:
             return self.local_experts[(layer, base + local)]
 
         if self.num_ranks == 1:
-            out_sorted = experts_mod.apply_experts(weights_for, rows, slots[order])
+            (per_slot,) = _host_counts(send_counts)
+            out_sorted = apply_grouped(weights_for, rows, per_slot)
         else:
             out_sorted = self._exchange(rows, send_counts, weights_for, width)
         expert_out = torch.empty_like(out_sorted)
@@ -135,14 +142,58 @@ class ExpertParallelBackend:
         per = self.slots_per_rank
         recv_counts = torch.empty_like(send_counts)
         self.group.all_to_all_single(recv_counts, send_counts)  # [W * S]: chunk j from rank j
-        in_splits = send_counts.view(self.num_ranks, per).sum(1).tolist()
-        out_splits = recv_counts.view(self.num_ranks, per).sum(1).tolist()
-        received = rows.new_empty((sum(out_splits), width))
+        by_source = recv_counts.view(self.num_ranks, per)
+        in_splits, out_splits, per_slot = _host_counts(
+            send_counts.view(self.num_ranks, per).sum(1), by_source.sum(1), by_source.sum(0)
+        )
+        total = sum(out_splits)
+        received = rows.new_empty((total, width))
         self.group.all_to_all_single(received, rows, out_splits, in_splits)
         local_slot = torch.repeat_interleave(
-            torch.arange(per, device=rows.device).repeat(self.num_ranks), recv_counts
+            torch.arange(per, device=rows.device).repeat(self.num_ranks),
+            recv_counts,
+            output_size=total,
         )
-        computed = experts_mod.apply_experts(weights_for, received, local_slot)
+        by_slot = torch.argsort(local_slot, stable=True)  # source order kept within a slot
+        computed = torch.empty_like(received)
+        computed[by_slot] = apply_grouped(weights_for, received.index_select(0, by_slot), per_slot)
         back = rows.new_empty((rows.shape[0], width))
         self.group.all_to_all_single(back, computed, in_splits, out_splits)
         return back
+
+
+def apply_grouped(
+    weights_for: Callable[[int], experts_mod.ExpertWeights],
+    rows: torch.Tensor,
+    counts: list[int],
+) -> torch.Tensor:
+    """rows [N, H] grouped by expert (counts[e] rows of expert e, in order) through their
+    experts; returns [N, H]. No host read: the counts are already on the host."""
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            part = rows[start : start + n]
+            out[start : start + n] = experts_mod.expert_forward(weights_for(expert), part).to(
+                out.dtype
+            )
+        start += n
+    return out
+
+
+def _count(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """How many times each of 0..size-1 occurs in ids [N] (int64 [size]), on ids' device
+    without a host read."""
+    counts = torch.zeros(size, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
+
+
+def _host_counts(*counts: torch.Tensor) -> list[list[int]]:
+    """1-D int64 tensors as host lists, in one copy (one wait for the device)."""
+    sizes = [int(c.numel()) for c in counts]
+    flat = torch.cat([c.reshape(-1) for c in counts]).tolist()
+    out, start = [], 0
+    for n in sizes:
+        out.append([int(v) for v in flat[start : start + n]])
+        start += n
+    return out

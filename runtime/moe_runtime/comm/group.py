@@ -24,15 +24,24 @@ process died, its pod was lost) makes the others fail with ``JoinTimeout`` namin
 with ``JoinAborted`` once whoever drives the join says so (``aborted``). The c10d backend's own
 rendezvous, which cannot be interrupted, only starts once every member is there.
 
+Failures (`semantics`: what differs between gloo and NCCL): a group whose communicator failed
+(a peer gone, an op timed out, `abort` called) is aborted and raises `semantics.GroupFailed` at
+its next call or `check`; it never serves again (a new epoch's groups replace it). `abort`
+never waits on a peer; `destroy` aborts too (no waiting ``shutdown()``). The op timeout of a
+group (``op_timeout``) is apart from its join timeout: the step group's comes from observed
+step times (`moe_runtime.executor.health.StepClock.group_timeout`).
+
 Tensor shapes are the caller's; each method states how its arguments relate (W = world size).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +52,10 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from moe_runtime.comm import semantics as semantics_mod
+
+log = logging.getLogger(__name__)
+
 Backend = Literal["gloo", "nccl"]
 LOOPBACK = "127.0.0.1"
 #: Longest wait between two looks at the store while members gather (the first are shorter).
@@ -50,6 +63,8 @@ MEMBER_POLL_SECONDS = 0.05
 #: Longest single attempt of a TCPStore client to reach rank 0's store (retried until the
 #: join's timeout, looking at `aborted` between attempts).
 CONNECT_ATTEMPT_SECONDS = 1.0
+#: Seconds a group's join (and, unless its op_timeout says otherwise, each op) may take.
+DEFAULT_TIMEOUT = 300.0
 
 
 class JoinAborted(RuntimeError):
@@ -124,6 +139,17 @@ class GroupSpec:
         return self.store_path is not None or self.host in (LOOPBACK, "localhost")
 
 
+class Work:
+    """A point-to-point op in flight: ``wait()`` as the group's semantics wait."""
+
+    def __init__(self, group: StatelessGroup, work: Any) -> None:
+        self.group = group
+        self.work = work
+
+    def wait(self) -> None:
+        self.group.semantics.wait(self.work, self.group)
+
+
 class StatelessGroup:
     """One member of one group: collectives and point-to-point over its own c10d backend.
 
@@ -131,8 +157,9 @@ class StatelessGroup:
     handle. All members must make the same collective calls in the same order.
 
     The constructor joins (see the module docstring): timeout bounds the wait for the other
-    members and every later collective; aborted, polled while members gather, calls the join
-    off (``JoinAborted``).
+    members (and every later collective unless op_timeout is given); aborted, polled while
+    members gather, calls the join off (``JoinAborted``). high_priority: the backend's
+    collectives go first on the device (NCCL: a high-priority stream; the step group's).
     """
 
     def __init__(
@@ -140,16 +167,28 @@ class StatelessGroup:
         spec: GroupSpec,
         rank: int,
         *,
-        timeout: float = 300.0,
+        timeout: float = DEFAULT_TIMEOUT,
+        op_timeout: float | None = None,
         bind_host: str | None = None,
         aborted: Callable[[], bool] | None = None,
+        high_priority: bool = False,
     ) -> None:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank must be in [0, {spec.world_size}), got {rank}")
+        if op_timeout is not None and op_timeout <= 0:
+            raise ValueError(f"op_timeout must be > 0 seconds, got {op_timeout}")
         self.spec = spec
         self.rank = rank
         self.world_size = spec.world_size
         self.timeout = datetime.timedelta(seconds=timeout)
+        #: Seconds one op (collective or point to point) may take before it fails the group.
+        self.op_timeout = float(timeout if op_timeout is None else op_timeout)
+        self.semantics = semantics_mod.for_backend(spec.backend)
+        #: Set once the group is aborted (by `abort`, or by its backend's failure).
+        self.aborted = threading.Event()
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._destroyed = False
         deadline = time.monotonic() + timeout
         self._aborted = aborted or (lambda: False)
         self._check_join(deadline, missing=lambda: list(range(spec.world_size)))  # called off?
@@ -157,8 +196,7 @@ class StatelessGroup:
             f"elastic-moe/epoch-{spec.epoch}/", self._make_store(deadline)
         )
         self.wait_for_members(deadline)
-        self._pg: Any = self._make_backend(bind_host)
-        self._destroyed = False
+        self._pg: Any = self._make_backend(bind_host, high_priority=high_priority)
 
     @property
     def device(self) -> torch.device:
@@ -242,20 +280,25 @@ class StatelessGroup:
             store.set_timeout(self.timeout)
             return store
 
-    def _make_backend(self, bind_host: str | None) -> Any:
+    def _make_backend(self, bind_host: str | None, *, high_priority: bool) -> Any:
         spec = self.spec
+        op_timeout = datetime.timedelta(seconds=self.op_timeout)
+        self.semantics.prepare()
         if spec.backend == "gloo":
             gloo: Any = c10d.ProcessGroupGloo
             opts = gloo._Options()
-            opts._timeout = self.timeout
+            opts._timeout = op_timeout
             host = bind_host or (LOOPBACK if spec.is_local else "")
             device = gloo.create_device(hostname=host) if host else gloo.create_default_device()
             opts._devices = [device]
+            self.semantics.options(opts, high_priority=high_priority)
             return gloo(self._store, self.rank, spec.world_size, opts)
         nccl_opts = c10d.ProcessGroupNCCL.Options()
-        nccl_opts._timeout = self.timeout
+        nccl_opts._timeout = op_timeout
+        self.semantics.options(nccl_opts, high_priority=high_priority)
         pg = c10d.ProcessGroupNCCL(self._store, self.rank, spec.world_size, nccl_opts)
         pg._set_sequence_number_for_group()
+        self.semantics.connect(pg, self.device)
         return pg
 
     # --- collectives ------------------------------------------------------------------------
@@ -270,10 +313,12 @@ class StatelessGroup:
         """Rows of ``input`` [sum(input_split_sizes), ...] go to ranks in order; ``output``
         [sum(output_split_sizes), ...] receives each rank's rows in rank order. None = equal
         splits of dim 0 into W parts. Zero-row splits (and empty tensors) are fine."""
-        self._check_open()
-        self._pg.alltoall_base(
-            output, input, list(output_split_sizes or []), list(input_split_sizes or [])
-        ).wait()
+        pg = self._open()
+        self._wait(
+            pg.alltoall_base(
+                output, input, list(output_split_sizes or []), list(input_split_sizes or [])
+            )
+        )
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on all ranks), in rank order."""
@@ -285,7 +330,7 @@ class StatelessGroup:
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """output [W * n, ...] (or [W, n, ...]) <- every rank's tensor [n, ...], in rank order."""
-        self._check_open()
+        pg = self._open()
         if output.numel() != tensor.numel() * self.world_size:
             raise ValueError(
                 f"output must hold world_size ({self.world_size}) x tensor "
@@ -294,11 +339,11 @@ class StatelessGroup:
         if not output.is_contiguous():
             raise ValueError("output must be contiguous")
         # gloo splits the output along dim 0 and wants each chunk shaped like the input: flatten.
-        self._pg._allgather_base(output.view(-1), tensor.reshape(-1).contiguous()).wait()
+        self._wait(pg._allgather_base(output.view(-1), tensor.reshape(-1).contiguous()))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """In place: ``tensor`` becomes the reduction over ranks (op: sum, max, min, product)."""
-        self._check_open()
+        pg = self._open()
         ops = {
             "sum": dist.ReduceOp.SUM,
             "max": dist.ReduceOp.MAX,
@@ -309,38 +354,39 @@ class StatelessGroup:
             raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
         opts = dist.AllreduceOptions()
         opts.reduceOp = ops[op]
-        self._pg.allreduce([tensor], opts).wait()
+        self._wait(pg.allreduce([tensor], opts))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """In place: every rank's ``tensor`` becomes rank ``src``'s (same shape and dtype)."""
-        self._check_open()
+        pg = self._open()
         self._check_peer(src, "src")
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self._pg.broadcast([tensor], opts).wait()
+        self._wait(pg.broadcast([tensor], opts))
 
     def barrier(self) -> None:
-        self._check_open()
+        pg = self._open()
         if self.spec.backend == "nccl":
             self.all_reduce(torch.zeros(1, device=self.device))
             torch.cuda.synchronize()
+            self.check()
             return
-        self._pg.barrier().wait()
+        self._wait(pg.barrier())
 
     # --- point to point -----------------------------------------------------------------------
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Starts sending a contiguous ``tensor`` to ``dst``; returns the work (``.wait()``)."""
-        self._check_open()
+        pg = self._open()
         self._check_peer(dst, "dst")
-        return self._pg.send([tensor.contiguous()], dst, tag)
+        return Work(self, pg.send([tensor.contiguous()], dst, tag))
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Any:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Starts receiving into contiguous ``tensor`` from ``src``; returns the work."""
-        self._check_open()
+        pg = self._open()
         self._check_peer(src, "src")
-        return self._pg.recv([tensor], src, tag)
+        return Work(self, pg.recv([tensor], src, tag))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -348,18 +394,54 @@ class StatelessGroup:
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self.irecv(tensor, src, tag).wait()
 
+    # --- failures -------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """GroupFailed when the group failed (see the module docstring); call it after a host
+        read that waited for this group's ops (NCCL shows errors only there)."""
+        if self.failure is None and not self._destroyed:
+            with self._lock:
+                pg = self._pg
+            found = None if pg is None else self.semantics.error(pg)
+            if found is not None:
+                self.abort(found)
+        if self.failure is not None:
+            raise semantics_mod.GroupFailed(f"{self!r} failed: {self.failure}")
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Abort the communicator now, whatever its peers do (never waits); later calls raise
+        GroupFailed naming `reason` (the first one given). Idempotent, any thread: a thread
+        waiting in one of this group's ops is released as its backend allows (NCCL: the
+        kernel ends; gloo: when its peers let go, or at the op timeout)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+            pg, self._pg = self._pg, None
+        self.aborted.set()
+        if pg is None:
+            return
+        try:
+            self.semantics.abort(pg)
+        except Exception:  # noqa: BLE001 - the group is failed and let go whatever abort says
+            log.exception("%r: abort failed", self)
+        log.info("%r aborted: %s", self, self.failure)
+
     # --- lifetime -------------------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Releases the backend and the store (rank 0's listening socket with it); idempotent."""
-        if self._destroyed:
-            return
-        self._destroyed = True
-        shutdown = getattr(self._pg, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
-        self._pg = None
-        self._store = None
+        """Releases the backend and the store (rank 0's listening socket with it) without
+        waiting for any peer (an abort, never a waiting shutdown); idempotent."""
+        with self._lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+            pg, self._pg = self._pg, None
+            self._store = None
+        if pg is not None:
+            try:
+                self.semantics.abort(pg)
+            except Exception:  # noqa: BLE001 - it is let go whatever abort says
+                log.exception("%r: abort on destroy failed", self)
 
     def __repr__(self) -> str:
         return (
@@ -367,9 +449,18 @@ class StatelessGroup:
             f"backend={self.spec.backend})"
         )
 
-    def _check_open(self) -> None:
-        if self._destroyed:
+    def _open(self) -> Any:
+        """The backend; RuntimeError when destroyed, GroupFailed when failed."""
+        with self._lock:
+            pg, destroyed = self._pg, self._destroyed
+        if destroyed:
             raise RuntimeError(f"{self!r} was destroyed")
+        if pg is None or self.failure is not None:
+            raise semantics_mod.GroupFailed(f"{self!r} failed: {self.failure}")
+        return pg
+
+    def _wait(self, work: Any) -> None:
+        self.semantics.wait(work, self)
 
     def _check_peer(self, peer: int, name: str) -> None:
         if not 0 <= peer < self.world_size:

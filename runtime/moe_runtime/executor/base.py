@@ -29,6 +29,11 @@ Failures (every path ends in a known state):
 - A failed step: when every stepped worker is healthy the step path is rebuilt on the same
   ranks before `execute_step` raises `ExecutorError` (retry it); otherwise it raises `RankDied`
   naming the lost ranks and leaves no step path (`has_step_path()` is False) until a `switch`.
+- A step whose outputs say the step group failed (`StepOutput.failure`, `after_step`): no step
+  path (the group is aborted; the recovery builds a new epoch's groups); a rank that failed
+  itself (out of memory) is reported lost first (`RankDied`).
+- A stepped worker lost (heartbeat, failed step): its peers abort their live groups at once
+  (`abort_peers`), so no collective waits for it (NCCL notices no dead peer by itself).
 - A failed `switch` goes back to the old step path (`switch`): workers that activated the new
   epoch `revert`; it raises afterwards.
 """
@@ -39,6 +44,7 @@ import abc
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -72,7 +78,13 @@ class GroupBuilder(Protocol):
     """How an executor builds the step and transfer groups of an epoch (`build_groups`)."""
 
     def build(
-        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int,
+        timeout: float | None,
+        background: bool,
+        step_op_timeout: float | None,
     ) -> None: ...
 
 
@@ -111,6 +123,8 @@ class Executor(abc.ABC):
             poll_ping=self._poll_ping,
             fence=self.fence,
             clock=health_mod.StepClock(),
+            abort_peers=self.abort_peers,
+            ping_error=self._ping_error,
         )
         self.switcher = switch_mod.Switch(
             roster=roster,
@@ -225,10 +239,18 @@ class Executor(abc.ABC):
         In the background by default: the active step group keeps serving meanwhile.
         background=False uses the workers' default lane (no step path may be live: a recovery,
         which must not queue behind a transfer stuck on a dead peer). timeout also bounds the
-        rendezvous inside the workers and the new groups' collectives. The first member that
-        fails (or that the heartbeat loses) fails the build naming it (`joins`).
+        rendezvous inside the workers and the transfer group's collectives; the step group's
+        collectives get the op timeout derived from observed steps
+        (`health.StepClock.group_timeout`). The first member that fails (or that the heartbeat
+        loses) fails the build naming it (`joins`).
         """
-        self.groups.build(ranks, epoch=epoch, timeout=timeout, background=background)
+        self.groups.build(
+            ranks,
+            epoch=epoch,
+            timeout=timeout,
+            background=background,
+            step_op_timeout=self.heartbeat.clock.group_timeout(),
+        )
 
     def switch(
         self,
@@ -280,7 +302,58 @@ class Executor(abc.ABC):
     def has_step_path(self) -> bool:
         """A step can run now: the step path is built (a switch in progress counts)."""
 
+    # -- failures --------------------------------------------------------------------------
+    def abort_peers(self, lost: Sequence[int]) -> None:
+        """Stepped workers `lost` are gone: every other stepped worker aborts its live groups
+        now, on its health lane, not waited for (a collective of theirs that waits for a lost
+        one ends; the recovery builds a new epoch's groups)."""
+        gone = set(lost)
+        peers = [r for r in self.roster.active() if r not in gone]
+        members = self.roster.members()
+        reason = f"ranks {sorted(gone)} were lost"
+        for r in peers:
+            m = members.get(r)
+            if m is None or m.health.state != health_mod.HEALTH_OK:
+                continue
+            try:
+                self._send_abort(m, reason)
+            except Exception:  # noqa: BLE001 - a peer that cannot be told fails its step later
+                log.exception("telling rank %d to abort its groups failed", r)
+        if peers:
+            log.warning("ranks %s lost: ranks %s abort their live groups", sorted(gone), peers)
+
+    def after_step(
+        self, step: step_mod.StepInput, ranks: Sequence[int], outs: Sequence[step_mod.StepOutput]
+    ) -> None:
+        """Raise when the outputs (of `ranks`, in order) say the step group failed
+        (`StepOutput.failure`): no step path is left (the recovery rebuilds the groups); a
+        rank that failed itself is reported lost first (`RankDied` naming it)."""
+        failed = [(r, o) for r, o in zip(ranks, outs, strict=True) if o.failure is not None]
+        if not failed:
+            return
+        now = time.monotonic()
+        members = self.roster.members()
+        lost = [r for r, o in failed if o.failure == step_mod.FAILURE_RANK]
+        for r, o in failed:
+            if r in lost and r in members:
+                members[r].health.lose(
+                    health_mod.HEALTH_DEAD, f"step {step.step_id}: {o.error}", now
+                )
+        self._clear_path()
+        if lost:
+            self.abort_peers(lost)
+            log.error("step %d: ranks %s failed: %s", step.step_id, lost, failed[0][1].error)
+            raise RankDied(f"step {step.step_id}: ranks {lost} failed", ranks=lost)
+        message = f"step {step.step_id}: the step group failed on ranks {[r for r, _ in failed]}"
+        log.error("%s (%s); no step path until new groups", message, failed[0][1].error)
+        raise ExecutorError(f"{message}: {failed[0][1].error}", ranks=[r for r, _ in failed])
+
     # -- what the parts need of an executor -----------------------------------------------
+    @abc.abstractmethod
+    def _send_abort(self, member: roster_mod.Member[Any], reason: str) -> None:
+        """Make `member` abort its live groups (`RankWorker.abort_live_groups`) on its health
+        lane; not waited for."""
+
     @abc.abstractmethod
     def _send_ping(self, label: int) -> Any:
         """Start a ping of worker `label` on its health lane; a handle for `_poll_ping`."""
@@ -288,6 +361,11 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def _poll_ping(self, handle: Any) -> str | None:
         """None while the ping is pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone)."""
+
+    def _ping_error(self, handle: Any) -> str | None:
+        """What a finished ping that made its worker dead said (a `RankFailed` message), if
+        anything."""
+        return None
 
     @abc.abstractmethod
     def _set_path(self) -> None:

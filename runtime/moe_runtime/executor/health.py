@@ -10,7 +10,11 @@ it. A pending worker (starting, loading, a warm spare: in no step) gets `pending
 can hold its interpreter for seconds. `on_lost` is then called; the caller shrinks around it
 (`moe_runtime.elastic.recovery`).
 
-Step deadline: derived from observed step times (`step_deadline`), not a fixed timeout.
+Step deadline: derived from observed step times (`step_deadline`), not a fixed timeout; so is
+the op timeout of a new step group (`StepClock.group_timeout`: a collective that waits longer
+fails its group). A stepped worker found lost makes its peers abort their live groups at once
+(`abort_peers`): NCCL notices no dead peer by itself, a collective waiting for it would wait
+for the group's op timeout.
 
 The executor gives the heartbeat its members, the pings and the fence (constructor arguments);
 the rounds, and judging what a late answer means, are here.
@@ -37,6 +41,11 @@ HEALTH_UNRESPONSIVE = "unresponsive"
 MIN_STEP_DEADLINE = 2.0
 DEADLINE_FACTOR = 5.0
 RECENT_STEPS = 100
+#: Limits of a step group's op timeout (seconds): at least MIN, GROUP_TIMEOUT_FACTOR x the
+#: slowest recent step otherwise (a collective waits at most for its slowest peer's step; the
+#: margin covers a peer held by a transfer or a loaded host).
+MIN_GROUP_TIMEOUT = 30.0
+GROUP_TIMEOUT_FACTOR = 20.0
 
 LostCallback = Callable[[dict[int, str]], None]
 
@@ -77,6 +86,8 @@ class StepClock:
         self._lock = threading.Lock()
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self.started: float | None = None
+        #: The floor of `group_timeout` (tests lower it).
+        self.min_group_timeout = MIN_GROUP_TIMEOUT
 
     def begin(self) -> None:
         with self._lock:
@@ -94,6 +105,12 @@ class StepClock:
             slowest = max(self._recent, default=0.0)
         return max(MIN_STEP_DEADLINE, DEADLINE_FACTOR * slowest)
 
+    def group_timeout(self) -> float:
+        """Seconds one collective of a new step group may take (see `MIN_GROUP_TIMEOUT`)."""
+        with self._lock:
+            slowest = max(self._recent, default=0.0)
+        return max(self.min_group_timeout, GROUP_TIMEOUT_FACTOR * slowest)
+
     def overdue(self, now: float) -> bool:
         """A step is running and has passed its deadline."""
         with self._lock:
@@ -108,8 +125,10 @@ class Heartbeat:
     heartbeat updates); stepping(): the labels in the step graph; send_ping(label) starts a
     ping on the worker's health lane and returns a handle; poll_ping(handle): None while it
     is pending, else HEALTH_OK or HEALTH_DEAD (the worker is gone); fence(labels, reason=...)
-    kills hung workers; clock: the observed step times; now: the monotonic clock (tests give
-    their own).
+    kills hung workers; abort_peers(labels): the stepped workers were lost, their peers must
+    leave the live groups (see the module docstring); ping_error(handle): why a dead ping's
+    worker cannot serve when it said so (`RankFailed`), else None; clock: the observed step
+    times; now: the monotonic clock (tests give their own).
     """
 
     def __init__(
@@ -121,6 +140,8 @@ class Heartbeat:
         poll_ping: Callable[[Any], str | None],
         fence: Callable[..., None],
         clock: StepClock,
+        abort_peers: Callable[[list[int]], None] = lambda labels: None,
+        ping_error: Callable[[Any], str | None] = lambda handle: None,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         self._members = members
@@ -128,6 +149,8 @@ class Heartbeat:
         self._send_ping = send_ping
         self._poll_ping = poll_ping
         self._fence = fence
+        self._abort_peers = abort_peers
+        self._ping_error = ping_error
         self.clock = clock
         self._now = now
         self._thread: threading.Thread | None = None
@@ -201,8 +224,9 @@ class Heartbeat:
                     if h.state == HEALTH_OK:
                         h.last_ok = now
                 elif result == HEALTH_DEAD:
+                    why = self._ping_error(h.ping) or "its process died"
                     h.ping = None
-                    if h.lose(HEALTH_DEAD, h.reason or "its process died", now):
+                    if h.lose(HEALTH_DEAD, h.reason or why, now):
                         newly[label] = HEALTH_DEAD
                 else:
                     waited = now - h.ping_sent
@@ -221,4 +245,7 @@ class Heartbeat:
         if hung:
             log.error("heartbeat: ranks %s do not answer: fencing them", hung)
             self._fence(hung, reason="unresponsive")
+        lost_stepped = sorted(label for label in newly if label in stepping)
+        if lost_stepped:
+            self._abort_peers(lost_stepped)
         return newly

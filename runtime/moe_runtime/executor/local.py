@@ -139,6 +139,7 @@ class LocalExecutor(base.Executor):
             clock.end(ok=False)
             raise
         clock.end(ok=True)
+        self.after_step(step, [m.label for m in members], outs)
         return outs
 
     def has_step_path(self) -> bool:
@@ -159,6 +160,13 @@ class LocalExecutor(base.Executor):
         if not handle.done():
             return None
         return health_mod.HEALTH_DEAD if handle.exception() is not None else health_mod.HEALTH_OK
+
+    def _ping_error(self, handle: Any) -> str | None:
+        exc = handle.exception() if handle.done() else None
+        return str(exc) if isinstance(exc, worker_mod.RankFailed) else None
+
+    def _send_abort(self, member: Member, reason: str) -> None:
+        self._submit(member.handle.abort_live_groups, reason)
 
     def _send_ping(self, label: int) -> Any:
         m = self.roster.member(label)
@@ -245,7 +253,13 @@ class LocalGroups:
         self._directory = directory
 
     def build(
-        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int,
+        timeout: float | None,
+        background: bool,
+        step_op_timeout: float | None,
     ) -> None:
         members = self._members.targets("join_group", ranks)
         _check_fenced(members, what="join_group")
@@ -271,7 +285,12 @@ class LocalGroups:
             )
             handles = {
                 m.label: self._submit(
-                    m.handle.groups.join_group, spec, i, role=role, group_timeout=timeout
+                    m.handle.groups.join_group,
+                    spec,
+                    i,
+                    role=role,
+                    group_timeout=timeout,
+                    op_timeout=step_op_timeout if role == groups_mod.STEP else None,
                 )
                 for i, m in enumerate(members)
             }

@@ -355,8 +355,8 @@ def check_health(ranks: Mapping[int, Member], *, timeout: float) -> dict[int, st
             report[label] = "ok"
         except ray.exceptions.RayActorError:
             report[label] = "dead"
-        except ray.exceptions.RayError:
-            report[label] = "unresponsive"
+        except ray.exceptions.RayError as exc:
+            report[label] = "dead" if _rank_failed(exc) else "unresponsive"
     return report
 
 
@@ -374,9 +374,29 @@ def poll(ref: Any) -> str | None:
         ray.get(ref)
     except ray.exceptions.RayActorError:
         return health_mod.HEALTH_DEAD
-    except ray.exceptions.RayError:
-        return health_mod.HEALTH_OK  # it answered (with an error): alive
+    except ray.exceptions.RayError as exc:
+        # it answered with an error: alive, unless the rank failed (`RankWorker.fail`)
+        return health_mod.HEALTH_DEAD if _rank_failed(exc) else health_mod.HEALTH_OK
     return health_mod.HEALTH_OK
+
+
+def ping_error(ref: Any) -> str | None:
+    """The `worker.RankFailed` message a finished ping raised, else None."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayError as exc:
+        if _rank_failed(exc):
+            cause = getattr(exc, "cause", None)
+            return str(cause if cause is not None else exc)
+    except Exception:  # noqa: BLE001 - a ping that cannot be read says nothing more
+        return None
+    return None
+
+
+def _rank_failed(exc: BaseException) -> bool:
+    """A ping answered with `worker.RankFailed` (the rank cannot step again)."""
+    cause = getattr(exc, "cause", None)
+    return isinstance(exc, worker_mod.RankFailed) or isinstance(cause, worker_mod.RankFailed)
 
 
 def get_all(

@@ -41,7 +41,6 @@ import ray
 import ray.util
 
 from moe_runtime import step as step_mod
-from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import (
     base,
     ray_actor,
@@ -67,10 +66,16 @@ class RayExecutor(base.Executor):
     groups and new actors. step_timeout: seconds one step may take before it is reported.
     rendezvous: "auto" (FileStore when a group's members share one IP, else TCPStore), "tcp"
     or "file" (forced; tests use "tcp" to cover the multi-host path on one machine).
-    transfer_backend: backend of the transfer groups. Default gloo even on GPUs: background
-    weight moves then never run NCCL kernels next to the step's NCCL collectives (two
-    communicators whose kernels interleave in different orders on different ranks can
-    deadlock), at the cost of staging weights through host memory. "nccl" is faster.
+    transfer_backend: backend of the transfer groups: "auto" (the default; env
+    MOE_TRANSFER_BACKEND overrides it) takes NCCL, GPU memory to GPU memory, when every member
+    of the group is a GPU rank with the same NCCL version, else gloo through pinned host memory
+    (CPU ranks; nodes that cannot share an NCCL communicator); "gloo" or "nccl" force one.
+    The NCCL transfer group's kernels run beside the step group's: NVIDIA guarantees no order
+    between two communicators' kernels, so they could deadlock if they stopped fitting on the
+    GPU together (NCCL issue #195). Both groups connect eagerly (no device allocation mid-run,
+    `semantics.Nccl`), the step group's stream has the higher priority, and a deadlock would
+    end at the step group's op timeout like any stuck collective (the group fails, the
+    recovery rebuilds it): MOE_TRANSFER_BACKEND=gloo trades that for host-staged transfers.
     step_timeout is the hard limit of one step whose ranks all stay healthy; a hung or dead rank
     is found much sooner, from the heartbeat and the deadline derived from observed step times
     (`health_mod.StepClock`). switch_timeout bounds a `switch` called without a timeout.
@@ -88,13 +93,13 @@ class RayExecutor(base.Executor):
         num_ranks: int,
         *,
         use_gpu: bool | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         ready_timeout: float = 120.0,
         step_timeout: float = 120.0,
         switch_timeout: float = 60.0,
         group_dir: str | None = None,
         rendezvous: str = "auto",
-        transfer_backend: group_mod.Backend = "gloo",
+        transfer_backend: str | None = None,
         step_mode: str | None = None,
         rank_hooks: hooks_mod.HooksFactory | None = None,
     ) -> None:
@@ -106,8 +111,12 @@ class RayExecutor(base.Executor):
         self.step_mode = mode
         if rendezvous not in ("auto", "tcp", "file"):
             raise ValueError(f"rendezvous must be 'auto', 'tcp' or 'file', got {rendezvous!r}")
-        if transfer_backend not in ("gloo", "nccl"):
-            raise ValueError(f"transfer_backend must be 'gloo' or 'nccl', got {transfer_backend!r}")
+        transfer_backend = transfer_backend or os.environ.get("MOE_TRANSFER_BACKEND") or "auto"
+        if transfer_backend not in ray_groups.TRANSFER_BACKENDS:
+            raise ValueError(
+                f"transfer_backend must be one of {ray_groups.TRANSFER_BACKENDS}, "
+                f"got {transfer_backend!r}"
+            )
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         if not ray.is_initialized():
@@ -186,6 +195,7 @@ class RayExecutor(base.Executor):
             clock.end(ok=False)
             self._step_failed(step, ranks, exc)  # always raises
         clock.end(ok=True)
+        self.after_step(step, ranks, outs)
         return outs
 
     def _step_failed(self, step: step_mod.StepInput, ranks: list[int], exc: Exception) -> None:
@@ -208,6 +218,7 @@ class RayExecutor(base.Executor):
             self.fence(hung, reason="unresponsive in a failed step")
         self.path.clear()
         if bad:
+            self.abort_peers(bad)  # stepped peers still waiting for them in a collective
             log.error("step %d failed; ranks %s are lost: %s", step.step_id, bad, exc)
             raise base.RankDied(f"step {step.step_id} failed: {exc}", ranks=bad) from exc
         log.error("step %d failed with every rank healthy: %s; rebuilding", step.step_id, exc)
@@ -297,6 +308,13 @@ class RayExecutor(base.Executor):
 
     def _poll_ping(self, handle: Any) -> str | None:
         return ray_actor.poll(handle)
+
+    def _ping_error(self, handle: Any) -> str | None:
+        return ray_actor.ping_error(handle)
+
+    def _send_abort(self, member: ray_actor.Member, reason: str) -> None:
+        health = {"concurrency_group": ray_actor.HEALTH_LANE}
+        member.handle.actor.execute_method.options(**health).remote("abort_live_groups", reason)
 
     def fence(self, ranks: Sequence[int], *, reason: str = "fenced") -> None:
         now = time.monotonic()

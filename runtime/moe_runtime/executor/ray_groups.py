@@ -6,6 +6,10 @@ listens on a port), else a TCPStore hosted by the group's rank 0 on a port it re
 the background) or its default lane (a recovery); `joins.gather_joins` fails the build at the
 first member that fails or that the heartbeat loses, and calls the others off on their health
 lane, where nothing queues.
+
+Backends: the step group's is the executor's (NCCL on GPUs); the transfer group's is
+`transfer_backend` ("auto": NCCL when every member is a GPU rank reporting the same NCCL
+version, `RankWorker.info`, else gloo through pinned host memory: `comm.transfer`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from moe_runtime.rank import groups as groups_mod
 
 log = logging.getLogger(__name__)
 
+#: Values of the transfer groups' backend ("auto": see the module docstring).
+TRANSFER_BACKENDS = ("auto", "gloo", "nccl")
+
 
 class RayGroups:
     """Builds epochs' step and transfer groups over rank actors.
@@ -38,18 +45,25 @@ class RayGroups:
         members: roster.Roster[ray_actor.RankHandle],
         lost: Callable[[], Collection[int]],
         step_backend: group_mod.Backend,
-        transfer_backend: group_mod.Backend,
+        transfer_backend: str,
         rendezvous: str,
         group_dir: str,
     ) -> None:
         self._members = members
         self._lost = lost
-        self._backends = {groups_mod.STEP: step_backend, groups_mod.TRANSFER: transfer_backend}
+        self._step_backend = step_backend
+        self._transfer_backend = transfer_backend
         self._rendezvous = rendezvous
         self._group_dir = group_dir
 
     def build(
-        self, ranks: Sequence[int], *, epoch: int, timeout: float | None, background: bool
+        self,
+        ranks: Sequence[int],
+        *,
+        epoch: int,
+        timeout: float | None,
+        background: bool,
+        step_op_timeout: float | None,
     ) -> None:
         """See `base.Executor.build_groups`."""
         members = self._members.targets("build_groups", ranks)
@@ -62,7 +76,12 @@ class RayGroups:
             started = time.monotonic()
             handles = {
                 m.label: m.handle.actor.execute_method.options(**lane).remote(
-                    "join_group", spec, rank=i, role=role, group_timeout=timeout
+                    "join_group",
+                    spec,
+                    rank=i,
+                    role=role,
+                    group_timeout=timeout,
+                    op_timeout=step_op_timeout if role == groups_mod.STEP else None,
                 )
                 for i, m in enumerate(members)
             }
@@ -84,7 +103,7 @@ class RayGroups:
     def _spec(
         self, members: Sequence[ray_actor.Member], *, epoch: int, role: str, one_host: bool
     ) -> group_mod.GroupSpec:
-        backend = self._backends[role]
+        backend = self._backend(role, members)
         if one_host:
             return group_mod.GroupSpec.local(
                 len(members), epoch=epoch, backend=backend, directory=self._group_dir
@@ -96,6 +115,13 @@ class RayGroups:
             timeout=30,
         )
         return group_mod.GroupSpec.tcp(host, port, len(members), epoch=epoch, backend=backend)
+
+    def _backend(self, role: str, members: Sequence[ray_actor.Member]) -> group_mod.Backend:
+        if role == groups_mod.STEP:
+            return self._step_backend
+        if self._transfer_backend in ("gloo", "nccl"):
+            return "nccl" if self._transfer_backend == "nccl" else "gloo"
+        return "nccl" if nccl_compatible([m.info for m in members]) else "gloo"
 
     def _join_calls(self, members: Sequence[ray_actor.Member], epoch: int) -> joins.JoinCalls[Any]:
         actors = {m.label: m.handle.actor for m in members}
@@ -116,3 +142,11 @@ class RayGroups:
             ray.wait(refs, num_returns=len(refs), timeout=joins.ABORT_GRACE_SECONDS)
 
         return joins.JoinCalls(wait=wait, result=result, abort=abort, lost=self._lost)
+
+
+def nccl_compatible(infos: Sequence[Any]) -> bool:
+    """Every member is a GPU rank and all report one NCCL version (`RankWorker.info`): they can
+    share an NCCL communicator. Pure."""
+    versions = {i.get("nccl") for i in infos}
+    gpus = all(str(i.get("device", "")).startswith("cuda") for i in infos)
+    return bool(infos) and gpus and len(versions) == 1 and None not in versions

@@ -15,10 +15,12 @@ from moe_runtime.rank import loaded as loaded_mod
 class RankContext:
     """loaded: the rank's weights and KV cache (`loaded.LoadedModel`, filled by
     `load_weights`); device, dtype: where and how its weights live; check(point): its fault
-    point (the hooks' `check`, a no-op without hooks); where(): its log context."""
+    point (the hooks' `check`, a no-op without hooks); where(): its log context; fail(reason):
+    the rank cannot step again (`RankWorker.fail`)."""
 
     loaded: loaded_mod.LoadedModel
     device: str
     dtype: torch.dtype
     check: Callable[[str], None]
     where: Callable[[], str]
+    fail: Callable[[str], None] = lambda reason: None

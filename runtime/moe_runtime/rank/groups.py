@@ -57,12 +57,15 @@ class RankGroups:
         *,
         role: str = STEP,
         group_timeout: float | None = None,
+        op_timeout: float | None = None,
     ) -> None:
         """Build the `role` group of `spec.epoch` as member `rank` (blocks until all joined).
 
         Runs in the background while this rank serves steps on its active group. group_timeout:
         seconds the rendezvous and each later collective of the group may take (None: the
-        group's default), so a member that never comes does not hold this rank for long.
+        group's default), so a member that never comes does not hold this rank for long;
+        op_timeout: the collectives' own bound when given (the step group's, from observed
+        step times). The step group's collectives go first on the device (high priority).
         `abort_join(spec.epoch)` calls it off (`group.JoinAborted`), also before it began. A
         join that fails after the rendezvous (at its fault point) leaves no group behind.
         """
@@ -75,10 +78,14 @@ class RankGroups:
             with self._lock:
                 return epoch in self._aborted_joins
 
-        if group_timeout is None:
-            built = group_mod.StatelessGroup(spec, rank, aborted=aborted)
-        else:
-            built = group_mod.StatelessGroup(spec, rank, timeout=group_timeout, aborted=aborted)
+        built = group_mod.StatelessGroup(
+            spec,
+            rank,
+            timeout=group_mod.DEFAULT_TIMEOUT if group_timeout is None else group_timeout,
+            op_timeout=op_timeout,
+            aborted=aborted,
+            high_priority=role == STEP,
+        )
         key = (spec.epoch, role)
         with self._lock:
             old = self._groups.pop(key, None)
@@ -107,6 +114,18 @@ class RankGroups:
         with self._lock:
             self._aborted_joins.add(epoch)
         log.info("joins of epoch %d called off (%s)", epoch, self._ctx.where())
+
+    def abort(self, epoch: int | None, reason: str) -> list[Key]:
+        """Abort the groups of `epoch` (None: every group) at once, without waiting on any
+        peer (a peer is lost: a collective of this rank that waits for it ends now); they stay
+        listed until dropped. Returns the (epoch, role) aborted. Any thread."""
+        with self._lock:
+            hit = {k: g for k, g in self._groups.items() if epoch is None or k[0] == epoch}
+        for grp in hit.values():
+            grp.abort(reason)
+        if hit:
+            log.warning("aborted groups %s: %s (%s)", sorted(hit), reason, self._ctx.where())
+        return sorted(hit)
 
     def group(self, epoch: int, role: str) -> tuple[group_mod.StatelessGroup, int]:
         """The `role` group of `epoch` and this rank's rank in it; RuntimeError when absent."""

@@ -20,11 +20,13 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-#: Where the rank calls `Hooks.check`: the name of the operation (a control method, or
-#: "commit_staged" for the EPLB commit inside a step).
+#: Where the rank calls `Hooks.check`: the name of the operation (a control method,
+#: "commit_staged" for the EPLB commit inside a step, "forward" just before a step's forward
+#: pass, where its peers are about to wait for it in the expert collectives).
 POINTS = (
     "load_weights",
     "execute_step",
+    "forward",
     "join_group",
     "transfer_non_expert",
     "stage_experts",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from moe_runtime.comm import group as group_mod
+from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import decoder, names
 from moe_runtime.model import experts as experts_mod
@@ -61,18 +62,22 @@ def exchange_non_expert(
     numel = sum(_numel(s) for s in shapes)
     mine = sorted(dst for dst, src in sender_of.items() if src == me)
     works: list[Any] = []
-    if mine:
-        state = model.non_expert_state()
-        flat = _flatten([state[n] for n in tensor_names]).to(grp.device, model.transfer_dtype)
-        works.extend(grp.isend(flat, dst, tag) for dst in mine)
     recv: torch.Tensor | None = None
-    if me in sender_of:
-        recv = torch.empty(numel, dtype=model.transfer_dtype, device=grp.device)
-        works.append(grp.irecv(recv, sender_of[me], tag))
-    for work in works:
-        work.wait()
+    with transfer_mod.side_stream():  # pinned host buffers, the transfer stream: `comm.transfer`
+        if mine:
+            state = model.non_expert_state()
+            flat = transfer_mod.to_group(
+                _flatten([state[n] for n in tensor_names]).to(model.transfer_dtype), grp
+            )
+            works.extend(grp.isend(flat, dst, tag) for dst in mine)
+        if me in sender_of:
+            recv = transfer_mod.recv_buffer(numel, model.transfer_dtype, grp)
+            works.append(grp.irecv(recv, sender_of[me], tag))
+        for work in works:
+            work.wait()
     if recv is None:
         return mine, 0
+    recv = transfer_mod.served(recv)
     tensors: dict[str, torch.Tensor] = {}
     offset = 0
     for name, shape in zip(tensor_names, shapes, strict=True):

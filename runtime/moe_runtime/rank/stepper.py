@@ -1,5 +1,12 @@
 """One lockstep step on a rank (`Stepper`, a part of `RankWorker`): the step's control, the KV
-frees, the forward pass of this rank's batch through the live experts, and sampling."""
+frees, the forward pass of this rank's batch through the live experts, and sampling.
+
+Failures a step reports beyond its error (`StepOutput.failure`): the step group failed
+(`semantics.GroupFailed`: a peer gone, an op timed out, the group aborted; NCCL shows it only
+at the host read of the sampled tokens, so the group is checked after it; and a forward pass
+that raised on this rank aborts the step group, whose peers may wait for it in a collective)
+and the rank ran out of memory (`torch.cuda.OutOfMemoryError`, `MemoryError`): a rank
+failure; the rank leaves every group at once (`RankContext.fail`), so no peer waits for it."""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ from typing import Any
 import torch
 
 from moe_runtime import step as step_mod
+from moe_runtime.comm import group as group_mod
+from moe_runtime.comm import semantics
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.rank import context as context_mod
@@ -43,8 +52,9 @@ class Stepper:
         expert collectives; when no rank has a token, no rank runs it (and `expert_load` is
         None). When the control fails, or the batch is bad, the rank runs an empty
         batch instead (its peers must not hang in a collective) and reports the problem in
-        StepOutput.error, as it does any exception. A failed forward pass leaves each sequence's
-        KV cache as it was before the step, so the step can be retried as it was. An EPLB
+        StepOutput.error, as it does any exception (`StepOutput.failure` says when the step
+        group or the rank itself is lost: module docstring). A failed forward pass leaves each
+        sequence's KV cache as it was before the step, so the step can be retried as it was. An EPLB
         commit in the control is voted on by every rank (`StepOutput.committed` says whether
         this step committed it), whatever else fails on this rank.
         """
@@ -95,33 +105,62 @@ class Stepper:
                     token_ids=[list(s.token_ids) for s in seqs],
                     start_pos=[s.start_pos for s in seqs],
                 )
-                load = torch.zeros(cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64)
+                # counted where the routing runs: no host read per layer
+                load = torch.zeros(
+                    cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64, device=self._ctx.device
+                )
+                step_group = getattr(backend, "group", None)
+                if not isinstance(step_group, group_mod.StatelessGroup):
+                    step_group = None
                 try:
+                    self._ctx.check("forward")
                     logits = model.forward(fwd, kv, backend, expert_load=load)
-                except Exception:
+                    # One host read: the tokens (it waits for the step's collectives).
+                    tokens = sampling.sample(
+                        logits,
+                        [s.sampling for s in seqs],
+                        [s.num_generated for s in seqs],
+                    )
+                    if step_group is not None:
+                        step_group.check()  # NCCL's errors show only now (module docstring)
+                except Exception as exc:
                     # Back to the KV state before this step, so the same step can be sent again.
                     for s in seqs:
                         if s.start_pos == 0:
                             kv.free(s.seq_id)
                         else:
                             kv.reserve(s.seq_id, s.start_pos, 0)
+                    if step_group is not None:
+                        # Peers may wait for this rank in an expert collective it will not
+                        # join: the group is let go now (gloo: they raise at once), never used
+                        # again (a new epoch's groups replace it).
+                        step_group.abort(f"the forward pass failed: {type(exc).__name__}")
                     raise
-                logits = logits.to("cpu")
-                for i, s in enumerate(seqs):
-                    out.tokens[s.seq_id] = sampling.sample_token(
-                        logits[i], s.sampling, s.num_generated
-                    )
-                out.expert_load = load
+                out.tokens = {s.seq_id: token for s, token in zip(seqs, tokens, strict=True)}
+                out.expert_load = load.cpu()
                 if self._ctx.loaded.total_load is not None:
-                    self._ctx.loaded.total_load += load
+                    self._ctx.loaded.total_load += out.expert_load
         except Exception as exc:  # noqa: BLE001 - reported to the engine, never kills the actor
             log.exception("step %d failed (%s)", step.step_id, self._ctx.where())
             errors.append(f"{type(exc).__name__}: {exc}")
+            out.failure = self._failure(exc)
         finally:
             self.steps += 1
         if errors:
             out.error = "; ".join(errors)
         return out
+
+    def _failure(self, exc: BaseException) -> str | None:
+        """What a step's exception broke (`StepOutput.failure`); out of memory fails the rank
+        here (it leaves every group: no peer waits for it)."""
+        if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+            self._ctx.fail(f"out of memory in a step: {type(exc).__name__}: {exc}")
+            return step_mod.FAILURE_RANK
+        step_group = getattr(self._slots.backend, "group", None)
+        failed = isinstance(step_group, group_mod.StatelessGroup) and step_group.failure is not None
+        if failed or isinstance(exc, semantics.GroupFailed):
+            return step_mod.FAILURE_GROUP
+        return None
 
     def _apply_control(self, control: Mapping[str, Any]) -> int | None:
         """Apply a step's control; returns the staging id committed in this step, if any."""

@@ -60,11 +60,23 @@ from moe_runtime.rank import stepper as stepper_mod
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: `dtype="auto"`: what a rank serves in when nothing said otherwise (the checkpoint's dtype is
+#: resolved before it reaches the rank): bfloat16 on a GPU (half the memory of float32 and the
+#: tensor cores), float32 on a CPU.
+AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+DTYPES = ("auto", *_DTYPES)
+
+
+class RankFailed(RuntimeError):
+    """The rank cannot step again (`RankWorker.fail`): its pings raise this, so the heartbeat
+    reports it lost and the recovery shrinks around it."""
+
 
 #: The control methods an executor calls by name (`RankWorker.call`), by the part that answers.
 WORKER_CONTROLS = (
     "info",
     "ping",
+    "abort_live_groups",
     "set_label",
     "live_state",
     "load_weights",
@@ -94,6 +106,15 @@ CONTROLS: dict[str, str] = {
 }
 
 
+def nccl_version() -> str | None:
+    """The NCCL version this process's torch runs ("2.27.3"), None without NCCL."""
+    try:
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+    except (RuntimeError, AttributeError):
+        return None
+    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+
+
 class RankWorker:
     """One DP rank. See the module docstring; methods are called through an Executor."""
 
@@ -108,10 +129,14 @@ class RankWorker:
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype == "auto":
+            dtype = AUTO_DTYPE["cuda" if self.device.startswith("cuda") else "cpu"]
         self.dtype = _DTYPES[dtype]
+        #: Why this rank cannot step again (`fail`); None while it can.
+        self.failed: str | None = None
         self.label = label  # the executor's label of this worker (logging only)
         self.hooks = hooks
         self.loaded = loaded_mod.LoadedModel()
@@ -121,6 +146,7 @@ class RankWorker:
             dtype=self.dtype,
             check=self._check,
             where=self.where,
+            fail=self.fail,
         )
         self.groups = groups_mod.RankGroups(ctx)
         self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups)
@@ -157,7 +183,8 @@ class RankWorker:
         return f"rank={slots.rank} label={self.label} epoch={slots.epoch} step={self.stepper.steps}"
 
     def info(self) -> dict[str, Any]:
-        """pid, host, ip, pod (env MOE_POD_NAME, else the host name), device, rank, epoch."""
+        """pid, host, ip, pod (env MOE_POD_NAME, else the host name), device, nccl (the NCCL
+        version of a GPU rank), rank, epoch."""
         host = socket.gethostname()
         kv = self.loaded.kv
         return {
@@ -166,6 +193,7 @@ class RankWorker:
             "ip": groups_mod.host_ip(),
             "pod": os.environ.get(contract_names.POD_NAME_ENV) or host,
             "device": self.device,
+            "nccl": nccl_version() if self.device.startswith("cuda") else None,
             "rank": self.slots.rank,
             "num_ranks": self.slots.num_ranks,
             "epoch": self.slots.epoch,
@@ -179,7 +207,9 @@ class RankWorker:
         self.label = label
 
     def ping(self) -> dict[str, Any]:
-        """Cheap liveness answer for health checks."""
+        """Cheap liveness answer for health checks; RankFailed once the rank failed (`fail`)."""
+        if self.failed is not None:
+            raise RankFailed(f"rank failed: {self.failed} ({self.where()})")
         slots = self.slots
         return {
             "pid": os.getpid(),
@@ -205,6 +235,23 @@ class RankWorker:
             "previous": slots.previous is not None,
             "group_epochs": self.groups.epochs(),
         }
+
+    # -- failures ------------------------------------------------------------------------
+    def fail(self, reason: str) -> None:
+        """This rank cannot step again (out of device memory in a step): every group is aborted
+        at once so no peer waits for it in a collective, and its pings raise `RankFailed` from
+        now on (the heartbeat reports it lost; the recovery removes it and shrinks)."""
+        if self.failed is None:
+            self.failed = reason
+        log.error("rank failed, leaving every group: %s (%s)", reason, self.where())
+        self.groups.abort(None, f"rank failed: {reason}")
+
+    def abort_live_groups(self, reason: str = "a peer was lost") -> list[tuple[int, str]]:
+        """Abort the live epoch's groups now, without waiting on any peer: the executor lost a
+        stepped peer, and a collective of this rank waiting for it must end (NCCL notices no
+        dead peer by itself; gloo does, this is then a no-op in effect). Health lane."""
+        epoch = self.slots.epoch
+        return [] if epoch is None else self.groups.abort(epoch, reason)
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(
