@@ -24,7 +24,7 @@ import uvicorn
 
 from moe_contract import names
 from moe_contract import serve as flags
-from moe_runtime import logs, server
+from moe_runtime import logs, server, termination
 from moe_runtime import metrics as metrics_mod
 from moe_runtime.elastic import admin as elastic_admin
 from moe_runtime.elastic import coordinator as elastic_coordinator
@@ -35,16 +35,11 @@ from moe_runtime.eplb import policy
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tokenizer as tokenizer_mod
 from moe_runtime.rank import hooks as hooks_mod
+from moe_runtime.server import loading as loading_server
 
 log = logging.getLogger("moe_runtime.cli")
 
 DEFAULT_MAX_QUEUED = 1024
-#: Where a container's reason to stop goes (Kubernetes' default terminationMessagePath; the
-#: kubelet shows it in the pod's status). Written only when the file is there and writable.
-TERMINATION_LOG_ENV = "MOE_TERMINATION_LOG"
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-#: The kubelet keeps at most 4096 bytes of a termination message.
-MAX_TERMINATION_MESSAGE = 1024
 #: The running resize, for the JSON log lines (``--log-format json``).
 RESIZE_CONTEXT = logs.ResizeContext()
 
@@ -239,10 +234,12 @@ def build(
     *,
     src: source_mod.ModelSource | None = None,
     tokens: elastic_admin.TokenSource | None = None,
+    runtime: Runtime | None = None,
 ) -> Runtime:
-    """Ranks, engine, elasticity and app of `serve` (the engine started); on failure what was
-    started is stopped before the error is raised."""
-    runtime = Runtime()
+    """Ranks, engine, elasticity and app of `serve` (the engine started), built into `runtime`
+    (a new one by default: `serve` passes its own, whose executor it asks for load progress
+    while this runs); on failure what was started is stopped before the error is raised."""
+    runtime = Runtime() if runtime is None else runtime
     try:
         _build_into(runtime, args, src=src, tokens=tokens)
     except BaseException:
@@ -376,22 +373,6 @@ def _build_into(
     engine.start()
 
 
-def _failed(reason: str) -> int:
-    """`serve` could not start or stopped on an error: ``reason`` as one line on stderr and in
-    the container's termination message (``kubectl describe pod``; the operator reads it),
-    and the exit status 1."""
-    line = " ".join(reason.split())[:MAX_TERMINATION_MESSAGE]
-    print(f"moe-runtime serve: {line}", file=sys.stderr, flush=True)
-    path = os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG)
-    if os.path.isfile(path) and os.access(path, os.W_OK):  # never created outside a pod
-        try:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(line + "\n")
-        except OSError as exc:
-            log.warning("serve: termination message not written to %s: %s", path, exc)
-    return 1
-
-
 def serve(args: argparse.Namespace) -> int:
     """Runs the server until SIGINT/SIGTERM; returns the exit status."""
     # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
@@ -401,19 +382,27 @@ def serve(args: argparse.Namespace) -> int:
         src = source_mod.open_source(args.model)
     except (OSError, ValueError) as exc:
         log.error("serve: cannot open model %r: %s", args.model, exc)
-        return _failed(f"cannot open model {args.model}: {exc}")
+        return termination.failed(f"cannot open model {args.model}: {exc}")
     try:
         tokens = elastic_admin.token_source(
             token=args.admin_token, token_file=args.admin_token_file
         )
     except ValueError as exc:
         log.error("serve: admin token: %s", exc)
-        return _failed(f"admin token: {exc}")
+        return termination.failed(f"admin token: {exc}")
 
     status = 0
-    runtime: Runtime | None = None
+    runtime: Runtime | None = Runtime()
     try:
-        runtime = build(args, src=src, tokens=tokens)
+        building = runtime
+
+        def rank_loads() -> list[dict[str, Any]]:  # asked from the loading server's thread
+            executor = building.executor
+            return [] if executor is None else list(executor.load_progress())
+
+        progress = loading_server.progress_from(rank_loads, ranks_total=args.data_parallel_size)
+        with loading_server.LoadingServer(progress, host=args.host, port=args.port):
+            runtime = build(args, src=src, tokens=tokens, runtime=building)
         log.info(
             "serve: model '%s' ready on %d ranks in %.1f s; listening on http://%s:%d",
             runtime.name,
@@ -438,9 +427,9 @@ def serve(args: argparse.Namespace) -> int:
         log.info("serve: exiting (%s)", exc.code)
     except Exception as exc:
         log.exception("serve: failed (model %s, %d ranks)", args.model, args.data_parallel_size)
-        status = _failed(
+        status = termination.failed(
             f"failed (model {args.model}, {args.data_parallel_size} ranks): "
-            f"{type(exc).__name__}: {_first_line(exc)}"
+            f"{type(exc).__name__}: {termination.first_line(exc)}"
         )
     finally:
         if runtime is not None:
@@ -476,15 +465,6 @@ def _shutdown(engine: core.Engine | None, executor: Any, cluster: Any, *, owns_r
         if owns_ray:
             log.info("serve: local Ray instance stopped")
     log.info("serve: stopped")
-
-
-def _first_line(exc: BaseException) -> str:
-    """The message of ``exc`` that says what went wrong: a rank's error reaches the head
-    wrapped with its traceback (Ray's task errors), whose last line is the cause."""
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    if len(lines) > 1 and "Traceback" in str(exc):
-        return lines[-1]
-    return lines[0] if lines else repr(exc)
 
 
 def _default_name(model: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from moe_contract import loading
 from moe_runtime import cli
 from tests.support import checkpoints
 
@@ -21,7 +22,7 @@ from tests.support import checkpoints
 def termination_log(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
     path = tmp_path / "termination-log"
     path.write_text("")  # the kubelet makes the file; the runtime only writes it
-    monkeypatch.setenv(cli.TERMINATION_LOG_ENV, str(path))
+    monkeypatch.setenv(loading.TERMINATION_LOG_ENV, str(path))
     return path
 
 
@@ -34,6 +35,7 @@ def _keep_sigterm() -> Iterator[None]:
 
 def _serve(model: str) -> int:
     argv = ["serve", "--model", model, "--data-parallel-size", "1", "--executor", "local"]
+    argv += ["--port", "0"]  # the loading server listens while the model loads
     return cli.serve(cli.build_parser().parse_args(argv))
 
 
@@ -73,7 +75,7 @@ def test_a_serve_that_cannot_start_says_why(
     assert _serve(str(model)) == 1
     message = termination_log.read_text()
     assert reason in message and str(model) in message
-    assert message.count("\n") == 1 and len(message) <= cli.MAX_TERMINATION_MESSAGE + 1
+    assert message.count("\n") == 1 and len(message) <= loading.MAX_TERMINATION_MESSAGE + 1
     assert f"moe-runtime serve: {message.strip()}" in capsys.readouterr().err
 
 
@@ -81,6 +83,6 @@ def test_no_termination_log_is_created_outside_a_pod(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "absent"
-    monkeypatch.setenv(cli.TERMINATION_LOG_ENV, str(path))
+    monkeypatch.setenv(loading.TERMINATION_LOG_ENV, str(path))
     assert _serve(str(tmp_path / "nowhere")) == 1
     assert not path.exists()

@@ -384,6 +384,13 @@ class Executor(abc.ABC):
         prepares anything (Ray: the warm-up of new actors)."""
         return None
 
+    def load_progress(self) -> list[dict[str, Any]]:
+        """What each rank has read of the weights it loads (`RankWorker.load_progress`:
+        `moe_contract.loading.RankLoad` as JSON), for the ranks that answer at once; asked
+        while `start` loads them, from another thread. None here: an executor that cannot
+        ask while a load runs."""
+        return []
+
     def free_rank_slots(self) -> int | None:
         """Ranks that could be added now (free capacity), or None when unknown/unbounded."""
         return None

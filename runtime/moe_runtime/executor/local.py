@@ -108,6 +108,9 @@ class LocalExecutor(base.Executor):
             for label, m in sorted(self.roster.members().items())
         }
 
+    def load_progress(self) -> list[dict[str, Any]]:
+        return [m.handle.load_progress() for _, m in sorted(self.roster.members().items())]
+
     def worker(self, rank: int) -> worker_mod.RankWorker:
         """The worker object labelled `rank` (it runs in this process)."""
         worker: worker_mod.RankWorker = self.roster.member(rank).handle

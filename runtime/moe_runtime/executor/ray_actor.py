@@ -360,6 +360,25 @@ def check_health(ranks: Mapping[int, Member], *, timeout: float) -> dict[int, st
     return report
 
 
+def load_progress(actors: Sequence[Any], *, timeout: float) -> list[dict[str, Any]]:
+    """`RankWorker.load_progress` of each actor, asked on its health lane (a load runs on the
+    default lane); those that do not answer within `timeout` s, or fail, are left out."""
+    refs = [
+        a.execute_method.options(concurrency_group=HEALTH_LANE).remote("load_progress")
+        for a in actors
+    ]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    out: list[dict[str, Any]] = []
+    for ref in refs:
+        if ref not in done:
+            continue
+        try:
+            out.append(ray.get(ref))
+        except Exception as exc:  # noqa: BLE001 - a rank that cannot say is left out
+            log.debug("load progress not read: %s", exc)
+    return out
+
+
 def ping(actor: Any) -> Any:
     """Start a ping of `actor` on its health lane; the ref goes to `poll`."""
     return actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 STEP_COMPILED = "compiled"
 STEP_REMOTE = "remote"
+#: Seconds `load_progress` waits for the ranks' answers (a `GET /ready` waits on it).
+LOAD_POLL_S = 1.0
 
 
 class RayExecutor(base.Executor):
@@ -299,6 +301,10 @@ class RayExecutor(base.Executor):
             [i.get("pod") for i in infos],
         )
         return infos
+
+    def load_progress(self) -> list[dict[str, Any]]:
+        members = [m for _, m in sorted(self.roster.members().items())]
+        return ray_actor.load_progress([m.handle.actor for m in members], timeout=LOAD_POLL_S)
 
     def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
         return ray_actor.check_health(self.roster.members(), timeout=timeout)

@@ -22,9 +22,11 @@ from typing import Any, Protocol
 
 #: Where the rank calls `Hooks.check`: the name of the operation (a control method,
 #: "commit_staged" for the EPLB commit inside a step, "forward" just before a step's forward
-#: pass, where its peers are about to wait for it in the expert collectives).
+#: pass, where its peers are about to wait for it in the expert collectives, "load_tensor"
+#: before each tensor (or expert) `load_weights` reads: a test slows a load there).
 POINTS = (
     "load_weights",
+    "load_tensor",
     "execute_step",
     "forward",
     "join_group",

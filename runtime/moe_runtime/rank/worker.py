@@ -54,6 +54,7 @@ from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import loaded as loaded_mod
+from moe_runtime.rank import progress as progress_mod
 from moe_runtime.rank import slots as slots_mod
 from moe_runtime.rank import stepper as stepper_mod
 
@@ -80,6 +81,7 @@ WORKER_CONTROLS = (
     "set_label",
     "live_state",
     "load_weights",
+    "load_progress",
     "drop_epoch",
     "kv_seq_ids",
     "expert_load_total",
@@ -140,6 +142,8 @@ class RankWorker:
         self.label = label  # the executor's label of this worker (logging only)
         self.hooks = hooks
         self.loaded = loaded_mod.LoadedModel()
+        #: What `load_weights` has read so far (`load_progress`).
+        self.progress = progress_mod.LoadCounter()
         ctx = context_mod.RankContext(
             loaded=self.loaded,
             device=self.device,
@@ -218,6 +222,11 @@ class RankWorker:
             "steps": self.stepper.steps,
         }
 
+    def load_progress(self) -> dict[str, Any]:
+        """What the running (or last) `load_weights` has read: `moe_contract.loading.RankLoad`
+        as JSON. Answers while a load runs on another thread (the executor's health lane)."""
+        return self.progress.snapshot()
+
     def live_state(self) -> dict[str, Any]:
         """What serves now (debugging; the tests read it): epoch, origin, rank, placement
         (phy2log rows), whether a staged or a previous state is held, and the groups' epochs."""
@@ -274,26 +283,44 @@ class RankWorker:
         cfg = src.config
         model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device)
         non_expert = names.non_expert_tensor_names(cfg)
-        if placeholder:
-            state = {
-                n: torch.zeros(names.tensor_shape(cfg, n), dtype=self.dtype) for n in non_expert
-            }
-        else:
-            state = {n: src.tensor(n) for n in non_expert}
-        model.load_non_expert(state)
-        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        mine: list[tuple[int, int, int]] = []  # (MoE layer, local slot, logical expert)
         if placement is not None:
             placement.validate(num_ranks)
             for layer in range(cfg.num_moe_layers):
                 for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
-                    if placeholder:
-                        experts[(layer, slot)] = experts_mod.zero_expert(
-                            cfg, dtype=self.dtype, device=self.device
-                        )
-                    else:
-                        experts[(layer, slot)] = experts_mod.load_expert(
-                            src, layer, logical, dtype=self.dtype, device=self.device
-                        )
+                    mine.append((layer, slot, logical))
+        size = torch.empty((), dtype=self.dtype).element_size()
+        expert_shapes = [shape for _, shape in names.expert_tensors(cfg, 0, 0).values()]
+        expert_bytes = progress_mod.nbytes(expert_shapes, size)
+        self.progress.begin(
+            rank=rank,
+            tensors_total=len(non_expert) + len(mine) * len(expert_shapes),
+            bytes_total=progress_mod.nbytes((names.tensor_shape(cfg, n) for n in non_expert), size)
+            + len(mine) * expert_bytes,
+        )
+        state: dict[str, torch.Tensor] = {}
+        for n in non_expert:
+            self._check("load_tensor")
+            shape = names.tensor_shape(cfg, n)
+            if placeholder:
+                state[n] = torch.zeros(shape, dtype=self.dtype)
+            else:
+                state[n] = src.tensor(n)
+            self.progress.add(tensors=1, nbytes=progress_mod.nbytes([shape], size))
+        model.load_non_expert(state)
+        del state  # the model holds its own (cast) copies where the dtype differs
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        for layer, slot, logical in mine:
+            self._check("load_tensor")
+            if placeholder:
+                experts[(layer, slot)] = experts_mod.zero_expert(
+                    cfg, dtype=self.dtype, device=self.device
+                )
+            else:
+                experts[(layer, slot)] = experts_mod.load_expert(
+                    src, layer, logical, dtype=self.dtype, device=self.device
+                )
+            self.progress.add(tensors=len(expert_shapes), nbytes=expert_bytes)
         kv = kv_mod.KVCache(cfg, dtype=self.dtype, device=self.device)
         self.loaded.load(source, cfg, model, kv)
         self.slots.reset(
@@ -303,6 +330,7 @@ class RankWorker:
             experts=experts,
             placeholder=placeholder,
         )
+        self.progress.finish()
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
         nbytes += sum(w.nbytes for w in experts.values())
         log.info(
