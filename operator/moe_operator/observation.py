@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import httpx
 
+from moe_contract import loading
 from moe_operator import runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.k8s import api as k8s_api
@@ -111,6 +112,8 @@ async def observe_children(
         worker_pods=(pods.workers if pods is not None else None) if ray is not None else (),
         leaving_pods=pods.leaving if pods is not None and ray is not None else (),
         head_restarts=pods.head_restarts if pods is not None else None,
+        head_loading_ip=pods.head_loading_ip if pods is not None else None,
+        head_failure=pods.head_failure if pods is not None else None,
     )
     return Children(raycluster=ray, service=service, network_policy=policy, observed=observed)
 
@@ -136,6 +139,20 @@ async def observe_runtime(
         except (httpx.HTTPError, runtime_client.RuntimeApiError, ValueError):
             config = None  # an older runtime, or away: no live settings to compare
     return runtime, config
+
+
+async def observe_loading(
+    *, url: str, factory: RuntimeFactory, logger: Logger
+) -> loading.LoadProgress | None:
+    """What a head that is not ready yet is loading (``GET /ready`` with status ``loading``);
+    ``None`` when it is not loading or does not answer (yet)."""
+    async with factory(url, None) as client:  # /ready needs no token: none is sent
+        try:
+            body = await client.ready()
+        except (httpx.HTTPError, runtime_client.RuntimeApiError, ValueError) as error:
+            logger.debug("loading head at %s not observed: %s", url, error)
+            return None
+    return body.loading if body.status == loading.LOADING else None
 
 
 async def model_problem(
@@ -204,6 +221,18 @@ async def observe_all(
             url=url, token=admin_token, factory=factory, logger=logger
         )
         observed = dataclasses.replace(observed, runtime=runtime)
+    elif observed.raycluster is not None and observed.head_loading_ip is not None:
+        loading_at = runtime_client.loading_url(
+            name=owner.name,
+            namespace=owner.namespace,
+            head_ip=observed.head_loading_ip,
+            annotations=annotations,
+            raycluster_annotations=((children.raycluster or {}).get("metadata") or {}).get(
+                "annotations"
+            ),
+        )
+        progress = await observe_loading(url=loading_at, factory=factory, logger=logger)
+        observed = dataclasses.replace(observed, loading=progress)
     problem = None
     if observed.raycluster is None:  # nothing created yet: is the model there to serve?
         problem = await model_problem(api=api, owner=owner, spec=spec, logger=logger)

@@ -37,6 +37,7 @@ from moe_operator.plan import (
     builders,
     clock,
     credentials,
+    load_report,
     resize,
     settings,
 )
@@ -124,6 +125,7 @@ def plan(
         if wanted:
             steps.append(actions.PatchSettings(wanted))
     steps += resize.plan_resize(spec, status, seen.observed)
+    steps = load_report.report(steps, observed=seen.observed, status=status)
     if seen.model_problem is not None:
         steps = availability.hold_back(steps, problem=seen.model_problem, status=status)
     return steps

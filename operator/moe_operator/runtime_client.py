@@ -25,7 +25,7 @@ from typing import Any, Final
 import httpx
 import pydantic
 
-from moe_contract import names
+from moe_contract import loading, names
 from moe_contract import status as runtime_status
 from moe_operator.api import group
 from moe_operator.plan import builders
@@ -45,15 +45,15 @@ def ignored_override(
     return override if override and env.get(ALLOW_OVERRIDE_ENV) != "1" else None
 
 
-def runtime_url(
+def _chosen_url(
     *,
     name: str,
     namespace: str,
-    annotations: Mapping[str, str] | None = None,
-    raycluster_annotations: Mapping[str, str] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> str:
-    """The base URL of a deployment's runtime API."""
+    annotations: Mapping[str, str] | None,
+    raycluster_annotations: Mapping[str, str] | None,
+    environ: Mapping[str, str] | None,
+) -> str | None:
+    """The runtime URL an annotation or ``$MOE_RUNTIME_URL_TEMPLATE`` chooses, if any."""
     env = os.environ if environ is None else environ
     override = (annotations or {}).get(group.ANNOTATION_RUNTIME_URL)
     if override and env.get(ALLOW_OVERRIDE_ENV) == "1":
@@ -66,7 +66,49 @@ def runtime_url(
         return template.format(
             name=name, namespace=namespace, service=builders.service_name(name)
         ).rstrip("/")
-    return builders.endpoint(owner_name=name, namespace=namespace)
+    return None
+
+
+def runtime_url(
+    *,
+    name: str,
+    namespace: str,
+    annotations: Mapping[str, str] | None = None,
+    raycluster_annotations: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """The base URL of a deployment's runtime API."""
+    chosen = _chosen_url(
+        name=name,
+        namespace=namespace,
+        annotations=annotations,
+        raycluster_annotations=raycluster_annotations,
+        environ=environ,
+    )
+    return chosen or builders.endpoint(owner_name=name, namespace=namespace)
+
+
+def loading_url(
+    *,
+    name: str,
+    namespace: str,
+    head_ip: str,
+    annotations: Mapping[str, str] | None = None,
+    raycluster_annotations: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """Where a head that is not ready yet (loading its model) answers ``GET /ready``: the
+    URL an annotation or the template chooses, else the head pod itself (the Service routes
+    only to a ready head). Only ``/ready`` is asked there, with no token."""
+    chosen = _chosen_url(
+        name=name,
+        namespace=namespace,
+        annotations=annotations,
+        raycluster_annotations=raycluster_annotations,
+        environ=environ,
+    )
+    host = f"[{head_ip}]" if ":" in head_ip else head_ip
+    return chosen or f"http://{host}:{names.RUNTIME_PORT}"
 
 
 class _Response(pydantic.BaseModel):
@@ -160,6 +202,19 @@ class RuntimeClient:
         except httpx.HTTPError:
             return False
         return response.status_code == 200
+
+    async def ready(self) -> loading.ReadyBody:
+        """``GET /ready`` (200 ready, 503 not ready or loading: both carry the body) read into
+        the contract's model; ``RuntimeApiError`` for any other answer."""
+        response = await self._client.get(names.READY_PATH)
+        if response.status_code not in (200, 503):
+            raise RuntimeApiError(
+                method="GET",
+                path=names.READY_PATH,
+                status=response.status_code,
+                detail=response.text,
+            )
+        return loading.ReadyBody.model_validate(response.json())
 
     async def status(self) -> runtime_status.ElasticStatus:
         """``GET /elastic_ep/status`` read into the contract's model."""

@@ -115,7 +115,9 @@ def test_subresources() -> None:
 def test_printer_columns() -> None:
     printed = version()["additionalPrinterColumns"]
     columns = {c["name"]: c["jsonPath"] for c in printed if not c.get("priority")}
-    assert list(columns) == ["DP", "TARGET", "PHASE", "STAGE", "READY", "AGE"]
+    assert list(columns) == ["DP", "TARGET", "PHASE", "STAGE", "READY", "AGE", "MESSAGE"]
+    # why it is not ready: load progress, a failed start (plan.load_report)
+    assert columns["MESSAGE"] == '.status.conditions[?(@.type=="Ready")].message'
     wide = {c["name"]: c["jsonPath"] for c in printed if c.get("priority") == 1}
     assert wide == {
         "SPARES": ".status.spares.ready",

@@ -65,6 +65,12 @@ PRINTER_COLUMNS: Final = [
         "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
     },
     {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {
+        "name": "MESSAGE",
+        "type": "string",
+        "description": "Why it is not ready, or what it does (load progress, a failed start)",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].message',
+    },
     # `kubectl get moed -o wide`: warm spares, the operator's autoscaler (spec.autoscaling).
     {
         "name": "SPARES",

@@ -67,6 +67,10 @@ REASON_RUNTIME_RESTARTED: Final = "RuntimeRestarted"
 #: The model cannot be served from here (a ``pvc://`` claim that does not exist): nothing is
 #: created until it can (``plan.availability``).
 REASON_MODEL_UNAVAILABLE: Final = "ModelUnavailable"
+#: The head runs and loads the model (``status.loading``, ``plan.loading``).
+REASON_LOADING_MODEL: Final = "LoadingModel"
+#: The head stopped before it served: its termination message is the condition's message.
+REASON_LOAD_FAILED: Final = "LoadFailed"
 # Autoscaler reasons (``status.autoscaling.reason``; the first three are also event reasons).
 REASON_SCALED_UP: Final = "ScaledUp"
 REASON_SCALED_DOWN: Final = "ScaledDown"
@@ -89,6 +93,7 @@ WARNING_REASONS: Final = frozenset(
         REASON_RANK_UNHEALTHY,
         REASON_RUNTIME_RESTARTED,
         REASON_MODEL_UNAVAILABLE,
+        REASON_LOAD_FAILED,
         REASON_EXTERNAL_AUTOSCALER,
         REASON_SCALE_FAILED,
     }
@@ -227,6 +232,19 @@ class SparesStatus(spec_.ApiModel):
     )
 
 
+class LoadingStatus(spec_.ApiModel):
+    """The model's load while the head does not serve yet (``GET /ready`` of the runtime)."""
+
+    bytes_loaded: int = pydantic.Field(
+        default=0, ge=0, description="Bytes read so far, over every rank (in the served dtype)."
+    )
+    bytes_total: int = pydantic.Field(
+        default=0, ge=0, description="Bytes the ranks that answered hold once loaded."
+    )
+    ranks_ready: int = pydantic.Field(default=0, ge=0, description="Ranks whose load is done.")
+    ranks_total: int = pydantic.Field(default=0, ge=0, description="Ranks being loaded.")
+
+
 class MoEDeploymentStatus(spec_.ApiModel):
     """What the operator observed; written only when more than timestamps changed."""
 
@@ -242,6 +260,7 @@ class MoEDeploymentStatus(spec_.ApiModel):
     endpoint: str | None = None
     autoscaling: AutoscalingStatus | None = None
     spares: SparesStatus | None = None
+    loading: LoadingStatus | None = None
     head_restarts: int | None = pydantic.Field(
         default=None,
         ge=0,

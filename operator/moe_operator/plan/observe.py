@@ -7,7 +7,7 @@ import dataclasses
 import datetime
 from typing import Any, Final
 
-from moe_contract import stages
+from moe_contract import loading, stages
 from moe_contract import status as runtime_status
 from moe_operator.api import group
 
@@ -39,6 +39,22 @@ class RayClusterObservation:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadFailure:
+    """How the head container last stopped on an error, and what it does now.
+
+    message: its termination message (what ``moe-runtime serve`` wrote to the termination
+    log, else the log's last lines: ``FallbackToLogsOnError``), else the kubelet's reason;
+    reason: the kubelet's (``Error``, ``OOMKilled``, ...); waiting: why it does not run now
+    (``CrashLoopBackOff``), ``None`` when it runs again (a new attempt)."""
+
+    message: str
+    reason: str
+    exit_code: int | None
+    restarts: int
+    waiting: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PodsObservation:
     """The RayCluster's pods, as listed (``ray.io/cluster=NAME``)."""
 
@@ -54,6 +70,11 @@ class PodsObservation:
     head_restarts: int | None = None
     #: A head pod exists but has not started yet (Pending: e.g. waiting for its Secret).
     head_pending: bool = False
+    #: The head pod's IP while its runtime runs but is not ready (loading the model): the
+    #: operator asks it for load progress there (the Service routes only to a ready head).
+    head_loading_ip: str | None = None
+    #: The head container's last stop on an error while it is not ready (``None``: none).
+    head_failure: HeadFailure | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +174,12 @@ class Observed:
     leaving_pods: tuple[str, ...] = ()
     #: Restarts of the head pod's containers (``None``: no head pod listed).
     head_restarts: int | None = None
+    #: See ``PodsObservation``: where to ask a loading head, and how a head that does not
+    #: start failed.
+    head_loading_ip: str | None = None
+    head_failure: HeadFailure | None = None
+    #: ``GET /ready`` of a loading head (``None``: not loading, or not asked).
+    loading: loading.LoadProgress | None = None
     #: ``metadata.generation`` of the MoEDeployment.
     generation: int = 1
     #: Worker pods kept beside the ranks for warm spares (``spec.elastic.warmSpareRanks``):
@@ -225,12 +252,38 @@ def _ready(pod: dict[str, Any]) -> bool:
     return status.get("phase") == "Running" and _condition_true(status.get("conditions"), "Ready")
 
 
+def head_failure(statuses: list[dict[str, Any]]) -> HeadFailure | None:
+    """The head container's last stop on an error (``containerStatuses``: its state when it
+    is terminated, else its ``lastState``), ``None`` when it never failed."""
+    for status in statuses:
+        state = status.get("state") or {}
+        stopped = state.get("terminated") or (status.get("lastState") or {}).get("terminated")
+        if not stopped or int(stopped.get("exitCode") or 0) == 0:
+            continue
+        reason = str(stopped.get("reason") or "Error")
+        message = " ".join(str(stopped.get("message") or "").split())
+        return HeadFailure(
+            message=message or f"exit code {stopped.get('exitCode')} ({reason})",
+            reason=reason,
+            exit_code=stopped.get("exitCode"),
+            restarts=int(status.get("restartCount") or 0),
+            waiting=(state.get("waiting") or {}).get("reason"),
+        )
+    return None
+
+
+def _running(statuses: list[dict[str, Any]]) -> bool:
+    return bool(statuses) and all((s.get("state") or {}).get("running") for s in statuses)
+
+
 def pods(listed: list[dict[str, Any]]) -> PodsObservation:
     """The RayCluster's pods (head and workers, by KubeRay's ``ray.io/node-type`` label)."""
     workers, ready, leaving = [], [], []
     head_ready: bool | None = None
     head_restarts: int | None = None
     head_pending = False
+    loading_ip: str | None = None
+    failure: HeadFailure | None = None
     for pod in listed:
         meta = pod.get("metadata") or {}
         kind = (meta.get("labels") or {}).get(NODE_TYPE_LABEL)
@@ -241,6 +294,10 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
             if not _leaving(pod):
                 statuses = (pod.get("status") or {}).get("containerStatuses") or []
                 head_restarts = sum(int(c.get("restartCount") or 0) for c in statuses)
+                if not now:
+                    failure = head_failure(statuses)
+                    if _running(statuses):
+                        loading_ip = (pod.get("status") or {}).get("podIP") or None
         elif kind == "worker":
             name = str(meta["name"])
             if _leaving(pod):
@@ -256,6 +313,8 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
         head_ready=head_ready,
         head_restarts=head_restarts,
         head_pending=head_pending,
+        head_loading_ip=loading_ip if not head_ready else None,
+        head_failure=failure if not head_ready else None,
     )
 
 

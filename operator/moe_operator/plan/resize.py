@@ -437,7 +437,8 @@ def plan_resize(
     planned.append(actions.SetResize(decision.resize))
     planned.extend(decision.events)
     restarts, seen = observed.head_restarts, status.head_restarts
-    if restarts is not None and seen is not None and restarts > seen:
+    # A head that never served and restarts is a failed start (``plan.load_report``).
+    if restarts is not None and seen is not None and restarts > seen and decide.served(status):
         planned.append(
             actions.Event(
                 status_.REASON_RUNTIME_RESTARTED,

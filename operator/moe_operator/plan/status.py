@@ -8,7 +8,7 @@ import datetime
 from typing import Any
 
 from moe_operator.api import status as status_
-from moe_operator.plan import actions, builders, clock, decide, observe
+from moe_operator.plan import actions, builders, clock, decide, load_report, observe
 
 C = status_.ConditionStatus
 
@@ -146,6 +146,7 @@ def next_status(
         endpoint=builders.endpoint(owner_name=name, namespace=namespace),
         autoscaling=current.autoscaling if isinstance(autoscaling, actions.Keep) else autoscaling,
         spares=spares,
+        loading=load_report.loading_status(observed),
         head_restarts=(
             observed.head_restarts if observed.head_restarts is not None else current.head_restarts
         ),

@@ -127,7 +127,9 @@ def test_kubectl_get_shows_the_columns(
 ) -> None:
     namespace, _ = deployed
     out = control_plane.kubectl("get", "moed", "-n", namespace).stdout.splitlines()
-    assert out[0].split() == ["NAME", "DP", "TARGET", "PHASE", "STAGE", "READY", "AGE"]
+    assert out[0].split() == [
+        "NAME", "DP", "TARGET", "PHASE", "STAGE", "READY", "AGE", "MESSAGE",
+    ]  # fmt: skip
     row = out[1].split()
     assert row[:5] == ["tiny", "0", "2", "Provisioning", "False"]  # STAGE is empty
 
