@@ -17,7 +17,7 @@ import uuid
 from typing import Any
 
 from e2e.controlplane import cluster
-from moe_contract import names
+from moe_contract import loading, names
 from moe_contract import status as runtime_status
 from moe_runtime.elastic import records, stages
 from tests.support import operator_ops as ops
@@ -49,6 +49,8 @@ class FakeRuntime:
         self.answers: list[int] = []
         #: Sequences running in the engine (``load`` of the status; ``None``: not reported).
         self.in_flight: int | None = None
+        #: What ``GET /ready`` says while set: a load part-way (503, status ``loading``).
+        self.loading: loading.LoadProgress | None = None
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -147,6 +149,15 @@ class FakeRuntime:
                 eplb=runtime_status.Eplb(balancedness=1.0),
             ).to_json()
 
+    def ready(self) -> tuple[int, dict[str, Any]]:
+        """``GET /ready``: the contract's body, loading while ``loading`` is set."""
+        with self.lock:
+            now = self.loading
+        if now is None:
+            return 200, loading.ReadyBody(status=loading.READY, reason="serving").to_json()
+        body = loading.ReadyBody(status=loading.LOADING, reason=now.message(), loading=now)
+        return 503, body.to_json()
+
     def records_for(self, from_size: int, to_size: int) -> list[dict[str, Any]]:
         with self.lock:
             return [
@@ -181,6 +192,8 @@ class FakeRuntime:
                     self._send(200, {"status": "ok"})
                 elif self.path == names.STATUS_PATH:
                     self._send(200, fake.status())
+                elif self.path == names.READY_PATH:
+                    self._send(*fake.ready())
                 else:
                     self._send(404, _error("not found"))
 
@@ -233,8 +246,9 @@ class Deployment:
         group: dict[str, Any] = self.raycluster()["spec"]["workerGroupSpecs"][0]
         return group
 
-    def _pod(self, name: str, node_type: str) -> None:
-        """A Ray pod as KubeRay labels it, Running and Ready as the kubelet would report."""
+    def _pod(self, name: str, node_type: str, *, status: dict[str, Any] | None = None) -> None:
+        """A Ray pod as KubeRay labels it, Running and Ready as the kubelet would report (or
+        with ``status`` as the kubelet reports it)."""
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -252,12 +266,23 @@ class Deployment:
             "spec": {"containers": [{"name": "ray", "image": "none"}]},
         }
         self.plane.kubectl("apply", "-f", "-", input=json.dumps(pod))
-        status = {"status": {"phase": "Running",
-                             "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+        status = status or {"phase": "Running",
+                             "conditions": [{"type": "Ready", "status": "True"}]}  # fmt: skip
         self.plane.kubectl(
             "patch", "pod", name, "-n", self.namespace, "--subresource=status",
-            "--type=merge", "-p", json.dumps(status),
+            "--type=merge", "-p", json.dumps({"status": status}),
         )  # fmt: skip
+
+    def set_head(self, status: dict[str, Any]) -> None:
+        """Play KubeRay and the kubelet: the head pod, with ``status`` (e.g. not Ready,
+        its container in CrashLoopBackOff)."""
+        self._ensure_service_account()
+        self._pod(f"{NAME}-head-x", "head", status=status)
+
+    def _ensure_service_account(self) -> None:
+        if self.plane.kubectl("get", "sa", "default", "-n", self.namespace,
+                              check=False).returncode != 0:  # fmt: skip
+            self.plane.kubectl("create", "sa", "default", "-n", self.namespace)
 
     def pods(self) -> list[str]:
         listing = ops.get_json(
@@ -270,9 +295,7 @@ class Deployment:
     def set_ready_workers(self, ready: int) -> None:
         """Play KubeRay: a Ready head pod and ``ready`` Ready worker pods (the ranks' pods
         first, then spare ones the runtime's next grow takes)."""
-        if self.plane.kubectl("get", "sa", "default", "-n", self.namespace,
-                              check=False).returncode != 0:  # fmt: skip
-            self.plane.kubectl("create", "sa", "default", "-n", self.namespace)
+        self._ensure_service_account()
         self._pod(f"{NAME}-head-x", "head")
         with self.runtime.lock:
             extra = ready - len(self.runtime.pods) - len(self.runtime.spare)
