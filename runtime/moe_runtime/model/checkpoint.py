@@ -103,6 +103,8 @@ class CheckpointSource:
             name: self._locate(name) for name in names.all_tensor_names(self._config)
         }
         self._check_all_used()
+        #: The last fused expert row read ((stored name, expert), tensor): `_read_stored`.
+        self._last_row: tuple[tuple[str, int | None], torch.Tensor] | None = None
 
     # -- the files ---------------------------------------------------------------------------
     def _read_weight_map(self) -> dict[str, pathlib.Path]:
@@ -262,6 +264,39 @@ class CheckpointSource:
         return value
 
     def _read(self, loc: _Location) -> torch.Tensor:
+        value = self._read_stored(loc)
+        if loc.part is None:
+            return value
+        value = value[0]
+        if loc.part.transpose:
+            value = value.transpose(0, 1) if value.dim() == 2 else value
+        select = loc.part.select
+        if select == "first_half":
+            value = value[: value.shape[0] // 2]
+        elif select == "second_half":
+            value = value[value.shape[0] // 2 :]
+        elif select == "even":
+            value = value[0::2]
+        elif select == "odd":
+            value = value[1::2]
+        value = value.contiguous()
+        if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+            # a part of the expert's fused row (gate of gate_up): its own storage, so the
+            # rank holds the part's bytes, not the whole row's, for as long as it serves
+            value = value.clone()
+        return value
+
+    def _read_stored(self, loc: _Location) -> torch.Tensor:
+        """The stored tensor of ``loc`` (dequantised): one expert's row of a fused tensor is
+        read once for its parts (gate and up of ``gate_up_proj``: kept until another is read)."""
+        key = (loc.stored, loc.expert)
+        if loc.part is not None and self._last_row is not None and self._last_row[0] == key:
+            return self._last_row[1]
+        value = self._read_raw(loc)
+        self._last_row = (key, value) if loc.part is not None else None
+        return value
+
+    def _read_raw(self, loc: _Location) -> torch.Tensor:
         if loc.mxfp4:
             blocks = self._get(loc.stored + quant.BLOCKS_SUFFIX, loc.expert)
             scales = self._get(loc.stored + quant.SCALES_SUFFIX, loc.expert)
@@ -277,21 +312,7 @@ class CheckpointSource:
                     f"tensor {loc.stored!r} is stored as {value.dtype} with no scale to "
                     f"dequantise it by",
                 )
-        if loc.part is None:
-            return value
-        value = value[0]
-        if loc.part.transpose:
-            value = value.transpose(0, 1) if value.dim() == 2 else value
-        select = loc.part.select
-        if select == "first_half":
-            value = value[: value.shape[0] // 2]
-        elif select == "second_half":
-            value = value[value.shape[0] // 2 :]
-        elif select == "even":
-            value = value[0::2]
-        elif select == "odd":
-            value = value[1::2]
-        return value.contiguous()
+        return value
 
     def tensor_names(self) -> list[str]:
         return names.all_tensor_names(self._config)
