@@ -10,7 +10,11 @@ under checked load while ``kubectl scale`` grows it to 3 and a worker pod is del
 MoEDeployment naming a claim that does not exist says so in its Ready condition and creates
 nothing. A probe pod in another namespace reaches the runtime's port 8000 and not the GCS
 or a worker's raylet; with the NetworkPolicy deleted (and the operator, which puts it back,
-stopped) the same probe reaches them: the node enforces it.
+stopped) the same probe reaches them: the node enforces it. Last, two short-lived one-rank
+deployments on the same claim: one naming a path without ``config.json`` is reported as a
+failed start (``LoadFailed``, the runtime's reason) within 2 minutes, and one whose reads are
+slowed (the test-only hook ``tests/support/slow_load.py``, put on the volume and named in
+``spec.ray.env``) shows its load progress in ``kubectl get moed`` while it loads.
 
 One deployment serves every check, in order.
 """
@@ -33,7 +37,7 @@ from e2e import kube
 from e2e import load as load_mod
 from e2e.cluster import conftest
 from e2e.node import config, install
-from tests.support import checkpoints
+from tests.support import checkpoints, slow_load
 
 pytestmark = pytest.mark.cluster
 
@@ -47,6 +51,12 @@ HOST_ROOT = pathlib.Path("/var/lib/elastic-moe/e2e-models")
 LENGTHS = (8, 24, 64)
 TIMEOUT_S = 420.0
 PROBE_NAMESPACE = "moe-e2e-probe"
+NO_CONFIG = "no-config"
+NO_CONFIG_DIR = "empty"
+SLOW = "slow-load"
+HOOKS_DIR = "hooks"
+#: Seconds each tensor (or expert) read of the slowed load waits: about 10 s for a rank.
+SLOW_READ_S = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +66,13 @@ def checkpoint() -> Iterator[tuple[pathlib.Path, Any]]:
         pytest.skip("the PersistentVolume is a directory of the local node")
     root = HOST_ROOT / uuid.uuid4().hex[:8]
     model = checkpoints.build(root / MODEL_DIR)
+    (root / NO_CONFIG_DIR).mkdir(parents=True)  # a path without config.json
+    # the test-only load hook (tests/support/slow_load.py), importable from the volume
+    hooks = root / HOOKS_DIR / "tests" / "support"
+    hooks.mkdir(parents=True)
+    for package in (hooks, hooks.parent):
+        (package / "__init__.py").write_text("")
+    shutil.copy(pathlib.Path(slow_load.__file__), hooks / "slow_load.py")
     # what a download Job leaves: world-readable files (the runtime runs as uid 1000)
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -103,17 +120,17 @@ def _claim_objects(host_dir: pathlib.Path, namespace: str) -> list[dict[str, Any
     return [volume, claim]
 
 
-def _moed(name: str, source: str) -> dict[str, Any]:
+def _moed(name: str, source: str, *, size: int = 2) -> dict[str, Any]:
     return {
         "apiVersion": "elasticmoe.io/v1alpha1",
         "kind": "MoEDeployment",
         "metadata": {"name": name},
         "spec": {
             "model": {"source": source, "servedModelName": name},
-            "dataParallelSize": 2,
+            "dataParallelSize": size,
             "minDataParallelSize": 1,
             "maxDataParallelSize": 3,
-            "ray": conftest.sample()["spec"]["ray"],  # type: ignore[index]
+            "ray": dict(conftest.sample()["spec"]["ray"]),  # type: ignore[index]
         },
     }
 
@@ -357,3 +374,64 @@ def test_scale_to_three_and_a_deleted_worker_keep_the_answers(
     print(f"\n[pvc] {load.summary()}")
     assert load.failures == []
     assert load.ok >= 10
+
+
+def _ready(d: kube.Deployment) -> dict[str, Any]:
+    conditions = {c["type"]: c for c in d.status().get("conditions") or []}
+    return conditions.get("Ready") or {}
+
+
+def test_a_path_without_config_json_is_a_failed_start_with_its_reason(
+    dep: kube.Deployment, namespace: str
+) -> None:
+    doc = _moed(NO_CONFIG, f"pvc://{CLAIM}/{NO_CONFIG_DIR}", size=1)
+    started = time.monotonic()
+    dep.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    bad = kube.Deployment(cluster=dep.cluster, name=NO_CONFIG, namespace=namespace)
+    try:
+        ready = kube.wait_for(
+            lambda: (c := _ready(bad)).get("reason") == "LoadFailed" and c,
+            timeout_s=120,
+            what="Ready=False LoadFailed",
+        )
+        print(f"\n[pvc] a path without config.json reported in {time.monotonic() - started:.1f}s")
+        assert "config.json" in ready["message"] and NO_CONFIG_DIR in ready["message"]
+        assert bad.status()["phase"] == "Failed"
+        assert [e for e in bad.events() if e["reason"] == "LoadFailed"]
+        table = dep.kubectl("get", "moed", NO_CONFIG, "-n", namespace).stdout
+        assert "needs config.json" in table  # the MESSAGE column
+    finally:
+        dep.kubectl("delete", "moed", NO_CONFIG, "-n", namespace, "--wait=true",
+                    check=False, timeout=180)  # fmt: skip
+
+
+def test_load_progress_is_shown_while_a_slowed_read_loads(
+    dep: kube.Deployment, namespace: str
+) -> None:
+    doc = _moed(SLOW, f"pvc://{CLAIM}/{MODEL_DIR}", size=1)
+    doc["spec"]["ray"]["env"] = [
+        {"name": "PYTHONPATH", "value": f"/models/{CLAIM}/{HOOKS_DIR}"},
+        {"name": "MOE_RANK_HOOKS", "value": slow_load.PATH},
+        {"name": slow_load.DELAY_ENV, "value": str(SLOW_READ_S)},
+    ]
+    dep.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    slow = kube.Deployment(cluster=dep.cluster, name=SLOW, namespace=namespace)
+    try:
+        table = kube.wait_for(
+            lambda: (
+                (out := dep.kubectl("get", "moed", SLOW, "-n", namespace).stdout)
+                and "loading weights" in out
+                and out
+            ),
+            timeout_s=TIMEOUT_S,
+            what="load progress in kubectl get moed",
+        )
+        print(f"\n[pvc] {table.splitlines()[-1]}")
+        loading = slow.status().get("loading") or {}
+        assert loading.get("bytesTotal", 0) > 0 and loading.get("ranksTotal") == 1
+        assert [e for e in slow.events() if e["reason"] == "LoadingModel"]
+        kube.wait_for(lambda: slow.serving(1), timeout_s=TIMEOUT_S, what="DP=1 Serving")
+        assert "loading" not in slow.status()
+    finally:
+        dep.kubectl("delete", "moed", SLOW, "-n", namespace, "--wait=true",
+                    check=False, timeout=180)  # fmt: skip
