@@ -392,9 +392,9 @@ def serve(args: argparse.Namespace) -> int:
         return termination.failed(f"admin token: {exc}")
 
     status = 0
-    runtime: Runtime | None = Runtime()
+    runtime: Runtime | None = None  # set once built (`build` stops what it started on failure)
+    building = Runtime()
     try:
-        building = runtime
 
         def rank_loads() -> list[dict[str, Any]]:  # asked from the loading server's thread
             executor = building.executor
