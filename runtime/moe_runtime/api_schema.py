@@ -102,8 +102,11 @@ class HealthBody(pydantic.BaseModel):
 
 
 class ReadyBody(pydantic.BaseModel):
-    status: Literal["ready", "not_ready"]
+    """``GET /ready`` (``moe_contract.loading.ReadyBody``; ``loading`` while the model loads)."""
+
+    status: Literal["ready", "not_ready", "loading"]
     reason: str
+    loading: dict[str, Any] | None = None
 
 
 STATUS_TEXT = {

@@ -21,6 +21,7 @@ import fastapi
 from fastapi import exceptions, responses
 from starlette import exceptions as starlette_exceptions
 
+from moe_contract import loading
 from moe_runtime import api_schema
 from moe_runtime import metrics as metrics_mod
 from moe_runtime.engine import core
@@ -154,11 +155,10 @@ def create_app(
         ok, reason = (
             readiness() if readiness is not None else (engine.is_alive(), "engine loop state")
         )
-        if ok:
-            return responses.JSONResponse({"status": "ready", "reason": reason})
-        return responses.JSONResponse(
-            status_code=503, content={"status": "not_ready", "reason": reason}
-        )
+        body = loading.ReadyBody.exact(
+            {"status": loading.READY if ok else loading.NOT_READY, "reason": reason}
+        ).model_dump(mode="json", exclude_none=True)
+        return responses.JSONResponse(status_code=200 if ok else 503, content=body)
 
     @app.get("/metrics", response_class=responses.PlainTextResponse)
     async def prometheus() -> responses.Response:
