@@ -154,7 +154,21 @@ def test_a_failed_start_is_failed_or_degraded_with_its_reason(served: bool, phas
     assert isinstance(final, actions.SetPhase)
     assert (final.phase, final.reason, final.ready) == (phase, "LoadFailed", False)
     assert REFUSED in final.message and "CrashLoopBackOff" in final.message
+    assert ("stopped" if served else "did not start") in final.message
     assert actions.Requeue(load_report.FAILED_REQUEUE_SECONDS) in out
+
+
+def test_a_served_head_that_runs_again_shows_its_load_not_its_last_stop() -> None:
+    failure = observe.HeadFailure(
+        message="killed", reason="Error", exit_code=143, restarts=1, running=True
+    )
+    observed = _observed(head_failure=failure, loading=PROGRESS)
+    status = status_.MoEDeploymentStatus(phase=Phase.DEGRADED)
+    degraded = [actions.SetPhase(Phase.DEGRADED, "RanksMissing", "0 of 2 ranks ready")]
+    final = load_report.report(degraded, observed=observed, status=status)[-1]
+    assert isinstance(final, actions.SetPhase)
+    assert (final.phase, final.reason) == (Phase.DEGRADED, "LoadingModel")
+    assert final.message == PROGRESS.message()
 
 
 # -- whole reconciles --------------------------------------------------------------------------

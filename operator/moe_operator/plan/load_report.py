@@ -4,10 +4,12 @@ load progress (Ready False, reason ``LoadingModel``, the runtime's own words fro
 stopped on an error (``LoadFailed``, with its termination message: a wrong path, a path
 without ``config.json``, a refused ``model_type``, a rank that ran out of memory).
 
-A failed start is phase ``Failed`` for a deployment that never served (``Degraded`` for one
-that did), with one warning event per new reason, until the head serves: the kubelet keeps
-restarting it (CrashLoopBackOff), and a fixed spec or volume lets it start. Only the phase of
-a deployment whose head is not ready is changed, never a resize's.
+A failed start is phase ``Failed`` for a deployment that never served, with one warning event
+per new reason, until the head serves: the kubelet keeps restarting it (CrashLoopBackOff), and
+a fixed spec or volume lets it start. A deployment that served and whose head stopped on an
+error is ``Degraded`` with that reason while the head does not run, and shows its load again
+while it starts over. Only the phase of a deployment whose head is not ready is changed, never
+a resize's.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ FAILED_REQUEUE_SECONDS: Final = 10.0
 _REPLACED: Final = (status_.Phase.PROVISIONING, status_.Phase.DEGRADED)
 
 
-def failure_text(failure: observe.HeadFailure) -> str:
-    """``the head did not start (restarts: 3, CrashLoopBackOff): <termination message>``."""
+def failure_text(failure: observe.HeadFailure, *, served: bool = False) -> str:
+    """``the head did not start (restarts: 3, CrashLoopBackOff): <termination message>``
+    (``the head stopped`` for a deployment that served)."""
     how = f"restarts: {failure.restarts}"
     if failure.waiting:
         how += f", {failure.waiting}"
     if failure.reason == "OOMKilled":
         how += ", out of memory: its memory limit is below what it needs"
-    return f"the head did not start ({how}): {failure.message}"
+    what = "stopped" if served else "did not start"
+    return f"the head {what} ({how}): {failure.message}"
 
 
 def report(
@@ -52,14 +56,17 @@ def report(
         return out
     ready = status.condition(status_.CONDITION_READY)
     failure, progress = observed.head_failure, observed.loading
+    served = decide.was_serving(status)
+    if failure is not None and served and failure.running:
+        failure = None  # a head that served and stopped, starting again: its load shows
     if failure is not None:
         reason = status_.REASON_LOAD_FAILED
-        message = failure_text(failure)
+        message = failure_text(failure, served=served)
         if progress is not None:
             message += f"; trying again: {progress.message()}"
-        phase = status_.Phase.DEGRADED if decide.was_serving(status) else status_.Phase.FAILED
+        phase = status_.Phase.DEGRADED if served else status_.Phase.FAILED
         known = ready is not None and ready.reason == reason and failure.message in ready.message
-        event = None if known else actions.Event(reason, failure_text(failure))
+        event = None if known else actions.Event(reason, failure_text(failure, served=served))
         requeue = FAILED_REQUEUE_SECONDS
     elif progress is not None:
         reason = status_.REASON_LOADING_MODEL

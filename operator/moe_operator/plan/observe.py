@@ -52,6 +52,8 @@ class HeadFailure:
     exit_code: int | None
     restarts: int
     waiting: str | None = None
+    #: It runs again (a new attempt after that stop).
+    running: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +270,7 @@ def head_failure(statuses: list[dict[str, Any]]) -> HeadFailure | None:
             exit_code=stopped.get("exitCode"),
             restarts=int(status.get("restartCount") or 0),
             waiting=(state.get("waiting") or {}).get("reason"),
+            running=bool(state.get("running")),
         )
     return None
 
