@@ -132,6 +132,15 @@ def _observed(**kw: Any) -> observe.Observed:
 WAITING = [actions.SetPhase(Phase.PROVISIONING, "WaitingForRayCluster", "waiting for the Ray head")]
 
 
+def test_a_running_head_that_says_nothing_yet_is_looked_at_again_soon() -> None:
+    out = load_report.report(
+        WAITING,
+        observed=_observed(head_loading_ip="10.1.2.3"),
+        status=status_.MoEDeploymentStatus(),
+    )
+    assert out == [actions.Requeue(load_report.LOADING_REQUEUE_SECONDS), *WAITING]
+
+
 def test_a_resize_is_never_overwritten() -> None:
     steps = [actions.SetPhase(Phase.RESIZING, "ResizeInProgress", "resizing 2->4")]
     failure = observe.HeadFailure(message=REFUSED, reason="Error", exit_code=1, restarts=1)

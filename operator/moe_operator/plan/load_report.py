@@ -75,18 +75,22 @@ def report(
         known = ready is not None and ready.reason == reason
         event = None if known else actions.Event(reason, f"loading the model: {message}")
         requeue = LOADING_REQUEUE_SECONDS
+    elif observed.head_loading_ip is not None:
+        # The head runs but does not say what it loads (yet: ``ray start``, imports): look
+        # again soon, nothing else would wake the reconcile before the head is Ready.
+        return _requeue(out, LOADING_REQUEUE_SECONDS)
     else:
         return out
-    kept = [a for a in out[:-1] if not isinstance(a, actions.Requeue)]
-    shortest = min(
-        [requeue, *(a.seconds for a in out if isinstance(a, actions.Requeue))],
-    )
-    return [
-        *kept,
-        *([event] if event is not None else []),
-        actions.Requeue(shortest),
-        actions.SetPhase(phase, reason, message, ready=False),
-    ]
+    final = actions.SetPhase(phase, reason, message, ready=False)
+    return _requeue([*out[:-1], *([event] if event is not None else []), final], requeue)
+
+
+def _requeue(steps: list[actions.Action], seconds: float) -> list[actions.Action]:
+    """``steps`` with one requeue, after ``seconds`` or sooner when one asked for that,
+    just before their final ``SetPhase``."""
+    shortest = min([seconds, *(a.seconds for a in steps if isinstance(a, actions.Requeue))])
+    kept = [a for a in steps[:-1] if not isinstance(a, actions.Requeue)]
+    return [*kept, actions.Requeue(shortest), steps[-1]]
 
 
 def loading_status(observed: observe.Observed) -> status_.LoadingStatus | None:
