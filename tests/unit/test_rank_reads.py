@@ -89,3 +89,20 @@ def test_the_head_reads_no_weight(
     assert counter.reads == []
     # the same counter does see a rank's read
     assert torch.is_tensor(src.tensor(names.EMBED)) and len(counter.reads) == 1
+
+
+@pytest.mark.parametrize("placeholder", [True, False], ids=["from-peers", "from-storage"])
+def test_a_rank_of_a_grow_reads_no_expert(
+    placeholder: bool, tmp_path: pathlib.Path, counter: read_counter.ReadCounter
+) -> None:
+    """A grow's new rank (`elastic.grow`: no placement): from its peers it reads nothing at all
+    (placeholders, filled by the transfer); from storage only the non-expert tensors."""
+    path = hf_families.save(hf_families.build("mixtral"), tmp_path / "m")
+    cfg = source.open_source(str(path)).config
+    w = worker.RankWorker(device="cpu", dtype="float32", torch_threads=1)
+    w.load_weights(source=str(path), rank=2, num_ranks=3, placement=None, placeholder=placeholder)
+    if placeholder:
+        assert counter.reads == []
+    else:
+        assert all(r.expert is None for r in counter.reads)
+        assert len(counter.reads) == len(names.non_expert_tensor_names(cfg))
