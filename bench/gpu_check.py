@@ -1,5 +1,5 @@
 """The prepared GPU check (run it through `bench/gpu_check.sh`): every stage prints its figures,
-and all of them go to $OUT/gpu_check.json when $OUT is set (format: README, "Running on GPUs").
+and all of them go to $OUT/gpu_check.json when $OUT is set (format: docs/GPU.md, "The GPU check").
 
 Stages (`--dry-run`: the same code on the CPU in float32 with small sizes, so it never rots;
 `make test` runs it, tests/integration/test_gpu_check.py):
