@@ -17,7 +17,7 @@ Variants, interleaved in one run on the same machine state:
 - after: both as they are now (outputs of a burst handed to the loop with one wake-up).
 
 With `--profile`, the engine thread of the "after" run runs under cProfile and the top
-functions by own time are printed (how the hot spots of issue 13 were found).
+functions by own time are printed (where the engine's own time goes).
 
     .venv/bin/python bench/engine.py                  # ~1 min on 2 busy cores
     .venv/bin/python bench/engine.py --max-tokens 512 --profile

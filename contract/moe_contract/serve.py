@@ -1,4 +1,4 @@
-"""The ``moe-runtime serve`` command line the operator passes to the head (DESIGN §4).
+"""The ``moe-runtime serve`` command line the operator passes to the head (docs/RUNTIME.md).
 
 The flags are named once, here: the runtime's parser (``moe_runtime.cli.build_parser``)
 declares them with these constants, and :class:`ServeArgs` renders them. Each field of

@@ -1,4 +1,4 @@
-"""The FastAPI app of the runtime's HTTP API (DESIGN §4): the routes, error handlers and
+"""The FastAPI app of the runtime's HTTP API (docs/RUNTIME.md): the routes, error handlers and
 OpenAPI document.
 
 `create_app(engine, served_model_name=...)` builds the app around a started engine; the
