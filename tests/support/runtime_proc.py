@@ -54,14 +54,10 @@ class RuntimeProcess:
             self.proc.wait(10)
 
 
-def start(
-    args: list[str],
-    *,
-    log: pathlib.Path,
-    env: dict[str, str] | None = None,
-    deadline_s: float = 300.0,
+def spawn(
+    args: list[str], *, log: pathlib.Path, env: dict[str, str] | None = None
 ) -> RuntimeProcess:
-    """`moe-runtime serve ARGS --port P` with its own local Ray; returns once /health is 200."""
+    """`moe-runtime serve ARGS --port P`, started (not waited for: it may still be loading)."""
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     full_env.update(env or {})
@@ -73,7 +69,19 @@ def start(
             env=full_env,
             start_new_session=True,
         )
-    server = RuntimeProcess(proc=proc, url=f"http://127.0.0.1:{port}", log=log)
+    return RuntimeProcess(proc=proc, url=f"http://127.0.0.1:{port}", log=log)
+
+
+def start(
+    args: list[str],
+    *,
+    log: pathlib.Path,
+    env: dict[str, str] | None = None,
+    deadline_s: float = 300.0,
+) -> RuntimeProcess:
+    """`moe-runtime serve ARGS --port P` with its own local Ray; returns once /health is 200."""
+    server = spawn(args, log=log, env=env)
+    proc = server.proc
     deadline = time.monotonic() + deadline_s
     while True:
         if proc.poll() is not None:
