@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from moe_contract import loading
 from moe_runtime import step as step_mod
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
@@ -88,6 +89,16 @@ def test_two_ranks_generate_like_single_process(
     got = run.run()
     assert [got[f"g{i}"] for i in range(len(PROMPTS))] == reference
     assert sorted(two_ranks.rank_infos()) == [0, 1]
+
+
+def test_every_rank_says_what_its_load_read_on_its_health_lane(
+    two_ranks: base.Executor,
+) -> None:
+    """`RayExecutor.load_progress`: each rank's `RankLoad`, asked on the health lane (what
+    `GET /ready` shows while the model loads); here after the load: every rank done."""
+    loads = [loading.RankLoad.exact(r) for r in two_ranks.load_progress()]
+    assert sorted(r.rank for r in loads) == [0, 1]
+    assert all(r.done and 0 < r.bytes_loaded == r.bytes_total for r in loads)
 
 
 def test_grow_2_to_4_then_shrink_to_2_while_generating(ray_executor_mod: Any) -> None:
