@@ -103,6 +103,7 @@ bench: setup controlplane
 	$(PY) bench/engine.py
 	$(PY) bench/step.py
 	$(PY) bench/families.py
+	$(PY) -m bench.memory
 
 clean: cluster-down
 	rm -rf .cluster .pytest_cache .mypy_cache .ruff_cache
