@@ -36,6 +36,10 @@ class RayClusterObservation:
     workers_to_delete: tuple[str, ...] = ()
     #: The runtime size in the head template (``None``: not ours or not set).
     head_size: int | None = None
+    #: Its name, and the template revision its pods are made from (``plan.revision``;
+    #: ``None``: made by an operator that did not say).
+    name: str | None = None
+    revision: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,9 @@ class PodsObservation:
     head_restarts: int | None = None
     #: A head pod exists but has not started yet (Pending: e.g. waiting for its Secret).
     head_pending: bool = False
+    #: Why the head's container does not run, as the kubelet says (``ErrImagePull``,
+    #: ``CrashLoopBackOff``: its waiting reason and message); ``None``: it runs, or no head.
+    head_waiting: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +160,8 @@ class Observed:
     leaving_pods: tuple[str, ...] = ()
     #: Restarts of the head pod's containers (``None``: no head pod listed).
     head_restarts: int | None = None
+    #: Why the head's container does not run (``PodsObservation.head_waiting``).
+    head_waiting: str | None = None
     #: ``metadata.generation`` of the MoEDeployment.
     generation: int = 1
     #: Worker pods kept beside the ranks for warm spares (``spec.elastic.warmSpareRanks``):
@@ -211,6 +220,8 @@ def raycluster(
         state=status.get("state"),
         workers_to_delete=pending,
         head_size=_head_size(spec),
+        name=(obj.get("metadata") or {}).get("name"),
+        revision=((obj.get("metadata") or {}).get("annotations") or {}).get(group.REVISION),
     )
 
 
@@ -231,6 +242,7 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
     head_ready: bool | None = None
     head_restarts: int | None = None
     head_pending = False
+    head_waiting: str | None = None
     for pod in listed:
         meta = pod.get("metadata") or {}
         kind = (meta.get("labels") or {}).get(NODE_TYPE_LABEL)
@@ -241,6 +253,7 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
             if not _leaving(pod):
                 statuses = (pod.get("status") or {}).get("containerStatuses") or []
                 head_restarts = sum(int(c.get("restartCount") or 0) for c in statuses)
+                head_waiting = _waiting(statuses) or head_waiting
         elif kind == "worker":
             name = str(meta["name"])
             if _leaving(pod):
@@ -256,7 +269,19 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
         head_ready=head_ready,
         head_restarts=head_restarts,
         head_pending=head_pending,
+        head_waiting=head_waiting,
     )
+
+
+def _waiting(statuses: list[dict[str, Any]]) -> str | None:
+    """The first waiting container's reason and message (``None``: none waits)."""
+    for container in statuses:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason and reason != "ContainerCreating":
+            message = str(waiting.get("message") or "")[:300]
+            return f"{reason}: {message}" if message else str(reason)
+    return None
 
 
 def runtime_resize(record: runtime_status.Resize) -> RuntimeResize:
