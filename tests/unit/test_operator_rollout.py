@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 from typing import Any
 
 import pytest
 
+from moe_operator import metrics
 from moe_operator.api import spec as spec_
+from moe_operator.api import status as status_
 from moe_operator.plan import clock, revision
 from tests.support import reconcile_fakes as fakes
 from tests.support import rollout_fakes
@@ -280,3 +283,29 @@ def test_every_spec_field_is_classified() -> None:
     assert fields - revision.LIVE_FIELDS == {"model", "ray", "tensorParallelSize"}
     assert revision.LIVE_FIELDS <= fields
     assert fields - {"tensorParallelSize"} <= tested | {"minDataParallelSize"}
+
+
+def test_the_operator_counts_rollouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = Driver(monkeypatch)
+    d.serve()
+    d.change("ray.image", NEW_IMAGE)
+    registry = metrics.OperatorMetrics()
+    previous = status_.MoEDeploymentStatus.model_validate(d.status)
+    for _ in range(40):
+        d.step()
+        new = status_.MoEDeploymentStatus.model_validate(d.status)
+        registry.observe("ml", "tiny", _Outcome(previous=previous, status=new))
+        previous = new
+        if d.finished():
+            break
+    text = registry.render().decode()
+    assert 'moe_operator_rollouts_total{outcome="Completed"} 1.0' in text
+    assert 'moe_operator_rollout_ranks_moved{deployment="tiny",namespace="ml"} 0.0' in text
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    previous: status_.MoEDeploymentStatus | None
+    status: status_.MoEDeploymentStatus | None
+    runtime_reachable: bool | None = None
+    autoscale_decision: str | None = None
