@@ -170,11 +170,12 @@ async def write_child(
 
 
 async def patch_settings(
-    changes: dict[str, Any], *, target: Target
+    changes: dict[str, Any], *, target: Target, cluster: str | None = None
 ) -> tuple[dict[str, Any], str | None]:
     """``PATCH /elastic_ep/config``: what was changed, and the runtime's refusal when it
-    refused (it then changed nothing)."""
-    async with target.factory(target.url, target.admin_token) as client:
+    refused (it then changed nothing); ``cluster``: that RayCluster's runtime."""
+    url = target.urls.get(cluster, target.url) if cluster is not None else target.url
+    async with target.factory(url, target.admin_token) as client:
         try:
             await client.patch_config(changes)
         except runtime_client.RuntimeApiError as error:
@@ -263,11 +264,14 @@ async def execute(
             continue
         created.post()
         if isinstance(action, actions.PatchSettings):
-            applied, refused = await patch_settings(dict(action.changes), target=target)
+            applied, refused = await patch_settings(
+                dict(action.changes), target=target, cluster=action.cluster
+            )
             if applied:
                 text = ", ".join(f"{k}={v}" for k, v in sorted(applied.items()))
-                logger.info("%s: runtime settings changed live: %s", where, text)
-                events("SettingsApplied", f"runtime settings changed live: {text}")
+                of = f" of {action.cluster}" if action.cluster else ""
+                logger.info("%s: runtime settings%s changed live: %s", where, of, text)
+                events("SettingsApplied", f"runtime settings{of} changed live: {text}")
             if refused and (where, target.generation, refused) not in _WARNED_SETTINGS:
                 _WARNED_SETTINGS.add((where, target.generation, refused))
                 events("SettingsRefused", f"the runtime refused the spec's settings: {refused}")

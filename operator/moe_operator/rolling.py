@@ -56,11 +56,12 @@ async def _one(
         raycluster_annotations=(obj.get("metadata") or {}).get("annotations"),
     )
     ray = observe.raycluster(obj, pods=pods)
-    runtime = None
+    runtime, config = None, None
     if ray is not None and ray.head_ready:
-        runtime, _ = await observation.observe_runtime(
+        runtime, config = await observation.observe_runtime(
             url=url, token=admin_token, factory=factory, logger=logger
         )
+    draining = (config or {}).get("draining")
     observed = observe.Observed(
         raycluster=ray,
         secret_exists=True,
@@ -73,7 +74,12 @@ async def _one(
         generation=generation,
         now=now,
     )
-    cluster = rollout.Cluster(name=name, revision=revision.of_raycluster(obj), observed=observed)
+    cluster = rollout.Cluster(
+        name=name,
+        revision=revision.of_raycluster(obj),
+        observed=observed,
+        draining=draining if isinstance(draining, bool) else None,
+    )
     return cluster, url
 
 

@@ -33,6 +33,8 @@ class Runtime:
     #: The pods it may grow onto (its RayCluster's worker pods), set by :class:`World`.
     available: list[str] = dataclasses.field(default_factory=list)
     scales: list[int] = dataclasses.field(default_factory=list)
+    #: ``PATCH /elastic_ep/config`` draining (the only live setting this fake keeps).
+    draining: bool = False
 
     def status(self) -> runtime_status.ElasticStatus:
         return runtime_status.ElasticStatus(
@@ -166,6 +168,10 @@ class World:
                 return httpx.Response(202, json=runtime.scale(body["new_data_parallel_size"]))
             if request.url.path == names.STATUS_PATH:
                 return httpx.Response(200, json=runtime.status().to_json())
+            if request.url.path == names.CONFIG_PATH:
+                if request.method == "PATCH":
+                    runtime.draining = json.loads(request.content)["draining"]
+                return httpx.Response(200, json={"draining": runtime.draining})
             return httpx.Response(404, json={"detail": "not here"})
 
         return runtime_client.RuntimeClient(

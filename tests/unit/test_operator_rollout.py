@@ -129,6 +129,22 @@ def test_a_surge_starts_the_new_cluster_beside_the_full_old_one(
     assert "synthetic://tiny?seed=1" in args
 
 
+def test_the_old_runtime_closes_kept_alive_connections_after_the_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    d = Driver(monkeypatch)
+    d.serve()
+    d.world.runtimes["tiny"].in_flight = 1
+    d.change("ray.image", NEW_IMAGE)
+    d.until(lambda: d.rollout().get("stage") == "Moving")
+    assert not d.world.runtimes["tiny"].draining  # it still got the requests until now
+    d.step()
+    assert d.world.runtimes["tiny"].draining
+    new = d.rollout()["toCluster"]
+    assert not d.world.runtimes[new].draining
+    assert any("draining=True" in message for _, message in d.events)
+
+
 def test_in_flight_requests_keep_the_old_cluster_until_they_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -159,6 +175,7 @@ def test_a_new_cluster_that_never_serves_is_rolled_back(monkeypatch: pytest.Monk
     assert "ErrImagePull" in rolled["message"]
     assert "RolledBack" in d.reasons()
     assert set(d.world.rayclusters()) == {"tiny"}
+    assert not d.world.runtimes["tiny"].draining
     # the normal resize grows the old one back; its template is still its own
     d.until(lambda: d.status.get("dataParallelSize") == 2 and d.status["phase"] == "Serving")
     assert d.images["tiny"] == {spec_.DEFAULT_IMAGE}

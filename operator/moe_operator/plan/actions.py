@@ -58,6 +58,8 @@ class PatchSettings:
     changes, ``plan.settings``); the runtime may refuse them (it then changes nothing)."""
 
     changes: Mapping[str, Any]
+    #: The runtime of that RayCluster (``None``: the one that serves).
+    cluster: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,8 @@ class Cluster:
     name: str
     revision: str | None
     observed: observe.Observed
+    #: Whether its runtime closes connections (``None``: unknown, or an older runtime).
+    draining: bool | None = None
 
     @property
     def runtime(self) -> observe.RuntimeObservation | None:
@@ -129,6 +131,14 @@ def bound(spec: spec_.MoEDeploymentSpec) -> int:
     k = initial_size(spec)
     # The serving RayCluster gives up at most n - m ranks before the new one starts.
     return n + max(spec.rollout.max_surge_ranks, k - (n - m), 0)
+
+
+def _stop_keep_alive(p: _Plan, others: Sequence[Cluster]) -> None:
+    """Runtimes the Service no longer selects close their connections after each answer, so
+    kept-alive clients reconnect to the serving one (their in-flight requests finish)."""
+    for c in others:
+        if c.draining is False:
+            p.steps.append(actions.PatchSettings({"draining": True}, cluster=c.name))
 
 
 def _settle(c: Cluster, size: int) -> actions.ApplyRayCluster:
@@ -262,6 +272,7 @@ def _starting(
         _roll_back(p, spec=spec, serving=serving, target=target, others=others, now=now)
         return
     leftovers = [c for c in others if c.name != serving.name]
+    _stop_keep_alive(p, leftovers)
     for c in leftovers:  # an abandoned rollout's: drained away first (they count in the bound)
         if _drained(p, c, spec=spec, now=now):
             p.steps.append(actions.DeleteRayCluster(c.name))
@@ -370,6 +381,9 @@ def _moving(
         p.rollout = r.model_copy(update={"message": "waiting for the new runtime to answer"})
         return
     p.rollout = r = r.model_copy(update={"ranks_moved": target.ranks})
+    _stop_keep_alive(p, others)
+    if target.draining:  # a rollout reverted to a RayCluster that had been drained
+        p.steps.append(actions.PatchSettings({"draining": False}, cluster=target.name))
     # The move under way ends first.
     if r.move_cluster is not None and r.move_to is not None:
         moving = next((c for c in (target, *others) if c.name == r.move_cluster), None)
