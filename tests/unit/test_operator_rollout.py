@@ -39,6 +39,7 @@ class Driver:
         self.moment = START
         #: the head image of every RayCluster, as each reconcile left it
         self.images: dict[str, set[str]] = {}
+        self.heads: dict[str, str] = {}
 
     @property
     def status(self) -> dict[str, Any]:
@@ -68,6 +69,10 @@ class Driver:
         for name, obj in self.world.rayclusters().items():
             head = obj["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
             self.images.setdefault(name, set()).add(head["image"])
+            # a RayCluster's head keeps the size it started at (a resize never rewrites it)
+            meta = obj["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]
+            size = meta["elasticmoe.io/initial-data-parallel-size"]
+            assert self.heads.setdefault(name, size) == size, f"{name}: head size rewritten"
 
     def until(self, done: Any, *, steps: int = 80) -> None:
         for _ in range(steps):

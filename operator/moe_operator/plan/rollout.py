@@ -141,17 +141,26 @@ def _stop_keep_alive(p: _Plan, others: Sequence[Cluster]) -> None:
             p.steps.append(actions.PatchSettings({"draining": True}, cluster=c.name))
 
 
+def _head(c: Cluster | None) -> int | None:
+    """The size ``c``'s head started at (kept: a resize never rewrites the head)."""
+    ray = c.observed.raycluster if c is not None else None
+    return ray.head_size if ray is not None else None
+
+
 def _settle(c: Cluster, size: int) -> actions.ApplyRayCluster:
     """Hold ``c`` at ``size`` ranks: excess pods named (once its runtime says which serve),
     none added; while its runtime resizes, its pods as they are."""
     if c.busy or c.runtime is None:
         held = max(decide.hold(c.observed, size), size)
         return actions.ApplyRayCluster(
-            worker_replicas=held, workers_to_delete=decide.pending(c.observed), cluster=c.name
+            worker_replicas=held,
+            workers_to_delete=decide.pending(c.observed),
+            cluster=c.name,
+            head_size=_head(c),
         )
     replicas, delete = decide.settle(c.observed, size=size)
     return actions.ApplyRayCluster(
-        worker_replicas=replicas, workers_to_delete=delete, cluster=c.name
+        worker_replicas=replicas, workers_to_delete=delete, cluster=c.name, head_size=_head(c)
     )
 
 
@@ -170,7 +179,10 @@ def _move(p: _Plan, c: Cluster, to: int, *, now: datetime.datetime) -> bool:
         held = max(decide.hold(c.observed, to), to)
         p.steps.append(
             actions.ApplyRayCluster(
-                worker_replicas=held, workers_to_delete=decide.pending(c.observed), cluster=c.name
+                worker_replicas=held,
+                workers_to_delete=decide.pending(c.observed),
+                cluster=c.name,
+                head_size=_head(c),
             )
         )
         running = rt.running
@@ -191,7 +203,10 @@ def _move(p: _Plan, c: Cluster, to: int, *, now: datetime.datetime) -> bool:
     if to > rt.data_parallel_size:  # grow: the pods first, then the runtime
         p.steps.append(
             actions.ApplyRayCluster(
-                worker_replicas=to, workers_to_delete=decide.pending(c.observed), cluster=c.name
+                worker_replicas=to,
+                workers_to_delete=decide.pending(c.observed),
+                cluster=c.name,
+                head_size=_head(c),
             )
         )
         if ray.ready_workers >= to and not decide.pending(c.observed):
@@ -258,7 +273,9 @@ def _starting(
     if not served or serving is None:
         # Nothing serves: no capacity to protect. The new one at full size, the rest go.
         p.steps.append(
-            actions.ApplyRayCluster(worker_replicas=n, head_size=n, cluster=r.to_cluster)
+            actions.ApplyRayCluster(
+                worker_replicas=n, head_size=_head(target) or n, cluster=r.to_cluster
+            )
         )
         p.steps += [actions.DeleteRayCluster(c.name) for c in others]
         p.steps.append(actions.ApplyService(cluster=r.to_cluster))
@@ -288,7 +305,11 @@ def _starting(
     else:
         p.steps.append(_settle(serving, serving.ranks))
     p.rollout = p.rollout.model_copy(update={"move_cluster": None, "move_to": None})
-    p.steps.append(actions.ApplyRayCluster(worker_replicas=k, head_size=k, cluster=r.to_cluster))
+    p.steps.append(
+        actions.ApplyRayCluster(
+            worker_replicas=k, head_size=_head(target) or k, cluster=r.to_cluster
+        )
+    )
     if target is not None and target.serves and target.ranks >= k:
         p.steps.append(actions.ApplyService(cluster=r.to_cluster))
         p.serving = r.to_cluster
@@ -375,7 +396,9 @@ def _moving(
     if target is None or target.runtime is None:
         if target is None:
             p.steps.append(
-                actions.ApplyRayCluster(worker_replicas=n, head_size=n, cluster=r.to_cluster)
+                actions.ApplyRayCluster(
+                    worker_replicas=n, head_size=_head(target) or n, cluster=r.to_cluster
+                )
             )
         p.steps += [_settle(c, c.ranks) for c in others]
         p.rollout = r.model_copy(update={"message": "waiting for the new runtime to answer"})
