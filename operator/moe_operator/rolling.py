@@ -17,7 +17,7 @@ from moe_operator import execution, observation, runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
-from moe_operator.plan import actions, builders, decide, observe, revision, rollout
+from moe_operator.plan import actions, builders, decide, observe, revision, rollout, rollout_steps
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
 
@@ -26,7 +26,7 @@ Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
 class Seen:
     """The deployment's RayClusters as observed, stored, and where each runtime answers."""
 
-    clusters: tuple[rollout.Cluster, ...]
+    clusters: tuple[rollout_steps.Cluster, ...]
     stored: dict[str, dict[str, Any]]
     urls: dict[str, str]
 
@@ -46,7 +46,7 @@ async def _one(
     generation: int,
     now: datetime.datetime,
     logger: Logger,
-) -> tuple[rollout.Cluster, str]:
+) -> tuple[rollout_steps.Cluster, str]:
     name = obj["metadata"]["name"]
     pods = await observation.ray_pods(api=api, owner=owner, cluster=name, logger=logger)
     url = runtime_client.cluster_url(
@@ -74,7 +74,7 @@ async def _one(
         generation=generation,
         now=now,
     )
-    cluster = rollout.Cluster(
+    cluster = rollout_steps.Cluster(
         name=name,
         revision=revision.of_raycluster(obj),
         observed=observed,

@@ -30,7 +30,6 @@ the newest revision becomes the target, every other one is shrunk or drained awa
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 from collections.abc import Sequence
 from typing import Final
@@ -38,54 +37,12 @@ from typing import Final
 from moe_operator.api import rollout as rollout_
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import actions, builders, clock, decide, observe
+from moe_operator.plan import actions, builders, clock, decide
+from moe_operator.plan import rollout_steps as parts
 
 Stage = rollout_.RolloutStage
 #: Seconds between two reconciles while a rollout runs.
 REQUEUE_SECONDS: Final = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    """One RayCluster of the deployment as observed (``observed.raycluster`` is set)."""
-
-    name: str
-    revision: str | None
-    observed: observe.Observed
-    #: Whether its runtime closes connections (``None``: unknown, or an older runtime).
-    draining: bool | None = None
-
-    @property
-    def runtime(self) -> observe.RuntimeObservation | None:
-        return self.observed.runtime
-
-    @property
-    def ranks(self) -> int:
-        """Ranks serving (the runtime's word; else its worker replicas)."""
-        if self.runtime is not None:
-            return self.runtime.data_parallel_size
-        ray = self.observed.raycluster
-        return ray.worker_replicas if ray is not None else 0
-
-    @property
-    def pods(self) -> int:
-        """Worker pods that hold (or may hold) an accelerator: listed ones, leaving ones
-        included, and at least the replicas asked for."""
-        ray = self.observed.raycluster
-        replicas = ray.worker_replicas if ray is not None else 0
-        pods = self.observed.worker_pods
-        if pods is None:
-            return replicas
-        return max(len(pods), replicas) + len(self.observed.leaving_pods)
-
-    @property
-    def busy(self) -> bool:
-        return self.runtime is not None and self.runtime.running is not None
-
-    @property
-    def serves(self) -> bool:
-        rt = self.runtime
-        return rt is not None and rt.ready is not False and rt.running is None
 
 
 def needed(
@@ -107,149 +64,6 @@ def needed(
     return not (status.resize is not None and status.resize.active)
 
 
-@dataclasses.dataclass
-class _Plan:
-    """What one reconcile of a rollout decided, assembled into actions by :func:`plan`."""
-
-    rollout: rollout_.RolloutStatus
-    serving: str
-    revision: str | None
-    steps: list[actions.Action] = dataclasses.field(default_factory=list)
-    events: list[actions.Event] = dataclasses.field(default_factory=list)
-    phase: actions.SetPhase | None = None
-
-
-def initial_size(spec: spec_.MoEDeploymentSpec) -> int:
-    """The ranks the new RayCluster starts at."""
-    n = spec.data_parallel_size
-    return max(spec.min_data_parallel_size, min(spec.rollout.max_surge_ranks, n))
-
-
-def bound(spec: spec_.MoEDeploymentSpec) -> int:
-    """Worker pods all RayClusters may hold at once (the new head not counted)."""
-    n, m = spec.data_parallel_size, spec.min_data_parallel_size
-    k = initial_size(spec)
-    # The serving RayCluster gives up at most n - m ranks before the new one starts.
-    return n + max(spec.rollout.max_surge_ranks, k - (n - m), 0)
-
-
-def _stop_keep_alive(p: _Plan, others: Sequence[Cluster]) -> None:
-    """Runtimes the Service no longer selects close their connections after each answer, so
-    kept-alive clients reconnect to the serving one (their in-flight requests finish)."""
-    for c in others:
-        if c.draining is False:
-            p.steps.append(actions.PatchSettings({"draining": True}, cluster=c.name))
-
-
-def _head(c: Cluster | None) -> int | None:
-    """The size ``c``'s head started at (kept: a resize never rewrites the head)."""
-    ray = c.observed.raycluster if c is not None else None
-    return ray.head_size if ray is not None else None
-
-
-def _settle(c: Cluster, size: int) -> actions.ApplyRayCluster:
-    """Hold ``c`` at ``size`` ranks: excess pods named (once its runtime says which serve),
-    none added; while its runtime resizes, its pods as they are."""
-    if c.busy or c.runtime is None:
-        held = max(decide.hold(c.observed, size), size)
-        return actions.ApplyRayCluster(
-            worker_replicas=held,
-            workers_to_delete=decide.pending(c.observed),
-            cluster=c.name,
-            head_size=_head(c),
-        )
-    replicas, delete = decide.settle(c.observed, size=size)
-    return actions.ApplyRayCluster(
-        worker_replicas=replicas, workers_to_delete=delete, cluster=c.name, head_size=_head(c)
-    )
-
-
-def _move(p: _Plan, c: Cluster, to: int, *, now: datetime.datetime) -> bool:
-    """Drive ``c`` towards ``to`` ranks with the runtime's normal resize; True once it serves
-    ``to`` ranks and holds no pod beyond them."""
-    r = p.rollout
-    if r.move_cluster != c.name or r.move_to != to:
-        p.rollout = r = r.model_copy(update={"move_cluster": c.name, "move_to": to})
-    rt, ray = c.runtime, c.observed.raycluster
-    if rt is None or ray is None:
-        p.steps.append(_settle(c, c.ranks))
-        p.rollout = r.model_copy(update={"message": f"{c.name}: waiting for its runtime"})
-        return False
-    if rt.running is not None:
-        held = max(decide.hold(c.observed, to), to)
-        p.steps.append(
-            actions.ApplyRayCluster(
-                worker_replicas=held,
-                workers_to_delete=decide.pending(c.observed),
-                cluster=c.name,
-                head_size=_head(c),
-            )
-        )
-        running = rt.running
-        p.rollout = r.model_copy(
-            update={
-                "message": f"{c.name}: resize {running.from_size}->{running.to_size} "
-                f"{running.stage}"
-            }
-        )
-        return False
-    if rt.data_parallel_size == to:
-        apply = _settle(c, to)
-        p.steps.append(apply)
-        gone = c.pods - len(rt.spare_pods) <= to and not decide.pending(c.observed)
-        if not gone:
-            p.rollout = r.model_copy(update={"message": f"{c.name}: waiting for freed pods"})
-        return gone
-    if to > rt.data_parallel_size:  # grow: the pods first, then the runtime
-        p.steps.append(
-            actions.ApplyRayCluster(
-                worker_replicas=to,
-                workers_to_delete=decide.pending(c.observed),
-                cluster=c.name,
-                head_size=_head(c),
-            )
-        )
-        if ray.ready_workers >= to and not decide.pending(c.observed):
-            p.steps.append(actions.ScaleRuntime(new_size=to, cluster=c.name))
-            message = f"{c.name}: growing {rt.data_parallel_size}->{to}"
-        else:
-            message = f"{c.name}: {min(ray.ready_workers, to)} of {to} workers ready"
-    else:  # shrink: the runtime first (its sequences migrate), then the pods it freed
-        p.steps.append(_settle(c, rt.data_parallel_size))
-        p.steps.append(actions.ScaleRuntime(new_size=to, cluster=c.name))
-        message = f"{c.name}: shrinking {rt.data_parallel_size}->{to}"
-    last = rt.resize
-    if last is not None and last.stage == decide.Stage.FAILED.value and last.to_size == to:
-        message += f" (the last try failed: {last.message or 'no message'})"
-    p.rollout = r.model_copy(update={"message": message})
-    return False
-
-
-def _drained(
-    p: _Plan, c: Cluster, *, spec: spec_.MoEDeploymentSpec, now: datetime.datetime
-) -> bool:
-    """An old RayCluster that gets no new request: True once its in-flight requests ended
-    (or its runtime is gone, or the drain timeout passed with a runtime that does not say)."""
-    r = p.rollout
-    if r.drain_started_at is None:
-        p.rollout = r = r.model_copy(update={"drain_started_at": clock.rfc3339(now)})
-    p.steps.append(_settle(c, c.ranks))
-    rt = c.runtime
-    if rt is None:
-        return True
-    if rt.in_flight is not None:
-        if rt.in_flight == 0 and not c.busy:
-            return True
-        p.rollout = r.model_copy(
-            update={"message": f"draining {c.name}: {rt.in_flight} requests in flight"}
-        )
-        return False
-    started = clock.parse(r.drain_started_at) or now
-    waited = (now - started).total_seconds()
-    p.rollout = r.model_copy(update={"message": f"draining {c.name} ({waited:.0f}s)"})
-    return waited >= spec.elastic.drain_timeout_seconds
-
-
 def _rolling_phase(r: rollout_.RolloutStatus, *, ready: bool) -> actions.SetPhase:
     text = f"rollout {r.from_revision}->{r.to_revision}: {r.stage.value} {r.progress}"
     if r.message:
@@ -258,23 +72,23 @@ def _rolling_phase(r: rollout_.RolloutStatus, *, ready: bool) -> actions.SetPhas
 
 
 def _starting(
-    p: _Plan,
+    p: parts.Plan,
     *,
     spec: spec_.MoEDeploymentSpec,
-    serving: Cluster | None,
-    target: Cluster | None,
-    others: Sequence[Cluster],
+    serving: parts.Cluster | None,
+    target: parts.Cluster | None,
+    others: Sequence[parts.Cluster],
     served: bool,
     now: datetime.datetime,
 ) -> None:
     """The new RayCluster is made and awaited; requests still go to ``serving``."""
     r = p.rollout
-    n, k = spec.data_parallel_size, initial_size(spec)
+    n, k = spec.data_parallel_size, parts.initial_size(spec)
     if not served or serving is None:
         # Nothing serves: no capacity to protect. The new one at full size, the rest go.
         p.steps.append(
             actions.ApplyRayCluster(
-                worker_replicas=n, head_size=_head(target) or n, cluster=r.to_cluster
+                worker_replicas=n, head_size=parts.head(target) or n, cluster=r.to_cluster
             )
         )
         p.steps += [actions.DeleteRayCluster(c.name) for c in others]
@@ -289,25 +103,25 @@ def _starting(
         _roll_back(p, spec=spec, serving=serving, target=target, others=others, now=now)
         return
     leftovers = [c for c in others if c.name != serving.name]
-    _stop_keep_alive(p, leftovers)
+    parts.stop_keep_alive(p, leftovers)
     for c in leftovers:  # an abandoned rollout's: drained away first (they count in the bound)
-        if _drained(p, c, spec=spec, now=now):
+        if parts.drained(p, c, spec=spec, now=now):
             p.steps.append(actions.DeleteRayCluster(c.name))
             p.events.append(
                 actions.Event(rollout_.EVENT_OLD_DELETED, f"deleted RayCluster {c.name}")
             )
         return
-    room = bound(spec) - k
+    room = parts.bound(spec) - k
     if serving.ranks > room or serving.pods > room:
         size = max(room, spec.min_data_parallel_size)
-        if not _move(p, serving, size, now=now):
+        if not parts.move(p, serving, size, now=now):
             return
     else:
-        p.steps.append(_settle(serving, serving.ranks))
+        p.steps.append(parts.settle(serving, serving.ranks))
     p.rollout = p.rollout.model_copy(update={"move_cluster": None, "move_to": None})
     p.steps.append(
         actions.ApplyRayCluster(
-            worker_replicas=k, head_size=_head(target) or k, cluster=r.to_cluster
+            worker_replicas=k, head_size=parts.head(target) or k, cluster=r.to_cluster
         )
     )
     if target is not None and target.serves and target.ranks >= k:
@@ -332,7 +146,7 @@ def _starting(
     p.rollout = p.rollout.model_copy(update={"message": _why_not_serving(target, k)})
 
 
-def _why_not_serving(target: Cluster | None, k: int) -> str:
+def _why_not_serving(target: parts.Cluster | None, k: int) -> str:
     if target is None:
         return "creating the new RayCluster"
     ray = target.observed.raycluster
@@ -343,22 +157,24 @@ def _why_not_serving(target: Cluster | None, k: int) -> str:
         return "waiting for the new head"
     if target.runtime is None:
         return "waiting for the new runtime to answer"
-    return f"the new runtime serves {target.ranks} of {k} ranks ({target.runtime.ready_reason or 'not ready'})"
+    why = target.runtime.ready_reason or "not ready"
+    return f"the new runtime serves {target.ranks} of {k} ranks ({why})"
 
 
 def _roll_back(
-    p: _Plan,
+    p: parts.Plan,
     *,
     spec: spec_.MoEDeploymentSpec,
-    serving: Cluster,
-    target: Cluster,
-    others: Sequence[Cluster],
+    serving: parts.Cluster,
+    target: parts.Cluster,
+    others: Sequence[parts.Cluster],
     now: datetime.datetime,
 ) -> None:
     r = p.rollout
     why = (
         f"the new RayCluster {target.name} did not serve within "
-        f"{spec.rollout.ready_timeout_seconds}s: {_why_not_serving(target, initial_size(spec))}"
+        f"{spec.rollout.ready_timeout_seconds}s: "
+        f"{_why_not_serving(target, parts.initial_size(spec))}"
     )
     p.steps.append(actions.DeleteRayCluster(target.name))
     p.steps += [actions.DeleteRayCluster(c.name) for c in others if c.name != serving.name]
@@ -377,17 +193,18 @@ def _roll_back(
     p.events.append(
         actions.Event(
             rollout_.REASON_ROLLED_BACK,
-            f"rollout {r.from_revision}->{r.to_revision} rolled back: {why}; {serving.name} grows back to {spec.data_parallel_size}",
+            f"rollout {r.from_revision}->{r.to_revision} rolled back: {why}; "
+            f"{serving.name} grows back to {spec.data_parallel_size}",
         )
     )
 
 
 def _moving(
-    p: _Plan,
+    p: parts.Plan,
     *,
     spec: spec_.MoEDeploymentSpec,
-    target: Cluster | None,
-    others: Sequence[Cluster],
+    target: parts.Cluster | None,
+    others: Sequence[parts.Cluster],
     now: datetime.datetime,
 ) -> None:
     """The Service selects ``target``: move capacity to it, one rank at a time."""
@@ -397,22 +214,22 @@ def _moving(
         if target is None:
             p.steps.append(
                 actions.ApplyRayCluster(
-                    worker_replicas=n, head_size=_head(target) or n, cluster=r.to_cluster
+                    worker_replicas=n, head_size=parts.head(target) or n, cluster=r.to_cluster
                 )
             )
-        p.steps += [_settle(c, c.ranks) for c in others]
+        p.steps += [parts.settle(c, c.ranks) for c in others]
         p.rollout = r.model_copy(update={"message": "waiting for the new runtime to answer"})
         return
     p.rollout = r = r.model_copy(update={"ranks_moved": target.ranks})
-    _stop_keep_alive(p, others)
+    parts.stop_keep_alive(p, others)
     if target.draining:  # a rollout reverted to a RayCluster that had been drained
         p.steps.append(actions.PatchSettings({"draining": False}, cluster=target.name))
     # The move under way ends first.
     if r.move_cluster is not None and r.move_to is not None:
         moving = next((c for c in (target, *others) if c.name == r.move_cluster), None)
         if moving is not None:
-            p.steps += [_settle(c, c.ranks) for c in (target, *others) if c is not moving]
-            if not _move(p, moving, r.move_to, now=now):
+            p.steps += [parts.settle(c, c.ranks) for c in (target, *others) if c is not moving]
+            if not parts.move(p, moving, r.move_to, now=now):
                 return
             p.events.append(
                 actions.Event(
@@ -422,36 +239,36 @@ def _moving(
                 )
             )
         else:
-            p.steps += [_settle(c, c.ranks) for c in (target, *others)]
+            p.steps += [parts.settle(c, c.ranks) for c in (target, *others)]
         # The next move is decided in the next reconcile, on fresh observations.
         p.rollout = p.rollout.model_copy(
             update={"move_cluster": None, "move_to": None, "message": None}
         )
         return
     if any(c.busy for c in (target, *others)):
-        p.steps += [_settle(c, c.ranks) for c in (target, *others)]
+        p.steps += [parts.settle(c, c.ranks) for c in (target, *others)]
         p.rollout = r.model_copy(update={"message": "waiting for a running resize to end"})
         return
     pods = sum(c.pods for c in (target, *others))
-    if target.ranks < n and pods + 1 <= bound(spec):
-        p.steps += [_settle(c, c.ranks) for c in others]
-        _move(p, target, target.ranks + 1, now=now)
+    if target.ranks < n and pods + 1 <= parts.bound(spec):
+        p.steps += [parts.settle(c, c.ranks) for c in others]
+        parts.move(p, target, target.ranks + 1, now=now)
         return
     shrinkable = [c for c in others if c.ranks > m]
     if target.ranks < n and shrinkable:
         old = max(shrinkable, key=lambda c: c.ranks)
-        p.steps += [_settle(c, c.ranks) for c in (target, *others) if c is not old]
-        _move(p, old, old.ranks - 1, now=now)
+        p.steps += [parts.settle(c, c.ranks) for c in (target, *others) if c is not old]
+        parts.move(p, old, old.ranks - 1, now=now)
         return
-    p.steps.append(_settle(target, target.ranks))
+    p.steps.append(parts.settle(target, target.ranks))
     if others:
         old = min(others, key=lambda c: c.ranks)
-        p.steps += [_settle(c, c.ranks) for c in others if c is not old]
+        p.steps += [parts.settle(c, c.ranks) for c in others if c is not old]
         if r.stage is not Stage.DRAINING:
             p.rollout = r = r.model_copy(
                 update={"stage": Stage.DRAINING, "stage_started_at": clock.rfc3339(now)}
             )
-        if _drained(p, old, spec=spec, now=now):
+        if parts.drained(p, old, spec=spec, now=now):
             p.steps = [
                 s
                 for s in p.steps
@@ -461,7 +278,8 @@ def _moving(
             p.events.append(
                 actions.Event(
                     rollout_.EVENT_OLD_DELETED,
-                    f"rollout {r.from_revision}->{r.to_revision}: drained and deleted RayCluster {old.name}",
+                    f"rollout {r.from_revision}->{r.to_revision}: drained and deleted "
+                    f"RayCluster {old.name}",
                 )
             )
             p.rollout = p.rollout.model_copy(
@@ -493,7 +311,7 @@ def plan(
     status: status_.MoEDeploymentStatus,
     owner_name: str,
     revision: str,
-    clusters: Sequence[Cluster],
+    clusters: Sequence[parts.Cluster],
     now: datetime.datetime,
 ) -> list[actions.Action]:
     """The actions of one reconcile of a rollout towards ``revision``, in order; the last
@@ -541,9 +359,9 @@ def plan(
             )
         )
     r = r.model_copy(update={"ranks_total": spec.data_parallel_size})
-    p = _Plan(rollout=r, serving=serving_name, revision=status.revision, events=events)
+    p = parts.Plan(rollout=r, serving=serving_name, revision=status.revision, events=events)
     if spec.rollout.paused:
-        p.steps += [_settle(c, c.ranks) for c in clusters]
+        p.steps += [parts.settle(c, c.ranks) for c in clusters]
         p.rollout = r.model_copy(update={"message": "paused (spec.rollout.paused)"})
     elif r.stage is Stage.STARTING:
         _starting(
