@@ -126,7 +126,7 @@ def _starting(
     )
     if target is not None and target.serves and target.ranks >= k:
         p.steps.append(actions.ApplyService(cluster=r.to_cluster))
-        p.serving = r.to_cluster
+        p.serving, p.revision = r.to_cluster, r.to_revision
         p.rollout = p.rollout.model_copy(
             update={
                 "stage": Stage.MOVING,
