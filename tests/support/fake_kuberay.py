@@ -28,6 +28,10 @@ class FakeKubeRay:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> FakeKubeRay:
+        # pods need the namespace's default ServiceAccount (no controller makes it here)
+        if self.plane.kubectl("get", "sa", "default", "-n", self.namespace,
+                              check=False).returncode != 0:  # fmt: skip
+            self.plane.kubectl("create", "sa", "default", "-n", self.namespace)
         self._thread.start()
         return self
 
@@ -59,7 +63,9 @@ class FakeKubeRay:
                 "labels": {
                     "ray.io/cluster": cluster_name,
                     "ray.io/node-type": node_type,
+                    # the template's labels (the operator watches pods by them)
                     group.LABEL_DEPLOYMENT: fake_cluster.NAME,
+                    group.LABEL_MANAGED_BY: group.MANAGED_BY,
                 },
             },
             "spec": {"containers": [{"name": "ray", "image": "none"}]},

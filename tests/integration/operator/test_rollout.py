@@ -37,8 +37,9 @@ def test_an_image_change_rolls_over_to_a_second_raycluster(
     doc["spec"]["expertParallel"] = {"maxExpertsPerRank": fake_cluster.MAX_EXPERTS_PER_RANK}
     with fake_kuberay.FakeKubeRay(control_plane, namespace) as kuberay:
         control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
-        ops.wait_for(lambda: _status(control_plane, namespace).get("phase") == "Serving",
-                     what="phase Serving")  # fmt: skip
+        ops.wait_for(lambda: _status(control_plane, namespace).get("phase") == "Serving"
+                     or kuberay.errors, timeout=90, what="phase Serving")  # fmt: skip
+        assert kuberay.errors == []
         first = _status(control_plane, namespace)["revision"]
         patch = json.dumps({"spec": {"ray": {"image": NEW_IMAGE}}})
         control_plane.kubectl("patch", "moed", NAME, "-n", namespace, "--type=merge", "-p", patch)
