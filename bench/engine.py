@@ -17,7 +17,7 @@ Variants, interleaved in one run on the same machine state:
 - after: both as they are now (outputs of a burst handed to the loop with one wake-up).
 
 With `--profile`, the engine thread of the "after" run runs under cProfile and the top
-functions by own time are printed (how the hot spots of issue 13 were found).
+functions by own time are printed (where the engine's own time goes).
 
     .venv/bin/python bench/engine.py                  # ~1 min on 2 busy cores
     .venv/bin/python bench/engine.py --max-tokens 512 --profile
@@ -41,15 +41,14 @@ from collections.abc import Iterator
 import torch
 
 from moe_runtime import step as step_types
-from moe_runtime.engine import core, seam, text
+from moe_runtime.engine import core, text
 from moe_runtime.engine import request as req
-from moe_runtime.eplb import policy
 from moe_runtime.executor import local
-from moe_runtime.model import source as source_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import local_engine  # noqa: E402
 from tests.support import text_oracle  # noqa: E402  (the old detokeniser, kept as oracle)
 
 SOURCE = "synthetic://tiny?seed=0"
@@ -132,56 +131,28 @@ class ProfiledEngine(core.Engine):
             self.profile.disable()
 
 
-async def consume(engine: core.Engine, args: argparse.Namespace, vocab: int) -> int:
-    async def one(i: int) -> int:
-        prompt = [(7 * i + 13 * k) % (vocab - 2) for k in range(args.prompt_len)]
-        handle = engine.add_request(
-            req.Request(
-                request_id=f"bench-{i}",
-                prompt_token_ids=prompt,
-                sampling=step_types.SamplingParams(temperature=0.0),
-                max_tokens=args.max_tokens,
-                ignore_eos=True,
-            )
-        )
-        n = 0
-        async for out in handle:
-            n += len(out.new_token_ids)
-            if out.error:
-                raise RuntimeError(out.error)
-        return n
-
-    counts = await asyncio.gather(*(one(i) for i in range(args.streams)))
-    return sum(counts)
-
-
 def run_variant(name: str, args: argparse.Namespace, *, profile: bool) -> dict[str, float]:
-    src = source_mod.open_source(SOURCE)
-    cfg = src.config
-    physical = policy.num_physical_for(cfg.num_experts, args.ranks)
-    executor = local.LocalExecutor(args.ranks)
-    executor.start(
-        SOURCE, placement=policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, args.ranks)
-    )
-    runner = TimedRunner(executor)
     engine_cls = ProfiledEngine if profile else core.Engine
-    engine = engine_cls(
-        runner,
-        src.tokenizer(),
-        seam.EngineConfig(
-            max_model_len=cfg.max_position_embeddings, max_num_seqs_per_rank=args.streams
-        ),
+    served = local_engine.start(
+        SOURCE, ranks=args.ranks, streams=args.streams, wrap=TimedRunner, engine_cls=engine_cls
     )
-    engine.start()
+    engine, runner = served.engine, served.runner
     try:
         old_text, old_wakeups = VARIANTS[name]
         with old_code(detokeniser=old_text, wakeups=old_wakeups):
             start = time.perf_counter()
-            tokens = asyncio.run(consume(engine, args, cfg.vocab_size))
+            tokens = asyncio.run(
+                local_engine.consume(
+                    engine,
+                    streams=args.streams,
+                    prompt_len=args.prompt_len,
+                    max_tokens=args.max_tokens,
+                    vocab=served.source.config.vocab_size,
+                )
+            )
             wall = time.perf_counter() - start
     finally:
-        engine.stop()
-        executor.shutdown()
+        served.stop()
     assert runner.first is not None
     loop_wall = runner.last - runner.first
     loop_cpu = runner.thread_cpu_at_last - runner.thread_cpu_at_first

@@ -36,10 +36,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from moe_runtime.engine import core  # noqa: E402
-from moe_runtime.engine import request as req  # noqa: E402
+from bench import local_engine  # noqa: E402
 from moe_runtime.eplb import policy  # noqa: E402
-from moe_runtime.executor import local  # noqa: E402
 from moe_runtime.model import kv, names, source  # noqa: E402
 from tests.support import hf_families  # noqa: E402  (transformers builds the checkpoints)
 
@@ -92,59 +90,30 @@ def memory_per_rank(cfg: source.ModelSource, ranks: int, elem: int) -> tuple[int
     return non_expert * elem, per_expert * slots * config.num_moe_layers * elem, kv_per_token * elem
 
 
-async def consume(engine: core.Engine, args: argparse.Namespace, vocab: int) -> int:
-    async def one(i: int) -> int:
-        prompt = [(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(args.prompt_len)]
-        handle = engine.add_request(
-            req.Request(
-                request_id=f"r{i}",
-                prompt_token_ids=prompt,
-                max_tokens=args.max_tokens,
-                ignore_eos=True,
-            )
-        )
-        n = 0
-        async for out in handle:
-            if out.error:
-                raise RuntimeError(out.error)
-            n += len(out.new_token_ids)
-        return n
-
-    return sum(await asyncio.gather(*(one(i) for i in range(args.streams))))
-
-
 def run(model: str, args: argparse.Namespace) -> dict[str, float]:
-    src = source.open_source(model)
-    cfg = src.config
-    physical = policy.num_physical_for(cfg.num_experts, args.ranks)
-    executor = local.LocalExecutor(args.ranks, dtype=args.dtype)
-    executor.start(
-        model, placement=policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, args.ranks)
-    )
-    engine = core.Engine(
-        executor,
-        src.tokenizer(),
-        core.EngineConfig(
-            max_model_len=cfg.max_position_embeddings, max_num_seqs_per_rank=args.streams
-        ),
-    )
-    engine.start()
+    served = local_engine.start(model, ranks=args.ranks, streams=args.streams, dtype=args.dtype)
+    vocab = served.source.config.vocab_size
     try:
-        asyncio.run(
-            consume(
-                engine,
-                argparse.Namespace(**{**vars(args), "streams": 2, "max_tokens": 4}),
-                cfg.vocab_size,
+        asyncio.run(  # warm-up
+            local_engine.consume(
+                served.engine, streams=2, prompt_len=args.prompt_len, max_tokens=4, vocab=vocab
             )
         )
         start = time.perf_counter()
-        tokens = asyncio.run(consume(engine, args, cfg.vocab_size))
+        tokens = asyncio.run(
+            local_engine.consume(
+                served.engine,
+                streams=args.streams,
+                prompt_len=args.prompt_len,
+                max_tokens=args.max_tokens,
+                vocab=vocab,
+            )
+        )
         wall = time.perf_counter() - start
     finally:
-        engine.stop()
-        executor.shutdown()
+        served.stop()
     elem = getattr(torch, args.dtype).itemsize
-    non_expert, experts, kv_token = memory_per_rank(src, args.ranks, elem)
+    non_expert, experts, kv_token = memory_per_rank(served.source, args.ranks, elem)
     return {
         "tokens_per_s": tokens / wall,
         "non_expert_mb": non_expert / 1e6,

@@ -1,5 +1,5 @@
 """The prepared GPU check (run it through `bench/gpu_check.sh`): every stage prints its figures,
-and all of them go to $OUT/gpu_check.json when $OUT is set (format: README, "Running on GPUs").
+and all of them go to $OUT/gpu_check.json when $OUT is set (format: docs/GPU.md, "The GPU check").
 
 Stages (`--dry-run`: the same code on the CPU in float32 with small sizes, so it never rots;
 `make test` runs it, tests/integration/test_gpu_check.py):
@@ -100,9 +100,9 @@ def env(c: Check) -> dict[str, Any]:
 
 # -- forward ----------------------------------------------------------------------------
 def forward(c: Check) -> dict[str, Any]:
-    from tests.support import hf_models
+    from tests.support import checkpoints
 
-    build = getattr(hf_models, c.family)
+    build = getattr(checkpoints, c.family)
     prompts = [[(5 * i + 3 * j) % 300 + 1 for j in range(4 + 3 * i)] for i in range(8)]
     new = 16
     with tempfile.TemporaryDirectory() as d:
@@ -445,7 +445,7 @@ def run_stage(name: str, fn: Callable[[Check], dict[str, Any]], c: Check) -> dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, float32, small sizes")
-    parser.add_argument("--family", default="mixtral", help="tests.support.hf_models builder")
+    parser.add_argument("--family", default="mixtral", help="tests.support.checkpoints builder")
     parser.add_argument("--model", default=None, help="the synthetic model of step and serve")
     parser.add_argument("--only", default=",".join(STAGES), help="comma-separated stages")
     args = parser.parse_args()

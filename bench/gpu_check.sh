@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check: one command, under 10 minutes on one H200 (bench/gpu_check.py says
-# what each stage measures; README "Running on GPUs" the figures and how to run it through the
+# what each stage measures; docs/GPU.md the figures and how to run it through the
 # device tool). `--dry-run` runs every stage on the CPU (make test does: never rots).
 #
 #   bash bench/gpu_check.sh [--dry-run] [--family mixtral] [--only forward,step]

@@ -5,7 +5,7 @@ does not change every later position).
 On CPUs in float32 our model and transformers' agree to ~1e-6 and the tests assert exact token
 identity. On GPUs the matmuls differ with the batch shape and the kernels chosen, and bf16 keeps
 8 bits of mantissa, so two correct bf16 implementations differ at the 1e-2 level and a few
-near-tie argmaxes flip. The bounds (README, "Running on GPUs"), by dtype:
+near-tie argmaxes flip. The bounds (docs/GPU.md, "What changes on a GPU"), by dtype:
 
 - relative L2 error of the last-token logits ``||ours - ref|| / ||ref||``: `LOGITS_RTOL`;
 - teacher-forced top-1 agreement over the generated positions: at least `MIN_AGREEMENT`.

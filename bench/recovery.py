@@ -12,7 +12,7 @@ Measured per incident (the signal is t = 0):
 - back to full size: when the runtime serves at 3 ranks again (autoRecover: a normal grow, as
   a replacement Ray node or the freed slot offers `moe_rank` again).
 
-Anchors (REFERENCE.md, peers' published figures): vLLM, dead engine -> detected ~30 s ->
+Anchors (peers' published figures): vLLM, dead engine -> detected ~30 s ->
 healthy ~25-57 s, in-flight requests aborted (vllm #46370, #38862); SGLang 6.2-6.8 s of
 interruption for 1-16 failed ranks of 32, requests on the failed rank aborted (LMSYS,
 2026-03-17).

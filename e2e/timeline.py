@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-#: Band colours of the resize stages (DESIGN §3 names).
+#: Band colours of the resize stages (docs/RESIZE.md names).
 STAGE_COLOURS = {
     "Provisioning": "#fee391",
     "Standby": "#9ecae1",

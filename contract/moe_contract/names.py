@@ -10,10 +10,10 @@ from typing import Final
 #: and points the deployment's Service at it).
 RUNTIME_PORT: Final = 8000
 #: Liveness (200 while the process and its loop run, a resize included) and readiness (200
-#: once a step path serves) of the runtime (DESIGN §4); the head's probes.
+#: once a step path serves) of the runtime (docs/RUNTIME.md); the head's probes.
 HEALTH_PATH: Final = "/health"
 READY_PATH: Final = "/ready"
-#: The admin routes the operator calls (DESIGN §4).
+#: The admin routes the operator calls (docs/RUNTIME.md).
 STATUS_PATH: Final = "/elastic_ep/status"
 SCALE_PATH: Final = "/scale_elastic_ep"
 CONFIG_PATH: Final = "/elastic_ep/config"

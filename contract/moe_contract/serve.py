@@ -1,6 +1,6 @@
-"""The ``moe-runtime serve`` command line the operator passes to the head (DESIGN §4).
+"""The ``moe-runtime serve`` command line the operator passes to the head (docs/RUNTIME.md).
 
-The flags are named once, here: the runtime's parser (``moe_runtime.cli.build_parser``)
+The flags are named once, here: the runtime's parser (``moe_runtime.parser.build_parser``)
 declares them with these constants, and :class:`ServeArgs` renders them. Each field of
 ``ServeArgs`` is named as the parser's destination of its flag (``--data-parallel-size`` ->
 ``data_parallel_size``), so a test parses ``ServeArgs.argv()`` with the runtime's own parser

@@ -1,4 +1,4 @@
-"""Resize stages (DESIGN §3, contract for the names): the runtime reports them in
+"""Resize stages (docs/RESIZE.md; the names are a contract): the runtime reports them in
 ``/elastic_ep/status``, the operator mirrors them into ``MoEDeployment.status.resize.stage``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Final
 
 
 class Stage(str, enum.Enum):
-    """Stages of a live resize; the names are fixed by DESIGN section 3."""
+    """Stages of a live resize; the names are a contract (docs/RESIZE.md)."""
 
     #: No resize has run yet: the runtime's ``stage`` only, never a MoEDeployment's.
     IDLE = "Idle"
@@ -21,7 +21,7 @@ class Stage(str, enum.Enum):
     RESHUFFLING = "Reshuffling"
     MIGRATING = "Migrating"
     RELEASING = "Releasing"
-    #: A rank died or hung: the runtime shrinks around it by itself (DESIGN §3, Recovery).
+    #: A rank died or hung: the runtime shrinks around it by itself (docs/RESIZE.md, "Failures and recovery").
     RECOVERING = "Recovering"
     COMPLETED = "Completed"
     FAILED = "Failed"

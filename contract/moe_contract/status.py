@@ -1,4 +1,4 @@
-"""The body of ``GET /elastic_ep/status`` (DESIGN §4): built by the runtime
+"""The body of ``GET /elastic_ep/status`` (docs/RUNTIME.md): built by the runtime
 (``moe_runtime.elastic.service.ElasticService.status``), read by the operator
 (``moe_operator.plan.observe.runtime``) and by the operator tests' fake runtime.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The e2e tier on kind (DESIGN §7): the tests of e2e/cluster on a kind cluster, where Docker can
+# The e2e tier on kind (docs/DEVELOPMENT.md): the tests of e2e/cluster on a kind cluster, where Docker can
 # run privileged containers and pull images; a GPU variant on hosts with NVIDIA GPUs.
 #
 #   e2e/kind/kind.sh build        kind from its Go module into ~/.cache/elastic-moe/bin (cached)

@@ -1,4 +1,4 @@
-"""Asynchronous httpx client of the runtime's admin API (DESIGN §4).
+"""Asynchronous httpx client of the runtime's admin API (docs/RUNTIME.md).
 
 Used by the operator to observe a deployment (``GET /elastic_ep/status``, ``GET /health``) and,
 from the resize driver, to ask for a live resize (``POST /scale_elastic_ep``). Tests pass an

@@ -1,9 +1,6 @@
-"""Tiny random Hugging Face checkpoints written with transformers' ``save_pretrained``, and the
-tokens transformers' own ``generate`` makes from them (the reference the runtime must match).
-
-One function per family; the e2e tier and the CLI tests take :func:`build` so the family can
-be swapped in one place once the runtime serves more than Mixtral.
-"""
+"""The tiny Mixtral checkpoint of the CLI, server and e2e tests: built by transformers, written
+with ``save_pretrained``, and the tokens transformers' own ``generate`` makes from it (the
+reference the runtime must match). Every other family's tiny checkpoint: ``hf_families``."""
 
 from __future__ import annotations
 
@@ -13,6 +10,8 @@ from typing import Any
 
 import torch
 import transformers
+
+from tests.support import hf_families
 
 #: A tiny Mixtral whose greedy tokens are robust to float noise (large initial weights give
 #: wide logit gaps) and whose vocabulary holds the byte-level tokenizer's ids (256 bytes, BOS,
@@ -32,7 +31,7 @@ MIXTRAL_SETTINGS: dict[str, Any] = dict(
 )
 
 
-def mixtral(*, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+def mixtral(*, seed: int = 0, **overrides: Any) -> transformers.MixtralForCausalLM:
     """A randomly initialised tiny ``MixtralForCausalLM`` (eval mode, no EOS stop)."""
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(
@@ -44,15 +43,10 @@ def mixtral(*, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
     return model
 
 
-FAMILIES = {"mixtral": mixtral}
-
-
-def build(
-    path: pathlib.Path, *, family: str = "mixtral", seed: int = 0, **overrides: Any
-) -> transformers.PreTrainedModel:
-    """Write a tiny random checkpoint of ``family`` to ``path`` (config.json +
-    model.safetensors, as ``save_pretrained`` writes them); the model, for references."""
-    model = FAMILIES[family](seed=seed, **overrides)
+def build(path: pathlib.Path, *, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """Write a tiny random Mixtral checkpoint to ``path`` (config.json + model.safetensors, as
+    ``save_pretrained`` writes them); the model, for references."""
+    model = mixtral(seed=seed, **overrides)
     model.save_pretrained(path)
     return model
 
@@ -61,14 +55,4 @@ def greedy_tokens(
     model: transformers.PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """transformers' greedy ``generate``: the ``max_new_tokens`` new tokens of each prompt."""
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            generated = model.generate(  # type: ignore[operator]
-                torch.tensor([list(prompt)]),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-            out.append(generated[0, len(prompt) :].tolist())
-    return out
+    return [hf_families.greedy(model, prompt, max_new_tokens) for prompt in prompts]

@@ -27,7 +27,7 @@ from moe_runtime.model import (
 )
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
-from tests.support import hf_models
+from tests.support import checkpoints as hf_checkpoints
 
 PROMPTS = [[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)]]
 NEW_TOKENS = 8
@@ -44,10 +44,10 @@ def checkpoints(
 ) -> dict[str, tuple[pathlib.Path, transformers.MixtralForCausalLM]]:
     """Three layouts: one file; an index + shards; fused experts (tied, sliding window)."""
     root = tmp_path_factory.mktemp("hf")
-    classic = hf_models.mixtral()
+    classic = hf_checkpoints.mixtral()
     classic.save_pretrained(root / "single")
     classic.save_pretrained(root / "sharded", max_shard_size="100KB")
-    fused = hf_models.mixtral(tie_word_embeddings=True, sliding_window=6, num_hidden_layers=2)
+    fused = hf_checkpoints.mixtral(tie_word_embeddings=True, sliding_window=6, num_hidden_layers=2)
     fused.save_pretrained(root / "fused", save_original_format=False)
     return {
         "single-file": (root / "single", classic),

@@ -14,7 +14,7 @@ from fastapi import testclient
 from moe_runtime import cli
 from moe_runtime.model import checkpoint as checkpoint_mod
 from moe_runtime.model import generate, source, tokenizer
-from tests.support import hf_models
+from tests.support import checkpoints
 
 VOCAB = 200
 PROMPT = [1, 5, 9, 100, 3]
@@ -23,7 +23,7 @@ PROMPT = [1, 5, 9, 100, 3]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("no-tokenizer") / "model"
-    hf_models.mixtral(vocab_size=VOCAB, max_position_embeddings=64).save_pretrained(path)
+    checkpoints.mixtral(vocab_size=VOCAB, max_position_embeddings=64).save_pretrained(path)
     assert not (path / checkpoint_mod.TOKENIZER_FILE).exists()
     return path
 

@@ -1,4 +1,4 @@
-"""``MoEDeployment.spec``: what the user asks for (DESIGN §2).
+"""``MoEDeployment.spec``: what the user asks for (README.md, "The MoEDeployment, field by field").
 
 Every model forbids unknown fields; the CRD generated from these models makes the API server
 prune and (with ``--validate=strict``) refuse them. CEL rules attached with ``json_schema_extra``

@@ -1,5 +1,5 @@
-"""``MoEDeployment.status``: what the operator observed (DESIGN §2), plus the typed constants of
-phases, condition types and condition reasons; resize stages (DESIGN §3) are the contract's
+"""``MoEDeployment.status``: what the operator observed (README.md, "Observability"), plus the typed constants of
+phases, condition types and condition reasons; resize stages (docs/RESIZE.md) are the contract's
 (``moe_contract.stages``)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Phase(str, enum.Enum):
     FAILED = "Failed"
 
 
-#: The stages of a live resize (DESIGN §3): the contract's, shared with the runtime.
+#: The stages of a live resize (docs/RESIZE.md): the contract's, shared with the runtime.
 Stage = stages.Stage
 
 #: ``status.resize.stage`` takes every stage but ``Idle`` (the runtime's "no resize yet").
@@ -129,7 +129,7 @@ class ResizeStatus(spec_.ApiModel):
     started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
     stage_started_at: str | None = pydantic.Field(default=None, json_schema_extra=DATE_TIME)
     message: str | None = None
-    # Additions to the DESIGN §2 contract (nothing above renamed):
+    # Added later (nothing above renamed):
     resize_id: str | None = pydantic.Field(
         default=None,
         max_length=256,
@@ -208,7 +208,7 @@ class AutoscalingStatus(spec_.ApiModel):
     reason: str | None = pydantic.Field(
         default=None, description="Why desiredSize is what it is (a CamelCase reason)."
     )
-    # Additions to the DESIGN §2 contract (nothing above renamed):
+    # Added later (nothing above renamed):
     message: str | None = pydantic.Field(default=None, description="reason, in words.")
     in_flight: int | None = pydantic.Field(
         default=None, ge=0, description="Running + queued sequences of the whole deployment."

@@ -1,4 +1,4 @@
-"""The admin HTTP routes (DESIGN §4): scale, status, is-scaling, live config, behind a bearer token.
+"""The admin HTTP routes (docs/RUNTIME.md): scale, status, is-scaling, live config, behind a bearer token.
 
 `build_router(coordinator, status_fn, token)` returns a FastAPI router; the server mounts it.
 Errors use the OpenAI error shape like the rest of the API, with `param` naming the field.

@@ -255,7 +255,7 @@ class ElasticService:
         return False, f"no step path (lost ranks {lost}); the next step rebuilds it"
 
     def status(self) -> dict[str, Any]:
-        """The body of GET /elastic_ep/status (DESIGN §4): ``moe_contract.status.ElasticStatus``,
+        """The body of GET /elastic_ep/status (docs/RUNTIME.md): ``moe_contract.status.ElasticStatus``,
         built strictly (a key the contract does not declare is an error, not a silent extra)."""
         current = self.coordinator.current
         last = self.coordinator.last()

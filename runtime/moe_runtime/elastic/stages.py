@@ -1,5 +1,5 @@
 """The order each kind of resize goes through; the stage names are ``moe_contract.stages``
-(DESIGN §3)."""
+(docs/RESIZE.md)."""
 
 from __future__ import annotations
 

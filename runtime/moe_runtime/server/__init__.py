@@ -1,4 +1,4 @@
-"""The runtime's HTTP API (DESIGN §4): OpenAI-compatible completions and chat, models, health, metrics."""
+"""The runtime's HTTP API (docs/RUNTIME.md): OpenAI-compatible completions and chat, models, health, metrics."""
 
 from moe_runtime.server.app import create_app
 

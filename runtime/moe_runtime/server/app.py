@@ -1,4 +1,4 @@
-"""The FastAPI app of the runtime's HTTP API (DESIGN §4): the routes, error handlers and
+"""The FastAPI app of the runtime's HTTP API (docs/RUNTIME.md): the routes, error handlers and
 OpenAPI document.
 
 `create_app(engine, served_model_name=...)` builds the app around a started engine; the
@@ -127,12 +127,7 @@ def create_app(
     @app.post(
         "/v1/completions",
         response_model=None,
-        responses=api_schema.responses(
-            {200: api_schema.COMPLETION_200, 404: "Unknown model"},
-            429,
-            500,
-            503,
-        ),
+        responses=_generation_responses(api_schema.COMPLETION_200),
     )
     async def completions_route(
         body: completions.CompletionRequest, request: fastapi.Request
@@ -142,12 +137,7 @@ def create_app(
     @app.post(
         "/v1/chat/completions",
         response_model=None,
-        responses=api_schema.responses(
-            {200: api_schema.CHAT_COMPLETION_200, 404: "Unknown model"},
-            429,
-            500,
-            503,
-        ),
+        responses=_generation_responses(api_schema.CHAT_COMPLETION_200),
     )
     async def chat_route(
         body: chat.ChatCompletionRequest, request: fastapi.Request
@@ -194,3 +184,9 @@ def create_app(
     if admin_router is not None:
         app.include_router(admin_router)
     return app
+
+
+def _generation_responses(ok: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a generation route: its 200 body, an unknown model, a full queue,
+    a failed generation, a stopped engine (and the 400s every route has)."""
+    return api_schema.responses({200: ok, 404: "Unknown model"}, 429, 500, 503)

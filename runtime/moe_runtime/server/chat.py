@@ -7,9 +7,7 @@ then `usage` when `stream_options.include_usage`). A model without a chat templa
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import fastapi
@@ -19,7 +17,7 @@ from fastapi import responses
 from moe_runtime import api_schema
 from moe_runtime.engine import request as req
 from moe_runtime.model import chat_template as chat_mod
-from moe_runtime.server import completions, errors
+from moe_runtime.server import answers, completions, errors
 from moe_runtime.server import generation as gen_mod
 
 _Int = api_schema.JsonInt
@@ -137,74 +135,40 @@ async def chat_completions(
         stop=body.stop,
         ignore_eos=body.ignore_eos,
     )
-    handle = api.submit(engine_request)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return responses.StreamingResponse(
-            _stream(api, handle, include_usage=include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    done = await api.collect_unless_gone(handle, request)
-    if done is None:
-        return responses.Response(status_code=499)  # nobody reads it: the client is gone
-    return responses.JSONResponse(
-        {
-            "id": engine_request.request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": api.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": done.text},
-                    "logprobs": None,
-                    "finish_reason": gen_mod.finish_reason(done.finish_reason),
-                }
-            ],
-            "usage": gen_mod.usage(done.num_prompt_tokens, len(done.token_ids)),
-        }
+    return await answers.answer(
+        api,
+        engine_request,
+        request,
+        shape=SHAPE,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
 
 
-async def _stream(
-    api: gen_mod.Generation, handle: req.RequestHandle, *, include_usage: bool
-) -> AsyncIterator[str]:
-    created = int(time.time())
+def _delta(delta: dict[str, str], finish: str | None = None) -> answers.Choice:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
-    def chunk(delta: dict[str, str], finish: str | None = None, **extra: Any) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return gen_mod.sse(
-            {
-                "id": handle.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": api.model,
-                "choices": [choice],
-                **extra,
-            }
-        )
 
-    yield chunk({"role": "assistant", "content": ""})
-    generated = 0
-    async for out in api.outputs(handle):
-        if out.error is not None:
-            yield gen_mod.failed_event(out.error)
-            break
-        generated += len(out.new_token_ids)
-        if out.new_text:
-            yield chunk({"content": out.new_text})
-        if out.finished:
-            yield chunk({}, gen_mod.finish_reason(out.finish_reason))
-    if include_usage:
-        yield gen_mod.sse(
-            {
-                "id": handle.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": api.model,
-                "choices": [],
-                "usage": gen_mod.usage(len(handle.request.prompt_token_ids), generated),
-            }
-        )
-    yield gen_mod.DONE
+def _choice(done: req.CompletedRequest) -> answers.Choice:
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": done.text},
+        "logprobs": None,
+        "finish_reason": gen_mod.finish_reason(done.finish_reason),
+    }
+
+
+def _chunks(out: req.RequestOutput) -> list[answers.Choice]:
+    chunks = [_delta({"content": out.new_text})] if out.new_text else []
+    if out.finished:
+        chunks.append(_delta({}, gen_mod.finish_reason(out.finish_reason)))
+    return chunks
+
+
+SHAPE = answers.Shape(
+    object="chat.completion",
+    chunk_object="chat.completion.chunk",
+    choice=_choice,
+    chunks=_chunks,
+    opening=(_delta({"role": "assistant", "content": ""}),),
+)

@@ -3,9 +3,7 @@ with `stream`); each choice also carries `token_ids` (the generated ids)."""
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 import fastapi
@@ -15,7 +13,7 @@ from fastapi import responses
 from moe_runtime import api_schema
 from moe_runtime.engine import request as req
 from moe_runtime.model import tokenizer as tokenizer_mod
-from moe_runtime.server import errors
+from moe_runtime.server import answers, errors
 from moe_runtime.server import generation as gen_mod
 
 _Int = api_schema.JsonInt
@@ -115,77 +113,41 @@ async def completions(
         stop=body.stop,
         ignore_eos=body.ignore_eos,
     )
-    handle = api.submit(engine_request)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return responses.StreamingResponse(
-            _stream(api, handle, include_usage=include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    done = await api.collect_unless_gone(handle, request)
-    if done is None:
-        return responses.Response(status_code=499)  # nobody reads it: the client is gone
-    return responses.JSONResponse(
-        {
-            "id": engine_request.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": api.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": done.text,
-                    "token_ids": done.token_ids,
-                    "logprobs": None,
-                    "finish_reason": gen_mod.finish_reason(done.finish_reason),
-                }
-            ],
-            "usage": gen_mod.usage(done.num_prompt_tokens, len(done.token_ids)),
-        }
+    return await answers.answer(
+        api,
+        engine_request,
+        request,
+        shape=SHAPE,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
 
 
-async def _stream(
-    api: gen_mod.Generation, handle: req.RequestHandle, *, include_usage: bool
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    generated = 0
-    async for out in api.outputs(handle):
-        if out.error is not None:
-            yield gen_mod.failed_event(out.error)
-            break
-        generated += len(out.new_token_ids)
-        if not (out.new_token_ids or out.new_text or out.finished):
-            continue
-        yield gen_mod.sse(
-            {
-                "id": handle.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": api.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": out.new_text,
-                        "token_ids": out.new_token_ids,
-                        "logprobs": None,
-                        "finish_reason": gen_mod.finish_reason(out.finish_reason)
-                        if out.finished
-                        else None,
-                    }
-                ],
-            }
-        )
-    if include_usage:
-        yield gen_mod.sse(
-            {
-                "id": handle.request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": api.model,
-                "choices": [],
-                "usage": gen_mod.usage(len(handle.request.prompt_token_ids), generated),
-            }
-        )
-    yield gen_mod.DONE
+def _choice(done: req.CompletedRequest) -> answers.Choice:
+    return {
+        "index": 0,
+        "text": done.text,
+        "token_ids": done.token_ids,
+        "logprobs": None,
+        "finish_reason": gen_mod.finish_reason(done.finish_reason),
+    }
+
+
+def _chunks(out: req.RequestOutput) -> list[answers.Choice]:
+    if not (out.new_token_ids or out.new_text or out.finished):
+        return []
+    finish = gen_mod.finish_reason(out.finish_reason) if out.finished else None
+    return [
+        {
+            "index": 0,
+            "text": out.new_text,
+            "token_ids": out.new_token_ids,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+    ]
+
+
+SHAPE = answers.Shape(
+    object="text_completion", chunk_object="text_completion", choice=_choice, chunks=_chunks
+)

@@ -1,5 +1,5 @@
 """Live resizes driven by the real operator process against a real kube-apiserver and a fake
-runtime HTTP server (tests/support/fake_cluster.py: the admin routes of DESIGN §4 with a
+runtime HTTP server (tests/support/fake_cluster.py: the admin routes of docs/RUNTIME.md with a
 scripted stage progression, its status built from ``moe_contract.status``). The test plays
 KubeRay and the kubelet: it creates the Ray pods (Ready) and deletes the ones named in
 workersToDelete; like the real KubeRay it never clears that list (the real-node tier runs the
