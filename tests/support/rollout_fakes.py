@@ -81,6 +81,8 @@ class World:
         self.api = api
         self.runtimes: dict[str, Runtime] = {}
         self.broken: set[str] = set()
+        #: RayClusters whose runtime does not answer (its head pod still Ready)
+        self.silent: set[str] = set()
         self.max_pods = 0
         self._names = itertools.count()
 
@@ -161,7 +163,7 @@ class World:
         def handler(request: httpx.Request) -> httpx.Response:
             cluster = request.url.host.removesuffix(".rt")
             runtime = self.runtimes.get(cluster)
-            if runtime is None:
+            if runtime is None or cluster in self.silent:
                 raise httpx.ConnectError("refused", request=request)
             if request.method == "POST" and request.url.path == names.SCALE_PATH:
                 body = json.loads(request.content)

@@ -167,6 +167,40 @@ def test_in_flight_requests_keep_the_old_cluster_until_they_end(
     assert "tiny" not in d.world.rayclusters()
 
 
+def test_an_old_runtime_that_stops_answering_is_given_the_drain_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its in-flight requests are unknown while its head runs: it is deleted only after
+    elastic.drainTimeoutSeconds, not at once."""
+    d = Driver(monkeypatch, elastic={"drainTimeoutSeconds": 8})
+    d.serve()
+    d.change("ray.image", NEW_IMAGE)
+    d.until(lambda: d.rollout().get("stage") == "Moving")
+    d.world.silent.add("tiny")
+    d.until(lambda: d.rollout().get("stage") == "Draining")
+    for _ in range(5):
+        d.step()
+    assert "tiny" in d.world.rayclusters()
+    d.until(d.finished)
+    assert d.rollout()["stage"] == "Completed" and "tiny" not in d.world.rayclusters()
+
+
+def test_a_serving_cluster_that_cannot_give_up_ranks_rolls_the_rollout_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """maxSurgeRanks 0 needs the serving RayCluster to shrink first; its runtime does not
+    answer, so no new RayCluster is ever made: after readyTimeoutSeconds the rollout ends
+    RolledBack, and nothing was deleted."""
+    d = Driver(monkeypatch, rollout={"readyTimeoutSeconds": 10})
+    d.serve()
+    d.world.silent.add("tiny")
+    d.change("ray.image", NEW_IMAGE)
+    d.until(d.finished, steps=30)
+    assert d.rollout()["stage"] == "RolledBack"
+    assert "was not started within 10s" in d.rollout()["message"]
+    assert set(d.world.rayclusters()) == {"tiny"}
+
+
 def test_a_new_cluster_that_never_serves_is_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
     d = Driver(monkeypatch, rollout={"readyTimeoutSeconds": 30})
     d.serve()

@@ -99,7 +99,7 @@ def _starting(
         )
         return
     started = clock.parse(r.stage_started_at) or now
-    if target is not None and (now - started).total_seconds() > spec.rollout.ready_timeout_seconds:
+    if (now - started).total_seconds() > spec.rollout.ready_timeout_seconds:
         _roll_back(p, spec=spec, serving=serving, target=target, others=others, now=now)
         return
     leftovers = [c for c in others if c.name != serving.name]
@@ -166,17 +166,25 @@ def _roll_back(
     *,
     spec: spec_.MoEDeploymentSpec,
     serving: parts.Cluster,
-    target: parts.Cluster,
+    target: parts.Cluster | None,
     others: Sequence[parts.Cluster],
     now: datetime.datetime,
 ) -> None:
+    """The new RayCluster did not serve in time (or was never made: the serving one could
+    not give up its ranks): it goes, the serving one stays and the normal path grows it back."""
     r = p.rollout
-    why = (
-        f"the new RayCluster {target.name} did not serve within "
-        f"{spec.rollout.ready_timeout_seconds}s: "
-        f"{_why_not_serving(target, parts.initial_size(spec))}"
-    )
-    p.steps.append(actions.DeleteRayCluster(target.name))
+    if target is not None:
+        why = (
+            f"the new RayCluster {target.name} did not serve within "
+            f"{spec.rollout.ready_timeout_seconds}s: "
+            f"{_why_not_serving(target, parts.initial_size(spec))}"
+        )
+        p.steps.append(actions.DeleteRayCluster(target.name))
+    else:
+        why = (
+            f"the new RayCluster was not started within {spec.rollout.ready_timeout_seconds}s: "
+            f"{r.message or 'the serving RayCluster did not give up its ranks'}"
+        )
     p.steps += [actions.DeleteRayCluster(c.name) for c in others if c.name != serving.name]
     p.steps.append(actions.ApplyService(cluster=serving.name))
     p.serving, p.revision = serving.name, r.from_revision

@@ -175,16 +175,18 @@ def move(p: Plan, c: Cluster, to: int, *, now: datetime.datetime) -> bool:
 
 
 def drained(p: Plan, c: Cluster, *, spec: spec_.MoEDeploymentSpec, now: datetime.datetime) -> bool:
-    """An old RayCluster that gets no new request: True once its in-flight requests ended
-    (or its runtime is gone, or the drain timeout passed with a runtime that does not say)."""
+    """An old RayCluster that gets no new request: True once its in-flight requests ended,
+    or its head is gone; a head that runs but does not say (its runtime does not answer, or
+    too old to report its load) is given ``elastic.drainTimeoutSeconds``."""
     r = p.rollout
     if r.drain_started_at is None:
         p.rollout = r = r.model_copy(update={"drain_started_at": clock.rfc3339(now)})
     p.steps.append(settle(c, c.ranks))
     rt = c.runtime
-    if rt is None:
+    ray = c.observed.raycluster
+    if rt is None and (ray is None or not ray.head_ready):
         return True
-    if rt.in_flight is not None:
+    if rt is not None and rt.in_flight is not None:
         if rt.in_flight == 0 and not c.busy:
             return True
         p.rollout = r.model_copy(
