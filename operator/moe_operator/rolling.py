@@ -29,6 +29,8 @@ class Seen:
     clusters: tuple[rollout_steps.Cluster, ...]
     stored: dict[str, dict[str, Any]]
     urls: dict[str, str]
+    #: Worker pods of the deployment whose RayCluster is gone (still terminating).
+    orphan_pods: int = 0
 
 
 def _ours(obj: dict[str, Any], owner: builders.Owner) -> bool:
@@ -121,10 +123,23 @@ async def observe_clusters(
             for obj in mine
         )
     )
+    names = {obj["metadata"]["name"] for obj in mine}
+    workers = await api.list(
+        api_version="v1",
+        kind="Pod",
+        namespace=owner.namespace,
+        label_selector=f"{builders.selector(owner.name)},{observe.NODE_TYPE_LABEL}=worker",
+    )
+    orphans = sum(
+        1
+        for pod in workers
+        if ((pod.get("metadata") or {}).get("labels") or {}).get(observe.CLUSTER_LABEL) not in names
+    )
     return Seen(
         clusters=tuple(c for c, _ in seen),
         stored={obj["metadata"]["name"]: obj for obj in mine},
         urls={c.name: url for c, url in seen},
+        orphan_pods=orphans,
     )
 
 
@@ -169,6 +184,7 @@ async def run(
         revision=revision.revision(spec),
         clusters=seen.clusters,
         now=now,
+        orphan_pods=seen.orphan_pods,
     )
     planned = next(s for s in steps if isinstance(s, actions.SetRollout))
     serving = planned.ray_cluster or target.serving

@@ -84,6 +84,9 @@ class World:
         #: RayClusters whose runtime does not answer (its head pod still Ready)
         self.silent: set[str] = set()
         self.max_pods = 0
+        #: kuberay() calls the pods of a deleted RayCluster stay terminating (0: gone at once)
+        self.linger = 0
+        self._leaving: dict[str, int] = {}
         self._names = itertools.count()
 
     def rayclusters(self) -> dict[str, dict[str, Any]]:
@@ -104,6 +107,7 @@ class World:
         fakes.add_pod(self.api, name, node_type=node_type)
         pod = self.api.objects[("Pod", "ml", name)]
         pod["metadata"]["labels"]["ray.io/cluster"] = cluster
+        pod["metadata"]["labels"]["elasticmoe.io/deployment"] = "tiny"  # the template's label
         if node_type == "head" and cluster in self.broken:
             pod["status"] = {
                 "phase": "Pending",
@@ -126,7 +130,11 @@ class World:
         clusters = self.rayclusters()
         for (kind, ns, name), obj in list(self.api.objects.items()):
             if kind == "Pod" and obj["metadata"]["labels"]["ray.io/cluster"] not in clusters:
-                del self.api.objects[(kind, ns, name)]
+                left = self._leaving.setdefault(name, self.linger)
+                obj["metadata"]["deletionTimestamp"] = fakes.NOW
+                if left <= 0:
+                    del self.api.objects[(kind, ns, name)]
+                self._leaving[name] = left - 1
         for name in list(self.runtimes):
             if name not in clusters:
                 del self.runtimes[name]

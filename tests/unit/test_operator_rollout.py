@@ -120,6 +120,23 @@ def test_an_image_change_moves_capacity_rank_by_rank(monkeypatch: pytest.MonkeyP
     assert conditions["Rollout"]["reason"] == "RolledOut"
 
 
+def test_pods_of_the_deleted_cluster_count_until_they_are_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Deleting a RayCluster leaves its pods terminating a while (their grace period): the
+    new one grows only once they are gone, so the bound holds."""
+    d = Driver(monkeypatch)
+    d.world.linger = 4
+    d.serve()
+    d.change("ray.image", NEW_IMAGE)
+    d.until(lambda: "tiny" not in d.world.rayclusters())
+    d.step()
+    assert "worker pods of deleted RayClusters" in d.rollout()["message"]
+    d.until(d.finished)
+    assert d.rollout()["stage"] == "Completed"
+    assert d.world.max_pods == 2
+
+
 def test_a_surge_starts_the_new_cluster_beside_the_full_old_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -118,6 +118,9 @@ def _starting(
             return
     else:
         p.steps.append(parts.settle(serving, serving.ranks))
+    if target is None and serving.pods + p.orphans > room:
+        p.rollout = p.rollout.model_copy(update={"message": _orphans(p)})
+        return
     p.rollout = p.rollout.model_copy(update={"move_cluster": None, "move_to": None})
     p.steps.append(
         actions.ApplyRayCluster(
@@ -144,6 +147,10 @@ def _starting(
         )
         return
     p.rollout = p.rollout.model_copy(update={"message": _why_not_serving(target, k)})
+
+
+def _orphans(p: parts.Plan) -> str:
+    return f"waiting for {p.orphans} worker pods of deleted RayClusters to go"
 
 
 def _why_not_serving(target: parts.Cluster | None, k: int) -> str:
@@ -257,17 +264,22 @@ def _moving(
         p.steps += [parts.settle(c, c.ranks) for c in (target, *others)]
         p.rollout = r.model_copy(update={"message": "waiting for a running resize to end"})
         return
-    pods = sum(c.pods for c in (target, *others))
-    if target.ranks < n and pods + 1 <= parts.bound(spec):
-        p.steps += [parts.settle(c, c.ranks) for c in others]
-        parts.move(p, target, target.ranks + 1, now=now)
-        return
-    shrinkable = [c for c in others if c.ranks > m]
-    if target.ranks < n and shrinkable:
-        old = max(shrinkable, key=lambda c: c.ranks)
-        p.steps += [parts.settle(c, c.ranks) for c in (target, *others) if c is not old]
-        parts.move(p, old, old.ranks - 1, now=now)
-        return
+    pods = sum(c.pods for c in (target, *others)) + p.orphans
+    if target.ranks < n:
+        if pods + 1 <= parts.bound(spec):
+            p.steps += [parts.settle(c, c.ranks) for c in others]
+            parts.move(p, target, target.ranks + 1, now=now)
+            return
+        shrinkable = [c for c in others if c.ranks > m]
+        if shrinkable:
+            old = max(shrinkable, key=lambda c: c.ranks)
+            p.steps += [parts.settle(c, c.ranks) for c in (target, *others) if c is not old]
+            parts.move(p, old, old.ranks - 1, now=now)
+            return
+        if not others:  # only pods on their way out stand in the way
+            p.steps.append(parts.settle(target, target.ranks))
+            p.rollout = r.model_copy(update={"message": _orphans(p)})
+            return
     p.steps.append(parts.settle(target, target.ranks))
     if others:
         old = min(others, key=lambda c: c.ranks)
@@ -321,6 +333,7 @@ def plan(
     revision: str,
     clusters: Sequence[parts.Cluster],
     now: datetime.datetime,
+    orphan_pods: int = 0,
 ) -> list[actions.Action]:
     """The actions of one reconcile of a rollout towards ``revision``, in order; the last
     ones are a ``SetRollout`` and a ``SetPhase``."""
@@ -367,7 +380,13 @@ def plan(
             )
         )
     r = r.model_copy(update={"ranks_total": spec.data_parallel_size})
-    p = parts.Plan(rollout=r, serving=serving_name, revision=status.revision, events=events)
+    p = parts.Plan(
+        rollout=r,
+        serving=serving_name,
+        revision=status.revision,
+        events=events,
+        orphans=orphan_pods,
+    )
     if spec.rollout.paused:
         p.steps += [parts.settle(c, c.ranks) for c in clusters]
         p.rollout = r.model_copy(update={"message": "paused (spec.rollout.paused)"})

@@ -66,6 +66,9 @@ class Plan:
     steps: list[actions.Action] = dataclasses.field(default_factory=list)
     events: list[actions.Event] = dataclasses.field(default_factory=list)
     phase: actions.SetPhase | None = None
+    #: Worker pods of deleted RayClusters still terminating: they hold their accelerators
+    #: until they are gone, so they count in the bound.
+    orphans: int = 0
 
 
 def initial_size(spec: spec_.MoEDeploymentSpec) -> int:
