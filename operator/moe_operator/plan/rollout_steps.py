@@ -198,5 +198,9 @@ def drained(p: Plan, c: Cluster, *, spec: spec_.MoEDeploymentSpec, now: datetime
         return False
     started = clock.parse(r.drain_started_at) or now
     waited = (now - started).total_seconds()
-    p.rollout = r.model_copy(update={"message": f"draining {c.name} ({waited:.0f}s)"})
+    # no seconds in the message: the status is written only when more than time changed
+    limit = spec.elastic.drain_timeout_seconds
+    p.rollout = r.model_copy(
+        update={"message": f"draining {c.name}: in-flight requests unknown, {limit}s at most"}
+    )
     return waited >= spec.elastic.drain_timeout_seconds
