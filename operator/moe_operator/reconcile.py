@@ -185,7 +185,29 @@ async def reconcile(
     admin_token, _ = execution.tokens(key, owner)
 
     wanted = revision.revision(spec)
-    if current.rollout is not None and current.rollout.active:
+    rolling_now = current.rollout is not None and current.rollout.active
+    serving_revision: str | None = None
+    if not rolling_now:
+        # observe
+        seen = await observation.observe_all(
+            api=api,
+            owner=owner,
+            spec=spec,
+            annotations=meta.get("annotations"),
+            has_status=bool(raw_status),
+            generation=generation,
+            now=moment,
+            admin_token=admin_token,
+            factory=runtime_factory,
+            logger=logger,
+            cluster=current.ray_cluster,
+        )
+        ray = seen.observed.raycluster
+        serving_revision = ray.revision if ray is not None else None
+        rolling_now = rollout.needed(
+            status=current, revision=wanted, serving_revision=serving_revision
+        )
+    if rolling_now:  # a template change rolls over (moe_operator.rolling)
         return await _roll(
             api=api,
             owner=owner,
@@ -199,37 +221,7 @@ async def reconcile(
             events=events,
             logger=logger,
         )
-
-    # observe
-    seen = await observation.observe_all(
-        api=api,
-        owner=owner,
-        spec=spec,
-        annotations=meta.get("annotations"),
-        has_status=bool(raw_status),
-        generation=generation,
-        now=moment,
-        admin_token=admin_token,
-        factory=runtime_factory,
-        logger=logger,
-        cluster=current.ray_cluster,
-    )
     observed = seen.observed
-    serving_revision = observed.raycluster.revision if observed.raycluster else None
-    if rollout.needed(status=current, revision=wanted, serving_revision=serving_revision):
-        return await _roll(
-            api=api,
-            owner=owner,
-            spec=spec,
-            generation=generation,
-            current=current,
-            raw_status=raw_status,
-            moment=moment,
-            key=key,
-            factory=runtime_factory,
-            events=events,
-            logger=logger,
-        )
 
     # plan
     ignored = runtime_client.ignored_override(meta.get("annotations"))
