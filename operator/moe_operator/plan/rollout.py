@@ -376,7 +376,9 @@ def plan(
             actions.Event(
                 rollout_.EVENT_STARTED,
                 f"rollout {from_revision}->{revision}: new RayCluster {target_name} beside "
-                f"{serving_name}, capacity moved rank by rank",
+                f"{serving_name}, capacity moved rank by rank (at most "
+                f"{parts.bound(spec)} worker pods, starting at {parts.initial_size(spec)} "
+                "ranks)",
             )
         )
     r = r.model_copy(update={"ranks_total": spec.data_parallel_size})
