@@ -25,7 +25,7 @@ from e2e import kube
 from e2e import load as load_mod
 from e2e.cluster import conftest
 from e2e.node import config
-from moe_operator.plan import builders
+from moe_operator.plan import builders, probes
 
 pytestmark = pytest.mark.cluster
 
@@ -122,10 +122,10 @@ def _ready_by_our_probe(pod: dict[str, Any]) -> None:
     assert ready["status"] == "True", ready
     (container,) = [c for c in pod["spec"]["containers"] if c["name"] == builders.WORKER_CONTAINER]
     probe = container["readinessProbe"]
-    assert probe["httpGet"]["path"] == builders.RAYLET_HEALTH_PATH, probe
-    assert probe["httpGet"]["port"] == builders.DASHBOARD_AGENT_PORT, probe
-    assert probe.get("initialDelaySeconds", 0) == builders.WORKER_READY_DELAY_SECONDS, probe
-    assert probe["periodSeconds"] == builders.WORKER_READY_PERIOD_SECONDS, probe
+    assert probe["httpGet"]["path"] == probes.RAYLET_HEALTH_PATH, probe
+    assert probe["httpGet"]["port"] == probes.DASHBOARD_AGENT_PORT, probe
+    assert probe.get("initialDelaySeconds", 0) == probes.WORKER_READY_DELAY_SECONDS, probe
+    assert probe["periodSeconds"] == probes.WORKER_READY_PERIOD_SECONDS, probe
 
 
 def _workers_to_delete(dep: kube.Deployment) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Union
 
 import httpx
@@ -28,7 +28,16 @@ from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
 from moe_operator.k8s import api as k8s_api
 from moe_operator.observation import Children, RuntimeFactory
-from moe_operator.plan import access, actions, builders, credentials, decide, diff, scale_answer
+from moe_operator.plan import (
+    access,
+    actions,
+    builders,
+    credentials,
+    decide,
+    diff,
+    revision,
+    scale_answer,
+)
 
 Logger = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
 #: ``events(reason, message)``: posts a Kubernetes event on the MoEDeployment.
@@ -37,6 +46,7 @@ EventSink = Callable[[str, str], None]
 #: The actions that write a child (a ``Created`` event names those a reconcile created).
 CHILD_ACTIONS: Final = (
     actions.ApplyRayCluster,
+    actions.DeleteRayCluster,
     actions.EnsureSecret,
     actions.ApplyService,
     actions.ApplyNetworkPolicy,
@@ -67,6 +77,20 @@ class Target:
     url: str
     admin_token: str
     factory: RuntimeFactory
+    #: The RayCluster that serves (``status.rayCluster``; ``None``: the deployment's first).
+    cluster: str | None = None
+    #: During a rollout: the other RayClusters as stored, and each one's runtime URL.
+    clusters: Mapping[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    urls: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def serving(self) -> str:
+        return self.cluster or builders.raycluster_name(self.owner.name)
+
+    def stored(self, cluster: str) -> dict[str, Any] | None:
+        if cluster in self.clusters:
+            return self.clusters[cluster]
+        return self.children.raycluster if cluster == self.serving else None
 
 
 @dataclasses.dataclass
@@ -78,6 +102,8 @@ class Executed:
     #: ``status.resize`` after this reconcile (a scale answer folded in), or keep it.
     resize: status_.ResizeStatus | None | actions.Keep = actions.KEEP
     requeue: float | None = None
+    #: ``status.rollout`` / ``rayCluster`` / ``revision`` as planned (``None``: kept).
+    rollout: actions.SetRollout | None = None
 
 
 async def _apply_unless_current(
@@ -103,32 +129,53 @@ async def write_child(
         secret = access.build_secret(owner=owner, token=admin, ray_token=ray)
         return await api.create(secret, read_back=False)
     if isinstance(action, actions.ApplyRayCluster):
+        name = action.cluster or target.serving
+        stored = target.stored(name)
         desired = builders.build_raycluster(
             owner=owner,
             spec=target.spec,
             worker_replicas=action.worker_replicas,
             workers_to_delete=action.workers_to_delete,
             head_size=action.head_size,
+            name=name,
         )
+        theirs = revision.of_raycluster(stored)
+        if stored is not None and theirs is not None and theirs != revision.of_raycluster(desired):
+            # Safe by construction: a RayCluster's templates are only ever written with the
+            # spec of its own revision; one of another revision only gets its replicas.
+            desired = revision.resized(
+                stored,
+                metadata=desired["metadata"],
+                worker_replicas=action.worker_replicas,
+                workers_to_delete=action.workers_to_delete,
+            )
         # Ahead of every other request waiting for a connection: pods start from it.
-        return await _apply_unless_current(
-            api, desired, children.raycluster, priority=k8s_api.PRIORITY_FIRST
+        return await _apply_unless_current(api, desired, stored, priority=k8s_api.PRIORITY_FIRST)
+    if isinstance(action, actions.DeleteRayCluster):
+        gone = await api.delete(
+            api_version="ray.io/v1",
+            kind="RayCluster",
+            namespace=owner.namespace,
+            name=action.cluster,
         )
+        return None if not gone else k8s_api.ApplyResult(obj={}, created=False)
     if isinstance(action, actions.ApplyNetworkPolicy):
         return await _apply_unless_current(
             api, access.build_network_policy(owner=owner), children.network_policy
         )
     if isinstance(action, actions.ApplyService):
-        return await _apply_unless_current(api, access.build_service(owner=owner), children.service)
+        service = access.build_service(owner=owner, cluster=action.cluster or target.serving)
+        return await _apply_unless_current(api, service, children.service)
     return None
 
 
 async def patch_settings(
-    changes: dict[str, Any], *, target: Target
+    changes: dict[str, Any], *, target: Target, cluster: str | None = None
 ) -> tuple[dict[str, Any], str | None]:
     """``PATCH /elastic_ep/config``: what was changed, and the runtime's refusal when it
-    refused (it then changed nothing)."""
-    async with target.factory(target.url, target.admin_token) as client:
+    refused (it then changed nothing); ``cluster``: that RayCluster's runtime."""
+    url = target.urls.get(cluster, target.url) if cluster is not None else target.url
+    async with target.factory(url, target.admin_token) as client:
         try:
             await client.patch_config(changes)
         except runtime_client.RuntimeApiError as error:
@@ -138,9 +185,13 @@ async def patch_settings(
     return changes, None
 
 
-async def scale_runtime(*, new_size: int, target: Target) -> actions.ScaleOutcome:
-    """``POST /scale_elastic_ep`` (no wait), its answer as the planner sees it."""
-    async with target.factory(target.url, target.admin_token) as client:
+async def scale_runtime(
+    *, new_size: int, target: Target, cluster: str | None = None
+) -> actions.ScaleOutcome:
+    """``POST /scale_elastic_ep`` (no wait) to the serving runtime, or to that of
+    ``cluster``; its answer as the planner sees it."""
+    url = target.urls.get(cluster, target.url) if cluster is not None else target.url
+    async with target.factory(url, target.admin_token) as client:
         try:
             accepted = await client.scale(new_size)
         except runtime_client.ResizeConflict as error:
@@ -195,11 +246,16 @@ async def execute(
                 raise
             if isinstance(action, actions.ApplyRayCluster) and result is not None:
                 logger.info(
-                    "%s: applied RayCluster: worker replicas %d, workersToDelete %s",
+                    "%s: applied RayCluster %s: worker replicas %d, workersToDelete %s",
                     where,
+                    action.cluster or target.serving,
                     action.worker_replicas,
                     list(action.workers_to_delete),
                 )
+            if isinstance(action, actions.DeleteRayCluster):
+                if result is not None:
+                    logger.info("%s: deleted RayCluster %s", where, action.cluster)
+                continue
             if result is not None and result.created:
                 kind, name = result.obj["kind"], result.obj["metadata"]["name"]
                 done.created.append(f"{kind}/{name}")
@@ -208,17 +264,40 @@ async def execute(
             continue
         created.post()
         if isinstance(action, actions.PatchSettings):
-            applied, refused = await patch_settings(dict(action.changes), target=target)
+            applied, refused = await patch_settings(
+                dict(action.changes), target=target, cluster=action.cluster
+            )
             if applied:
                 text = ", ".join(f"{k}={v}" for k, v in sorted(applied.items()))
-                logger.info("%s: runtime settings changed live: %s", where, text)
-                events("SettingsApplied", f"runtime settings changed live: {text}")
+                of = f" of {action.cluster}" if action.cluster else ""
+                logger.info("%s: runtime settings%s changed live: %s", where, of, text)
+                events("SettingsApplied", f"runtime settings{of} changed live: {text}")
             if refused and (where, target.generation, refused) not in _WARNED_SETTINGS:
                 _WARNED_SETTINGS.add((where, target.generation, refused))
                 events("SettingsRefused", f"the runtime refused the spec's settings: {refused}")
+        elif isinstance(action, actions.ScaleRuntime) and action.cluster is not None:
+            # A rollout's resize of one RayCluster: level-triggered, the answer only reported.
+            other = await scale_runtime(
+                new_size=action.new_size, target=target, cluster=action.cluster
+            )
+            logger.info(
+                "%s: asked the runtime of %s for size %d: %s",
+                where,
+                action.cluster,
+                action.new_size,
+                other,
+            )
+            if isinstance(other, actions.ScaleRefused):
+                events(
+                    status_.REASON_RESIZE_FAILED,
+                    f"the runtime of {action.cluster} refused size {action.new_size}: "
+                    f"{other.message}",
+                )
         elif isinstance(action, actions.ScaleRuntime):
             answer = await scale_runtime(new_size=action.new_size, target=target)
             logger.info("%s: asked the runtime for size %d: %s", where, action.new_size, answer)
+        elif isinstance(action, actions.SetRollout):
+            done.rollout = action
         elif isinstance(action, actions.SetResize):
             done.resize = action.resize
         elif isinstance(action, actions.Event):

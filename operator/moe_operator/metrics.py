@@ -166,6 +166,18 @@ class OperatorMetrics:
             ["namespace", "deployment"],
             registry=r,
         )
+        self.rollouts = prometheus_client.Counter(
+            "moe_operator_rollouts",
+            "Rollouts of a template change that ended, by outcome (Completed, RolledBack).",
+            ["outcome"],
+            registry=r,
+        )
+        self.rollout_ranks = prometheus_client.Gauge(
+            "moe_operator_rollout_ranks_moved",
+            "Ranks serving on the running rollout's new RayCluster (0 when none runs).",
+            ["namespace", "deployment"],
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._known: set[tuple[str, str]] = set()
 
@@ -198,6 +210,7 @@ class OperatorMetrics:
                 self.size.labels(**labels).set(new.data_parallel_size)
             if new.target_data_parallel_size is not None:
                 self.target.labels(**labels).set(new.target_data_parallel_size)
+            self._observe_rollout(labels, outcome.previous, new)
             auto = new.autoscaling
             if auto is not None and auto.metric is not None:
                 self.in_flight_per_rank.labels(**labels).set(auto.metric)
@@ -210,6 +223,21 @@ class OperatorMetrics:
         if outcome.autoscale_decision is not None:
             self.decisions.labels(**labels, decision=outcome.autoscale_decision).inc()
 
+    def _observe_rollout(
+        self,
+        labels: dict[str, str],
+        previous: status_.MoEDeploymentStatus | None,
+        new: status_.MoEDeploymentStatus,
+    ) -> None:
+        """A rollout counted once, in the reconcile that ends it; its moved ranks while it
+        runs."""
+        was = previous.rollout if previous is not None else None
+        now = new.rollout
+        running = now is not None and now.active
+        self.rollout_ranks.labels(**labels).set(now.ranks_moved if running and now else 0.0)
+        if now is not None and not running and was is not None and was.active:
+            self.rollouts.labels(outcome=now.stage.value).inc()
+
     def forget(self, namespace: str, name: str) -> None:
         """Drop the series of a deleted deployment (the operator-wide ones stay)."""
         with self._lock:
@@ -221,6 +249,7 @@ class OperatorMetrics:
             self.runtime_unreachable,
             self.in_flight_per_rank,
             self.desired_size,
+            self.rollout_ranks,
         ):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, name)

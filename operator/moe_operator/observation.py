@@ -60,12 +60,12 @@ class Observation:
     model_problem: str | None = None
 
 
-async def _ray_pods(
-    *, api: k8s_api.Api, owner: builders.Owner, logger: Logger
+async def ray_pods(
+    *, api: k8s_api.Api, owner: builders.Owner, cluster: str, logger: Logger
 ) -> observe.PodsObservation | None:
     """The RayCluster's head and worker pods, terminating ones included (``None`` when they
     cannot be listed)."""
-    selector = f"{observe.CLUSTER_LABEL}={builders.raycluster_name(owner.name)}"
+    selector = f"{observe.CLUSTER_LABEL}={cluster}"
     try:
         pods = await api.list(
             api_version="v1", kind="Pod", namespace=owner.namespace, label_selector=selector
@@ -77,16 +77,22 @@ async def _ray_pods(
 
 
 async def observe_children(
-    *, api: k8s_api.Api, owner: builders.Owner, logger: Logger | None = None
+    *,
+    api: k8s_api.Api,
+    owner: builders.Owner,
+    logger: Logger | None = None,
+    cluster: str | None = None,
 ) -> Children:
-    """The RayCluster, Service, NetworkPolicy and Ray pods, read at once."""
+    """The RayCluster (``cluster``, default the deployment's first), Service, NetworkPolicy
+    and Ray pods, read at once."""
     log = logger or logging.getLogger(__name__)
+    cluster = cluster or builders.raycluster_name(owner.name)
     ray, service, policy, pods = await asyncio.gather(
         api.get(
             api_version="ray.io/v1",
             kind="RayCluster",
             namespace=owner.namespace,
-            name=builders.raycluster_name(owner.name),
+            name=cluster,
         ),
         api.get(
             api_version="v1",
@@ -100,7 +106,7 @@ async def observe_children(
             namespace=owner.namespace,
             name=access.network_policy_name(owner.name),
         ),
-        _ray_pods(api=api, owner=owner, logger=log),
+        ray_pods(api=api, owner=owner, cluster=cluster, logger=log),
     )
     observed = observe.Observed(
         raycluster=observe.raycluster(ray, pods=pods),
@@ -114,6 +120,7 @@ async def observe_children(
         head_restarts=pods.head_restarts if pods is not None else None,
         head_loading_ip=pods.head_loading_ip if pods is not None else None,
         head_failure=pods.head_failure if pods is not None else None,
+        head_waiting=pods.head_waiting if pods is not None else None,
     )
     return Children(raycluster=ray, service=service, network_policy=policy, observed=observed)
 
@@ -193,12 +200,13 @@ async def observe_all(
     admin_token: str,
     factory: RuntimeFactory,
     logger: Logger,
+    cluster: str | None = None,
 ) -> Observation:
     """The observe step. The runtime is asked for its view only once Ray reports the head
     ready; its URL comes from :func:`runtime_client.runtime_url` (annotation,
     ``$MOE_RUNTIME_URL_TEMPLATE``, or the Service)."""
     if has_status:
-        children = await observe_children(api=api, owner=owner, logger=logger)
+        children = await observe_children(api=api, owner=owner, logger=logger, cluster=cluster)
     else:
         # Never reconciled (no operator wrote a status yet): its children do not exist, or
         # are ours from a reconcile that stopped before its status write, which applying
@@ -213,6 +221,7 @@ async def observe_all(
         raycluster_annotations=((children.raycluster or {}).get("metadata") or {}).get(
             "annotations"
         ),
+        cluster=cluster,
     )
     asked = observed.raycluster is not None and observed.raycluster.head_ready
     config: dict[str, Any] | None = None
@@ -230,6 +239,7 @@ async def observe_all(
             raycluster_annotations=((children.raycluster or {}).get("metadata") or {}).get(
                 "annotations"
             ),
+            cluster=cluster,
         )
         progress = await observe_loading(url=loading_at, factory=factory, logger=logger)
         observed = dataclasses.replace(observed, loading=progress)

@@ -26,7 +26,7 @@ from typing import Any, Final, Union
 
 import pydantic
 
-from moe_operator import autoscaler, execution, logs, observation, runtime_client
+from moe_operator import autoscaler, execution, logs, observation, rolling, runtime_client
 from moe_operator.api import group
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
@@ -39,6 +39,8 @@ from moe_operator.plan import (
     credentials,
     load_report,
     resize,
+    revision,
+    rollout,
     settings,
 )
 from moe_operator.plan import status as plan_status
@@ -184,19 +186,43 @@ async def reconcile(
     key = operator_key or _PROCESS_KEY
     admin_token, _ = execution.tokens(key, owner)
 
-    # observe
-    seen = await observation.observe_all(
-        api=api,
-        owner=owner,
-        spec=spec,
-        annotations=meta.get("annotations"),
-        has_status=bool(raw_status),
-        generation=generation,
-        now=moment,
-        admin_token=admin_token,
-        factory=runtime_factory,
-        logger=logger,
-    )
+    wanted = revision.revision(spec)
+    rolling_now = current.rollout is not None and current.rollout.active
+    serving_revision: str | None = None
+    if not rolling_now:
+        # observe
+        seen = await observation.observe_all(
+            api=api,
+            owner=owner,
+            spec=spec,
+            annotations=meta.get("annotations"),
+            has_status=bool(raw_status),
+            generation=generation,
+            now=moment,
+            admin_token=admin_token,
+            factory=runtime_factory,
+            logger=logger,
+            cluster=current.ray_cluster,
+        )
+        ray = seen.observed.raycluster
+        serving_revision = ray.revision if ray is not None else None
+        rolling_now = rollout.needed(
+            status=current, revision=wanted, serving_revision=serving_revision
+        )
+    if rolling_now:  # a template change rolls over (moe_operator.rolling)
+        return await _roll(
+            api=api,
+            owner=owner,
+            spec=spec,
+            generation=generation,
+            current=current,
+            raw_status=raw_status,
+            moment=moment,
+            key=key,
+            factory=runtime_factory,
+            events=events,
+            logger=logger,
+        )
     observed = seen.observed
 
     # plan
@@ -218,6 +244,7 @@ async def reconcile(
         url=seen.url,
         admin_token=admin_token,
         factory=runtime_factory,
+        cluster=current.ray_cluster,
     )
     done = await execution.execute(
         steps, api=api, target=target, current=current, now=moment, events=events, logger=logger
@@ -255,6 +282,14 @@ async def reconcile(
         resize_status=done.resize,
         autoscaling=scaler.status,
     )
+    new = plan_status.with_rollout(
+        new,
+        rollout=current.rollout,
+        ray_cluster=current.ray_cluster,
+        revision=serving_revision or wanted,
+        generation=generation,
+        now=clock.rfc3339(moment),
+    )
     written, version = await commit(
         api=api, owner=owner, raw_status=raw_status, new=new, logger=logger
     )
@@ -274,5 +309,80 @@ async def reconcile(
         status=new,
         runtime_reachable=observed.runtime is not None if seen.runtime_asked else None,
         autoscale_decision=scaler.decision,
+        resource_version=version,
+    )
+
+
+async def _roll(
+    *,
+    api: k8s_api.Api,
+    owner: builders.Owner,
+    spec: spec_.MoEDeploymentSpec,
+    generation: int,
+    current: status_.MoEDeploymentStatus,
+    raw_status: dict[str, Any],
+    moment: datetime.datetime,
+    key: bytes,
+    factory: RuntimeFactory,
+    events: EventSink,
+    logger: Logger,
+) -> Outcome:
+    """A reconcile of a rollout (``moe_operator.rolling``), then the one status write. The
+    operator's autoscaler stands aside until it ends."""
+    admin_token, _ = execution.tokens(key, owner)
+    target = execution.Target(
+        owner=owner,
+        spec=spec,
+        generation=generation,
+        children=observation.Children.missing(),
+        key=key,
+        url="",
+        admin_token=admin_token,
+        factory=factory,
+        cluster=current.ray_cluster,
+    )
+    result = await rolling.run(
+        api=api,
+        target=target,
+        spec=spec,
+        current=current,
+        now=moment,
+        events=events,
+        logger=logger,
+    )
+    done = result.done
+    assert done.phase is not None
+    stamp = clock.rfc3339(moment)
+    new = plan_status.next_status(
+        name=owner.name,
+        namespace=owner.namespace,
+        generation=generation,
+        target=spec.data_parallel_size,
+        current=current,
+        observed=result.observed,
+        phase=done.phase,
+        now=stamp,
+        resize_status=done.resize,
+    )
+    planned = result.rollout
+    new = plan_status.with_rollout(
+        new,
+        rollout=planned.rollout,
+        ray_cluster=planned.ray_cluster,
+        revision=planned.revision,
+        generation=generation,
+        now=stamp,
+    )
+    written, version = await commit(
+        api=api, owner=owner, raw_status=raw_status, new=new, logger=logger
+    )
+    return Outcome(
+        phase=done.phase.phase,
+        created=tuple(done.created),
+        status_written=written,
+        requeue_after=done.requeue,
+        previous=current,
+        status=new,
+        runtime_reachable=result.observed.runtime is not None,
         resource_version=version,
     )

@@ -52,8 +52,10 @@ def _chosen_url(
     annotations: Mapping[str, str] | None,
     raycluster_annotations: Mapping[str, str] | None,
     environ: Mapping[str, str] | None,
+    cluster: str | None = None,
 ) -> str | None:
-    """The runtime URL an annotation or ``$MOE_RUNTIME_URL_TEMPLATE`` chooses, if any."""
+    """The runtime URL an annotation or ``$MOE_RUNTIME_URL_TEMPLATE`` chooses, if any
+    (``cluster``: the RayCluster that serves, for a template that names ``{cluster}``)."""
     env = os.environ if environ is None else environ
     override = (annotations or {}).get(group.ANNOTATION_RUNTIME_URL)
     if override and env.get(ALLOW_OVERRIDE_ENV) == "1":
@@ -64,7 +66,10 @@ def _chosen_url(
     template = env.get(URL_TEMPLATE_ENV)
     if template:
         return template.format(
-            name=name, namespace=namespace, service=builders.service_name(name)
+            name=name,
+            namespace=namespace,
+            service=builders.service_name(name),
+            cluster=cluster or builders.raycluster_name(name),
         ).rstrip("/")
     return None
 
@@ -76,14 +81,17 @@ def runtime_url(
     annotations: Mapping[str, str] | None = None,
     raycluster_annotations: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
+    cluster: str | None = None,
 ) -> str:
-    """The base URL of a deployment's runtime API."""
+    """The base URL of a deployment's runtime API (``cluster``: the RayCluster that serves,
+    for a template that names ``{cluster}``)."""
     chosen = _chosen_url(
         name=name,
         namespace=namespace,
         annotations=annotations,
         raycluster_annotations=raycluster_annotations,
         environ=environ,
+        cluster=cluster,
     )
     return chosen or builders.endpoint(owner_name=name, namespace=namespace)
 
@@ -96,6 +104,7 @@ def loading_url(
     annotations: Mapping[str, str] | None = None,
     raycluster_annotations: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
+    cluster: str | None = None,
 ) -> str:
     """Where a head that is not ready yet (loading its model) answers ``GET /ready``: the
     URL an annotation or the template chooses, else the head pod itself (the Service routes
@@ -106,9 +115,34 @@ def loading_url(
         annotations=annotations,
         raycluster_annotations=raycluster_annotations,
         environ=environ,
+        cluster=cluster,
     )
     host = f"[{head_ip}]" if ":" in head_ip else head_ip
     return chosen or f"http://{host}:{names.RUNTIME_PORT}"
+
+
+def cluster_url(
+    *,
+    name: str,
+    namespace: str,
+    cluster: str,
+    raycluster_annotations: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """The base URL of the runtime of one RayCluster of a deployment, whichever the Service
+    selects (a rollout talks to both): the local stand-in's annotation, a
+    ``$MOE_RUNTIME_URL_TEMPLATE`` that names ``{cluster}``, else KubeRay's head Service of
+    that RayCluster (``CLUSTER-head-svc``: it exposes every port of the head container)."""
+    env = os.environ if environ is None else environ
+    local = (raycluster_annotations or {}).get(group.ANNOTATION_LOCAL_ENDPOINT)
+    if local and env.get(FROM_RAYCLUSTER_ENV) == "1":
+        return local.rstrip("/")
+    template = env.get(URL_TEMPLATE_ENV)
+    if template and "{cluster}" in template:
+        return template.format(
+            name=name, namespace=namespace, service=builders.service_name(name), cluster=cluster
+        ).rstrip("/")
+    return f"http://{cluster}-head-svc.{namespace}.svc:{names.RUNTIME_PORT}"
 
 
 class _Response(pydantic.BaseModel):

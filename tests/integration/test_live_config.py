@@ -39,6 +39,7 @@ DEFAULTS = {
     "drain_timeout": 0,
     "max_queued_requests": 0,
     "warm_spare_ranks": 0,
+    "draining": False,
 }
 
 
@@ -274,3 +275,18 @@ def test_a_flood_gets_429_beyond_the_bound_but_never_during_a_resize(
     assert record is not None and coordinator.wait(record, 120) and record.succeeded
     metrics = client.get("/metrics").text
     assert 'moe_requests_total{outcome="queue_full"} 9.0' in metrics
+
+
+def test_a_draining_runtime_closes_each_connection_after_its_answer(
+    client: testclient.TestClient,
+) -> None:
+    """A rollout moved the Service away from this runtime: its answers say Connection: close
+    (kept-alive clients reconnect through the Service); the request itself is served."""
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
+    assert "close" not in client.post("/v1/completions", json=body).headers.get("connection", "")
+    assert patch(client, draining=True)["draining"] is True
+    answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["connection"] == "close"
+    assert patch(client, draining=False)["draining"] is False
+    assert "close" not in client.post("/v1/completions", json=body).headers.get("connection", "")

@@ -25,7 +25,7 @@ LATER = "2026-01-01T00:01:00Z"
 
 
 class FakeApi:
-    """The five calls of ``k8s_api.Api`` over a dict; counts writes."""
+    """The six calls of ``k8s_api.Api`` over a dict; counts writes."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -84,6 +84,10 @@ class FakeApi:
                 obj=copy.deepcopy(existing if read_back else obj), created=False
             )
         return self._store(obj)
+
+    async def delete(self, *, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        self.writes.append(f"delete {kind}/{name}")
+        return self.objects.pop(self._key(kind, namespace, name), None) is not None
 
     async def patch_status(
         self, *, namespace: str, name: str, patch: dict[str, Any]

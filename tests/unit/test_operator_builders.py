@@ -238,12 +238,15 @@ def test_service_selects_the_head_on_port_8000() -> None:
     assert svc["spec"]["selector"] == {
         "elasticmoe.io/deployment": "tiny",
         "elasticmoe.io/component": "head",
+        "ray.io/cluster": "tiny",  # the serving RayCluster's head (a rollout moves it)
     }
     assert svc["spec"]["ports"] == [
         {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
     ]
     head = builders.build_raycluster(owner=OWNER, spec=make_spec())["spec"]["headGroupSpec"]
-    assert svc["spec"]["selector"].items() <= head["template"]["metadata"]["labels"].items()
+    # KubeRay adds ray.io/cluster (the RayCluster's name) to every pod it makes
+    pod_labels = {**head["template"]["metadata"]["labels"], "ray.io/cluster": "tiny"}
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
 
 
 def test_secret_holds_the_tokens() -> None:
@@ -267,13 +270,17 @@ def test_ray_runs_with_token_authentication_from_a_file() -> None:
                 "readOnly": True} in container["volumeMounts"]  # fmt: skip
 
 
-def test_network_policy_keeps_ray_ports_inside_the_raycluster() -> None:
+def test_network_policy_keeps_ray_ports_inside_the_deployments_rayclusters() -> None:
     policy = access.build_network_policy(owner=OWNER)
     spec = policy["spec"]
-    assert spec["podSelector"] == {"matchLabels": {"ray.io/cluster": "tiny"}}
+    ray_pods = {
+        "matchLabels": {"elasticmoe.io/deployment": "tiny"},
+        "matchExpressions": [{"key": "ray.io/cluster", "operator": "Exists"}],
+    }
+    assert spec["podSelector"] == ray_pods
     assert spec["policyTypes"] == ["Ingress"]
     same_cluster, api = spec["ingress"]
-    assert same_cluster == {"from": [{"podSelector": {"matchLabels": {"ray.io/cluster": "tiny"}}}]}
+    assert same_cluster == {"from": [{"podSelector": ray_pods}]}
     assert api == {"ports": [{"protocol": "TCP", "port": 8000}]}  # the runtime API, from anywhere
 
 

@@ -76,13 +76,18 @@ def test_operator_runs_locked_down() -> None:
     assert pod["serviceAccountName"] == "moe-operator"
 
 
-def test_rbac_has_no_wildcards_and_no_delete() -> None:
+def test_rbac_has_no_wildcards_and_deletes_only_rayclusters() -> None:
     role = by_kind(MANIFESTS / "base" / "rbac.yaml", "ClusterRole")
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
-        assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]) or rule[
-            "resources"
-        ] == ["moedeployments/finalizers"]
+        assert not {"deletecollection", "update"} & set(rule["verbs"]) or rule["resources"] == [
+            "moedeployments/finalizers"
+        ]
+        # A rollout deletes its old RayCluster (docs/ROLLOUTS.md); nothing else is deleted.
+        assert "delete" not in rule["verbs"] or rule["resources"] in (
+            ["moedeployments/finalizers"],
+            ["rayclusters"],
+        )
     # Cluster-wide, Secrets can only be created (each deployment's, never read back) ...
     secrets = [r for r in role["rules"] if r["resources"] == ["secrets"]]
     assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]

@@ -13,6 +13,7 @@ from moe_contract import status as runtime_status
 from moe_operator import reconcile, runtime_client
 from moe_operator.api import spec as spec_
 from moe_operator.plan import settings
+from moe_runtime.elastic import settings as runtime_settings
 from tests.support import reconcile_fakes as rec
 
 RUNTIME_NOW = {
@@ -92,3 +93,14 @@ def test_reconcile_patches_the_runtime_live() -> None:
     )
     assert patches == [{"eplb_enabled": False}]
     assert any(reason == "SettingsApplied" and "eplb_enabled=False" in m for reason, m in events)
+
+
+def test_every_setting_the_operator_sends_is_one_the_runtime_takes_and_reports() -> None:
+    """The operator's names (``draining`` included, a rollout's) are the runtime's: a rename
+    on either side fails here."""
+    spec = spec_.MoEDeploymentSpec.model_validate(
+        {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
+    )
+    sent = set(settings.desired(spec))
+    assert sent <= set(runtime_settings.ConfigPatch.model_fields)
+    assert sent <= set(runtime_settings.Config.model_fields)

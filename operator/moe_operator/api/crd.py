@@ -100,6 +100,28 @@ PRINTER_COLUMNS: Final = [
         "description": "The autoscaler's last reason",
         "jsonPath": ".status.autoscaling.reason",
     },
+    # A template change rolling over (status.rollout, docs/ROLLOUTS.md).
+    {
+        "name": "REVISION",
+        "type": "string",
+        "priority": 1,
+        "description": "Template revision of the serving RayCluster",
+        "jsonPath": ".status.revision",
+    },
+    {
+        "name": "ROLLOUT",
+        "type": "string",
+        "priority": 1,
+        "description": "Stage of the running (or last) rollout",
+        "jsonPath": ".status.rollout.stage",
+    },
+    {
+        "name": "MOVED",
+        "type": "integer",
+        "priority": 1,
+        "description": "Ranks serving on the rollout's new RayCluster",
+        "jsonPath": ".status.rollout.ranksMoved",
+    },
 ]
 
 

@@ -27,3 +27,6 @@ ANNOTATION_LOCAL_ENDPOINT: Final = f"{GROUP}/local-endpoint"
 #: Annotation on the RayCluster's head pod template: the ``--data-parallel-size`` the head's
 #: runtime starts at, kept from the RayCluster's creation on (a resize never rewrites the head).
 ANNOTATION_HEAD_SIZE: Final = f"{GROUP}/initial-data-parallel-size"
+#: The template revision (``plan.revision``) a RayCluster's pods are made from: on the
+#: RayCluster (annotation) and on its pod templates (label).
+REVISION: Final = f"{GROUP}/revision"

@@ -62,14 +62,10 @@ class ModelSpec(ApiModel):
             "the head and every worker; or a directory inside the image. The directory holds "
             "a Hugging Face checkpoint of a supported family (Mixtral, Qwen2-MoE, Qwen3-MoE, "
             "OLMoE, DeepSeek-V2/V3, gpt-oss) as save_pretrained writes it (config.json + "
-            "*.safetensors). Immutable."
+            "*.safetensors). A change rolls the deployment over to a new RayCluster, rank by "
+            "rank (docs/ROLLOUTS.md)."
         ),
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {"rule": "self == oldSelf", "message": "model.source is immutable"},
-                *storage.CEL_RULES,
-            ]
-        },
+        json_schema_extra={"x-kubernetes-validations": [*storage.CEL_RULES]},
     )
     served_model_name: str | None = pydantic.Field(
         default=None,
@@ -271,6 +267,39 @@ class RaySpec(ApiModel):
     )
 
 
+class RolloutSpec(ApiModel):
+    """How a change that needs new pods (the image, the model source, the pods' resources,
+    env, placement, dtype: ``plan.revision``) rolls over: a second RayCluster beside the
+    serving one, capacity moved rank by rank (docs/ROLLOUTS.md)."""
+
+    max_surge_ranks: int = pydantic.Field(
+        default=0,
+        ge=0,
+        le=MAX_DATA_PARALLEL_SIZE,
+        description=(
+            "Ranks a rollout may run beyond dataParallelSize while it moves capacity (the new "
+            "RayCluster's head comes on top). The new RayCluster starts at "
+            "max(minDataParallelSize, min(maxSurgeRanks, dataParallelSize)) ranks; with 0 the "
+            "serving one first gives up as many (at least 1 surge rank when it serves at "
+            "minDataParallelSize already)."
+        ),
+    )
+    ready_timeout_seconds: int = pydantic.Field(
+        default=600,
+        ge=10,
+        le=86_400,
+        description=(
+            "How long the new RayCluster may take to serve; after that the rollout is rolled "
+            "back (the new RayCluster deleted, the serving one grown back) and the Rollout "
+            "condition says why. Retried only for another template."
+        ),
+    )
+    paused: bool = pydantic.Field(
+        default=False,
+        description="Hold a rollout where it is (no rank moves, no rollback) until unset.",
+    )
+
+
 _SPEC_RULES: list[pydantic.JsonValue] = [
     {
         "rule": "self.minDataParallelSize <= self.maxDataParallelSize",
@@ -347,6 +376,7 @@ class MoEDeploymentSpec(ApiModel):
     fault_tolerance: FaultToleranceSpec = defaulted(FaultToleranceSpec)
     autoscaling: AutoscalingSpec = defaulted(AutoscalingSpec)
     ray: RaySpec = defaulted(RaySpec)
+    rollout: RolloutSpec = defaulted(RolloutSpec)
 
     @pydantic.model_validator(mode="after")
     def _sizes_consistent(self) -> MoEDeploymentSpec:

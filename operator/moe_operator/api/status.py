@@ -11,6 +11,7 @@ import pydantic
 
 from moe_contract import stages
 from moe_contract import status as runtime_status
+from moe_operator.api import rollout as rollout_
 from moe_operator.api import spec as spec_
 
 
@@ -44,7 +45,13 @@ class ConditionStatus(str, enum.Enum):
 CONDITION_READY: Final = "Ready"
 CONDITION_RESIZING: Final = "Resizing"
 CONDITION_DEGRADED: Final = "Degraded"
-CONDITION_TYPES: Final = (CONDITION_READY, CONDITION_RESIZING, CONDITION_DEGRADED)
+CONDITION_ROLLOUT: Final = rollout_.CONDITION_ROLLOUT
+CONDITION_TYPES: Final = (
+    CONDITION_READY,
+    CONDITION_RESIZING,
+    CONDITION_DEGRADED,
+    CONDITION_ROLLOUT,
+)
 
 # Condition reasons (CamelCase, as the API conventions ask).
 REASON_CHILDREN_CREATED: Final = "ChildrenCreated"
@@ -96,6 +103,7 @@ WARNING_REASONS: Final = frozenset(
         REASON_LOAD_FAILED,
         REASON_EXTERNAL_AUTOSCALER,
         REASON_SCALE_FAILED,
+        rollout_.REASON_ROLLED_BACK,
     }
 )
 #: ``ResizeStatus.kind``: asked for (a spec change), or the runtime's own recovery (the values
@@ -267,6 +275,19 @@ class MoEDeploymentStatus(spec_.ApiModel):
         description="Restarts of the head pod's containers seen so far (each takes the "
         "runtime and Ray's GCS down; the operator brings the deployment back to its size).",
     )
+    ray_cluster: str | None = pydantic.Field(
+        default=None,
+        max_length=253,
+        description="The RayCluster the Service sends requests to (default: the deployment's "
+        "name; a rollout moves it to the RayCluster of the new revision).",
+    )
+    revision: str | None = pydantic.Field(
+        default=None,
+        max_length=64,
+        description="Template revision of rayCluster (a hash of the spec fields its pods are "
+        "made from).",
+    )
+    rollout: rollout_.RolloutStatus | None = None
     conditions: list[Condition] | None = pydantic.Field(
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},

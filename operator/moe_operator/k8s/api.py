@@ -340,6 +340,18 @@ class Api:
         )
         return ApplyResult(obj=response.json(), created=response.status_code == 201)
 
+    async def delete(self, *, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete an object (its dependents, the pods of a RayCluster, go after it);
+        ``False`` when it was gone already."""
+        url = path(api_version=api_version, kind=kind, namespace=namespace, name=name)
+        try:
+            await self._request("DELETE", url, body={"propagationPolicy": "Background"})
+        except ApiError as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
     async def create(self, obj: dict[str, Any], *, read_back: bool = True) -> ApplyResult:
         """Create ``obj``; when it already exists, return the stored one (``created=False``),
         or ``obj`` itself with ``read_back=False`` (a Secret the operator may not read)."""

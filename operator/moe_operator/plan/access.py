@@ -4,15 +4,19 @@ RayCluster itself is ``plan.builders``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from moe_contract import names
 from moe_operator.api import group
-from moe_operator.plan import builders
+from moe_operator.plan import builders, observe
+
+CLUSTER_LABEL: Final = observe.CLUSTER_LABEL
 
 
-def build_service(*, owner: builders.Owner) -> dict[str, Any]:
-    """The ClusterIP Service in front of the head's runtime API (``names.RUNTIME_PORT``)."""
+def build_service(*, owner: builders.Owner, cluster: str | None = None) -> dict[str, Any]:
+    """The ClusterIP Service in front of the head's runtime API (``names.RUNTIME_PORT``) of
+    the RayCluster ``cluster`` (default: the first one, named after the deployment): a
+    rollout moves the selector from one RayCluster's head to the other's."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -24,6 +28,7 @@ def build_service(*, owner: builders.Owner) -> dict[str, Any]:
             "selector": {
                 group.LABEL_DEPLOYMENT: owner.name,
                 group.LABEL_COMPONENT: builders.COMPONENT_HEAD,
+                CLUSTER_LABEL: cluster or builders.raycluster_name(owner.name),
             },
             "ports": [
                 {
@@ -46,7 +51,12 @@ def build_network_policy(*, owner: builders.Owner) -> dict[str, Any]:
     object transfers, the ranks' collectives), and the runtime's API port from anywhere (the
     Service's clients, the operator); nothing else reaches Ray's ports. Egress is left open.
     It takes effect where the cluster's network plugin enforces NetworkPolicies."""
-    ray_pods = {"matchLabels": {"ray.io/cluster": builders.raycluster_name(owner.name)}}
+    # Every RayCluster of the deployment (two during a rollout); each one's Ray pods only
+    # talk among themselves, but the policy need not tell them apart.
+    ray_pods = {
+        "matchLabels": {group.LABEL_DEPLOYMENT: owner.name},
+        "matchExpressions": [{"key": CLUSTER_LABEL, "operator": "Exists"}],
+    }
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final, Union
 
+from moe_operator.api import rollout as rollout_
 from moe_operator.api import status as status_
 
 
@@ -26,11 +27,24 @@ class ApplyRayCluster:
     worker_replicas: int
     workers_to_delete: tuple[str, ...] = ()
     head_size: int | None = None
+    #: The RayCluster (``None``: the one that serves, ``status.rayCluster``). One of another
+    #: template revision than the spec only gets its replicas and ``workersToDelete``.
+    cluster: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteRayCluster:
+    """Delete a RayCluster of the deployment (a rollout's old or abandoned one)."""
+
+    cluster: str
 
 
 @dataclasses.dataclass(frozen=True)
 class ApplyService:
-    """Server-side apply the Service in front of the runtime API."""
+    """Server-side apply the Service in front of the runtime API, selecting the head of
+    ``cluster`` (``None``: the one that serves)."""
+
+    cluster: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +58,18 @@ class PatchSettings:
     changes, ``plan.settings``); the runtime may refuse them (it then changes nothing)."""
 
     changes: Mapping[str, Any]
+    #: The runtime of that RayCluster (``None``: the one that serves).
+    cluster: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ScaleRuntime:
     """Ask the runtime for a live resize (``POST /scale_elastic_ep``, no wait); fold the answer
-    into the resize status with :func:`plan.scale_answer.after_scale`."""
+    into the resize status with :func:`plan.scale_answer.after_scale`; ``cluster``: the
+    runtime of that RayCluster (a rollout's; its answer is only reported)."""
 
     new_size: int
+    cluster: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +77,16 @@ class SetResize:
     """``status.resize`` after this reconcile (before a ``ScaleRuntime`` answer is folded in)."""
 
     resize: status_.ResizeStatus | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SetRollout:
+    """``status.rollout``, ``status.rayCluster`` and ``status.revision`` after this
+    reconcile."""
+
+    rollout: rollout_.RolloutStatus | None
+    ray_cluster: str | None
+    revision: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +122,12 @@ Action = Union[
     PatchSettings,
     EnsureSecret,
     ApplyRayCluster,
+    DeleteRayCluster,
     ApplyService,
     ApplyNetworkPolicy,
     ScaleRuntime,
     SetResize,
+    SetRollout,
     Event,
     Requeue,
     SetPhase,

@@ -17,7 +17,8 @@ from moe_contract import names
 from moe_contract import serve as flags
 from moe_operator.api import group
 from moe_operator.api import spec as spec_
-from moe_operator.plan import storage
+from moe_operator.plan import probes, storage
+from moe_operator.plan import revision as revision_
 
 HEAD_CONTAINER: Final = "ray-head"
 WORKER_CONTAINER: Final = "ray-worker"
@@ -36,17 +37,6 @@ SHM_VOLUME: Final = "dshm"
 #: Seconds a worker pod gets to stop: its rank was released (or lost) before the pod is
 #: deleted, and KubeRay creates no new worker while a deleted one still terminates.
 WORKER_GRACE_SECONDS: Final = 10
-#: Period of the head's startup probe; ``model.loadTimeoutSeconds`` sets how many it may fail.
-STARTUP_PERIOD_SECONDS: Final = 10
-#: The raylet's health check, served by Ray's dashboard agent on every node (KubeRay passes
-#: ``--dashboard-agent-listen-port=52365``): 200 "success", or 503 when the raylet is down.
-RAYLET_HEALTH_PATH: Final = "/api/local_raylet_healthz"
-DASHBOARD_AGENT_PORT: Final = 52365
-#: A worker's readiness probe: its first check 1 s after start, then every 2 s. KubeRay's own
-#: (injected when a container has none) waits 10 s first: every grow without warm spares
-#: waited that long for its new pods.
-WORKER_READY_DELAY_SECONDS: Final = 1
-WORKER_READY_PERIOD_SECONDS: Final = 2
 #: KubeRay annotation: run our command after KubeRay's generated ``ray start`` (head only).
 OVERWRITE_CMD_ANNOTATION: Final = "ray.io/overwrite-container-cmd"
 #: Environment variable in which KubeRay passes its generated ``ray start`` command.
@@ -82,8 +72,10 @@ class Owner:
         }
 
 
-def raycluster_name(owner_name: str) -> str:
-    return owner_name
+def raycluster_name(owner_name: str, revision: str | None = None) -> str:
+    """The RayCluster of a deployment: its own name for the first one, the name and the
+    template revision for each one a rollout starts (``plan.rollout``)."""
+    return owner_name if revision is None else f"{owner_name}-{revision}"
 
 
 def service_name(owner_name: str) -> str:
@@ -302,52 +294,6 @@ def _pod_name_env() -> dict[str, Any]:
     }
 
 
-def _http_probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
-    return {
-        "httpGet": {"path": path, "port": names.RUNTIME_PORT},
-        "periodSeconds": period,
-        "timeoutSeconds": 5,
-        "failureThreshold": failures,
-    }
-
-
-def _worker_probes() -> dict[str, Any]:
-    """Readiness and liveness of a worker: its raylet answers (what KubeRay's injected probes
-    check, with a wget in the container; an httpGet needs no process in it). Readiness is
-    checked at once and often (see WORKER_READY_DELAY_SECONDS); liveness keeps KubeRay's
-    defaults (30 s first, every 5 s, 120 failures)."""
-    check = {"path": RAYLET_HEALTH_PATH, "port": DASHBOARD_AGENT_PORT}
-    return {
-        "readinessProbe": {
-            "httpGet": dict(check),
-            "initialDelaySeconds": WORKER_READY_DELAY_SECONDS,
-            "periodSeconds": WORKER_READY_PERIOD_SECONDS,
-            "timeoutSeconds": 2,
-            "failureThreshold": 10,
-        },
-        "livenessProbe": {
-            "httpGet": dict(check),
-            "initialDelaySeconds": 30,
-            "periodSeconds": 5,
-            "timeoutSeconds": 2,
-            "failureThreshold": 120,
-        },
-    }
-
-
-def _head_probes(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
-    """Startup allows ``model.loadTimeoutSeconds`` to load the model (the server answers only
-    once it serves); then liveness is the process and its loop, readiness that it serves."""
-    startup_failures = -(-spec.model.load_timeout_seconds // STARTUP_PERIOD_SECONDS)
-    return {
-        "startupProbe": _http_probe(
-            names.HEALTH_PATH, period=STARTUP_PERIOD_SECONDS, failures=startup_failures
-        ),
-        "readinessProbe": _http_probe(names.READY_PATH, period=5, failures=3),
-        "livenessProbe": _http_probe(names.HEALTH_PATH, period=10, failures=6),
-    }
-
-
 def _head_template(
     *, owner: Owner, spec: spec_.MoEDeploymentSpec, size: int | None = None
 ) -> dict[str, Any]:
@@ -375,7 +321,7 @@ def _head_template(
             {"name": "http", "containerPort": names.RUNTIME_PORT},
         ],
         "env": [_pod_name_env(), *_env(spec)],
-        **_head_probes(spec),
+        **probes.head_probes(spec),
         "resources": _resources(spec.ray.head_resources),
         "securityContext": _container_security(),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
@@ -388,7 +334,10 @@ def _head_template(
     }
     return {
         "metadata": {
-            "labels": labels(owner.name, COMPONENT_HEAD),
+            "labels": {
+                **labels(owner.name, COMPONENT_HEAD),
+                group.REVISION: revision_.revision(spec),
+            },
             "annotations": {
                 OVERWRITE_CMD_ANNOTATION: "true",
                 group.ANNOTATION_HEAD_SIZE: str(size),
@@ -415,7 +364,7 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         "image": spec.ray.image,
         "imagePullPolicy": spec.ray.image_pull_policy,
         "env": [_pod_name_env(), *_env(spec)],
-        **_worker_probes(),
+        **probes.worker_probes(),
         "resources": _resources(spec.ray.worker_resources, gpus=gpus),
         "securityContext": _container_security(),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
@@ -423,7 +372,12 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
         "lifecycle": {"preStop": WORKER_PRESTOP},
     }
     return {
-        "metadata": {"labels": labels(owner.name, COMPONENT_WORKER)},
+        "metadata": {
+            "labels": {
+                **labels(owner.name, COMPONENT_WORKER),
+                group.REVISION: revision_.revision(spec),
+            }
+        },
         "spec": {
             "securityContext": _pod_security(),
             **_pod_placement(spec),
@@ -446,6 +400,7 @@ def build_raycluster(
     worker_replicas: int | None = None,
     workers_to_delete: Sequence[str] = (),
     head_size: int | None = None,
+    name: str | None = None,
 ) -> dict[str, Any]:
     """The ``ray.io/v1`` RayCluster: a head running the runtime and one worker per DP rank
     (and one per warm spare rank, ``spec.elastic.warmSpareRanks``).
@@ -454,7 +409,9 @@ def build_raycluster(
     the runtime uses them, and releases them after); ``workers_to_delete`` names the pods a
     shrink removes (``scaleStrategy.workersToDelete``: KubeRay deletes random ones otherwise);
     ``head_size`` is the size the head's runtime starts at (default ``spec.dataParallelSize``;
-    it stays what the RayCluster was created with, so a resize never rewrites the head).
+    it stays what the RayCluster was created with, so a resize never rewrites the head);
+    ``name``: the RayCluster's name (default :func:`raycluster_name`). The RayCluster carries
+    its template revision (``plan.revision``) as an annotation.
     """
     spares = spec.elastic.warm_spare_ranks
     replicas = spec.data_parallel_size + spares if worker_replicas is None else worker_replicas
@@ -474,12 +431,12 @@ def build_raycluster(
         # an empty list explicitly.
         "scaleStrategy": {"workersToDelete": sorted(workers_to_delete)},
     }
+    meta = metadata(owner=owner, name=name or raycluster_name(owner.name), component=COMPONENT_RAY)
+    meta["annotations"] = {group.REVISION: revision_.revision(spec)}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
-        "metadata": metadata(
-            owner=owner, name=raycluster_name(owner.name), component=COMPONENT_RAY
-        ),
+        "metadata": meta,
         "spec": {
             "enableInTreeAutoscaling": False,
             "headGroupSpec": {

@@ -36,6 +36,10 @@ class RayClusterObservation:
     workers_to_delete: tuple[str, ...] = ()
     #: The runtime size in the head template (``None``: not ours or not set).
     head_size: int | None = None
+    #: Its name, and the template revision its pods are made from (``plan.revision``;
+    #: ``None``: made by an operator that did not say).
+    name: str | None = None
+    revision: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,9 @@ class PodsObservation:
     head_loading_ip: str | None = None
     #: The head container's last stop on an error while it is not ready (``None``: none).
     head_failure: HeadFailure | None = None
+    #: Why the head's container does not run, as the kubelet says (``ErrImagePull``,
+    #: ``CrashLoopBackOff``: its waiting reason and message); ``None``: it runs, or no head.
+    head_waiting: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +189,8 @@ class Observed:
     head_failure: HeadFailure | None = None
     #: ``GET /ready`` of a loading head (``None``: not loading, or not asked).
     loading: loading.LoadProgress | None = None
+    #: Why the head's container does not run (``PodsObservation.head_waiting``).
+    head_waiting: str | None = None
     #: ``metadata.generation`` of the MoEDeployment.
     generation: int = 1
     #: Worker pods kept beside the ranks for warm spares (``spec.elastic.warmSpareRanks``):
@@ -240,6 +249,8 @@ def raycluster(
         state=status.get("state"),
         workers_to_delete=pending,
         head_size=_head_size(spec),
+        name=(obj.get("metadata") or {}).get("name"),
+        revision=((obj.get("metadata") or {}).get("annotations") or {}).get(group.REVISION),
     )
 
 
@@ -287,6 +298,7 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
     head_pending = False
     loading_ip: str | None = None
     failure: HeadFailure | None = None
+    head_waiting: str | None = None
     for pod in listed:
         meta = pod.get("metadata") or {}
         kind = (meta.get("labels") or {}).get(NODE_TYPE_LABEL)
@@ -301,6 +313,7 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
                     failure = head_failure(statuses)
                     if _running(statuses):
                         loading_ip = (pod.get("status") or {}).get("podIP") or None
+                head_waiting = _waiting(statuses) or head_waiting
         elif kind == "worker":
             name = str(meta["name"])
             if _leaving(pod):
@@ -318,7 +331,19 @@ def pods(listed: list[dict[str, Any]]) -> PodsObservation:
         head_pending=head_pending,
         head_loading_ip=loading_ip if not head_ready else None,
         head_failure=failure if not head_ready else None,
+        head_waiting=head_waiting,
     )
+
+
+def _waiting(statuses: list[dict[str, Any]]) -> str | None:
+    """The first waiting container's reason and message (``None``: none waits)."""
+    for container in statuses:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason and reason != "ContainerCreating":
+            message = str(waiting.get("message") or "")[:300]
+            return f"{reason}: {message}" if message else str(reason)
+    return None
 
 
 def runtime_resize(record: runtime_status.Resize) -> RuntimeResize:

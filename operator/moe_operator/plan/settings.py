@@ -13,6 +13,7 @@ brought back to the spec too):
 | ``expertParallel.numRedundantExperts`` | ``num_redundant_experts`` | the next resize or recovery (sent only while none runs) |
 | ``elastic.drainTimeoutSeconds`` | ``drain_timeout`` | the next shrink |
 | ``maxQueuedRequests`` | ``max_queued_requests`` | the next arrival |
+| (a rollout's switch, ``plan.rollout``) | ``draining`` | the next answer (``Connection: close``) |
 | ``elastic.warmSpareRanks`` | ``warm_spare_ranks`` | within a second (spares started or stopped; the RayCluster's spare pods follow the spec at once) |
 """
 
@@ -38,6 +39,9 @@ def desired(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
         "drain_timeout": spec.elastic.drain_timeout_seconds,
         "max_queued_requests": spec.max_queued_requests,
         "warm_spare_ranks": spec.elastic.warm_spare_ranks,
+        # Only a rollout's old runtime drains (``plan.rollout``); one that serves again
+        # (a rollout rolled back) stops closing connections.
+        "draining": False,
     }
 
 

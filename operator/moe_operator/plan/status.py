@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from moe_operator.api import rollout as rollout_
 from moe_operator.api import status as status_
 from moe_operator.plan import actions, builders, clock, decide, load_report, observe
 
@@ -154,7 +155,55 @@ def next_status(
     )
 
 
-_TIMESTAMP_KEYS = frozenset({"lastTransitionTime", "startedAt", "stageStartedAt", "finishedAt"})
+def with_rollout(
+    new: status_.MoEDeploymentStatus,
+    *,
+    rollout: rollout_.RolloutStatus | None,
+    ray_cluster: str | None,
+    revision: str | None,
+    generation: int,
+    now: str,
+) -> status_.MoEDeploymentStatus:
+    """``new`` with the rollout's parts: ``status.rollout``, ``rayCluster``, ``revision``
+    and the ``Rollout`` condition (True while one runs; none before the first rollout)."""
+    if rollout is None:
+        return new.model_copy(
+            update={"rollout": None, "ray_cluster": ray_cluster, "revision": revision}
+        )
+    if rollout.active:
+        value = C.TRUE
+        reason = rollout_.REASON_ROLLING
+        message = (
+            f"{rollout.from_revision}->{rollout.to_revision}: {rollout.stage.value} "
+            f"{rollout.progress}" + (f" ({rollout.message})" if rollout.message else "")
+        )
+    elif rollout.stage is rollout_.RolloutStage.ROLLED_BACK:
+        value, reason = C.FALSE, rollout_.REASON_ROLLED_BACK
+        message = f"{rollout.from_revision}->{rollout.to_revision}: {rollout.message or ''}"
+    else:
+        value, reason = C.FALSE, rollout_.REASON_ROLLED_OUT
+        message = f"{rollout.from_revision}->{rollout.to_revision} completed"
+    condition = status_.Condition(
+        type=status_.CONDITION_ROLLOUT,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=now,
+        observed_generation=generation,
+    )
+    return new.model_copy(
+        update={
+            "rollout": rollout,
+            "ray_cluster": ray_cluster,
+            "revision": revision,
+            "conditions": set_condition(list(new.conditions or []), condition),
+        }
+    )
+
+
+_TIMESTAMP_KEYS = frozenset(
+    {"lastTransitionTime", "startedAt", "stageStartedAt", "finishedAt", "drainStartedAt"}
+)
 
 
 def _without_timestamps(value: Any) -> Any:

@@ -10,6 +10,7 @@ Every field is applied without a restart; none needs a step boundary:
 | `num_redundant_experts` | the physical slot count changes with the next resize (or recovery): it sets how many slots that resize's placement has; refused (409) while one runs |
 | `drain_timeout` | shrinks requested from now on without their own `drain_timeout` |
 | `max_queued_requests` | arrivals from now on (0 = no bound); queued requests stay |
+| `draining` | every HTTP answer from now on says `Connection: close` (the Service sends this process no new requests: a rollout moved them; kept-alive clients reconnect there) |
 | `warm_spare_ranks` | the spares' upkeep starts the missing ones (on free rank slots) or stops the extra ones within a second, never during a resize or a recovery |
 
 A PATCH names any subset of the fields, in snake_case or camelCase; it is checked whole
@@ -74,6 +75,7 @@ class ConfigPatch(pydantic.BaseModel):
     drain_timeout: _Int = _absent(ge=0, le=MAX_DRAIN_SECONDS, description="seconds")
     max_queued_requests: _Int = _absent(ge=0, le=MAX_QUEUED, description="0: no bound")
     warm_spare_ranks: _Int = _absent(ge=0, le=MAX_SPARES)
+    draining: pydantic.StrictBool = _absent()
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -106,6 +108,9 @@ class Config(pydantic.BaseModel):
     drain_timeout: float
     max_queued_requests: int
     warm_spare_ranks: int
+    draining: bool = pydantic.Field(
+        default=False, description="Answers say Connection: close (a rollout drains it)."
+    )
     num_physical_experts: int = pydantic.Field(description="Physical expert slots serving now.")
     pending: list[str] = pydantic.Field(
         description="Fields set but not in effect yet: they apply with the next resize."
@@ -160,6 +165,7 @@ class LiveSettings:
             drain_timeout=self.coordinator.drain_timeout,
             max_queued_requests=self.engine.queue.max_queued or 0,
             warm_spare_ranks=self.spares.size if self.spares is not None else 0,
+            draining=self.engine.draining,
             num_physical_experts=physical,
             pending=["num_redundant_experts"] if wanted != physical else [],
         ).model_dump()
@@ -232,6 +238,8 @@ class LiveSettings:
                 self.engine.queue.set_max_queued(given["max_queued_requests"] or None)
             if self.spares is not None and "warm_spare_ranks" in given:
                 self.spares.set_size(given["warm_spare_ranks"])
+            if "draining" in given:
+                self.engine.draining = bool(given["draining"])
         if given:
             log.info("live settings changed: %s", given)
         return self.get()

@@ -83,6 +83,10 @@ class Engine:
         self._failure_callbacks: list[seam.FailureCallback] = []
         self._events = 0
         self._stopping = False
+        #: The Service no longer sends this process new requests (a rollout moved it to
+        #: another RayCluster; ``PATCH /elastic_ep/config`` sets it): the HTTP server answers
+        #: with ``Connection: close``, so kept-alive clients reconnect through the Service.
+        self.draining = False
         self._stats = seam.EngineStats(
             alive=False,
             num_waiting=0,

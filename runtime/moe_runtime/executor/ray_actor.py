@@ -27,7 +27,7 @@ import ray.exceptions
 import ray.util
 import ray.util.scheduling_strategies as ray_sched
 
-from moe_contract import names
+from moe_contract import names, protocol
 from moe_runtime import logs
 from moe_runtime import step as step_mod
 from moe_runtime.executor import base, ray_transfer, roster
@@ -283,6 +283,8 @@ def start_ranks(
             what="ready",
             timeout=timeout,
         )
+        for label, info in zip(range(first_label, first_label + count), infos, strict=True):
+            protocol.check(info, where=f"rank {label}")
     except BaseException:
         for a in actors:
             ray.kill(a)

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from moe_contract import names as contract_names
+from moe_contract import protocol
 from moe_runtime import step as step_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import decoder, names
@@ -204,6 +205,7 @@ class RankWorker:
             "num_experts": len(self.slots.experts),
             "num_seqs": 0 if kv is None else len(kv),
             "steps": self.stepper.steps,
+            protocol.INFO_KEY: protocol.VERSION,
         }
 
     def set_label(self, label: int) -> None:

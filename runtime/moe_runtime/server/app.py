@@ -33,6 +33,30 @@ from moe_runtime.server import generation as gen_mod
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+class CloseWhenDraining:
+    """ASGI middleware: while the engine drains (``Engine.draining``), every answer says
+    ``Connection: close`` and the server closes the connection after it; a kept-alive client
+    reconnects, through the Service, to the RayCluster that serves now. Pure ASGI (no
+    ``BaseHTTPMiddleware``): streams and client disconnects pass through untouched."""
+
+    def __init__(self, app: Any, *, engine: core.Engine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def closing(message: Any) -> None:
+            if message["type"] == "http.response.start" and self.engine.draining:
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, closing)
+
+
 def create_app(
     engine: core.Engine,
     *,
@@ -59,6 +83,7 @@ def create_app(
         metrics = metrics_mod.RuntimeMetrics(stats=engine.stats)
         engine.set_observer(metrics)
     app = fastapi.FastAPI(title="elastic-moe runtime", version="0.1.0")
+    app.add_middleware(CloseWhenDraining, engine=engine)
     api_schema.install(app)
     api = gen_mod.Generation(
         engine,

@@ -27,8 +27,9 @@ def operator(
         plane=control_plane,
         kubeconfig=ops.operator_kubeconfig(control_plane, directory),
         log_path=directory / "operator.log",
-        # the fake runtime is reached by the runtime-url annotation (local development)
-        env={"MOE_ALLOW_RUNTIME_URL_OVERRIDE": "1"},
+        # the fake runtime is reached by the runtime-url annotation (local development), or,
+        # with several RayClusters (a rollout), by each one's local-endpoint annotation
+        env={"MOE_ALLOW_RUNTIME_URL_OVERRIDE": "1", "MOE_RUNTIME_URL_FROM_RAYCLUSTER": "1"},
         args=["--metrics", f"127.0.0.1:{ops.free_port()}"],
     )
     process.start()

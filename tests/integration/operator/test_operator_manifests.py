@@ -36,8 +36,11 @@ def test_kustomize_dry_run(control_plane: cluster.ControlPlane) -> None:
         assert name in out
 
 
-def test_operator_service_account_cannot_delete(control_plane: cluster.ControlPlane) -> None:
-    """Least privilege: the operator's identity may create children but never delete them."""
+def test_operator_service_account_deletes_only_rayclusters(
+    control_plane: cluster.ControlPlane,
+) -> None:
+    """Least privilege: the operator's identity may create children; the only thing it may
+    delete is a RayCluster (a rollout's old one, docs/ROLLOUTS.md)."""
     control_plane.kubectl(
         "apply", "--server-side",
         "-f", str(ops.REPO / "manifests/base/namespace.yaml"),
@@ -52,7 +55,11 @@ def test_operator_service_account_cannot_delete(control_plane: cluster.ControlPl
     assert can("patch", "rayclusters.ray.io") == "yes"
     assert can("patch", "moedeployments.elasticmoe.io", "--subresource=status") == "yes"
     assert can("create", "secrets") == "yes"
-    assert can("delete", "rayclusters.ray.io") == "no"
+    assert can("delete", "rayclusters.ray.io") == "yes"
+    assert can("delete", "pods") == "no" and can("delete", "services") == "no"
+    assert (
+        can("delete", "secrets") == "no" and can("delete", "moedeployments.elasticmoe.io") == "no"
+    )
     assert can("update", "secrets") == "no"
     assert can("list", "secrets") == "no"
     assert can("create", "pods") == "no"

@@ -41,6 +41,7 @@ def can(plane: cluster.ControlPlane, *args: str) -> bool:
         (("list", "secrets", "-n", ops.OPERATOR_NAMESPACE), False),
         # what it does need
         (("patch", "rayclusters.ray.io", "-n", "ml"), True),
+        (("list", "rayclusters.ray.io", "-n", "ml"), True),
         (("watch", "pods", "--all-namespaces"), True),
         (("create", "networkpolicies.networking.k8s.io", "-n", "ml"), True),
         (("patch", "moedeployments.elasticmoe.io/scale", "-n", "ml"), True),
@@ -50,7 +51,7 @@ def can(plane: cluster.ControlPlane, *args: str) -> bool:
         (("create", "persistentvolumeclaims", "-n", "ml"), False),
         # and what it never does
         (("delete", "pods", "-n", "ml"), False),
-        (("delete", "rayclusters.ray.io", "-n", "ml"), False),
+        (("delete", "rayclusters.ray.io", "-n", "ml"), True),  # a rollout's old one
         (("create", "pods", "-n", "ml"), False),
         (("patch", "moedeployments.elasticmoe.io", "-n", "ml", "--subresource=status"), True),
     ],
