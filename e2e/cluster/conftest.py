@@ -101,6 +101,18 @@ def port_forward(node: kube.Kubectl, namespace: str) -> Iterator[kube.PortForwar
     forward.stop()
 
 
+#: The first real-node test also pays for starting the node (importing a 6 GB runtime image
+#: into containerd takes minutes on a busy 2-core machine): its limit covers that too.
+NODE_START_TIMEOUT_S = 1800
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give the first test of this tier the node's start-up on top of its own limit."""
+    first = next((item for item in items if "e2e/cluster/" in item.nodeid), None)
+    if first is not None and first.get_closest_marker("timeout") is None:
+        first.add_marker(pytest.mark.timeout(NODE_START_TIMEOUT_S))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
