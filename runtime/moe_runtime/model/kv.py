@@ -28,10 +28,13 @@ from moe_runtime.model import names
 
 #: Positions per KV block.
 BLOCK_SIZE = 16
-#: Keys of a batched attention call are padded to a multiple of this: torch's CPU attention
-#: kernel reduces keys in chunks of 256 (or multiples), so a row padded to a multiple of it
-#: is reduced in the same order whatever the batch's longest sequence (batch invariance).
+#: Keys of a batched attention call are padded to a multiple of SHORT_KEY_PAD up to KEY_PAD,
+#: to a multiple of KEY_PAD past it. torch's CPU attention kernel (measured on 2.15) reduces
+#: a row's keys in the same order for every such length (up to 256, and at multiples of 256),
+#: not for others (320 and 512 differ), so a row's numbers do not depend on the batch's
+#: longest sequence (batch invariance, tests/unit/test_batch_invariance.py).
 KEY_PAD = 256
+SHORT_KEY_PAD = 64
 
 
 class KVCacheFull(RuntimeError):
@@ -174,7 +177,7 @@ class Group:
     """Sequences attended together in one call: `rows` [B] their index in the batch,
     `queries` [B, Nmax] the batch token of each new token (padding: row 0), `valid` [B * Nmax]
     which padded query rows are real, `key_slots` [B, P] the pool slot of every key position
-    (padding: slot 0, P a multiple of KEY_PAD), `q_pos` [B, Nmax] / `k_len` the positions for
+    (padding: slot 0, P as `KEY_PAD` says), `q_pos` [B, Nmax] / `k_len` the positions for
     the mask."""
 
     rows: list[int]
@@ -224,7 +227,9 @@ class BatchKV:
         kv, bs, device = self.kv, self.kv.block_size, self.kv.device
         n_max = max(spans[i][2] for i in rows)
         totals = [spans[i][3] + spans[i][2] for i in rows]
-        padded = max(KEY_PAD, math.ceil(max(totals) / KEY_PAD) * KEY_PAD)
+        longest = max(totals)
+        step = SHORT_KEY_PAD if longest <= KEY_PAD else KEY_PAD
+        padded = math.ceil(longest / step) * step
         width = padded // bs
         tables = [kv._tables[spans[i][0]] for i in rows]
         table = torch.tensor(
@@ -281,8 +286,8 @@ class KVCache:
         max_blocks: int | None = None,
         initial_capacity: int = 1024,
     ) -> None:
-        if block_size < 1 or KEY_PAD % block_size:
-            raise ValueError(f"block_size must divide {KEY_PAD}, got {block_size}")
+        if block_size < 1 or SHORT_KEY_PAD % block_size:
+            raise ValueError(f"block_size must divide {SHORT_KEY_PAD}, got {block_size}")
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
