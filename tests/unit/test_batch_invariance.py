@@ -156,6 +156,8 @@ def test_attention_is_bitwise_invariant(
         [("a", kv_mod.KEY_PAD + 20), ("b", 3), ("c", 1)],
         [("d", 1), ("e", 1), ("f", 9)],
         [("g", 2 * kv_mod.KEY_PAD + 1)],
+        [("h", 150), ("i", 1)],
+        [("j", kv_mod.KEY_PAD - 3)],
     ]
     for n in (1, 4):
         solo = step(alone, [], n)

@@ -34,7 +34,7 @@ BLOCK_SIZE = 16
 #: not for others (320 and 512 differ), so a row's numbers do not depend on the batch's
 #: longest sequence (batch invariance, tests/unit/test_batch_invariance.py).
 KEY_PAD = 256
-SHORT_KEY_PAD = 64
+SHORT_KEY_PAD = 16
 
 
 class KVCacheFull(RuntimeError):
