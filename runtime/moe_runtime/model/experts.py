@@ -196,7 +196,8 @@ def grouped_forward(
     out = torch.empty_like(rows)
     if rows.shape[0] == 0:
         return out
-    if _GROUPED_MM:
+    where = (rows.device.type, experts[0].dtype)
+    if _GROUPED_MM and where not in _NO_GROUPED_MM:
         parts = (stacked or Stacked()).parts(key, experts)
         dev = rows.device
         counts_t = torch.tensor(list(counts), dtype=torch.int64)
@@ -212,8 +213,12 @@ def grouped_forward(
             return _grouped_linear(act, parts["down"], parts.get("down_bias"), offsets, index).to(
                 out.dtype
             )
-        except (RuntimeError, NotImplementedError):  # this device/dtype has no grouped GEMM
-            pass
+        except (RuntimeError, NotImplementedError) as exc:  # no grouped GEMM here
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise  # a rank failure (`rank.stepper`), not a missing kernel
+            _NO_GROUPED_MM.add(where)  # not tried (nor stacked) again
+            if stacked is not None:
+                stacked.clear()
     start = 0
     for weights, n in zip(experts, counts, strict=True):
         if n:
@@ -224,6 +229,8 @@ def grouped_forward(
 
 
 _GROUPED_MM = hasattr(F, "grouped_mm")
+#: (device type, dtype) where grouped_mm refused to run: the per-expert loop runs there.
+_NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()
 
 
 def apply_experts(
