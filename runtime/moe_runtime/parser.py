@@ -58,6 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(never while a resize runs); 0 = no bound",
     )
     serve.add_argument(
+        "--kv-cache-bytes",
+        type=_non_negative,
+        default=0,
+        help="KV cache budget of one rank in bytes; requests wait in the queue while no rank "
+        "has room for prompt + max_tokens; 0 = auto (--kv-cache-fraction)",
+    )
+    serve.add_argument(
+        "--kv-cache-fraction",
+        type=_positive_float,
+        default=0.25,
+        help="auto KV budget: this fraction of the host's available memory shared by the "
+        "ranks on it (CPU), or of the GPU's free memory less the weights and a margin",
+    )
+    serve.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
         help="serve token ids only (no tokenizer: a text prompt gets 400), as vLLM's flag",

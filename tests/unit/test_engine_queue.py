@@ -116,3 +116,36 @@ def test_no_bound_refuses_nothing(app: fastapi.FastAPI) -> None:
     app.state.api.engine.queue.set_max_queued(None)
     responses = asyncio.run(flood(app, 3 * BOUND, hold=held(app)))
     assert {r.status_code for r in responses} == {200}
+
+
+def test_a_flood_of_long_prompts_beyond_the_kv_budget_queues() -> None:
+    """Each request reserves prompt + max_tokens of KV (in blocks): with room for one such
+    request per rank, a flood waits in the queue and runs one per rank at a time; every
+    request completes, none fails; past the queue's bound, arrivals are refused (429), and a
+    prompt longer than a rank's whole cache is refused (400)."""
+    engine, executor = fakes.make_engine(
+        2, kv_tokens_per_rank=64, kv_block_size=16, max_num_seqs_per_rank=8
+    )
+    engine.queue.set_max_queued(10)
+    held: list[int] = []
+
+    def record(_: object) -> None:
+        held.append(max(sum(len(t) for t in kv.values()) for kv in executor.kv.values()))
+
+    engine.on_step(record)
+    with engine:
+        handles = [
+            engine.add_request(fakes.req(f"r{i}", "b" * 40, max_tokens=8, ignore_eos=True))
+            for i in range(10)
+        ]
+        with pytest.raises(queue_mod.QueueFull):
+            for i in range(10, 20):
+                engine.add_request(fakes.req(f"r{i}", "b" * 40, max_tokens=8, ignore_eos=True))
+        with pytest.raises(ValueError, match="KV cache holds 64"):
+            engine.add_request(fakes.req("huge", "b" * 65, max_tokens=1))
+        done = [h.result(30.0) for h in handles]
+    assert all(d.finish_reason is request.FinishReason.LENGTH for d in done)
+    assert all(len(d.token_ids) == 8 for d in done)
+    assert max(held) <= 64  # never more than the budget on a rank
+    per_step = [sum(len(b.seqs) for b in s.batches.values()) for s in executor.steps]
+    assert max(per_step) == 2  # one request a rank at a time: the rest waited

@@ -19,7 +19,8 @@ One call of one layer (every rank of the group calls it, in lockstep, T may be 0
 1. flatten the T x k choices (N = T * k pairs), pick each pair's slot, sort pairs by slot;
 2. all_to_all of the per-slot counts (int64 [W * S]) so every rank knows what it receives;
 3. all_to_all of the hidden rows ([N, H] out, [sum received, H] in);
-4. run each local slot's expert on its received rows, grouped by slot (`apply_grouped`);
+4. run the local slots' experts on their received rows, grouped by slot, in three grouped
+   GEMMs (`apply_grouped`: `experts.grouped_forward`);
 5. all_to_all of the outputs back, unsort to [T, k, H] and combine with
    ``experts.combine_expert_outputs`` (fixed order k = 0, 1, ...), exactly as ``LocalExperts``.
 
@@ -65,6 +66,7 @@ class ExpertParallelBackend:
         self.local_experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         self._log2phy = placement.log2phy
         self._logcnt = placement.logcnt
+        self._stacked = experts_mod.Stacked()
         self.set_placement(placement, local_experts)
 
     @property
@@ -97,6 +99,7 @@ class ExpertParallelBackend:
         device = self.group.device
         self.placement = placement
         self.local_experts = dict(local_experts)
+        self._stacked.clear()
         self._log2phy = placement.log2phy.to(device)
         self._logcnt = placement.logcnt.to(device)
 
@@ -124,9 +127,11 @@ class ExpertParallelBackend:
 
         if self.num_ranks == 1:
             (per_slot,) = _host_counts(send_counts)
-            out_sorted = apply_grouped(weights_for, rows, per_slot)
+            out_sorted = apply_grouped(
+                weights_for, rows, per_slot, stacked=self._stacked, key=layer
+            )
         else:
-            out_sorted = self._exchange(rows, send_counts, weights_for, width)
+            out_sorted = self._exchange(rows, send_counts, weights_for, width, layer)
         expert_out = torch.empty_like(out_sorted)
         expert_out[order] = out_sorted
         return experts_mod.combine_expert_outputs(expert_out.view(tokens, k, width), topk_weights)
@@ -137,6 +142,7 @@ class ExpertParallelBackend:
         send_counts: torch.Tensor,
         weights_for: Callable[[int], experts_mod.ExpertWeights],
         width: int,
+        layer: int,
     ) -> torch.Tensor:
         """Steps 2-5 of the module docstring for rows [N, H] sorted by destination slot."""
         per = self.slots_per_rank
@@ -156,7 +162,13 @@ class ExpertParallelBackend:
         )
         by_slot = torch.argsort(local_slot, stable=True)  # source order kept within a slot
         computed = torch.empty_like(received)
-        computed[by_slot] = apply_grouped(weights_for, received.index_select(0, by_slot), per_slot)
+        computed[by_slot] = apply_grouped(
+            weights_for,
+            received.index_select(0, by_slot),
+            per_slot,
+            stacked=self._stacked,
+            key=layer,
+        )
         back = rows.new_empty((rows.shape[0], width))
         self.group.all_to_all_single(back, computed, in_splits, out_splits)
         return back
@@ -166,19 +178,15 @@ def apply_grouped(
     weights_for: Callable[[int], experts_mod.ExpertWeights],
     rows: torch.Tensor,
     counts: list[int],
+    *,
+    stacked: experts_mod.Stacked | None = None,
+    key: object = None,
 ) -> torch.Tensor:
     """rows [N, H] grouped by expert (counts[e] rows of expert e, in order) through their
-    experts; returns [N, H]. No host read: the counts are already on the host."""
-    out = torch.empty_like(rows)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n:
-            part = rows[start : start + n]
-            out[start : start + n] = experts_mod.expert_forward(weights_for(expert), part).to(
-                out.dtype
-            )
-        start += n
-    return out
+    experts in grouped GEMMs (`experts.grouped_forward`; the stacked weights kept in `stacked`
+    under `key`); returns [N, H]. No host read: the counts are already on the host."""
+    experts = [weights_for(e) for e in range(len(counts))]
+    return experts_mod.grouped_forward(experts, rows, counts, stacked=stacked, key=key)
 
 
 def _count(ids: torch.Tensor, size: int) -> torch.Tensor:

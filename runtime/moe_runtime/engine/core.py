@@ -16,7 +16,8 @@ Glossary
   (`max_queued_requests`) refuses arrivals with `queue.QueueFull` under overload, never while
   its `exempt()` says a resize runs.
 
-One step: admit waiting requests (up to `max_num_seqs_per_rank` per rank), schedule every
+One step: admit waiting requests (up to `max_num_seqs_per_rank` per rank, and while the
+rank's KV budget holds the request's prompt + max_tokens: `kv_tokens_per_rank`), schedule every
 running sequence's next slice of tokens (`scheduler.Scheduler`), run `execute_step`, and apply
 the outputs (`outputs.Outputs`: the sampled token of each sequence whose uncomputed tokens are
 now all in its KV cache; retries after a failed step). The `Engine` holds those parts and the
@@ -103,6 +104,8 @@ class Engine:
             ranks=range(executor.num_ranks) if active_ranks is None else active_ranks,
             max_num_seqs_per_rank=config.max_num_seqs_per_rank,
             max_tokens_per_step=config.max_tokens_per_step,
+            kv_tokens_per_rank=config.kv_tokens_per_rank,
+            kv_block_size=config.kv_block_size,
         )
         self.outputs = outputs_mod.Outputs(
             scheduler=self.scheduler,
@@ -162,6 +165,12 @@ class Engine:
             raise ValueError(
                 f"prompt has {len(request.prompt_token_ids)} tokens; the context is "
                 f"{self.config.max_model_len} tokens"
+            )
+        budget = self.config.kv_tokens_per_rank
+        if budget is not None and len(request.prompt_token_ids) > budget:
+            raise ValueError(
+                f"prompt has {len(request.prompt_token_ids)} tokens; a rank's KV cache holds "
+                f"{budget}"
             )
         handle = req.RequestHandle(request)
         exempt = self.queue.exempt_now()  # before our lock: it may take a resize's lock
@@ -440,17 +449,21 @@ class Engine:
                     handle, req.FinishReason.ERROR, f"duplicate request id {handle.request_id}"
                 )
                 continue
-            rank = self.scheduler.least_loaded()
-            if rank is None:
-                return
-            self.queue.pop_head(admitted=True)
             request = handle.request
+            kv_need = self.scheduler.kv_need(
+                min(len(request.prompt_token_ids) + request.max_tokens, self.config.max_model_len)
+            )
+            rank = self.scheduler.least_loaded(kv=kv_need)
+            if rank is None:
+                return  # no sequence slot or KV room: it waits (first come, first served)
+            self.queue.pop_head(admitted=True)
             running[request.request_id] = scheduler_mod.Seq(
                 handle=handle,
                 tokens=list(request.prompt_token_ids),
                 prompt_len=len(request.prompt_token_ids),
                 text=text_mod.IncrementalText(self.tokenizer, stop=request.stop),
                 rank=rank,
+                kv_reserved=kv_need,
             )
 
     def _publish_stats(self) -> None:

@@ -40,6 +40,8 @@ class Seq:
     text: text_mod.IncrementalText
     rank: int
     num_computed: int = 0
+    #: KV positions held for it on its rank (`Scheduler.kv_need`), counted against the budget
+    kv_reserved: int = 0
     dirty: bool = False  # this rank may hold KV of the sequence
     failures: int = 0
 
@@ -65,14 +67,23 @@ class Scheduler:
     """Running sequences, the ranks they run on, and the batches of the next step.
 
     max_num_seqs_per_rank: sequences a rank takes; max_tokens_per_step: token budget of one
-    rank in one step (`core.EngineConfig`).
+    rank in one step; kv_tokens_per_rank: KV positions a rank's cache holds (None: no bound),
+    counted in blocks of kv_block_size (`core.EngineConfig`).
     """
 
     def __init__(
-        self, *, ranks: Iterable[int], max_num_seqs_per_rank: int, max_tokens_per_step: int
+        self,
+        *,
+        ranks: Iterable[int],
+        max_num_seqs_per_rank: int,
+        max_tokens_per_step: int,
+        kv_tokens_per_rank: int | None = None,
+        kv_block_size: int = 16,
     ) -> None:
         self.max_num_seqs_per_rank = max_num_seqs_per_rank
         self.max_tokens_per_step = max_tokens_per_step
+        self.kv_tokens_per_rank = kv_tokens_per_rank
+        self.kv_block_size = kv_block_size
         self.active: list[int] = sorted(set(ranks))
         self.draining: set[int] = set()
         self.running: dict[str, Seq] = {}
@@ -97,15 +108,33 @@ class Scheduler:
             load[seq.rank] = load.get(seq.rank, 0) + 1
         return load
 
-    def least_loaded(self, exclude: set[int] | None = None) -> int | None:
-        """The active, not draining rank with room and the fewest sequences (None: none)."""
+    def kv_need(self, num_tokens: int) -> int:
+        """KV positions a sequence of up to `num_tokens` tokens reserves: whole blocks, at
+        most a rank's budget."""
+        bs = self.kv_block_size
+        need = -(-num_tokens // bs) * bs
+        return need if self.kv_tokens_per_rank is None else min(need, self.kv_tokens_per_rank)
+
+    def kv_used(self) -> dict[int, int]:
+        """KV positions reserved per active rank."""
+        used = dict.fromkeys(self.active, 0)
+        for seq in self.running.values():
+            used[seq.rank] = used.get(seq.rank, 0) + seq.kv_reserved
+        return used
+
+    def least_loaded(self, exclude: set[int] | None = None, *, kv: int = 0) -> int | None:
+        """The active, not draining rank with room (a sequence slot and `kv` KV positions)
+        and the fewest sequences (None: none)."""
         load = self.load()
+        used = self.kv_used()
+        budget = self.kv_tokens_per_rank
         candidates = [
             (load[r], r)
             for r in self.active
             if r not in self.draining
             and (exclude is None or r not in exclude)
             and load[r] < self.max_num_seqs_per_rank
+            and (budget is None or used[r] + kv <= budget)
         ]
         return min(candidates)[1] if candidates else None
 
@@ -153,10 +182,11 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.rank not in leaving:
                 continue
-            target = self.least_loaded(exclude=leaving)
+            target = self.least_loaded(exclude=leaving, kv=seq.kv_reserved)
             if target is None:
-                # Over capacity: the survivors take it anyway (the limit is a batching
-                # preference; losing the request is worse).
+                # Over capacity: the survivors take it anyway (the limits are a batching
+                # preference and an admission bound; a rank's cache grows past its budget
+                # rather than lose the request).
                 survivors = [r for r in self.active if r not in leaving and r not in self.draining]
                 if not survivors:
                     raise RuntimeError(f"no rank left to take the sequences of ranks {leaving}")

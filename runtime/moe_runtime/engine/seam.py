@@ -59,19 +59,27 @@ class EngineConfig:
     finish_reason "length" when it is full. max_tokens_per_step: token budget of one rank in
     one step (bounds the prefill chunk, hence the step latency decodes see). max_step_retries:
     how many failed steps in a row a sequence survives (it is re-prefilled after each) before
-    it fails with an error.
+    it fails with an error. kv_tokens_per_rank: KV positions one rank's cache holds (its
+    memory budget, `model.kv`); a request is admitted to a rank only while the sequences there
+    reserve (prompt + max_tokens, in blocks of kv_block_size) no more; None: no bound.
     """
 
     max_model_len: int
     max_num_seqs_per_rank: int = 64
     max_tokens_per_step: int = 2048
     max_step_retries: int = 2
+    kv_tokens_per_rank: int | None = None
+    kv_block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_seqs_per_rank < 1:
             raise ValueError("max_model_len and max_num_seqs_per_rank must be >= 1")
         if self.max_tokens_per_step < self.max_num_seqs_per_rank:
             raise ValueError("max_tokens_per_step must be >= max_num_seqs_per_rank")
+        if self.kv_block_size < 1 or (
+            self.kv_tokens_per_rank is not None and self.kv_tokens_per_rank < self.kv_block_size
+        ):
+            raise ValueError("kv_tokens_per_rank must hold at least one block of kv_block_size")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Attention blocks: grouped-query attention (biases, q/k norms per head or over the whole
 projection, `clip_qkv`, sinks, sliding windows) and multi-head latent attention (MLA).
 
-Linear layers run over all tokens of the batch at once; attention runs per sequence (causal,
-the sequence's cached positions first), so a sequence's numbers do not depend on the rest of
-the batch. Shapes: T tokens, H heads, D head dim.
+Linear layers run over all tokens of the batch at once, and so does attention: one call per
+group of sequences (`kv.BatchKV`: the one-token decodes, the longer chunks), queries padded to
+the group's longest chunk and keys to a multiple of `kv.KEY_PAD`, masked (causal, sliding
+window). Shapes: T tokens, B sequences, N padded queries, P padded keys, H heads, D head dim.
 """
 
 from __future__ import annotations
@@ -34,22 +35,12 @@ def rms_norm(
     return weight * xf.to(x.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class Span:
-    """One sequence's rows in the batch: rows [offset, offset + n), positions from start."""
-
-    seq_id: str
-    offset: int
-    n: int
-    start: int
-
-
 @dataclasses.dataclass
 class Context:
-    """What every attention layer of one forward pass shares."""
+    """What every attention layer of one forward pass shares: the batch's view of the KV
+    cache (where new tokens go, the groups attended together) and the rotary tables."""
 
-    spans: list[Span]
-    kv: kv_mod.KVCache
+    batch_kv: kv_mod.BatchKV
     rotary: rope_mod.Rotary
     cos: torch.Tensor
     sin: torch.Tensor
@@ -59,50 +50,46 @@ def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    mask: torch.Tensor,
     *,
-    start: int,
-    window: int | None,
     scale: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [n, H, D] over keys [KV, start + n, D], values [KV, start + n, Dv]
-    (H a multiple of KV: grouped-query); returns [n, H * Dv].
+    """Attention of a padded group: q [B, N, H, D] over keys [B, KV, P, D], values
+    [B, KV, P, Dv] (H a multiple of KV: grouped-query), mask [B, 1, N, P] (True: visible);
+    returns [B, N, H * Dv].
 
-    The query of position p sees keys 0..p (the last `window` of them when set). sinks [H]:
-    one extra logit per head that takes probability mass and adds nothing (gpt-oss).
+    sinks [H]: one extra logit per head that takes probability mass and adds nothing
+    (gpt-oss).
     """
-    n, heads, dim = q.shape
-    kv_heads, total, _ = keys.shape
+    b, n, heads, dim = q.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
     v_dim = values.shape[-1]
     groups = heads // kv_heads
-    mask = None
-    if n > 1 or (window is not None and total > window):
-        q_pos = torch.arange(start, start + n, device=q.device)[:, None]
-        k_pos = torch.arange(total, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask = mask & (k_pos > q_pos - window)
     # Grouped-query attention without copying keys/values: the g query heads that share a
     # key/value head become g * n query rows of that head (rows ordered (group, position)).
-    rows = (
-        q.reshape(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, dim)
-    )
-    row_mask = None if mask is None else mask.repeat(groups, 1)
+    rows = q.reshape(b, n, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+    rows = rows.reshape(b, kv_heads, groups * n, dim)
+    row_mask = mask[:, :, None].expand(b, 1, groups, n, total).reshape(b, 1, groups * n, total)
     if sinks is None:
-        out = F.scaled_dot_product_attention(
-            rows[None], keys[None], values[None], attn_mask=row_mask, scale=scale
-        )[0]
+        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=row_mask, scale=scale)
     else:
-        scores = torch.matmul(rows, keys.transpose(1, 2)) * scale  # [KV, g * n, total]
-        if row_mask is not None:
-            scores = scores.masked_fill(~row_mask, float("-inf"))
-        sink = sinks.to(scores.dtype).reshape(kv_heads, groups, 1, 1).expand(kv_heads, groups, n, 1)
-        logits = torch.cat([scores, sink.reshape(kv_heads, groups * n, 1)], dim=-1)
+        scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale  # [B, KV, g * n, P]
+        scores = scores.masked_fill(~row_mask, float("-inf"))
+        sink = sinks.to(scores.dtype).reshape(1, kv_heads, groups, 1, 1)
+        sink = sink.expand(b, kv_heads, groups, n, 1).reshape(b, kv_heads, groups * n, 1)
+        logits = torch.cat([scores, sink], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
         out = torch.matmul(probs.to(values.dtype), values)
-    out = out.reshape(kv_heads, groups, n, v_dim).permute(2, 0, 1, 3)
-    return out.reshape(n, heads * v_dim)
+    out = out.reshape(b, kv_heads, groups, n, v_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(b, n, heads * v_dim)
+
+
+def _scatter(out: torch.Tensor, group: kv_mod.Group, result: torch.Tensor) -> None:
+    """Rows of a group's padded result [B, N, W] into out [T, W] (real query rows only)."""
+    flat = result.reshape(-1, result.shape[-1])
+    out.index_copy_(0, group.token_index, flat[group.valid].to(out.dtype))
 
 
 def _linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], role: str) -> torch.Tensor:
@@ -134,23 +121,21 @@ def gqa(
     k = ctx.rotary.apply(k, ctx.cos, ctx.sin)
     window = cfg.window(layer)
     sinks = w.get("sinks")
-    parts = []
-    for s in ctx.spans:
-        rows = slice(s.offset, s.offset + s.n)
-        ctx.kv.write(s.seq_id, layer, s.start, k[rows], v[rows])
-        keys, values = ctx.kv.read(s.seq_id, layer)
-        parts.append(
-            attend(
-                q[rows],
-                keys,
-                values,
-                start=s.start,
-                window=window,
-                scale=cfg.head_dim**-0.5,
-                sinks=sinks,
-            )
+    batch_kv = ctx.batch_kv
+    batch_kv.write(layer, k, v)
+    out = q.new_empty((t, cfg.num_heads * cfg.head_dim))
+    for group in batch_kv.groups:
+        keys, values = batch_kv.read(layer, group)  # [B, P, KV, D]
+        result = attend(
+            q[group.queries],
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            group.mask(window),
+            scale=cfg.head_dim**-0.5,
+            sinks=sinks,
         )
-    return _linear(torch.cat(parts), w, "o")
+        _scatter(out, group, result)
+    return _linear(out, w, "o")
 
 
 def mla(
@@ -179,19 +164,22 @@ def mla(
     query = torch.cat((q[..., :nope], q_pe), dim=-1)
     cached = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, rank + rope]
     scale = rope_mod.mla_softmax_scale(cfg)
-    parts = []
-    for s in ctx.spans:
-        rows = slice(s.offset, s.offset + s.n)
-        ctx.kv.write(s.seq_id, layer, s.start, cached[rows])
-        (held,) = ctx.kv.read(s.seq_id, layer)
-        held = held[0]  # [total, rank + rope]
-        total = held.shape[0]
-        expanded = F.linear(held[:, :rank], w["kv_b"]).view(total, heads, nope + spec.v_head_dim)
-        keys = torch.empty((heads, total, spec.qk_head_dim), dtype=x.dtype, device=x.device)
-        keys[..., :nope] = expanded[..., :nope].transpose(0, 1)
-        keys[..., nope:] = held[None, :, rank:]
-        values = expanded[..., nope:].transpose(0, 1)
-        parts.append(
-            attend(query[rows], keys, values, start=s.start, window=cfg.window(layer), scale=scale)
+    batch_kv = ctx.batch_kv
+    batch_kv.write(layer, cached)
+    out = x.new_empty((t, heads * spec.v_head_dim))
+    for group in batch_kv.groups:
+        (held,) = batch_kv.read(layer, group)
+        held = held[:, :, 0].to(x.dtype)  # [B, P, rank + rope]
+        b, total = held.shape[0], held.shape[1]
+        expanded = F.linear(held[..., :rank], w["kv_b"]).view(
+            b, total, heads, nope + spec.v_head_dim
         )
-    return _linear(torch.cat(parts), w, "o")
+        keys = torch.empty((b, heads, total, spec.qk_head_dim), dtype=x.dtype, device=x.device)
+        keys[..., :nope] = expanded[..., :nope].transpose(1, 2)
+        keys[..., nope:] = held[:, None, :, rank:]
+        values = expanded[..., nope:].transpose(1, 2)
+        result = attend(
+            query[group.queries], keys, values, group.mask(cfg.window(layer)), scale=scale
+        )
+        _scatter(out, group, result)
+    return _linear(out, w, "o")

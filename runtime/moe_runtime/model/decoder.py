@@ -146,9 +146,12 @@ class MoEModel:
         cfg = self.config
         return attention.rms_norm(x, weight, cfg.rms_norm_eps, scale_first=cfg.norm_scale_first)
 
-    def _check(self, batch: kv_mod.ForwardBatch, kv: kv_mod.KVCache) -> list[attention.Span]:
+    def _check(
+        self, batch: kv_mod.ForwardBatch, kv: kv_mod.KVCache
+    ) -> list[tuple[str, int, int, int]]:
+        """(seq_id, batch offset, new tokens, start position) of each sequence, checked."""
         cfg = self.config
-        spans: list[attention.Span] = []
+        spans: list[tuple[str, int, int, int]] = []
         offset = 0
         for seq_id, tokens, start in zip(
             batch.seq_ids, batch.token_ids, batch.start_pos, strict=True
@@ -165,7 +168,7 @@ class MoEModel:
                     f"sequence {seq_id!r}: start_pos {start} but the KV cache holds only "
                     f"{kv.num_tokens(seq_id)} tokens of it"
                 )
-            spans.append(attention.Span(seq_id, offset, len(tokens), start))
+            spans.append((seq_id, offset, len(tokens), start))
             offset += len(tokens)
         return spans
 
@@ -187,18 +190,18 @@ class MoEModel:
         self._require_loaded()
         cfg = self.config
         spans = self._check(batch, kv)
-        for s in spans:
-            kv.reserve(s.seq_id, s.start, s.n)
+        for seq_id, _, n, start in spans:
+            kv.reserve(seq_id, start, n)
         ids = torch.tensor(
             [t for tokens in batch.token_ids for t in tokens], dtype=torch.int64, device=self.device
         )
         positions = torch.tensor(
-            [p for s in spans for p in range(s.start, s.start + s.n)],
+            [p for _, _, n, start in spans for p in range(start, start + n)],
             dtype=torch.int64,
             device=self.device,
         )
         cos, sin = self._rotary.cos_sin(positions, self.dtype)
-        ctx = attention.Context(spans=spans, kv=kv, rotary=self._rotary, cos=cos, sin=sin)
+        ctx = attention.Context(batch_kv=kv.batch(spans), rotary=self._rotary, cos=cos, sin=sin)
         attend = attention.mla if cfg.mla is not None else attention.gqa
         hidden = F.embedding(ids, self._global["embed"])
         num_tokens = hidden.shape[0]
@@ -226,7 +229,7 @@ class MoEModel:
             hidden = hidden + out
         if not spans:
             return torch.empty((0, cfg.vocab_size), dtype=torch.float32, device=self.device)
-        last = torch.tensor([s.offset + s.n - 1 for s in spans], device=self.device)
+        last = torch.tensor([offset + n - 1 for _, offset, n, _ in spans], device=self.device)
         final = self._norm(hidden[last], self._global["norm"])
         return F.linear(final, self._lm_head).to(torch.float32)
 

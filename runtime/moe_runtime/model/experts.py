@@ -122,20 +122,149 @@ def expert_forward(weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(weights.activation(gate, up), weights["down"], weights.get("down_bias"))
 
 
+class Stacked:
+    """The experts of a layer stacked part by part ([E, ...] per part) for grouped GEMMs,
+    kept between calls and rebuilt when any expert's tensor is another one or was modified
+    in place (a transfer, a staged commit): `parts(key, experts)`.
+
+    The stack is a copy of the weights, matrices transposed (the slots hold their experts as
+    separate tensors, which transfers send and replace one by one).
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[
+            object, tuple[list[torch.Tensor], list[int], dict[str, torch.Tensor]]
+        ] = {}
+
+    def parts(self, key: object, experts: Sequence[ExpertWeights]) -> dict[str, torch.Tensor]:
+        tensors = [t for w in experts for t in w._tensors.values()]
+        versions = [t._version for t in tensors]
+        hit = self._cache.get(key)
+        if (
+            hit is not None
+            and len(hit[0]) == len(tensors)
+            and all(a is b for a, b in zip(hit[0], tensors, strict=True))
+            and hit[1] == versions
+        ):
+            return hit[2]
+        names_ = list(experts[0]._tensors)
+        # matrices transposed ([E, in, out], contiguous): what grouped_mm runs fastest on;
+        # gate and up side by side ([E, H, 2I]): one GEMM for both
+        stacked = {
+            n: torch.stack([w[n].t() if w[n].dim() == 2 else w[n] for w in experts])
+            for n in names_
+            if n not in ("gate", "up", "gate_bias", "up_bias")
+        }
+        stacked["gate_up"] = torch.stack([torch.cat([w["gate"], w["up"]]).t() for w in experts])
+        if "gate_bias" in names_:
+            stacked["gate_up_bias"] = torch.stack(
+                [torch.cat([w["gate_bias"], w["up_bias"]]) for w in experts]
+            )
+        self._cache[key] = (tensors, versions, stacked)  # holds the tensors: ids stay unique
+        return stacked
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
+def _grouped_linear(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """rows [N, K] of consecutive groups (ends at `offsets`) times weight [E, K, M] (stacked
+    transposed), plus bias [E, M] of each row's group (`index` [N])."""
+    out = F.grouped_mm(rows, weight, offs=offsets)
+    return out if bias is None else out + bias.index_select(0, index)
+
+
+def grouped_forward(
+    experts: Sequence[ExpertWeights],
+    rows: torch.Tensor,
+    counts: Sequence[int],
+    *,
+    stacked: Stacked | None = None,
+    key: object = None,
+) -> torch.Tensor:
+    """rows [N, H] grouped by expert (counts[e] rows of experts[e], in order) through their
+    experts in two grouped GEMMs (`torch.nn.functional.grouped_mm`: gate and up together,
+    then down); returns [N, H].
+    stacked/key: where the stacked weights are kept between calls. Falls back to one
+    `expert_forward` per expert where grouped_mm is missing or refuses the inputs."""
+    out = torch.empty_like(rows)
+    if rows.shape[0] == 0:
+        return out
+    where = (rows.device.type, experts[0].dtype)
+    if _GROUPED_MM and where not in _NO_GROUPED_MM:
+        parts = (stacked or Stacked()).parts(key, experts)
+        dev = rows.device
+        counts_t = torch.tensor(list(counts), dtype=torch.int64)
+        offsets = torch.cumsum(counts_t, 0).to(device=dev, dtype=torch.int32)
+        index = torch.repeat_interleave(
+            torch.arange(len(counts), device=dev), counts_t.to(dev), output_size=rows.shape[0]
+        )
+        x = rows.to(parts["gate_up"].dtype)
+        try:
+            both = _grouped_linear(x, parts["gate_up"], parts.get("gate_up_bias"), offsets, index)
+            half = both.shape[1] // 2
+            act = experts[0].activation(both[:, :half], both[:, half:])
+            return _grouped_linear(act, parts["down"], parts.get("down_bias"), offsets, index).to(
+                out.dtype
+            )
+        except (RuntimeError, NotImplementedError) as exc:  # no grouped GEMM here
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise  # a rank failure (`rank.stepper`), not a missing kernel
+            _NO_GROUPED_MM.add(where)  # not tried (nor stacked) again
+            if stacked is not None:
+                stacked.clear()
+    start = 0
+    for weights, n in zip(experts, counts, strict=True):
+        if n:
+            part = rows[start : start + n]
+            out[start : start + n] = expert_forward(weights, part).to(out.dtype)
+        start += n
+    return out
+
+
+_GROUPED_MM = hasattr(F, "grouped_mm")
+#: (device type, dtype) where grouped_mm refused to run: the per-expert loop runs there.
+_NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()
+
+
 def apply_experts(
-    weights_for: Callable[[int], ExpertWeights], hidden: torch.Tensor, expert_ids: torch.Tensor
+    weights_for: Callable[[int], ExpertWeights],
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    held: Sequence[int] | None = None,
+    stacked: Stacked | None = None,
+    key: object = None,
 ) -> torch.Tensor:
     """Run each row of hidden [N, H] through expert expert_ids[N]; returns [N, H].
 
-    Rows are grouped by expert (one batched matmul per expert present); `weights_for(id)`
-    gives the weights of an id (logical or physical, as the caller's ids are).
+    Rows are grouped by expert (a stable sort) and run in grouped GEMMs (`grouped_forward`);
+    `weights_for(id)` gives the weights of an id (logical or physical, as the caller's ids
+    are). held: every id the caller holds, sorted (its stack is kept in `stacked` under `key`
+    between calls); None: the ids present, stacked afresh.
     """
     out = torch.empty_like(hidden)
     if hidden.shape[0] == 0:
         return out
-    for expert in torch.unique(expert_ids).tolist():
-        rows = (expert_ids == expert).nonzero().squeeze(1)
-        out[rows] = expert_forward(weights_for(int(expert)), hidden[rows]).to(out.dtype)
+    present = torch.unique(expert_ids)
+    experts = [weights_for(int(e)) for e in present.tolist()]  # KeyError for one not held
+    if held is None:
+        ids, stacked, key = present, None, None
+    else:
+        ids = torch.tensor(list(held), dtype=expert_ids.dtype, device=expert_ids.device)
+        experts = [weights_for(e) for e in held]
+    position = torch.searchsorted(ids, expert_ids)
+    counts = torch.bincount(position, minlength=len(experts))
+    order = torch.argsort(position, stable=True)
+    out[order] = grouped_forward(
+        experts, hidden.index_select(0, order), counts.tolist(), stacked=stacked, key=key
+    )
     return out
 
 
@@ -206,6 +335,7 @@ class LocalExperts:
 
     def __init__(self, weights: Mapping[tuple[int, int], ExpertWeights]) -> None:
         self.weights = dict(weights)
+        self._stacked = Stacked()
 
     @classmethod
     def from_source(
@@ -251,5 +381,13 @@ class LocalExperts:
         tokens, k = topk_ids.shape
         # Row t*k + j of the flattened problem is token t's j-th expert.
         rows = hidden.repeat_interleave(k, dim=0)
-        out = apply_experts(self._weights_for(layer), rows, topk_ids.reshape(-1))
+        held = sorted(e for (m, e) in self.weights if m == layer)
+        out = apply_experts(
+            self._weights_for(layer),
+            rows,
+            topk_ids.reshape(-1),
+            held=held,
+            stacked=self._stacked,
+            key=layer,
+        )
         return combine_expert_outputs(out.view(tokens, k, hidden.shape[1]), topk_weights)

@@ -1,19 +1,44 @@
-"""A forward pass's batch (`ForwardBatch`) and the per-sequence cache of attention state
-(`KVCache`).
+"""A forward pass's batch (`ForwardBatch`), the paged cache of attention state (`KVCache`) and
+one forward pass's view of it (`BatchKV`).
 
 The cache holds, per sequence and decoder layer, what attention needs of past positions:
 keys and values [kv_heads, D] (grouped-query attention), or the latent of multi-head latent
 attention (one row of kv_lora_rank + rope dims per position: DeepSeek caches the latent and
 expands it at each step, much less memory than the keys and values it expands to).
+
+Paging: every layer's state lives in one pool of fixed-size blocks (`block_size` positions),
+pool [layers, parts, num_blocks * block_size, heads, dim]; a sequence owns a list of blocks
+(its block table), position p at slot `table[p // block_size] * block_size + p % block_size`.
+A forward pass writes all its new tokens of a layer with one `index_copy_` and reads the keys
+of a whole group of sequences with one `index_select` (`BatchKV`). The pool starts small and
+grows (doubling, one copy) up to `max_blocks`; past it `reserve` raises `KVCacheFull`: the
+budget is enforced before that, by the engine's admission (docs/ENGINE.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 
 import torch
 
 from moe_runtime.model import config as config_mod
+from moe_runtime.model import names
+
+#: Positions per KV block.
+BLOCK_SIZE = 16
+#: Keys of a batched attention call are padded to a multiple of SHORT_KEY_PAD up to KEY_PAD,
+#: to a multiple of KEY_PAD past it. torch's CPU attention kernel (measured on 2.15) reduces
+#: a row's keys in the same order for every such length (up to 256, and at multiples of 256),
+#: not for others (320 and 512 differ), so a row's numbers do not depend on the batch's
+#: longest sequence (batch invariance, tests/unit/test_batch_invariance.py).
+KEY_PAD = 256
+SHORT_KEY_PAD = 16
+
+
+class KVCacheFull(RuntimeError):
+    """The pool holds `max_blocks` blocks and none is free."""
 
 
 @dataclasses.dataclass
@@ -67,18 +92,189 @@ def cache_shape(config: config_mod.ModelConfig) -> tuple[int, int, int]:
     return 2, config.num_kv_heads, config.head_dim
 
 
-class _SeqKV:
-    """The cache of one sequence: data [layers, parts, heads, capacity, dim]."""
+def bytes_per_token(config: config_mod.ModelConfig, dtype: torch.dtype) -> int:
+    """KV cache bytes one position of one sequence takes over all layers."""
+    parts, heads, dim = cache_shape(config)
+    return config.num_layers * parts * heads * dim * torch.empty((), dtype=dtype).element_size()
 
-    __slots__ = ("data", "length")
 
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-        self.length = 0
+def host_available_bytes() -> int:
+    """MemAvailable of this host (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def auto_budget_bytes(
+    device: str | torch.device,
+    *,
+    fraction: float,
+    weight_bytes: int = 0,
+    margin_bytes: int = 1 << 30,
+    num_ranks_here: int = 1,
+) -> int:
+    """KV bytes one rank may use: `fraction` of the host's available memory shared by the
+    ranks on it (CPU), or of the device's free memory minus the weights still to be loaded
+    and a margin (GPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return max(0, int((free - weight_bytes - margin_bytes) * fraction))
+    per_rank = (host_available_bytes() - weight_bytes) // max(1, num_ranks_here)
+    return max(0, int(per_rank * fraction))
+
+
+def serving_dtype(name: str, *, cuda: bool) -> torch.dtype:
+    """The torch dtype of a `--dtype` value ("auto": bfloat16 on GPUs, float32 on CPUs)."""
+    named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    return named.get(name, torch.bfloat16 if cuda else torch.float32)
+
+
+def weight_bytes(config: config_mod.ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every weight of the model in `dtype`."""
+    numel = sum(
+        math.prod(names.tensor_shape(config, n)) for n in names.non_expert_tensor_names(config)
+    )
+    one = sum(math.prod(shape) for shape in names.expert_parts(config).values())
+    numel += one * config.num_experts * config.num_moe_layers
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def budget_tokens(
+    config: config_mod.ModelConfig,
+    dtype: torch.dtype,
+    *,
+    budget_bytes: int | None,
+    fraction: float,
+    cuda: bool,
+    num_ranks: int,
+) -> int:
+    """KV positions one rank may hold, in whole blocks: `budget_bytes`, else
+    `auto_budget_bytes` of this process's device (its GPU when it sees one, else the host:
+    ranks on GPUs this process cannot see get the host figure; CPU ranks are assumed to share
+    this host) less a rank's share of the weights; never under one context of
+    max_position_embeddings."""
+    if budget_bytes is None:
+        device = "cuda" if cuda and torch.cuda.is_available() else "cpu"
+        budget_bytes = auto_budget_bytes(
+            device,
+            fraction=fraction,
+            weight_bytes=weight_bytes(config, dtype) // max(1, num_ranks),
+            num_ranks_here=1 if device == "cuda" else num_ranks,
+        )
+    tokens = budget_bytes // bytes_per_token(config, dtype) // BLOCK_SIZE * BLOCK_SIZE
+    context = -(-config.max_position_embeddings // BLOCK_SIZE) * BLOCK_SIZE
+    return max(tokens, context)
+
+
+@dataclasses.dataclass
+class Group:
+    """Sequences attended together in one call: `rows` [B] their index in the batch,
+    `queries` [B, Nmax] the batch token of each new token (padding: row 0), `valid` [B * Nmax]
+    which padded query rows are real, `key_slots` [B, P] the pool slot of every key position
+    (padding: slot 0, P as `KEY_PAD` says), `q_pos` [B, Nmax] / `k_len` the positions for
+    the mask."""
+
+    rows: list[int]
+    queries: torch.Tensor
+    valid: torch.Tensor
+    token_index: torch.Tensor
+    key_slots: torch.Tensor
+    q_pos: torch.Tensor
+    k_len: torch.Tensor
+    _masks: dict[int | None, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, Nmax, P] bool: key j visible to query i (causal, within `window`); padded
+        query rows see key 0 only (their output is dropped)."""
+        if window not in self._masks:
+            keys = torch.arange(self.key_slots.shape[1], device=self.key_slots.device)
+            q = self.q_pos[:, :, None]
+            visible = keys[None, None, :] <= q
+            if window is not None:
+                visible = visible & (keys[None, None, :] > q - window)
+            pad = ~self.valid.view(self.q_pos.shape)
+            visible[..., 0] |= pad
+            self._masks[window] = visible[:, None]
+        return self._masks[window]
+
+
+class BatchKV:
+    """One forward pass's view of the cache: where its new tokens go (`write`), and the
+    groups of sequences attended together (`groups`: the one-token decodes in one group, the
+    longer chunks in another), each read with one gather per layer (`read`)."""
+
+    def __init__(self, kv: KVCache, spans: list[tuple[str, int, int, int]]) -> None:
+        """spans: (seq_id, batch offset, new tokens, start position) of each sequence."""
+        self.kv = kv
+        device = kv.device
+        bs = kv.block_size
+        slots: list[int] = []
+        for seq_id, _, n, start in spans:
+            table = kv._tables[seq_id]
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        self.write_slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        decodes = [i for i, s in enumerate(spans) if s[2] == 1]
+        chunks = [i for i, s in enumerate(spans) if s[2] > 1]
+        self.groups = [self._group(spans, rows) for rows in (decodes, chunks) if rows]
+
+    def _group(self, spans: list[tuple[str, int, int, int]], rows: list[int]) -> Group:
+        kv, bs, device = self.kv, self.kv.block_size, self.kv.device
+        n_max = max(spans[i][2] for i in rows)
+        totals = [spans[i][3] + spans[i][2] for i in rows]
+        longest = max(totals)
+        step = SHORT_KEY_PAD if longest <= KEY_PAD else KEY_PAD
+        padded = math.ceil(longest / step) * step
+        width = padded // bs
+        tables = [kv._tables[spans[i][0]] for i in rows]
+        table = torch.tensor(
+            [t[:width] + [0] * (width - min(len(t), width)) for t in tables],
+            dtype=torch.int64,
+            device=device,
+        )
+        pos = torch.arange(padded, device=device)
+        key_slots = table[:, pos // bs] * bs + pos % bs
+        queries, q_pos, valid = [], [], []
+        for i in rows:
+            _, offset, n, start = spans[i]
+            queries.append(list(range(offset, offset + n)) + [0] * (n_max - n))
+            q_pos.append(list(range(start, start + n)) + [0] * (n_max - n))
+            valid.append([True] * n + [False] * (n_max - n))
+        valid_t = torch.tensor(valid, dtype=torch.bool, device=device).view(-1)
+        queries_t = torch.tensor(queries, dtype=torch.int64, device=device)
+        return Group(
+            rows=rows,
+            queries=queries_t,
+            valid=valid_t,
+            token_index=queries_t.view(-1)[valid_t],
+            key_slots=key_slots,
+            q_pos=torch.tensor(q_pos, dtype=torch.int64, device=device),
+            k_len=torch.tensor(totals, dtype=torch.int64, device=device),
+        )
+
+    def write(self, layer: int, *parts: torch.Tensor) -> None:
+        """Store each part [T, heads, dim] of the batch's new tokens in layer `layer`."""
+        for i, part in enumerate(parts):
+            self.kv.pool[layer, i].index_copy_(0, self.write_slots, part.to(self.kv.dtype))
+
+    def read(self, layer: int, group: Group) -> tuple[torch.Tensor, ...]:
+        """Each part of the group's keys, [B, P, heads, dim] (a copy)."""
+        b, p = group.key_slots.shape
+        flat = group.key_slots.view(-1)
+        return tuple(
+            self.kv.pool[layer, i].index_select(0, flat).view(b, p, self.kv.heads, self.kv.dim)
+            for i in range(self.kv.parts)
+        )
 
 
 class KVCache:
-    """Per-sequence attention state for every layer; grows as needed (capacity doubles)."""
+    """Attention state of every sequence and layer in a pool of fixed-size blocks (module
+    docstring). max_blocks: the most blocks the pool may hold (None: no bound)."""
 
     def __init__(
         self,
@@ -86,45 +282,121 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        initial_capacity: int = 64,
+        block_size: int = BLOCK_SIZE,
+        max_blocks: int | None = None,
+        initial_capacity: int = 1024,
     ) -> None:
+        if block_size < 1 or SHORT_KEY_PAD % block_size:
+            raise ValueError(f"block_size must divide {SHORT_KEY_PAD}, got {block_size}")
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.initial_capacity = max(1, initial_capacity)
+        self.block_size = block_size
+        self.max_blocks = max_blocks
         self.parts, self.heads, self.dim = cache_shape(config)
-        self._seqs: dict[str, _SeqKV] = {}
+        self._tables: dict[str, list[int]] = {}
+        self._lengths: dict[str, int] = {}
+        blocks = max(1, math.ceil(initial_capacity / block_size))
+        if max_blocks is not None:
+            blocks = max(1, min(blocks, max_blocks))
+        self.pool = self._alloc(blocks)
+        self._free: list[int] = list(range(blocks - 1, -1, -1))
+
+    @classmethod
+    def with_budget(
+        cls,
+        config: config_mod.ModelConfig,
+        budget_bytes: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        block_size: int = BLOCK_SIZE,
+    ) -> KVCache:
+        """A cache of at most `budget_bytes` (whole blocks, at least one)."""
+        per_block = bytes_per_token(config, dtype) * block_size
+        return cls(
+            config,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            max_blocks=max(1, budget_bytes // per_block),
+        )
+
+    def _alloc(self, blocks: int) -> torch.Tensor:
+        # zeros: padded key slots read unused positions, which must hold finite numbers
+        return torch.zeros(
+            (self.config.num_layers, self.parts, blocks * self.block_size, self.heads, self.dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the pool holds now (used or free)."""
+        return self.pool.shape[2] // self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks free now, or that the pool may still grow by."""
+        bound = self.num_blocks if self.max_blocks is None else self.max_blocks
+        return len(self._free) + max(0, bound - self.num_blocks)
 
     def num_tokens(self, seq_id: str) -> int:
         """Tokens of `seq_id` held (0 for an unknown sequence)."""
-        entry = self._seqs.get(seq_id)
-        return 0 if entry is None else entry.length
+        return self._lengths.get(seq_id, 0)
 
     def free(self, seq_id: str) -> None:
         """Drop a sequence's state (no error if it holds none)."""
-        self._seqs.pop(seq_id, None)
+        self._lengths.pop(seq_id, None)
+        self._free.extend(reversed(self._tables.pop(seq_id, [])))
 
     def clear(self) -> None:
-        self._seqs.clear()
+        for seq_id in list(self._tables):
+            self.free(seq_id)
 
     def seq_ids(self) -> list[str]:
-        return list(self._seqs)
+        return list(self._tables)
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self._tables
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self._tables)
 
     def memory_bytes(self) -> int:
-        return sum(e.data.numel() * e.data.element_size() for e in self._seqs.values())
+        """Bytes of the blocks sequences hold."""
+        used = sum(len(t) for t in self._tables.values())
+        return (
+            used
+            * self.block_size
+            * self.pool[0, 0, 0].numel()
+            * self.pool.element_size()
+            * (self.config.num_layers * self.parts)
+        )
+
+    def _grow(self, need: int) -> None:
+        """At least `need` more free blocks (KVCacheFull past max_blocks)."""
+        have = self.num_blocks
+        target = max(2 * have, have + need - len(self._free))
+        if self.max_blocks is not None:
+            target = min(target, self.max_blocks)
+        if target - have + len(self._free) < need:
+            raise KVCacheFull(
+                f"KV cache full: {need} more blocks of {self.block_size} positions needed, "
+                f"{len(self._free)} free of {self.max_blocks}"
+            )
+        pool = self._alloc(target)
+        pool[:, :, : self.pool.shape[2]] = self.pool
+        self.pool = pool
+        self._free[:0] = list(range(target - 1, have - 1, -1))
 
     def reserve(self, seq_id: str, start_pos: int, num_new: int) -> None:
         """Make room for tokens [start_pos, start_pos + num_new) of `seq_id`.
 
         start_pos may not exceed the tokens held (that context would be missing); a smaller one
         drops the cached tail. After this, `num_tokens(seq_id) == start_pos + num_new`: if the
-        forward pass that follows fails, free the sequence.
+        forward pass that follows fails, free the sequence. KVCacheFull (nothing changed) when
+        the pool cannot hold them.
         """
         held = self.num_tokens(seq_id)
         if start_pos > held:
@@ -133,32 +405,41 @@ class KVCache:
                 f"{held} tokens of it"
             )
         need = start_pos + num_new
-        entry = self._seqs.get(seq_id)
-        if entry is None or entry.data.shape[3] < need:
-            cap = self.initial_capacity if entry is None else entry.data.shape[3]
-            while cap < need:
-                cap *= 2
-            data = torch.empty(
-                (self.config.num_layers, self.parts, self.heads, cap, self.dim),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            if entry is not None:
-                data[:, :, :, :start_pos] = entry.data[:, :, :, :start_pos]
-                entry.data = data
-            else:
-                entry = self._seqs[seq_id] = _SeqKV(data)
-        entry.length = need
+        table = self._tables.get(seq_id, [])
+        blocks = math.ceil(need / self.block_size)
+        if blocks > len(table):
+            more = blocks - len(table)
+            if more > len(self._free):
+                self._grow(more)
+            table = table + [self._free.pop() for _ in range(more)]
+        elif blocks < len(table) and seq_id in self._tables:
+            self._free.extend(reversed(table[blocks:]))
+            table = table[:blocks]
+        self._tables[seq_id] = table
+        self._lengths[seq_id] = need
+
+    def batch(self, spans: list[tuple[str, int, int, int]]) -> BatchKV:
+        """The view of one forward pass over reserved sequences (`BatchKV`)."""
+        return BatchKV(self, spans)
 
     def write(self, seq_id: str, layer: int, start_pos: int, *parts: torch.Tensor) -> None:
         """Store each part [n, heads, dim] (keys and values, or the latent) of positions
-        [start_pos, start_pos + n)."""
-        data = self._seqs[seq_id].data
-        end = start_pos + parts[0].shape[0]
+        [start_pos, start_pos + n) of one sequence (reserved)."""
+        slots = self._slots(seq_id, start_pos, start_pos + parts[0].shape[0])
         for i, part in enumerate(parts):
-            data[layer, i, :, start_pos:end] = part.transpose(0, 1)
+            self.pool[layer, i].index_copy_(0, slots, part.to(self.dtype))
 
     def read(self, seq_id: str, layer: int) -> tuple[torch.Tensor, ...]:
-        """Each part [heads, num_tokens, dim] of a layer (views, not copies)."""
-        entry = self._seqs[seq_id]
-        return tuple(entry.data[layer, i, :, : entry.length] for i in range(self.parts))
+        """Each part [heads, num_tokens, dim] of one sequence's layer (copies)."""
+        slots = self._slots(seq_id, 0, self.num_tokens(seq_id))
+        return tuple(
+            self.pool[layer, i].index_select(0, slots).transpose(0, 1) for i in range(self.parts)
+        )
+
+    def _slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
+        table, bs = self._tables[seq_id], self.block_size
+        return torch.tensor(
+            [table[p // bs] * bs + p % bs for p in range(start, end)],
+            dtype=torch.int64,
+            device=self.device,
+        )

@@ -44,6 +44,12 @@ class Stepper:
         self._lock = threading.Lock()
         #: Steps run since the rank started.
         self.steps = 0
+        #: torch's intra-op threads as set where the rank was built (Ray: the actor's CPUs).
+        #: A step may run on another thread (a compiled graph's loop, an executor's pool),
+        #: whose OpenMP team would otherwise take every core: on a busy machine each small
+        #: op then waits for a descheduled thread (a 16-element cos took 5 ms, not 2 us).
+        self._threads = torch.get_num_threads()
+        self._threaded = threading.local()
 
     def execute(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         """Apply step.control, free KV, run this rank's batch, sample; never raises.
@@ -58,6 +64,9 @@ class Stepper:
         commit in the control is voted on by every rank (`StepOutput.committed` says whether
         this step committed it), whatever else fails on this rank.
         """
+        if not getattr(self._threaded, "set", False):
+            torch.set_num_threads(self._threads)
+            self._threaded.set = True
         with self._lock:
             return self._execute(step)
 
