@@ -197,7 +197,7 @@ def grouped_forward(
     if rows.shape[0] == 0:
         return out
     where = (rows.device.type, experts[0].dtype)
-    if _GROUPED_MM and where not in _NO_GROUPED_MM:
+    if _GROUPED_MM and where[0] in _STACKED_DEVICES and where not in _NO_GROUPED_MM:
         parts = (stacked or Stacked()).parts(key, experts)
         dev = rows.device
         counts_t = torch.tensor(list(counts), dtype=torch.int64)
@@ -229,6 +229,11 @@ def grouped_forward(
 
 
 _GROUPED_MM = hasattr(F, "grouped_mm")
+#: Where the stacked copy is made. It doubles a rank's expert memory (the slots keep their
+#: experts as separate tensors, which transfers send and replace), affordable in host memory
+#: but not on an accelerator, where the per-expert loop runs until the slots themselves are
+#: held stacked (docs/ENGINE.md).
+_STACKED_DEVICES: frozenset[str] = frozenset({"cpu"})
 #: (device type, dtype) where grouped_mm refused to run: the per-expert loop runs there.
 _NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()
 
