@@ -386,7 +386,7 @@ def test_a_path_without_config_json_is_a_failed_start_with_its_reason(
 ) -> None:
     doc = _moed(NO_CONFIG, f"pvc://{CLAIM}/{NO_CONFIG_DIR}", size=1)
     started = time.monotonic()
-    dep.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    dep.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
     bad = kube.Deployment(cluster=dep.cluster, name=NO_CONFIG, namespace=namespace)
     try:
         ready = kube.wait_for(
@@ -401,7 +401,7 @@ def test_a_path_without_config_json_is_a_failed_start_with_its_reason(
         table = dep.kubectl("get", "moed", NO_CONFIG, "-n", namespace).stdout
         assert "needs config.json" in table  # the MESSAGE column
     finally:
-        dep.kubectl("delete", "moed", NO_CONFIG, "-n", namespace, "--wait=true",
+        dep.cluster.kubectl("delete", "moed", NO_CONFIG, "-n", namespace, "--wait=true",
                     check=False, timeout=180)  # fmt: skip
 
 
@@ -414,7 +414,7 @@ def test_load_progress_is_shown_while_a_slowed_read_loads(
         {"name": "MOE_RANK_HOOKS", "value": slow_load.PATH},
         {"name": slow_load.DELAY_ENV, "value": str(SLOW_READ_S)},
     ]
-    dep.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    dep.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
     slow = kube.Deployment(cluster=dep.cluster, name=SLOW, namespace=namespace)
     try:
         table = kube.wait_for(
@@ -433,5 +433,5 @@ def test_load_progress_is_shown_while_a_slowed_read_loads(
         kube.wait_for(lambda: slow.serving(1), timeout_s=TIMEOUT_S, what="DP=1 Serving")
         assert "loading" not in slow.status()
     finally:
-        dep.kubectl("delete", "moed", SLOW, "-n", namespace, "--wait=true",
+        dep.cluster.kubectl("delete", "moed", SLOW, "-n", namespace, "--wait=true",
                     check=False, timeout=180)  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pathlib
 import threading
 import time
@@ -19,6 +20,10 @@ from tests.support import checkpoints, runtime_proc, slow_load
 
 LOG = logging.getLogger("test")
 DEADLINE_S = 240.0
+#: The served process imports the hook from `tests.support`: the checkout's root on its path.
+_ROOT_ON_PATH = os.pathsep.join(
+    p for p in (str(pathlib.Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p
+)
 
 
 def _observe(url: str) -> loading.LoadProgress | None:
@@ -33,7 +38,11 @@ def test_the_operator_reads_a_real_runtimes_load_progress(tmp_path: pathlib.Path
     server = runtime_proc.spawn(
         ["--model", str(model), "--data-parallel-size", "2", "--executor", "local"],
         log=tmp_path / "serve.log",
-        env={"MOE_RANK_HOOKS": slow_load.PATH, slow_load.DELAY_ENV: "0.1"},
+        env={
+            "MOE_RANK_HOOKS": slow_load.PATH,
+            slow_load.DELAY_ENV: "0.1",
+            "PYTHONPATH": _ROOT_ON_PATH,
+        },
     )
     tick = threading.Event()
     try:
