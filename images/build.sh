@@ -92,10 +92,12 @@ trap stop_dockerd EXIT
 if ! "${DOCKER[@]}" info >/dev/null 2>&1; then
   log "starting dockerd (data root $DOCKER_DIR/root; no bridge, no iptables)"
   rm -f "$SOCK"
+  # 8>&-: the daemon must not inherit the build lock (a dockerd left by an interrupted build
+  # would hold it and the next build would wait forever)
   setsid dockerd --host "unix://$SOCK" --data-root "$DOCKER_DIR/root" \
     --exec-root /run/elastic-moe-docker --pidfile "$DOCKER_DIR/dockerd.pid" \
     --bridge=none --iptables=false --ip-masq=false --ip-forward=false \
-    >>"$DOCKER_DIR/dockerd.log" 2>&1 </dev/null &
+    >>"$DOCKER_DIR/dockerd.log" 2>&1 </dev/null 8>&- &
   dockerd_pid=$!
   for _ in $(seq 1 200); do
     "${DOCKER[@]}" info >/dev/null 2>&1 && break

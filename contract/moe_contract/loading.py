@@ -1,6 +1,6 @@
 """Load progress and load failures, shared by the runtime and the operator.
 
-- ``GET /ready`` (DESIGN §4) answers :class:`ReadyBody`. While the model loads (``status``
+- ``GET /ready`` (docs/RUNTIME.md) answers :class:`ReadyBody`. While the model loads (``status``
   ``loading``) it carries :class:`LoadProgress`: for each rank, the tensors and bytes it has
   read of those it holds (the non-expert weights and the experts of its own slots). The
   runtime serves it from the moment ``moe-runtime serve`` starts, before the model is open;

@@ -120,7 +120,7 @@ def served_model_name(*, owner_name: str, spec: spec_.MoEDeploymentSpec) -> str:
 def serve_args(
     *, owner_name: str, spec: spec_.MoEDeploymentSpec, size: int | None = None
 ) -> flags.ServeArgs:
-    """What the head's runtime is told (DESIGN §4; the flags are ``moe_contract.serve``'s);
+    """What the head's runtime is told (docs/RUNTIME.md; the flags are ``moe_contract.serve``'s);
     ``size``: the data-parallel size it starts at (default ``spec.dataParallelSize``; live
     resizes change it from there)."""
     experts = spec.expert_parallel

@@ -1,5 +1,5 @@
 """Recoveries, as the operator sees them: the runtime lost a rank (dead or hung) and shrank
-around it by itself (stage ``Recovering``, DESIGN §3). Pure functions.
+around it by itself (stage ``Recovering``, docs/RESIZE.md). Pure functions.
 
 The operator mirrors the runtime's recovery record in ``status.resize`` (kind ``recovery``)
 with a ``RankLost`` warning, and never touches the worker group for it: KubeRay replaces a

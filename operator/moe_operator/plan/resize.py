@@ -6,7 +6,7 @@ Purely computational, with no side effects (like kopf's ``detect_changing_cause`
 from the cluster and the runtime, a restarted operator plans the same next step: the resize is
 driven from ``status.resize``, not from memory.
 
-Live resize (DESIGN §3), one step per reconcile, while the deployment keeps serving:
+Live resize (docs/RESIZE.md), one step per reconcile, while the deployment keeps serving:
 
 - **Up N→M**: ``Provisioning`` (worker replicas → M; wait until KubeRay reports M ready
   workers), then ``POST /scale_elastic_ep`` once; its ``resize_id`` is stored in

@@ -11,7 +11,7 @@
   mover's shared-memory way (`ray_weights.SharedMemory`), the group builder
   (`ray_groups.RayGroups`), the step path (`path`: `ray_step.StepPath`) and the warm-up of new
   actors' first compile (`ray_graph.WarmUp`).
-- Rules learned on Ray 2.60 (REFERENCE.md): two compiled graphs must never be live on the same
+- Rules learned on Ray 2.60 (docs/INTERNALS.md, "Ray 2.60 rules"): two compiled graphs must never be live on the same
   actors, and compiling takes ~0.2 s (~2.5 s over an actor that was just created). So a
   `switch` compiles nothing: it activates the workers, and the new rank set steps through plain
   actor calls at once while the graph over it is compiled in the background and takes over

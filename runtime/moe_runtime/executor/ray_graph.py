@@ -2,7 +2,7 @@
 -> MultiOutputNode``, and the warm-up that pays an actor's first compile while it is not
 stepped yet (`WarmUp`, a part of the executor: warm spare ranks, a grow's new ranks).
 
-Two compiled graphs must never be live on the same actors (REFERENCE.md): `ray_step` tears the
+Two compiled graphs must never be live on the same actors (docs/INTERNALS.md, "Ray 2.60 rules"): `ray_step` tears the
 old graph down before it compiles a new one, and warm-ups run over unstepped actors only.
 """
 

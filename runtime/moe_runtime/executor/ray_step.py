@@ -10,7 +10,7 @@ runs two steps at once whichever path carries them.
 Handover (`StepPath.set`): a new step path over new actors serves at once through plain calls.
 In compiled mode a background job then tears down the graphs that were retired (two compiled
 graphs must never be live on the same actors: their loops would queue behind each other on
-``_ray_system``, REFERENCE.md), compiles the graph over the new actors, executes it once with a
+``_ray_system``, docs/INTERNALS.md), compiles the graph over the new actors, executes it once with a
 probe step that the actors answer without touching their worker (`PROBE_STEP_ID`: the first
 execution of a fresh graph is slow), and installs it: the next step takes it. A job whose
 step path was replaced meanwhile (`gen` changed) tears its graph down instead. So a switch

@@ -2,7 +2,7 @@
 memory), instead of the transfer group's gloo connections.
 
 Measured on this machine (2 cores, CPU ranks): gloo over loopback moves ~0.27 GB/s per
-receiver and keeps both ends' CPUs busy in the TCP stack (REFERENCE.md), so the ~0.8 GB of
+receiver and keeps both ends' CPUs busy in the TCP stack (docs/INTERNALS.md, "Ray 2.60 rules"), so the ~0.8 GB of
 experts a 2→4 grow of synthetic `small` moves took seconds of Transferring and slowed the
 serving steps meanwhile. Through the object store the sender copies each expert once into
 shared memory (memcpy speed) and the receiver copies it out once; nothing crosses a socket.
