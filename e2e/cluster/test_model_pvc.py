@@ -12,9 +12,9 @@ nothing. A probe pod in another namespace reaches the runtime's port 8000 and no
 or a worker's raylet; with the NetworkPolicy deleted (and the operator, which puts it back,
 stopped) the same probe reaches them: the node enforces it. Last, two short-lived one-rank
 deployments on the same claim: one naming a path without ``config.json`` is reported as a
-failed start (``LoadFailed``, the runtime's reason) within 2 minutes. (Load progress in
-``kubectl get moed`` is checked on a real API server in tests/integration/operator and
-test_load_progress_server.py; its real-node case is not in this module: see docs/MODELS-ON-CLAIMS.md.)
+failed start (``LoadFailed``, the runtime's reason) within 2 minutes, and one whose reads are
+slowed (the test-only hook ``tests/support/slow_load.py``, put on the volume and named in
+``spec.ray.env``) shows its load progress in ``kubectl get moed`` while it loads.
 
 One deployment serves every check, in order.
 """
@@ -37,7 +37,7 @@ from e2e import kube
 from e2e import load as load_mod
 from e2e.cluster import conftest
 from e2e.node import config, install
-from tests.support import checkpoints
+from tests.support import checkpoints, slow_load
 
 pytestmark = pytest.mark.cluster
 
@@ -53,6 +53,10 @@ TIMEOUT_S = 420.0
 PROBE_NAMESPACE = "moe-e2e-probe"
 NO_CONFIG = "no-config"
 NO_CONFIG_DIR = "empty"
+SLOW = "slow-load"
+HOOKS_DIR = "hooks"
+#: Seconds each tensor (or expert) read of the slowed load waits: about 10 s for a rank.
+SLOW_READ_S = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,12 @@ def checkpoint() -> Iterator[tuple[pathlib.Path, Any]]:
     root = HOST_ROOT / uuid.uuid4().hex[:8]
     model = checkpoints.build(root / MODEL_DIR)
     (root / NO_CONFIG_DIR).mkdir(parents=True)  # a path without config.json
+    # the test-only load hook (tests/support/slow_load.py), importable from the volume
+    hooks = root / HOOKS_DIR / "tests" / "support"
+    hooks.mkdir(parents=True)
+    for package in (hooks, hooks.parent):
+        (package / "__init__.py").write_text("")
+    shutil.copy(pathlib.Path(slow_load.__file__), hooks / "slow_load.py")
     # what a download Job leaves: world-readable files (the runtime runs as uid 1000)
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -392,4 +402,44 @@ def test_a_path_without_config_json_is_a_failed_start_with_its_reason(
         assert "needs config.json" in table  # the MESSAGE column
     finally:
         dep.cluster.kubectl("delete", "moed", NO_CONFIG, "-n", namespace, "--wait=true",
+                    check=False, timeout=180)  # fmt: skip
+
+
+def test_load_progress_is_shown_while_a_slowed_read_loads(
+    dep: kube.Deployment, namespace: str
+) -> None:
+    doc = _moed(SLOW, f"pvc://{CLAIM}/{MODEL_DIR}", size=1)
+    doc["spec"]["ray"]["env"] = [
+        {"name": "PYTHONPATH", "value": f"/models/{CLAIM}/{HOOKS_DIR}"},
+        {"name": "MOE_RANK_HOOKS", "value": slow_load.PATH},
+        {"name": slow_load.DELAY_ENV, "value": str(SLOW_READ_S)},
+    ]
+    dep.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    slow = kube.Deployment(cluster=dep.cluster, name=SLOW, namespace=namespace)
+    try:
+        table = kube.wait_for(
+            lambda: (
+                (out := dep.kubectl("get", "moed", SLOW, "-n", namespace).stdout)
+                and "loading weights" in out
+                and out
+            ),
+            timeout_s=TIMEOUT_S,
+            what="load progress in kubectl get moed",
+        )
+        print(f"\n[pvc] {table.splitlines()[-1]}")
+        loading = slow.status().get("loading") or {}
+        assert loading.get("bytesTotal", 0) > 0 and loading.get("ranksTotal") == 1
+        assert [e for e in slow.events() if e["reason"] == "LoadingModel"]
+        kube.wait_for(lambda: slow.serving(1), timeout_s=TIMEOUT_S, what="DP=1 Serving")
+        assert "loading" not in slow.status()
+    except BaseException:
+        heads = dep.cluster.kubectl("get", "pods", "-n", namespace, "-o", "name", check=False)
+        for pod in heads.stdout.split():
+            if SLOW in pod:
+                log = dep.cluster.kubectl("logs", pod, "-n", namespace, "--all-containers",
+                                          check=False, timeout=60)  # fmt: skip
+                print(f"\n===== {pod}\n{log.stdout[-20000:]}")
+        raise
+    finally:
+        dep.cluster.kubectl("delete", "moed", SLOW, "-n", namespace, "--wait=true",
                     check=False, timeout=180)  # fmt: skip

@@ -421,3 +421,60 @@ def test_ready_answers_the_readiness_and_health_stays_liveness(
         health = asyncio.run(engine_fakes.get(app, "/health"))
     assert (ready.status_code, ready.json()) == (code, body)
     assert health.status_code == 200
+
+
+def _beat(members: dict[int, health_mod.RankHealth], pings: Pings, stepping: list[int],
+          now: list[float]) -> health_mod.Heartbeat:  # fmt: skip
+    return health_mod.Heartbeat(
+        members=lambda: members,
+        stepping=lambda: stepping,
+        send_ping=pings.send,
+        poll_ping=pings.poll,
+        fence=pings.fence,
+        clock=health_mod.StepClock(),
+        now=lambda: now[0],
+    )
+
+
+def test_the_stepped_ranks_are_never_all_fenced_for_a_hang() -> None:
+    """A one-rank deployment whose rank is slow to answer (a starved host, its first compile)
+    is not fenced (no survivor to shrink to: it would fail the deployment), nor are all ranks
+    of a bigger one when none answers; a pending worker is still fenced, and once a stepped
+    rank answers again the one that stays hung is fenced."""
+    members = {label: health_mod.RankHealth() for label in (0, 1, 2)}
+    pings = Pings(hung={0, 1, 2})
+    now = [0.0]
+    beat = _beat(members, pings, [0, 1], now)
+    beat.pending_hang_timeout = 1.0
+    found = []
+    for t in (0.0, 0.5, 1.5, 2.0):
+        now[0] = t
+        found.append(beat.round(hang_timeout=0.2))
+    assert found[:2] == [{}, {}] and found[2] == {2: health_mod.HEALTH_UNRESPONSIVE}
+    assert pings.fenced == [2] and members[0].state == members[1].state == health_mod.HEALTH_OK
+    pings.hung = {1}  # rank 0 answers again: rank 1 is the hung one, fenced at once
+    now[0] = 2.1
+    assert beat.round(hang_timeout=0.2) == {1: health_mod.HEALTH_UNRESPONSIVE}
+    assert pings.fenced == [2, 1] and members[0].state == health_mod.HEALTH_OK
+
+
+def test_a_worker_that_joins_the_step_graph_gets_hang_timeout_from_then() -> None:
+    """A ping sent while a worker was pending (loading: the longer limit) does not count
+    against the stepped limit from its send time when the worker joins the step graph: the
+    stepped limit starts when it joins."""
+    members = {label: health_mod.RankHealth() for label in (0, 1)}
+    pings = Pings(hung={1})
+    now = [0.0]
+    stepping = [0]
+    beat = _beat(members, pings, stepping, now)
+    beat.pending_hang_timeout = 10.0
+    for t in (0.0, 5.0):  # worker 1 pending, its ping outstanding for 5 s
+        now[0] = t
+        assert beat.round(hang_timeout=0.5) == {}
+    stepping.append(1)  # it joins the step graph with that ping still outstanding
+    for t in (5.1, 5.4):
+        now[0] = t
+        assert beat.round(hang_timeout=0.5) == {}, t
+    now[0] = 5.7
+    assert beat.round(hang_timeout=0.5) == {1: health_mod.HEALTH_UNRESPONSIVE}
+    assert "5.7s" in members[1].reason

@@ -7,7 +7,12 @@ stays unanswered for `hang_timeout` (or for `step_grace` once a step is past its
 makes it "unresponsive", and the worker is fenced (killed) at once, so no collective waits on
 it. A pending worker (starting, loading, a warm spare: in no step) gets `pending_hang_timeout`
 (30 s) instead: it blocks no step, and on a loaded node its first imports and weight loads
-can hold its interpreter for seconds. `on_lost` is then called; the caller shrinks around it
+can hold its interpreter for seconds; a worker that joins the step graph gets the shorter
+limit from then on, not from a ping it was sent while pending. The stepped workers are never
+all fenced for a hang: when none of them answers (a starved host, or the only rank of a
+one-rank deployment busy with its first compile), a recovery would have no survivor to shrink
+to, so the heartbeat warns and waits (a worker that died still fails its ping and is found
+dead). `on_lost` is then called; the caller shrinks around it
 (`moe_runtime.elastic.recovery`).
 
 Step deadline: derived from observed step times (`step_deadline`), not a fixed timeout; so is
@@ -47,6 +52,9 @@ RECENT_STEPS = 100
 MIN_GROUP_TIMEOUT = 30.0
 GROUP_TIMEOUT_FACTOR = 20.0
 
+#: Seconds between two warnings that no stepped rank answers (see `Heartbeat.round`).
+WAITING_LOG_INTERVAL = 5.0
+
 LostCallback = Callable[[dict[int, str]], None]
 
 
@@ -66,6 +74,9 @@ class RankHealth:
     ping: Any = None
     ping_sent: float = 0.0
     fenced: bool = False
+    #: Since when it is in the step graph (None: pending); a stepped worker's shorter
+    #: `hang_timeout` counts from then, not from a ping sent while it was pending.
+    stepping_since: float | None = None
 
     def lose(self, state: str, reason: str, now: float) -> bool:
         """Mark it lost; True the first time."""
@@ -159,6 +170,20 @@ class Heartbeat:
         self.step_grace = 1.0
         #: Seconds a pending worker's ping may stay unanswered (it is in no step).
         self.pending_hang_timeout = 30.0
+        self._waiting_logged = float("-inf")
+
+    @staticmethod
+    def _hung(
+        h: RankHealth,
+        label: int,
+        waited: float,
+        now: float,
+        newly: dict[int, str],
+        hung: list[int],
+    ) -> None:
+        h.lose(HEALTH_UNRESPONSIVE, f"no heartbeat answer for {waited:.1f}s", now)
+        newly[label] = HEALTH_UNRESPONSIVE
+        hung.append(label)
 
     def health(self) -> dict[int, RankHealth]:
         """A copy of what the heartbeat knows, by label (no call is made)."""
@@ -213,8 +238,14 @@ class Heartbeat:
         overdue = self.clock.overdue(now)
         newly: dict[int, str] = {}
         hung: list[int] = []
+        late: dict[int, float] = {}  # stepped workers past their limit: {label: waited}
         stepping = set(self._stepping())
-        for label, h in self._members().items():
+        members = self._members()
+        for label, h in members.items():
+            if label not in stepping:
+                h.stepping_since = None
+            elif h.stepping_since is None:
+                h.stepping_since = now
             if h.state == HEALTH_DEAD:
                 continue
             if h.ping is not None:
@@ -228,20 +259,38 @@ class Heartbeat:
                     h.ping = None
                     if h.lose(HEALTH_DEAD, h.reason or why, now):
                         newly[label] = HEALTH_DEAD
-                else:
+                elif h.state == HEALTH_OK:
                     waited = now - h.ping_sent
                     if label not in stepping:
-                        limit = max(hang_timeout, self.pending_hang_timeout)
-                    elif overdue:
-                        limit = min(hang_timeout, self.step_grace)
+                        if waited > max(hang_timeout, self.pending_hang_timeout):
+                            self._hung(h, label, waited, now, newly, hung)
                     else:
-                        limit = hang_timeout
-                    if waited > limit and h.state == HEALTH_OK:
-                        h.lose(HEALTH_UNRESPONSIVE, f"no heartbeat answer for {waited:.1f}s", now)
-                        newly[label] = HEALTH_UNRESPONSIVE
-                        hung.append(label)
+                        limit = min(hang_timeout, self.step_grace) if overdue else hang_timeout
+                        since = max(h.ping_sent, h.stepping_since or h.ping_sent)
+                        if now - since > limit:
+                            late[label] = waited
             if h.ping is None and h.state == HEALTH_OK:
                 h.ping, h.ping_sent = self._send_ping(label), now
+        answering = [
+            label
+            for label in stepping
+            if label in members and members[label].state == HEALTH_OK and label not in late
+        ]
+        if late and not answering:
+            # No stepped worker answers: fencing them all leaves nothing to shrink to (a
+            # recovery needs a survivor), and on a starved host (more busy processes than
+            # cores) it would kill a deployment whose ranks are only slow. Wait for them; a
+            # worker that died still fails its ping and is found dead.
+            if now - self._waiting_logged >= WAITING_LOG_INTERVAL:
+                self._waiting_logged = now
+                log.warning(
+                    "heartbeat: no stepped rank answers (%s): not fencing the last ranks; "
+                    "waiting for them",
+                    ", ".join(f"rank {k} for {v:.1f}s" for k, v in sorted(late.items())),
+                )
+        else:
+            for label, waited in late.items():
+                self._hung(members[label], label, waited, now, newly, hung)
         if hung:
             log.error("heartbeat: ranks %s do not answer: fencing them", hung)
             self._fence(hung, reason="unresponsive")
