@@ -67,7 +67,7 @@ kind-down:
 
 ## test: lint, types, layers, CRDs, then every test tier (unit, integration, e2e/cluster)
 test: lint typecheck importlint crds-check controlplane images
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
 
 unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -10,11 +10,13 @@ under checked load while ``kubectl scale`` grows it to 3 and a worker pod is del
 MoEDeployment naming a claim that does not exist says so in its Ready condition and creates
 nothing. A probe pod in another namespace reaches the runtime's port 8000 and not the GCS
 or a worker's raylet; with the NetworkPolicy deleted (and the operator, which puts it back,
-stopped) the same probe reaches them: the node enforces it. Last, two short-lived one-rank
+stopped) the same probe reaches them: the node enforces it. Last, short-lived one-rank
 deployments on the same claim: one naming a path without ``config.json`` is reported as a
 failed start (``LoadFailed``, the runtime's reason) within 2 minutes, and one whose reads are
 slowed (the test-only hook ``tests/support/slow_load.py``, put on the volume and named in
-``spec.ray.env``) shows its load progress in ``kubectl get moed`` while it loads.
+``spec.ray.env``) shows its load progress in ``kubectl get moed`` while it loads; and a
+third, whose worker pods' memory limit is below what a rank needs, is reported ``Failed``
+(``LoadFailed``) with a message that names memory.
 
 One deployment serves every check, in order.
 """
@@ -442,4 +444,38 @@ def test_load_progress_is_shown_while_a_slowed_read_loads(
         raise
     finally:
         dep.cluster.kubectl("delete", "moed", SLOW, "-n", namespace, "--wait=true",
+                    check=False, timeout=180)  # fmt: skip
+
+
+OOM = "oom-rank"
+#: A worker memory limit below what one rank process needs (~770 MB before any weight).
+OOM_LIMIT = "400Mi"
+
+
+def test_a_rank_out_of_memory_is_a_failed_start_that_says_so(
+    dep: kube.Deployment, namespace: str
+) -> None:
+    doc = _moed(OOM, f"pvc://{CLAIM}/{MODEL_DIR}", size=1)
+    doc["spec"]["ray"]["workerResources"] = {
+        "requests": {"memory": OOM_LIMIT},
+        "limits": {"memory": OOM_LIMIT},
+    }
+    dep.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    oom = kube.Deployment(cluster=dep.cluster, name=OOM, namespace=namespace)
+    try:
+
+        def reported() -> str | None:
+            conditions = oom.status().get("conditions") or []
+            ready = next((c for c in conditions if c.get("type") == "Ready"), {})
+            message = str(ready.get("message") or "")
+            if ready.get("reason") == "LoadFailed" and "memory" in message:
+                return message
+            return None
+
+        message = kube.wait_for(reported, timeout_s=300, what="LoadFailed naming memory")
+        print(f"\n[pvc] {OOM}: {message}")
+        assert oom.status().get("phase") == "Failed"
+        assert [e for e in oom.events() if e["reason"] == "LoadFailed"]
+    finally:
+        dep.cluster.kubectl("delete", "moed", OOM, "-n", namespace, "--wait=true",
                     check=False, timeout=180)  # fmt: skip

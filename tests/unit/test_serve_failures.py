@@ -86,3 +86,29 @@ def test_no_termination_log_is_created_outside_a_pod(
     monkeypatch.setenv(loading.TERMINATION_LOG_ENV, str(path))
     assert _serve(str(tmp_path / "nowhere")) == 1
     assert not path.exists()
+
+
+#: What Ray 2.60 says of a rank actor whose process the kernel killed (`ActorDiedError` with
+#: the raylet's exit detail), cut to its telling lines.
+_KILLED = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: RankActor\n"
+    "\tpid: 113\n\tip: 10.244.0.8\nThe actor is dead because its worker process has died. "
+    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a "
+    "connection error code 2. End of file. Some common causes include: (1) the process was "
+    "killed by the OOM killer due to high memory usage, (2) ray stop --force was called"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "memory"),
+    [(_KILLED, True), ("The actor died because of an error raised in its creation task", False)],
+)
+def test_a_rank_that_died_is_one_line_naming_memory_when_ray_does(text: str, memory: bool) -> None:
+    """On the real node a rank in a worker pod whose memory limit is below what it needs was
+    reported as only "The actor died unexpectedly before finishing this task."; the line the
+    head's termination message carries now says what to change."""
+    from moe_runtime.executor import ray_actor
+
+    line = ray_actor.death(RuntimeError(text))
+    assert "\n" not in line and line.startswith(text.splitlines()[0])
+    assert ("out of memory" in line and "workerResources" in line) is memory

@@ -433,12 +433,32 @@ def get_all(
         try:
             results.append(ray.get(ref))
         except ray.exceptions.RayActorError as exc:
-            raise base.RankDied(f"{what}: rank {rank} died: {exc}", ranks=[rank]) from exc
+            raise base.RankDied(f"{what}: rank {rank} died: {death(exc)}", ranks=[rank]) from exc
         except ray.exceptions.RayTaskError as exc:
             raise base.ExecutorError(
                 f"{what} failed on rank {rank}: {exc.cause!r}", ranks=[rank]
             ) from exc
     return results
+
+
+#: What Ray says of a worker process killed by the kernel's OOM killer (a possible cause it
+#: names first) or by its own memory monitor: either way the rank ran out of memory.
+_OOM_WORDS = ("OOM killer", "low on memory")
+MEMORY_HINT = (
+    "its process was killed, most likely out of memory: a rank needs the runtime's fixed "
+    "~0.8 GB plus its shard within the worker pod's memory limit (spec.ray.workerResources)"
+)
+
+
+def death(exc: BaseException) -> str:
+    """One line for a rank actor that died: Ray's first line, and what to do when Ray says
+    the process may have been killed for memory (its message runs to many lines)."""
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    head = lines[0] if lines else type(exc).__name__
+    if any(word in text for word in _OOM_WORDS):
+        return f"{head} ({MEMORY_HINT})"
+    return head
 
 
 def first_line(exc: BaseException, limit: int = 160) -> str:
