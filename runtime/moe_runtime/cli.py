@@ -33,6 +33,7 @@ from moe_runtime.engine import core, seam
 from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import kv_budget
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tokenizer as tokenizer_mod
 from moe_runtime.parser import DEFAULT_MAX_QUEUED as DEFAULT_MAX_QUEUED  # re-exported
@@ -46,23 +47,21 @@ log = logging.getLogger("moe_runtime.cli")
 RESIZE_CONTEXT = logs.ResizeContext()
 
 
-def _kv_tokens_per_rank(
-    args: argparse.Namespace, cfg: config_mod.ModelConfig, dtype: str, num_ranks: int
-) -> int:
-    """KV positions one rank may hold: `--kv-cache-bytes`, else `kv.budget_tokens`' auto."""
+def _kv_budget(
+    args: argparse.Namespace, cfg: config_mod.ModelConfig, dtype: str, num_physical: int
+) -> kv_budget.KVBudget:
+    """What a rank's KV cache may take at any size: `--kv-cache-bytes`, else measured now."""
     cuda = args.device == flags.DEVICE_CUDA or (
         args.device == flags.DEVICE_AUTO and torch.cuda.is_available()
     )
-    tokens = kv_mod.budget_tokens(
+    return kv_budget.KVBudget.measure(
         cfg,
         kv_mod.serving_dtype(dtype, cuda=cuda),
         budget_bytes=args.kv_cache_bytes or None,
         fraction=args.kv_cache_fraction,
         cuda=cuda,
-        num_ranks=num_ranks,
+        num_physical=num_physical,
     )
-    log.info("serve: KV budget %d positions a rank", tokens)
-    return tokens
 
 
 def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
@@ -185,10 +184,15 @@ def _build_into(
             max_model_len=cfg.max_position_embeddings,
             max_num_seqs_per_rank=args.max_num_seqs,
             max_tokens_per_step=max(args.max_tokens_per_step, args.max_num_seqs),
-            kv_tokens_per_rank=_kv_tokens_per_rank(args, cfg, dtype, num_ranks),
+            kv_budget=_kv_budget(args, cfg, dtype, num_physical).tokens,
             kv_block_size=kv_mod.BLOCK_SIZE,
         ),
         max_queued_requests=args.max_queued_requests or None,
+    )
+    log.info(
+        "serve: KV budget %s positions a rank at %d ranks",
+        engine.scheduler.kv_tokens_per_rank,
+        num_ranks,
     )
     metrics = metrics_mod.RuntimeMetrics(stats=engine.stats)
     engine.set_observer(metrics)

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from moe_runtime.engine import scheduler as scheduler_mod
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
-from moe_runtime.model import source
+from moe_runtime.model import kv_budget, source
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +59,47 @@ def test_the_bound_refuses_and_changes_nothing(cfg: config_mod.ModelConfig) -> N
 
 def test_budget_in_positions(cfg: config_mod.ModelConfig) -> None:
     per_token = kv_mod.bytes_per_token(cfg, torch.float32)
-    tokens = kv_mod.budget_tokens(
-        cfg, torch.float32, budget_bytes=per_token * 5000, fraction=0.5, cuda=False, num_ranks=1
-    )
-    assert tokens == 5000 // 16 * 16
-    small = kv_mod.budget_tokens(
-        cfg, torch.float32, budget_bytes=per_token, fraction=0.5, cuda=False, num_ranks=1
-    )
-    assert small == cfg.max_position_embeddings  # never under one context
-    auto = kv_mod.budget_tokens(
-        cfg, torch.float32, budget_bytes=None, fraction=0.1, cuda=False, num_ranks=2
-    )
+
+    def fixed(budget_bytes: int | None, fraction: float = 0.5) -> kv_budget.KVBudget:
+        return kv_budget.KVBudget.measure(
+            cfg, torch.float32, budget_bytes=budget_bytes, fraction=fraction, cuda=False
+        )
+
+    assert fixed(per_token * 5000).tokens(1) == 5000 // 16 * 16
+    assert fixed(per_token * 5000).tokens(4) == 5000 // 16 * 16  # --kv-cache-bytes: any size
+    assert fixed(per_token).tokens(1) == cfg.max_position_embeddings  # never under one context
+    auto = fixed(None, 0.1).tokens(2)
     assert auto >= cfg.max_position_embeddings and auto % 16 == 0
+
+
+def test_a_resize_re_derives_the_budget_from_the_experts_a_rank_holds(
+    cfg: config_mod.ModelConfig,
+) -> None:
+    """A shrink gives each survivor more expert slots: on a GPU (memory per device) its KV
+    room shrinks by exactly those experts' bytes (x fraction), a grow gives room back; on a
+    CPU the host's room is shared by the ranks on it. The engine's admission bound follows the
+    active ranks (`Scheduler.set_active`)."""
+    non_expert, experts = kv_budget.weight_bytes(cfg, torch.float32)
+    per_token = kv_mod.bytes_per_token(cfg, torch.float32)
+    gpu = kv_budget.KVBudget(
+        per_token=per_token, context=16, fraction=0.5, cuda=True,
+        available=non_expert + experts + 4000 * per_token,
+        non_expert=non_expert, experts=experts,
+    )  # fmt: skip
+    assert gpu.bytes(1) == 2000 * per_token
+    assert gpu.bytes(2) - gpu.bytes(1) == (experts - experts // 2) // 2
+    assert gpu.tokens(4) > gpu.tokens(2) > gpu.tokens(1)
+    cpu = dataclasses.replace(
+        gpu, cuda=False, available=4 * non_expert + experts + 8000 * per_token
+    )
+    assert cpu.tokens(4) < cpu.tokens(2) < cpu.tokens(1)  # one host's room over more ranks
+
+    sched = scheduler_mod.Scheduler(
+        ranks=[0, 1], max_num_seqs_per_rank=8, max_tokens_per_step=64, kv_budget=gpu.tokens
+    )
+    assert sched.kv_tokens_per_rank == gpu.tokens(2)
+    sched.set_active([0])  # a shrink to one rank: the bound of one rank
+    assert sched.kv_tokens_per_rank == gpu.tokens(1)
+    assert sched.least_loaded(kv=gpu.tokens(1) + 16) is None  # no room: it would wait
+    sched.set_active([0, 1, 2, 3])
+    assert sched.kv_tokens_per_rank == gpu.tokens(4)

@@ -106,6 +106,7 @@ class Engine:
             max_tokens_per_step=config.max_tokens_per_step,
             kv_tokens_per_rank=config.kv_tokens_per_rank,
             kv_block_size=config.kv_block_size,
+            kv_budget=config.kv_budget,
         )
         self.outputs = outputs_mod.Outputs(
             scheduler=self.scheduler,
@@ -166,7 +167,7 @@ class Engine:
                 f"prompt has {len(request.prompt_token_ids)} tokens; the context is "
                 f"{self.config.max_model_len} tokens"
             )
-        budget = self.config.kv_tokens_per_rank
+        budget = self.scheduler.kv_tokens_per_rank  # an int read: at this size
         if budget is not None and len(request.prompt_token_ids) > budget:
             raise ValueError(
                 f"prompt has {len(request.prompt_token_ids)} tokens; a rank's KV cache holds "

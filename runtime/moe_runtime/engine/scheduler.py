@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import request as req
@@ -68,7 +68,10 @@ class Scheduler:
 
     max_num_seqs_per_rank: sequences a rank takes; max_tokens_per_step: token budget of one
     rank in one step; kv_tokens_per_rank: KV positions a rank's cache holds (None: no bound),
-    counted in blocks of kv_block_size (`core.EngineConfig`).
+    counted in blocks of kv_block_size (`core.EngineConfig`); kv_budget: that bound for a
+    number of active ranks, re-derived when they change (a shrink gives survivors more
+    experts: less room on a GPU; sequences already running keep their reservations, new ones
+    wait for room).
     """
 
     def __init__(
@@ -79,12 +82,16 @@ class Scheduler:
         max_tokens_per_step: int,
         kv_tokens_per_rank: int | None = None,
         kv_block_size: int = 16,
+        kv_budget: Callable[[int], int] | None = None,
     ) -> None:
         self.max_num_seqs_per_rank = max_num_seqs_per_rank
         self.max_tokens_per_step = max_tokens_per_step
-        self.kv_tokens_per_rank = kv_tokens_per_rank
         self.kv_block_size = kv_block_size
+        self.kv_budget = kv_budget
         self.active: list[int] = sorted(set(ranks))
+        self.kv_tokens_per_rank = (
+            kv_tokens_per_rank if kv_budget is None else kv_budget(len(self.active))
+        )
         self.draining: set[int] = set()
         self.running: dict[str, Seq] = {}
         #: KV frees owed to each rank, sent with its next batch.
@@ -218,6 +225,16 @@ class Scheduler:
             self.migrate(leaving)
         self.active = list(ranks)
         self.draining = set()
+        if self.kv_budget is not None and self.active:
+            budget = self.kv_budget(len(self.active))
+            if budget != self.kv_tokens_per_rank:
+                log.info(
+                    "engine: KV budget %s -> %d positions a rank at %d ranks",
+                    self.kv_tokens_per_rank,
+                    budget,
+                    len(self.active),
+                )
+            self.kv_tokens_per_rank = budget
         # Ranks that no longer step read no StepInput: their KV goes away with them.
         dropped = {r: ids for r, ids in self.pending_free.items() if r not in ranks and ids}
         self.pending_free = {r: ids for r, ids in self.pending_free.items() if r in ranks}

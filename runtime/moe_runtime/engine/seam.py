@@ -62,6 +62,8 @@ class EngineConfig:
     it fails with an error. kv_tokens_per_rank: KV positions one rank's cache holds (its
     memory budget, `model.kv`); a request is admitted to a rank only while the sequences there
     reserve (prompt + max_tokens, in blocks of kv_block_size) no more; None: no bound.
+    kv_budget: that bound for a number of serving ranks (`model.kv_budget.KVBudget.tokens`),
+    re-derived whenever the ranks that step change; when set, it gives kv_tokens_per_rank.
     """
 
     max_model_len: int
@@ -70,6 +72,7 @@ class EngineConfig:
     max_step_retries: int = 2
     kv_tokens_per_rank: int | None = None
     kv_block_size: int = 16
+    kv_budget: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_seqs_per_rank < 1:

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import names
 
 #: Positions per KV block.
 BLOCK_SIZE = 16
@@ -98,78 +96,10 @@ def bytes_per_token(config: config_mod.ModelConfig, dtype: torch.dtype) -> int:
     return config.num_layers * parts * heads * dim * torch.empty((), dtype=dtype).element_size()
 
 
-def host_available_bytes() -> int:
-    """MemAvailable of this host (Linux), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def auto_budget_bytes(
-    device: str | torch.device,
-    *,
-    fraction: float,
-    weight_bytes: int = 0,
-    margin_bytes: int = 1 << 30,
-    num_ranks_here: int = 1,
-) -> int:
-    """KV bytes one rank may use: `fraction` of the host's available memory shared by the
-    ranks on it (CPU), or of the device's free memory minus the weights still to be loaded
-    and a margin (GPU)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return max(0, int((free - weight_bytes - margin_bytes) * fraction))
-    per_rank = (host_available_bytes() - weight_bytes) // max(1, num_ranks_here)
-    return max(0, int(per_rank * fraction))
-
-
 def serving_dtype(name: str, *, cuda: bool) -> torch.dtype:
     """The torch dtype of a `--dtype` value ("auto": bfloat16 on GPUs, float32 on CPUs)."""
     named = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     return named.get(name, torch.bfloat16 if cuda else torch.float32)
-
-
-def weight_bytes(config: config_mod.ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of every weight of the model in `dtype`."""
-    numel = sum(
-        math.prod(names.tensor_shape(config, n)) for n in names.non_expert_tensor_names(config)
-    )
-    one = sum(math.prod(shape) for shape in names.expert_parts(config).values())
-    numel += one * config.num_experts * config.num_moe_layers
-    return numel * torch.empty((), dtype=dtype).element_size()
-
-
-def budget_tokens(
-    config: config_mod.ModelConfig,
-    dtype: torch.dtype,
-    *,
-    budget_bytes: int | None,
-    fraction: float,
-    cuda: bool,
-    num_ranks: int,
-) -> int:
-    """KV positions one rank may hold, in whole blocks: `budget_bytes`, else
-    `auto_budget_bytes` of this process's device (its GPU when it sees one, else the host:
-    ranks on GPUs this process cannot see get the host figure; CPU ranks are assumed to share
-    this host) less a rank's share of the weights; never under one context of
-    max_position_embeddings."""
-    if budget_bytes is None:
-        device = "cuda" if cuda and torch.cuda.is_available() else "cpu"
-        budget_bytes = auto_budget_bytes(
-            device,
-            fraction=fraction,
-            weight_bytes=weight_bytes(config, dtype) // max(1, num_ranks),
-            num_ranks_here=1 if device == "cuda" else num_ranks,
-        )
-    tokens = budget_bytes // bytes_per_token(config, dtype) // BLOCK_SIZE * BLOCK_SIZE
-    context = -(-config.max_position_embeddings // BLOCK_SIZE) * BLOCK_SIZE
-    return max(tokens, context)
 
 
 @dataclasses.dataclass
