@@ -3,6 +3,11 @@
 One server for the module, DP=2 on synthetic://tiny. Under continuous load of 8 clients, the
 resize sequence 2→4→3→1→2 through POST /scale_elastic_ep completes with no failed request, no
 5xx, /health always 200, and every answer token-identical to single-process generation.
+
+Its KV cache is tight (a context of 256 positions and the smallest budget, one context a
+rank: one long generation, or a few short ones, at a time), so the load floods it: requests
+wait in the queue for KV room before and through every resize, and a shrink's migrated
+sequences wait for room on the survivors (the budget follows the rank count).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from tests.support import runtime_proc
 
 pytestmark = pytest.mark.ray
 
-MODEL = "synthetic://tiny?seed=0"
+MODEL = "synthetic://tiny?seed=0&max_position_embeddings=256"
+#: The smallest KV budget (floored at one context): 256 positions a rank.
+KV_CACHE_BYTES = 256 * 1024
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LONG = 160  # long enough to still be decoding when a shrink reaches Migrating, under load
@@ -40,7 +47,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[runtime_proc.Ru
     log: pathlib.Path = tmp_path_factory.mktemp("elastic") / "serve.log"
     srv = runtime_proc.start(
         ["--model", MODEL, "--data-parallel-size", "2", "--max-data-parallel-size", "4"]
-        + ["--eplb-step-interval", "50", "--eplb-window-size", "50"],
+        + ["--eplb-step-interval", "50", "--eplb-window-size", "50"]
+        + ["--kv-cache-bytes", str(KV_CACHE_BYTES)],
         log=log,
         env={"MOE_ADMIN_TOKEN": TOKEN, "MOE_ENABLE_TEST_HOOKS": "1"},
     )
@@ -138,10 +146,13 @@ def test_shrink_with_long_generations_on_departing_ranks(
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the long generations are decoding
-        if httpx.get(f"{server.url}/metrics").text.count("moe_requests_running 8.0"):
+    while time.monotonic() < deadline:  # until one long generation decodes on every rank
+        metrics = httpx.get(f"{server.url}/metrics").text  # (the rest wait for KV room)
+        if "moe_requests_running 4.0" in metrics and "moe_requests_waiting 4.0" in metrics:
             break
         time.sleep(0.02)
+    else:
+        raise AssertionError("4 long generations running and 4 waiting for KV room: not seen")
     done = scale(server.url, 2)
     for t in threads:
         t.join(timeout=300)
