@@ -53,7 +53,7 @@ def test_size_one_is_the_whole_model(sources: dict[str, source.ModelSource]) -> 
 @pytest.mark.parametrize(
     ("family", "size"),
     [("mixtral", 2), ("qwen3_moe", 2), ("qwen2_moe", 2), ("deepseek_v3", 2), ("gpt_oss", 2)]
-    + [("mixtral_wide", 4), ("mixtral_wide", 8)],
+    + [("olmoe", 3), ("olmoe", 6), ("mixtral_wide", 4), ("mixtral_wide", 8)],
     ids=lambda v: str(v),
 )
 def test_shards_put_together_are_the_weights(
@@ -94,7 +94,7 @@ def test_kv_heads_are_split_or_replicated(sources: dict[str, source.ModelSource]
         ("mixtral", 4, "num_heads"),  # 6 heads
         ("mixtral_wide", 3, "num_heads"),
         ("deepseek_v3", 3, "intermediate_size"),  # 6 heads divide, the dense MLP's 56 not
-        ("olmoe", 2, "qk_norm"),
+        ("olmoe", 2, "num_kv_heads"),  # 3 KV heads
     ],
     ids=lambda v: str(v),
 )
@@ -140,6 +140,8 @@ def test_tensor_slice_is_the_tensor_cut(sources: dict[str, source.ModelSource]) 
         ("deepseek_v2", 2),
         ("deepseek_v3", 2),
         ("gpt_oss", 2),
+        ("olmoe", 3),  # q/k norms over the whole projection, split
+        ("olmoe", 6),  # and KV heads replicated under them
         ("mixtral_wide", 4),  # KV heads replicated
         ("mixtral_wide", 8),  # and an uneven vocabulary
     ],

@@ -226,7 +226,13 @@ class MoEModel:
             device=self.device,
         )
         cos, sin = self._rotary.cos_sin(positions, self.dtype)
-        ctx = attention.Context(batch_kv=kv.batch(spans), rotary=self._rotary, cos=cos, sin=sin)
+        ctx = attention.Context(
+            batch_kv=kv.batch(spans),
+            rotary=self._rotary,
+            cos=cos,
+            sin=sin,
+            split_norm=None if self.tp is None else self.tp.rms_norm,
+        )
         attend = attention.mla if cfg.mla is not None else attention.gqa
         hidden = F.embedding(ids, self._global["embed"])
         num_tokens = hidden.shape[0]

@@ -70,6 +70,24 @@ class TensorParallel:
         added = self._biases[layer].get(bias)
         return partial if added is None else partial + added
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
+        """RMSNorm of a q or k projection ("q" / "k") over all heads when each rank holds
+        some (OLMoE's `qk_norm == "full"`): the sums of squares all-reduced (a KV head held by
+        several ranks counted once), then `attention.rms_norm`'s arithmetic."""
+        cfg, shard = self.shard.config, self.shard
+        xf = x.to(torch.float32)
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        self.group.all_reduce(squares)
+        if which == "q":
+            width = cfg.num_heads * cfg.head_dim
+        else:
+            width = cfg.num_kv_heads * cfg.head_dim
+            copies = shard.size * shard.local.num_kv_heads // cfg.num_kv_heads
+            if copies > 1:
+                squares = squares / copies
+        xf = xf * torch.rsqrt(squares / width + cfg.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] float32 of the final hidden states [N, hidden]: this rank's rows
         of lm_head, padded to `vocab_chunk`, gathered from every rank."""

@@ -8,7 +8,9 @@ in, data out.
   KV heads are split where T divides them and replicated where they divide T (T > KV: each
   rank holds the one its query heads share). o_proj is row-parallel (its input columns of
   those heads); the partial outputs are summed by an all-reduce, then `o_bias` is added once.
-  gpt-oss's sinks follow the query heads. MLA's down projections (q_a, kv_a) and their norms
+  gpt-oss's sinks follow the query heads; so do OLMoE's q/k norms over the whole projection
+  (`qk_norm == "full"`: split with their heads, the sums of squares all-reduced:
+  `tensor_parallel.TensorParallel.rms_norm`). MLA's down projections (q_a, kv_a) and their norms
   are replicated, and so is its cached latent (one row per position shared by every head).
 - Dense MLPs and shared experts: gate/up column-parallel by the intermediate dimension, down
   row-parallel, an all-reduce, then the down bias once.
@@ -19,8 +21,7 @@ in, data out.
   input through its expert backend (`docs/TENSOR-PARALLEL.md`).
 
 Not sharded (refused by `plan`, naming the field): a head count or MLP size T does not
-divide, KV heads that neither divide nor are divided by T, OLMoE's q/k norm over the whole
-projection (`qk_norm == "full"`: it would need a distributed RMSNorm).
+divide, KV heads that neither divide nor are divided by T.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from moe_runtime.model import names
 #: Roles sharded by query heads along dim 0 (their rows) / dim 1 (their input columns).
 _BY_HEAD_ROWS = frozenset({"q", "q_bias", "q_b", "kv_b", "sinks"})
 _BY_KV_HEAD_ROWS = frozenset({"k", "k_bias", "v", "v_bias"})
+#: q/k norms over the whole projection (`qk_norm == "full"`) follow their heads.
+_FULL_NORMS = frozenset({"q_norm", "k_norm"})
 _BY_HEAD_COLUMNS = frozenset({"o"})
 #: Roles sharded by the MLP's intermediate dimension, by the MLP they belong to.
 _MLP_ROWS = ("gate", "up", "gate_bias", "up_bias")
@@ -87,6 +90,9 @@ class Shard:
         if name == names.LM_HEAD:
             return Slice(0, *self.vocab)
         h0, h1 = self.heads
+        if cfg.qk_norm == "full" and role in _FULL_NORMS:
+            k0, k1 = self.heads if role == "q_norm" else self.kv_heads
+            return Slice(0, k0 * cfg.head_dim, k1 * cfg.head_dim)
         if role in _BY_HEAD_ROWS or role in _BY_HEAD_COLUMNS:
             unit = _head_unit(cfg, role)
             return Slice(1 if role in _BY_HEAD_COLUMNS else 0, h0 * unit, h1 * unit)
@@ -145,11 +151,6 @@ def plan(config: config_mod.ModelConfig, *, rank: int, size: int) -> Shard:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"tensor parallel rank {rank} of size {size}: need 0 <= rank < size")
     cfg = config
-    if size > 1 and cfg.qk_norm == "full":
-        raise ValueError(
-            f"{cfg.family}: qk_norm 'full' (one RMSNorm over every head) is not sharded; "
-            f"tensor parallel size must be 1"
-        )
     heads = _split(cfg.num_heads, size, "num_heads (num_attention_heads)")
     h0 = rank * heads
     if cfg.mla is not None:
