@@ -7,6 +7,7 @@ arguments. Ranks talk to each other only through the ``StatelessGroup`` the task
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import queue
 import time
@@ -73,7 +74,7 @@ def lockstep_generate(
     """
     mine = [r for r in requests if r["rank"] == grp.rank]
     out: dict[str, list[int]] = {r["seq_id"]: [] for r in mine}
-    kv = kv_mod.KVCache(model.config)
+    kv = kv_mod.KVCache(model.local_config)  # a TP rank's cache holds only its heads
     step = 0
     while True:
         left = torch.tensor([sum(len(out[r["seq_id"]]) < r["max_new"] for r in mine)])
@@ -220,28 +221,32 @@ TASKS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _serve(index: int, inbox: Any, outbox: Any) -> None:
+def _serve(index: int, inbox: Any, outbox: Any, tasks_module: str = __name__) -> None:
     torch.set_num_threads(1)
+    tasks: dict[str, Callable[..., Any]] = importlib.import_module(tasks_module).TASKS
     while True:
         task = inbox.get()
         if task is None:
             return
         seq, name, kwargs = task
         try:
-            outbox.put((seq, index, True, TASKS[name](**kwargs)))
+            outbox.put((seq, index, True, tasks[name](**kwargs)))
         except Exception:
             outbox.put((seq, index, False, traceback.format_exc()))
 
 
 class RankPool:
-    """``size`` spawned processes that run TASKS on request; the test's fixture owns it."""
+    """``size`` spawned processes that run TASKS on request (those of this module, or of the
+    module named by ``tasks_module``); the test's fixture owns it."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, tasks_module: str = __name__) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(size)]
         self._outbox = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_serve, args=(i, self._inboxes[i], self._outbox), daemon=True)
+            ctx.Process(
+                target=_serve, args=(i, self._inboxes[i], self._outbox, tasks_module), daemon=True
+            )
             for i in range(size)
         ]
         for proc in self._procs:

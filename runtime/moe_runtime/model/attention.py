@@ -10,7 +10,7 @@ window). Shapes: T tokens, B sequences, N padded queries, P padded keys, H heads
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +35,22 @@ def rms_norm(
     return weight * xf.to(x.dtype)
 
 
+#: An RMSNorm over a projection split across tensor-parallel ranks: (x [T, local dim],
+#: weight [local dim], "q" or "k") -> normalised x (`tensor_parallel.TensorParallel.rms_norm`).
+SplitNorm = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+
+
 @dataclasses.dataclass
 class Context:
     """What every attention layer of one forward pass shares: the batch's view of the KV
-    cache (where new tokens go, the groups attended together) and the rotary tables."""
+    cache (where new tokens go, the groups attended together), the rotary tables, and on a
+    tensor-parallel rank the norm of a q/k projection split over the ranks (`split_norm`)."""
 
     batch_kv: kv_mod.BatchKV
     rotary: rope_mod.Rotary
     cos: torch.Tensor
     sin: torch.Tensor
+    split_norm: SplitNorm | None = None
 
 
 def attend(
@@ -106,7 +113,9 @@ def gqa(
     """Grouped-query self-attention of decoder layer `layer` over x [T, hidden] -> [T, hidden]."""
     t = x.shape[0]
     q, k, v = _linear(x, w, "q"), _linear(x, w, "k"), _linear(x, w, "v")
-    if cfg.qk_norm == "full":
+    if cfg.qk_norm == "full" and ctx.split_norm is not None:
+        q, k = ctx.split_norm(q, w["q_norm"], "q"), ctx.split_norm(k, w["k_norm"], "k")
+    elif cfg.qk_norm == "full":
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     if cfg.clip_qkv is not None:

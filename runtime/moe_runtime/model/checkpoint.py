@@ -240,6 +240,41 @@ class CheckpointSource:
             )
         return value
 
+    def tensor_slice(self, name: str, *, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of dimension `dim` of tensor `name`: only those bytes are
+        read where the tensor is stored as it is served (not quantised, not fused); else the
+        whole tensor is read and cut."""
+        expected = names.tensor_shape(self._config, name)
+        if not 0 <= dim < len(expected) or not 0 <= start <= stop <= expected[dim]:
+            raise ValueError(
+                f"{name!r} {list(expected)}: no slice [{start}, {stop}) of dimension {dim}"
+            )
+        loc = self._locations[name]
+        if loc.part is not None or loc.scale is not None or loc.mxfp4:
+            return self.tensor(name).narrow(dim, start, stop - start).clone()
+        file = self._where[loc.stored]
+        index = (slice(None),) * dim + (slice(start, stop),)
+        try:
+            with safetensors.safe_open(str(file), framework="pt") as handle:
+                view = handle.get_slice(loc.stored)
+                shape = tuple(view.get_shape())
+                if shape != expected:
+                    raise errors.CheckpointError(
+                        file,
+                        f"tensor {loc.stored!r} has shape {list(shape)}, but config.json "
+                        f"implies {list(expected)}",
+                    )
+                value: torch.Tensor = view[index]
+        except _SafetensorsErrors as exc:
+            raise errors.CheckpointError(file, f"cannot read tensor {loc.stored!r}: {exc}") from exc
+        if value.dtype in _QUANTISED_DTYPES:
+            raise errors.CheckpointError(
+                file,
+                f"tensor {loc.stored!r} is stored as {value.dtype} with no scale to "
+                f"dequantise it by",
+            )
+        return value
+
     def _get(self, stored: str, index: int | None = None) -> torch.Tensor:
         file = self._where[stored]
         try:

@@ -8,6 +8,11 @@ RMSNorm, then a dense SwiGLU MLP (a dense layer) or the MoE block (the router: `
 the routed experts through the backend; shared experts, gated or not, here on every rank),
 residual. The family's `ModelConfig` says which variant each block is; tensor names come
 from `names` by role.
+
+With a `tensor_parallel.TensorParallel` part the model is one TP rank's: it holds its shard
+of the weights (`tp_shard`), attends with its heads (`local_config`; its KV cache holds only
+those: build it from `local_config`), and reduces the row-parallel outputs and gathers the
+logits over its TP group. Without one (T = 1) nothing of that runs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import rope as rope_mod
 from moe_runtime.model import source as source_mod
+from moe_runtime.model import tensor_parallel as tp_mod
 
 #: Roles kept in float32 whatever the serving dtype, as transformers keeps them
 #: (`_keep_in_fp32_modules`): DeepSeek's router and correction bias, gpt-oss's norms.
@@ -51,8 +57,14 @@ class MoEModel:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        tp: tp_mod.TensorParallel | None = None,
     ) -> None:
+        if tp is not None and tp.shard.config != config:
+            raise ValueError("MoEModel: the tensor parallel shard is of another model config")
         self.config = config
+        #: what attention and the KV cache run with: this TP rank's heads (T = 1: config)
+        self.local_config = config if tp is None else tp.shard.local
+        self.tp = tp
         self.dtype = dtype
         self.device = torch.device(device)
         self._state: dict[str, torch.Tensor] = {}
@@ -68,9 +80,13 @@ class MoEModel:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        tp: tp_mod.TensorParallel | None = None,
     ) -> MoEModel:
-        """A model with its non-expert weights read from `source`."""
-        model = cls(source.config, dtype=dtype, device=device)
+        """A model with its non-expert weights read from `source` (a TP rank's: its shard)."""
+        model = cls(source.config, dtype=dtype, device=device, tp=tp)
+        if tp is not None:
+            model.load_non_expert(tp_mod.load_shard(source, tp.shard))
+            return model
         model.load_non_expert(
             {name: source.tensor(name) for name in names.non_expert_tensor_names(source.config)}
         )
@@ -90,7 +106,8 @@ class MoEModel:
         """Set every non-expert weight (names from `names.non_expert_tensor_names`).
 
         All are checked (present, right shape) before any is set. Expert tensors and a tied
-        `lm_head.weight` are ignored; unknown names are refused.
+        `lm_head.weight` are ignored; unknown names are refused. A TP rank's tensors are its
+        shard's parts (`tp_shard.Shard.shape`).
         """
         cfg = self.config
         wanted = names.non_expert_tensor_names(cfg)
@@ -110,10 +127,11 @@ class MoEModel:
         for name in wanted:
             value = tensors[name]
             entry = names.entry(cfg, name)
-            if tuple(value.shape) != entry.shape:
+            shape = entry.shape if self.tp is None else self.tp.shard.shape(name)
+            if tuple(value.shape) != shape:
                 raise ValueError(
                     f"load_non_expert: {name!r} has shape {list(value.shape)}, "
-                    f"expected {list(entry.shape)}"
+                    f"expected {list(shape)}"
                 )
             dtype = torch.float32 if entry.role in self._float32 else self.dtype
             state[name] = value.to(device=self.device, dtype=dtype).contiguous()
@@ -123,6 +141,8 @@ class MoEModel:
             {role: state[name] for role, (name, _) in names.layer_tensors(cfg, layer).items()}
             for layer in range(cfg.num_layers)
         ]
+        if self.tp is not None:
+            self.tp.take(self._layers, self._global)
 
     def non_expert_state(self) -> dict[str, torch.Tensor]:
         """The non-expert weights by name (the tensors themselves: do not modify them)."""
@@ -189,6 +209,11 @@ class MoEModel:
         """
         self._require_loaded()
         cfg = self.config
+        if (kv.parts, kv.heads, kv.dim) != kv_mod.cache_shape(self.local_config):
+            raise ValueError(
+                f"the KV cache holds {kv.heads} heads of {kv.dim}; this model attends with "
+                f"{kv_mod.cache_shape(self.local_config)[1:]} (build it from local_config)"
+            )
         spans = self._check(batch, kv)
         for seq_id, _, n, start in spans:
             kv.reserve(seq_id, start, n)
@@ -201,19 +226,32 @@ class MoEModel:
             device=self.device,
         )
         cos, sin = self._rotary.cos_sin(positions, self.dtype)
-        ctx = attention.Context(batch_kv=kv.batch(spans), rotary=self._rotary, cos=cos, sin=sin)
+        ctx = attention.Context(
+            batch_kv=kv.batch(spans),
+            rotary=self._rotary,
+            cos=cos,
+            sin=sin,
+            split_norm=None if self.tp is None else self.tp.rms_norm,
+        )
         attend = attention.mla if cfg.mla is not None else attention.gqa
         hidden = F.embedding(ids, self._global["embed"])
         num_tokens = hidden.shape[0]
+        tp = self.tp
         for index, w in enumerate(self._layers):
             if num_tokens:
                 x = self._norm(hidden, w["input_norm"])
-                hidden = hidden + attend(cfg, w, x, ctx, index)
+                attended = attend(self.local_config, w, x, ctx, index)
+                if tp is not None:
+                    attended = tp.reduce(attended, index, "o_bias")
+                hidden = hidden + attended
             x = self._norm(hidden, w["post_norm"])
             moe = cfg.moe_index(index)
             if moe is None:
                 if num_tokens:
-                    hidden = hidden + _swiglu(x, w, "mlp")
+                    mlp = _swiglu(x, w, "mlp")
+                    if tp is not None:
+                        mlp = tp.reduce(mlp, index, "mlp_down_bias")
+                    hidden = hidden + mlp
                 continue
             topk_ids, topk_weights = routing.route(cfg, w, x)
             if expert_load is not None and num_tokens:
@@ -223,6 +261,8 @@ class MoEModel:
             out = experts(moe, x, topk_ids, topk_weights).to(hidden.dtype)
             if cfg.shared_intermediate_size and num_tokens:
                 shared = _swiglu(x, w, "shared")
+                if tp is not None:
+                    shared = tp.reduce(shared, index, "shared_down_bias")
                 if cfg.shared_expert_gate:
                     shared = torch.sigmoid(F.linear(x, w["shared_expert_gate"])) * shared
                 out = out + shared
@@ -231,6 +271,8 @@ class MoEModel:
             return torch.empty((0, cfg.vocab_size), dtype=torch.float32, device=self.device)
         last = torch.tensor([offset + n - 1 for _, offset, n, _ in spans], device=self.device)
         final = self._norm(hidden[last], self._global["norm"])
+        if tp is not None:
+            return tp.logits(final)
         return F.linear(final, self._lm_head).to(torch.float32)
 
     __call__ = forward

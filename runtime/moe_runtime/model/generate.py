@@ -36,7 +36,7 @@ def generate_greedy(
         net = decoder.MoEModel.from_source(src, dtype=dtype, device=device)
         if experts is None:
             experts = experts_mod.LocalExperts.from_source(src, dtype=dtype, device=device)
-    kv = kv_mod.KVCache(net.config, dtype=net.dtype, device=net.device)
+    kv = kv_mod.KVCache(net.local_config, dtype=net.dtype, device=net.device)
     outputs: list[list[int]] = [[] for _ in prompts]
     active = [i for i in range(len(prompts)) if max_new_tokens > 0]
     batch = kv_mod.ForwardBatch(

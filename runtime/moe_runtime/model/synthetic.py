@@ -275,6 +275,9 @@ class SyntheticSource:
     def tensor(self, name: str) -> torch.Tensor:
         return _values(self._config, self.seed, name)
 
+    def tensor_slice(self, name: str, *, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.tensor(name).narrow(dim, start, stop - start).clone()
+
     def tensor_names(self) -> list[str]:
         return names.all_tensor_names(self._config)
 

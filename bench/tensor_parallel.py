@@ -1,0 +1,156 @@
+"""Tensor parallelism at the model level: decode latency and tokens/s at T = 1 and T = 2 on
+one random Mixtral-shaped checkpoint, and the share of the step spent in the TP collectives.
+
+T = 2 runs two spawned processes over a gloo group on loopback (`model.tensor_parallel`), each
+with one torch thread; T = 1 runs one process without a TP part. Every process holds every
+routed expert (experts are replicated over the TP group, docs/TENSOR-PARALLEL.md), so the
+expert GEMMs cost the same at every T: TP divides only attention, the dense/shared MLPs and
+lm_head. On a 2-core machine shared with other work the T = 2 figures are an upper bound of
+what the collectives cost, not a speed-up to expect; on GPUs with NVLink the all-reduces
+are microseconds.
+
+    .venv/bin/python bench/tensor_parallel.py [--hidden 256] [--streams 1 8] [--steps 16]
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+# This folder holds a bench/operator.py: off the path, or it shadows the standard library's
+# `operator` (transformers imports it); the repository root goes on it instead.
+BENCH = pathlib.Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != BENCH]
+sys.path.insert(0, str(BENCH.parent))
+
+import argparse  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from moe_runtime.comm import group  # noqa: E402
+from moe_runtime.model import decoder, source, tensor_parallel, tp_shard  # noqa: E402
+from moe_runtime.model import experts as experts_mod  # noqa: E402
+from moe_runtime.model import kv as kv_mod  # noqa: E402
+from tests.support import ep_ranks, hf_families  # noqa: E402
+
+PROMPT_TOKENS = 32
+
+
+class TimedGroup:
+    """A TP group that adds the seconds spent in its collectives to `seconds`."""
+
+    def __init__(self, inner: group.StatelessGroup) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        started = time.perf_counter()
+        self.inner.all_reduce(tensor, op)
+        self.seconds += time.perf_counter() - started
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
+        self.inner.all_gather_into(output, tensor)
+        self.seconds += time.perf_counter() - started
+
+
+def task_decode(
+    *, spec: group.GroupSpec | None, rank: int, path: str, streams: int, steps: int
+) -> dict[str, float]:
+    """Prefill `streams` prompts, then `steps` decode steps; seconds per decode step and in
+    the collectives (T from spec; None: T = 1, no TP part)."""
+    src = source.open_source(path)
+    grp = None if spec is None else group.StatelessGroup(spec, rank, timeout=60)
+    timed = None if grp is None else TimedGroup(grp)
+    try:
+        tp = None
+        if timed is not None and spec is not None:
+            shard = tp_shard.plan(src.config, rank=rank, size=spec.world_size)
+            tp = tensor_parallel.TensorParallel(shard, timed)
+        model = decoder.MoEModel.from_source(src, tp=tp)
+        local = experts_mod.LocalExperts.from_source(src)
+        kv = kv_mod.KVCache(model.local_config)
+        ids = [f"s{i}" for i in range(streams)]
+        gen = torch.Generator().manual_seed(0)
+        prompts = [
+            torch.randint(3, src.config.vocab_size, (PROMPT_TOKENS,), generator=gen).tolist()
+            for _ in ids
+        ]
+        logits = model.forward(kv_mod.ForwardBatch(ids, prompts, [0] * streams), kv, local)
+        if timed is not None:
+            timed.seconds = 0.0
+        started = time.perf_counter()
+        for step in range(steps):
+            tokens = [[int(t)] for t in logits.argmax(-1).tolist()]
+            batch = kv_mod.ForwardBatch(ids, tokens, [PROMPT_TOKENS + step] * streams)
+            logits = model.forward(batch, kv, local)
+        elapsed = time.perf_counter() - started
+        return {
+            "step_s": elapsed / steps,
+            "collective_s": 0.0 if timed is None else timed.seconds / steps,
+        }
+    finally:
+        if grp is not None:
+            grp.destroy()
+
+
+TASKS: dict[str, Callable[..., Any]] = {"decode": task_decode}
+
+
+def _checkpoint(root: pathlib.Path, hidden: int) -> str:
+    model = hf_families.build(
+        "mixtral",
+        hidden_size=hidden,
+        head_dim=hidden // 8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=8000,
+        sliding_window=None,
+    )
+    return str(hf_families.save(model, root / "mixtral"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _checkpoint(pathlib.Path(tmp), args.hidden)
+        pool = ep_ranks.RankPool(2, tasks_module="bench.tensor_parallel")
+        try:
+            print(f"Mixtral shape, hidden {args.hidden}, 4 layers, 8 experts top-2, fp32, CPU")
+            print(f"{'T':>2} {'streams':>7} {'step ms':>8} {'tok/s':>8} {'collectives':>11}")
+            for streams in args.streams:
+                for size in (1, 2):
+                    spec = (
+                        None
+                        if size == 1
+                        else group.GroupSpec.local(size, epoch=streams, directory=tmp)
+                    )
+                    kw = dict(spec=spec, path=path, streams=streams, steps=args.steps)
+                    results = pool.run(
+                        "decode", [dict(kw, rank=r) for r in range(size)], timeout=600
+                    )
+                    step = max(r["step_s"] for r in results)
+                    share = max(r["collective_s"] for r in results) / step
+                    print(
+                        f"{size:>2} {streams:>7} {step * 1e3:>8.2f} {streams / step:>8.1f} "
+                        f"{share:>10.0%}"
+                    )
+        finally:
+            pool.close()
+
+
+if __name__ == "__main__":
+    main()
