@@ -5,6 +5,7 @@ events, its pods, the runtime's admin API, a ``kubectl get -w`` of its resize st
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -12,10 +13,12 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import httpx
+
+from e2e import load as load_mod
 
 T = TypeVar("T")
 
@@ -301,3 +304,26 @@ class ExternalCluster:
         if check and done.returncode != 0:
             raise subprocess.CalledProcessError(done.returncode, cmd, done.stdout, done.stderr)
         return done
+
+
+@contextlib.contextmanager
+def checked_load(
+    dep: Deployment,
+    *,
+    model_name: str,
+    reference: dict[tuple[int, int, int | None], list[int]],
+    tag: str,
+    clients: int = 4,
+) -> Iterator[load_mod.Load]:
+    """A checked load (`e2e.load.Load`) on `dep`'s endpoint, yielded once it has its first
+    answers; its summary and first failures are printed (``[tag] ...``) when it stops."""
+    with load_mod.Load(
+        dep.endpoint, model_name=model_name, reference=reference, clients=clients
+    ) as lg:
+        try:
+            wait_for(lambda: lg.ok >= clients or lg.failed, timeout_s=180, what="first answers")
+            yield lg
+        finally:
+            print(f"\n[{tag}] {lg.summary()}")
+            for failure in lg.failures[:10]:
+                print(f"[{tag}] failure: {failure}")

@@ -55,14 +55,8 @@ def watch(dep: kube.Deployment) -> Iterator[kube.StageWatch]:
 def load(
     dep: kube.Deployment, reference: dict[tuple[int, int, int | None], list[int]]
 ) -> Iterator[load_mod.Load]:
-    with load_mod.Load(dep.endpoint, model_name=NAME, reference=reference, clients=4) as lg:
-        try:
-            kube.wait_for(lambda: lg.ok >= 4 or lg.failed, timeout_s=180, what="first answers")
-            yield lg
-        finally:
-            print(f"\n[cluster] {lg.summary()}")
-            for failure in lg.failures[:10]:
-                print(f"[cluster] failure: {failure}")
+    with kube.checked_load(dep, model_name=NAME, reference=reference, tag="cluster") as lg:
+        yield lg
 
 
 def _history(dep: kube.Deployment) -> list[dict[str, Any]]:

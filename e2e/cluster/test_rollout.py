@@ -167,14 +167,8 @@ class EitherModel(load_mod.Load):
 def load(
     dep: kube.Deployment, reference: dict[tuple[int, int, int | None], list[int]]
 ) -> Iterator[load_mod.Load]:
-    with load_mod.Load(dep.endpoint, model_name=NAME, reference=reference, clients=4) as lg:
-        try:
-            kube.wait_for(lambda: lg.ok >= 4 or lg.failed, timeout_s=180, what="first answers")
-            yield lg
-        finally:
-            print(f"\n[rollout] {lg.summary()}")
-            for failure in lg.failures[:10]:
-                print(f"[rollout] failure: {failure}")
+    with kube.checked_load(dep, model_name=NAME, reference=reference, tag="rollout") as lg:
+        yield lg
 
 
 def test_an_image_change_moves_capacity_rank_by_rank_with_no_failed_request(

@@ -77,14 +77,8 @@ def dep(node: kube.Kubectl, namespace: str, endpoint: Callable[[], str | None]) 
 def load(
     dep: kube.Deployment, reference: dict[tuple[int, int, int | None], list[int]]
 ) -> Iterator[load_mod.Load]:
-    with load_mod.Load(dep.endpoint, model_name=NAME, reference=reference, clients=4) as lg:
-        try:
-            kube.wait_for(lambda: lg.ok >= 4 or lg.failed, timeout_s=180, what="first answers")
-            yield lg
-        finally:
-            print(f"\n[spares] {lg.summary()}")
-            for failure in lg.failures[:10]:
-                print(f"[spares] failure: {failure}")
+    with kube.checked_load(dep, model_name=NAME, reference=reference, tag="spares") as lg:
+        yield lg
 
 
 def _patch(dep: kube.Deployment, to: int) -> None:
