@@ -77,8 +77,7 @@ class Delivery:
     """The queue of `Emit`s and the thread that runs them.
 
     `put` (engine thread only) collects the outputs of a step; `send` hands them to the thread
-    in one batch. `flush` waits until everything sent has been pushed; `close` runs what is
-    left and ends the thread.
+    in one batch; `close` runs what is left and ends the thread.
     """
 
     def __init__(self, *, threaded: bool = True) -> None:
@@ -86,8 +85,6 @@ class Delivery:
         self._pending: list[Emit] = []  # engine thread only
         self._cond = threading.Condition()
         self._queue: collections.deque[list[Emit]] = collections.deque()
-        self._sent = 0  # batches sent / done, under _cond
-        self._done = 0
         self._closing = False
         self._thread: threading.Thread | None = None
         self._failed: set[str] = set()  # requests whose output failed: the rest is dropped
@@ -116,14 +113,7 @@ class Delivery:
             return
         with self._cond:
             self._queue.append(batch)
-            self._sent += 1
             self._cond.notify_all()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Waits until every output sent so far has been pushed; False on timeout."""
-        with self._cond:
-            target = self._sent
-            return self._cond.wait_for(lambda: self._done >= target, timeout)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Sends what is queued, lets the thread push everything, and ends it."""
@@ -151,9 +141,6 @@ class Delivery:
             started = time.perf_counter()
             _run_batch(batch, self._failed)
             self.busy_seconds += time.perf_counter() - started
-            with self._cond:
-                self._done += 1
-                self._cond.notify_all()
 
 
 def _run_batch(batch: list[Emit], failed: set[str]) -> None:
