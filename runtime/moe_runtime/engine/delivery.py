@@ -166,4 +166,7 @@ def _run_batch(batch: list[Emit], failed: set[str]) -> None:
                 num_prompt_tokens=emit.num_prompt_tokens,
                 num_generated_tokens=emit.num_generated_tokens,
             )
-        emit.handle.push(output)
+        try:
+            emit.handle.push(output)
+        except Exception:  # a consumer's failure ends nothing else
+            log.exception("engine: pushing an output of %s failed", rid)
