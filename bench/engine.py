@@ -5,7 +5,10 @@ The engine runs over a LocalExecutor (in-process ranks, no Ray) serving syntheti
 generated) are consumed the way the HTTP server consumes them: `async for` over each handle in
 one asyncio event loop. The step runner is wrapped to time `execute_step` (the ranks' forward
 pass and sampling) on the engine thread, so the rest of the engine thread's time is the
-engine's own Python work: scheduling, appending tokens, detokenising, pushing outputs.
+engine's own Python work: scheduling, appending tokens, and, in the step loop of before
+issue 23's async output processing, detokenising and pushing outputs. Those now run on the
+engine's output thread (`engine.delivery`), outside this figure, in every variant;
+`bench/engine_vs_hf.py --outputs async sync` compares the two loops.
 
 Printed per variant: output tokens/s, engine time per generated token outside
 `execute_step` (wall, and the engine thread's CPU time), and `execute_step` time per token.

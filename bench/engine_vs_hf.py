@@ -7,7 +7,9 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
 - ours (DP=1, and DP=2 with `--dp 1 2`): the engine over a LocalExecutor (in-process ranks, no
   Ray, no HTTP), the streams consumed in one asyncio loop as the HTTP server does; tokens/s, TTFT and inter-token
   latency p50/p99, the mean step, and the engine's share: the engine thread's time outside
-  `execute_step` (scheduling, outputs, detokenising, streaming) over the run's wall time;
+  `execute_step` (scheduling, outputs, and with `--outputs sync` detokenising and streaming)
+  over the run's wall time, and `deliv`: the output thread's busy time over it (async output
+  processing, overlapped with the steps); `--outputs async sync` runs both loops;
 - floor: our model's forward pass over the same batches with no engine (one prefill of every
   prompt, then one decode step of every stream at a time, argmax); `1 - floor / ours` is
   everything the serving path adds over the arithmetic;
@@ -19,6 +21,7 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
     .venv/bin/python bench/engine_vs_hf.py                      # ~2 min on 2 busy cores
     .venv/bin/python bench/engine_vs_hf.py --streams 16 32 64 --dp 1 2 --cb
     .venv/bin/python bench/engine_vs_hf.py --executor ray    # rank processes, as served
+    .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --outputs async sync  # before/after
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ def ours(engine: core.Engine, timed: Timed, batch: list[list[int]], new: int) ->
     ttft: list[float] = []
     itl: list[float] = []
     timed.seconds, timed.steps = 0.0, 0
+    engine.delivery.busy_seconds = 0.0
     started = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> int:
@@ -141,6 +145,7 @@ def ours(engine: core.Engine, timed: Timed, batch: list[list[int]], new: int) ->
         "itl": (pct(itl, 50), pct(itl, 99)),
         "step": wall / max(1, timed.steps),
         "engine": 1 - timed.seconds / wall,
+        "deliv": engine.delivery.busy_seconds / wall,
         "wall": wall,
     }
 
@@ -205,6 +210,7 @@ def row(name: str, streams: int, r: dict[str, Any]) -> str:
     cells.append(ms(r["step"]) if "step" in r else "      -")
     cells.append(f"{r['engine'] * 100:6.1f}%" if "engine" in r else "      -")
     cells.append(f"{r['floor_share'] * 100:6.1f}%" if "floor_share" in r else "      -")
+    cells.append(f"{r['deliv'] * 100:6.1f}%" if "deliv" in r else "      -")
     return " ".join(cells)
 
 
@@ -230,6 +236,14 @@ def main() -> None:
         "output loop); ray: rank processes on a local Ray instance, as `serve` runs them",
     )
     parser.add_argument("--step-mode", choices=("compiled", "remote"), default="remote")
+    parser.add_argument(
+        "--outputs",
+        choices=("async", "sync"),
+        nargs="+",
+        default=["async"],
+        help="async: outputs detokenised and streamed on the output thread while the next "
+        "step runs (EngineConfig.async_outputs); sync: on the step loop, between steps",
+    )
     parser.add_argument(
         "--switch-interval",
         type=float,
@@ -258,16 +272,19 @@ def main() -> None:
     )
     header = (
         f"{'':<22} {'strm':>4} {'tok/s':>8} {'TTFT50':>7} {'TTFT99':>7} {'ITL50':>7} "
-        f"{'ITL99':>7} {'step':>7} {'engine':>7} {'>floor':>7}"
+        f"{'ITL99':>7} {'step':>7} {'engine':>7} {'>floor':>7} {'deliv':>7}"
     )
-    print(header + "\n(ms; engine: time outside execute_step / wall; >floor: 1 - floor / ours)")
-    engines: dict[int, tuple[core.Engine, Timed, Any]] = {}
+    print(
+        header + "\n(ms; engine: time outside execute_step / wall; >floor: 1 - floor / ours; "
+        "deliv: output thread busy / wall)"
+    )
+    engines: dict[tuple[int, str], tuple[core.Engine, Timed, Any]] = {}
     owns_ray = False
     if args.executor == "ray":
         from moe_runtime.executor import cluster, ray_executor
 
-        owns_ray = cluster.connect(num_rank_slots=max(8, *args.dp))
-    for dp in args.dp:
+        owns_ray = cluster.connect(num_rank_slots=max(8, sum(args.dp) * len(args.outputs)))
+    for dp, mode in [(dp, mode) for dp in args.dp for mode in args.outputs]:
         executor: Any
         if args.executor == "ray":
             executor = ray_executor.RayExecutor(dp, dtype="float32", step_mode=args.step_mode)
@@ -286,10 +303,11 @@ def main() -> None:
                 max_model_len=cfg.max_position_embeddings,
                 max_num_seqs_per_rank=max(args.streams),
                 max_tokens_per_step=max(2048, max(args.streams) * args.prompt_len),
+                async_outputs=mode == "async",
             ),
         )
         engine.start()
-        engines[dp] = (engine, timed, executor)
+        engines[dp, mode] = (engine, timed, executor)
         ours(engine, timed, prompts(4, args.prompt_len, cfg.vocab_size), 4)  # warm-up
     floor(model, experts, prompts(4, args.prompt_len, cfg.vocab_size), 4)
     hf_generate(hf, prompts(4, args.prompt_len, cfg.vocab_size), 4)
@@ -299,10 +317,10 @@ def main() -> None:
             new = args.max_tokens
             base = floor(model, experts, batch, new)
             print(row("forward floor", streams, {"tok/s": streams * new / base}))
-            for dp, (engine, timed, _) in engines.items():
+            for (dp, mode), (engine, timed, _) in engines.items():
                 r = ours(engine, timed, batch, new)
                 r["floor_share"] = 1 - base / r["wall"]
-                print(row(f"ours DP={dp}", streams, r))
+                print(row(f"ours DP={dp} {mode}", streams, r))
             gen = hf_generate(hf, batch, new)
             print(row("hf generate", streams, gen), flush=True)
             if args.cb:

@@ -20,8 +20,11 @@ One step: admit waiting requests (up to `max_num_seqs_per_rank` per rank, and wh
 rank's KV budget holds the request's prompt + max_tokens: `kv_tokens_per_rank`), schedule every
 running sequence's next slice of tokens (`scheduler.Scheduler`), run `execute_step`, and apply
 the outputs (`outputs.Outputs`: the sampled token of each sequence whose uncomputed tokens are
-now all in its KV cache; retries after a failed step). The `Engine` holds those parts and the
-boundary's (`boundary.Boundary`); it owns the loop, the request intake and the callbacks.
+now all in its KV cache; retries after a failed step). What the consumers see of it (text
+deltas, finished outputs) is made and streamed by `delivery.Delivery`'s thread while the ranks
+run the next step (async output processing; `EngineConfig.async_outputs`). The `Engine` holds
+those parts and the boundary's (`boundary.Boundary`); it owns the loop, the request intake and
+the callbacks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any, TypeVar
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
+from moe_runtime.engine import delivery as delivery_mod
 from moe_runtime.engine import outputs as outputs_mod
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
@@ -108,8 +112,11 @@ class Engine:
             kv_block_size=config.kv_block_size,
             kv_budget=config.kv_budget,
         )
+        #: Makes and streams the outputs off the step path (its own thread).
+        self.delivery = delivery_mod.Delivery(threaded=config.async_outputs)
         self.outputs = outputs_mod.Outputs(
             scheduler=self.scheduler,
+            delivery=self.delivery,
             stop_token_ids=tokenizer.stop_token_ids,
             max_model_len=config.max_model_len,
             max_step_retries=config.max_step_retries,
@@ -128,6 +135,7 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("engine already started")
         self._alive = True
+        self.delivery.start()
         self._thread = threading.Thread(target=self._run, name="moe-engine", daemon=True)
         self._thread.start()
 
@@ -318,6 +326,7 @@ class Engine:
                 self.outputs.finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
             for seq in list(self.scheduler.running.values()):
                 self.outputs.finish(seq, req.FinishReason.ERROR, error="the engine stopped")
+            self.delivery.close()  # every output pushed before stop() returns
             self._publish_stats()
             log.info("engine: step loop stopped after %d steps", self._step_id)
 
@@ -337,6 +346,7 @@ class Engine:
                 boundary_mod.run_into(fn, future)
             self.outputs.abort(aborts, self.queue)
             self._admit()
+            self.delivery.send()
             self._publish_stats()
             with self._cond:
                 if self.boundary.waiting() or self._stopping:
@@ -351,6 +361,7 @@ class Engine:
                     controls.update(control)
                     control_futures.append(future)
             self._step(controls, control_futures)
+            self.delivery.send()  # the outputs of a failed step (retries exhausted)
             self._publish_stats()
 
     def _must_step(self) -> bool:
@@ -396,6 +407,7 @@ class Engine:
         self._last_step_seconds = elapsed
         by_rank = {out.rank: out for out in outputs}
         produced, errors = self.outputs.apply(self._step_id, work, by_rank, batches)
+        self.delivery.send()  # made and streamed while the next step runs
         if produced:
             self._last_token_time = time.monotonic()
         for cf in control_futures:

@@ -1,7 +1,8 @@
 """What a step's outputs do to the requests (`Outputs`, a part of `core.Engine`, run on the
-engine thread): sampled tokens appended and streamed, requests finished (stop, length, abort,
-error), and the sequences of a failed step re-prefilled, or failed after
-`EngineConfig.max_step_retries` failed steps in a row."""
+engine thread): sampled tokens appended, requests finished (stop, length, abort, error), and
+the sequences of a failed step re-prefilled, or failed after `EngineConfig.max_step_retries`
+failed steps in a row. The outputs the consumers see (text deltas, finished outputs) are
+queued to `delivery.Delivery`, which makes their text and streams them off the step path."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moe_runtime import step as step_types
+from moe_runtime.engine import delivery as delivery_mod
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
 from moe_runtime.engine import scheduler as scheduler_mod
@@ -20,21 +22,23 @@ log = logging.getLogger(__name__)
 class Outputs:
     """Applies step outputs to the scheduler's sequences and finishes requests.
 
-    scheduler: the engine's sequences and ranks; stop_token_ids: the tokenizer's stop ids; max_model_len,
-    max_step_retries: `core.EngineConfig`'s; observer(): the engine's current step observer
-    (metrics), or None.
+    scheduler: the engine's sequences and ranks; delivery: where outputs go; stop_token_ids:
+    the tokenizer's stop ids; max_model_len, max_step_retries: `core.EngineConfig`'s;
+    observer(): the engine's current step observer (metrics), or None.
     """
 
     def __init__(
         self,
         *,
         scheduler: scheduler_mod.Scheduler,
+        delivery: delivery_mod.Delivery,
         stop_token_ids: tuple[int, ...],
         max_model_len: int,
         max_step_retries: int,
         observer: Callable[[], Any],
     ) -> None:
         self._scheduler = scheduler
+        self._delivery = delivery
         self._eos = frozenset(stop_token_ids)
         self._max_model_len = max_model_len
         self._max_step_retries = max_step_retries
@@ -81,24 +85,28 @@ class Outputs:
         request = seq.handle.request
         seq.tokens.append(token)
         is_eos = not request.ignore_eos and token in self._eos
-        delta = "" if is_eos else seq.text.append(token)
+        # Stop strings: the text decides whether the sequence goes on, so it is made here.
+        here = bool(request.stop)
+        delta = seq.text.append(token) if here and not is_eos else ""
         reason: req.FinishReason | None = None
-        if is_eos or seq.text.stopped:
+        if is_eos or (here and seq.text.stopped):
             reason = req.FinishReason.STOP
         elif seq.num_generated >= request.max_tokens or len(seq.tokens) >= self._max_model_len:
             reason = req.FinishReason.LENGTH
         if reason is None:
-            seq.handle.push(
-                req.RequestOutput(
-                    request_id=seq.seq_id,
-                    new_token_ids=[token],
+            self._delivery.put(
+                delivery_mod.Emit(
+                    handle=seq.handle,
+                    text=None if here else seq.text,
+                    token=token,
+                    decode=not is_eos,
                     new_text=delta,
                     num_prompt_tokens=seq.prompt_len,
                     num_generated_tokens=seq.num_generated,
                 )
             )
             return
-        self.finish(seq, reason, new_token_ids=[token], new_text=delta)
+        self.finish(seq, reason, token=token, decode=not is_eos, new_text=delta)
 
     def step_failed(self, w: scheduler_mod.Work, message: str) -> None:
         """The step failed for this work: re-prefill its sequence, or fail it past the
@@ -135,21 +143,27 @@ class Outputs:
         seq: scheduler_mod.Seq,
         reason: req.FinishReason,
         *,
-        new_token_ids: list[int] | None = None,
+        token: int | None = None,
+        decode: bool = True,
         new_text: str = "",
         error: str | None = None,
     ) -> None:
-        """The request of a running sequence ends (its last output, its KV freed later)."""
+        """The request of a running sequence ends (its last output, its KV freed later).
+
+        token: the last sampled token, if any (decode: it goes into the text); new_text: its
+        text when made already (stop strings)."""
         self._scheduler.running.pop(seq.seq_id, None)
         if seq.dirty:
             self._scheduler.free_later(seq.rank, [seq.seq_id])
             seq.dirty = False
-        seq.handle.push(
-            req.RequestOutput(
-                request_id=seq.seq_id,
-                new_token_ids=new_token_ids or [],
-                new_text=new_text + seq.text.flush(),
-                finished=True,
+        here = bool(seq.handle.request.stop)
+        self._delivery.put(
+            delivery_mod.Emit(
+                handle=seq.handle,
+                text=None if here else seq.text,
+                token=token,
+                decode=decode,
+                new_text=new_text + seq.text.flush() if here else new_text,
                 finish_reason=reason,
                 error=error,
                 num_prompt_tokens=seq.prompt_len,
@@ -170,15 +184,9 @@ class Outputs:
         """A request that never ran ends (aborted in the queue, refused, or the engine
         stopped)."""
         n = len(handle.request.prompt_token_ids)
-        handle.push(
-            req.RequestOutput(
-                request_id=handle.request_id,
-                new_token_ids=[],
-                new_text="",
-                finished=True,
-                finish_reason=reason,
-                error=error,
-                num_prompt_tokens=n,
+        self._delivery.put(
+            delivery_mod.Emit(
+                handle=handle, text=None, finish_reason=reason, error=error, num_prompt_tokens=n
             )
         )
         observer = self._observer()

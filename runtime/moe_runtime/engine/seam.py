@@ -64,6 +64,8 @@ class EngineConfig:
     reserve (prompt + max_tokens, in blocks of kv_block_size) no more; None: no bound.
     kv_budget: that bound for a number of serving ranks (`model.kv_budget.KVBudget.tokens`),
     re-derived whenever the ranks that step change; when set, it gives kv_tokens_per_rank.
+    async_outputs: detokenise and stream a step's outputs on a thread of their own, while the
+    ranks run the next step (`delivery`); False: on the step loop's thread, between steps.
     """
 
     max_model_len: int
@@ -73,6 +75,7 @@ class EngineConfig:
     kv_tokens_per_rank: int | None = None
     kv_block_size: int = 16
     kv_budget: Callable[[int], int] | None = None
+    async_outputs: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_seqs_per_rank < 1:
