@@ -9,7 +9,8 @@ started,
 a few requests compile its graph, then, from /proc and from the clients:
 
 1. idle: CPU of each rank process and of the server (the Ray driver) over `--seconds`,
-   counted from the end of the last request (so the park delay's spinning is included);
+   counted from the end of the last request (so the park delay's spinning is included), then
+   over the next `--seconds` (steady idle);
 2. the first request after an idle time (that one, then `--repeats` - 1 more after
    `--gap` s idle each; medians): time to first token and the mean inter-token gap (a parked
    graph: plain actor calls while the graph compiles again in the background);
@@ -19,7 +20,7 @@ a few requests compile its graph, then, from /proc and from the clients:
 A benchmark prints figures; it asserts nothing.
 
 Run: .venv/bin/python bench/idle_cpu.py [--model synthetic://tiny?seed=0] [--seconds 10]
-     [--park-seconds 0,1,remote] [--clients 4] [--repeats 3] [--gap 3]
+     [--park-seconds 0,2,remote] [--clients 4] [--repeats 4] [--gap 4]
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace, park: str, workdir: pathlib.Path) -> dict[str,
                 stream(client, name, 0, 8)
             stream(client, name, 0, args.max_tokens)
             out["idle"] = spares_bench.sample(pids, args.seconds)
+            out["steady"] = spares_bench.sample(pids, args.seconds)
             firsts = [stream(client, name, 1, args.max_tokens)]
             for i in range(args.repeats - 1):
                 time.sleep(args.gap)  # the idle time before the next first request
@@ -190,7 +192,7 @@ def show(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"load average {os.getloadavg()[0]:.1f}"
     )
     header = (
-        f"{'park after':>10} | {'idle: cores/rank':>16} {'server':>6} | "
+        f"{'park after':>10} | {'idle: cores/rank':>16} {'server':>6} {'steady':>11} | "
         f"{'1st after idle: TTFT':>20} {'gap':>6} | {'load: cores/rank':>16} {'tok/s':>6} "
         f"{'gap p50':>7} {'gap p99':>7} {'TTFT p50':>8} | parks idle/load"
     )
@@ -199,7 +201,8 @@ def show(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         park = r["park"]
         label = park if park == "remote" else "never" if float(park) == 0 else f"{park} s"
         print(
-            f"{label:>10} | {cores(r['idle'], 'ranks'):>16} {cores(r['idle'], 'server'):>6} | "
+            f"{label:>10} | {cores(r['idle'], 'ranks'):>16} {cores(r['idle'], 'server'):>6} "
+            f"{cores(r['steady'], 'ranks'):>11} | "
             f"{r['first_ttft'] * 1e3:18.1f}ms {r['first_gap'] * 1e3:4.1f}ms | "
             f"{cores(r['load'], 'ranks'):>16} {r['tokens_per_s']:6.0f} "
             f"{r['gap_p50'] * 1e3:5.1f}ms {r['gap_p99'] * 1e3:5.1f}ms "
@@ -216,12 +219,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
         "--park-seconds",
-        default="0,1,remote",
+        default="0,2,remote",
         help="comma-separated MOE_STEP_GRAPH_PARK_SECONDS values, one server each (0: never; "
         "remote: --step-mode remote)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="first requests after idle")
-    parser.add_argument("--gap", type=float, default=3.0, help="idle seconds before each")
+    parser.add_argument("--repeats", type=int, default=4, help="first requests after idle")
+    parser.add_argument("--gap", type=float, default=4.0, help="idle seconds before each")
     args = parser.parse_args()
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-idle-cpu-"))
     results = [run(args, park.strip(), workdir) for park in args.park_seconds.split(",")]

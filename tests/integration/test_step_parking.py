@@ -138,15 +138,17 @@ def test_a_path_closed_while_parked_stops_its_threads(actors: list[Any]) -> None
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [pytest.param("", 1.0, id="unset"), pytest.param("0", 0.0, id="never"), ("2.5", 2.5)],
+    [pytest.param("", None, id="unset"), pytest.param("0", 0.0, id="never"), ("2.5", 2.5)],
 )
 def test_park_seconds_come_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch, raw: str, expected: float
+    monkeypatch: pytest.MonkeyPatch, raw: str, expected: float | None
 ) -> None:
+    """Unset: `ray_step.PARK_AFTER_SECONDS`."""
     from moe_runtime.executor import ray_step
 
     monkeypatch.setenv(ray_step.PARK_ENV, raw)
-    assert ray_step.park_after_from_env() == expected
+    want = ray_step.PARK_AFTER_SECONDS if expected is None else expected
+    assert ray_step.park_after_from_env() == want
 
 
 @pytest.mark.parametrize("raw", ["-1", "soon"])

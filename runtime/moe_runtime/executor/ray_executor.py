@@ -6,7 +6,8 @@
   map ranks to pods. Ranks are ordered as vLLM's RayDistributedExecutor orders workers.
 - Each step is one execution of a compiled graph (`ray_graph`; about half the per-step
   overhead of plain actor calls, bench/step.py), or plain actor calls in "remote" mode (the
-  `path`, `ray_step.StepPath`, carries both).
+  `path`, `ray_step.StepPath`, carries both; it parks a graph idle for ~2 s, whose actors
+  would otherwise busy-wait for input, and compiles it again at the next step).
 - Its parts: the roster, heartbeat, switch and weight mover of every executor (`base`), the
   mover's shared-memory way (`ray_weights.SharedMemory`), the group builder
   (`ray_groups.RayGroups`), the step path (`path`: `ray_step.StepPath`) and the warm-up of new

@@ -56,7 +56,7 @@ PROBE_STEP_ID = ray_actor.PROBE_STEP_ID
 RETRY_SECONDS = 5.0
 #: Seconds without a step after which a live graph is torn down (parked; module docstring):
 #: default of `StepPath`'s park_after, env MOE_STEP_GRAPH_PARK_SECONDS (0: never park).
-PARK_AFTER_SECONDS = 1.0
+PARK_AFTER_SECONDS = 2.0
 PARK_ENV = "MOE_STEP_GRAPH_PARK_SECONDS"
 
 
