@@ -24,7 +24,9 @@ while no step runs (measured: 0.9 of a core per serving rank). A thread of the s
 the graph down once no step has run for `park_after` s (none in flight): the path is parked.
 The next step goes through plain calls at once and restarts the background job, which compiles
 the graph again (~0.1-0.2 s over actors that were in one before) and installs it as after a
-switch. A busy server never parks; an idle one costs its ranks nothing while it waits.
+switch. A busy server never parks; an idle one costs its ranks nothing while it waits. A park
+and resume cost ~1 CPU-second in all (each compile starts a new `DAGDriverProxyActor` process
+in Ray 2.60), less than `park_after` s of the spinning it stops (docs/BENCHMARKS.md).
 
 Failures: a compile or a probe that fails leaves the plain-call path serving (no request
 notices) and is tried again `RETRY_SECONDS` later, at the next step. A compile that hangs holds
