@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("compiled", "remote"),
         default=None,
         help="how the ray executor runs a step: a Ray compiled graph (default; env "
-        "MOE_STEP_MODE) or plain actor calls (no idle polling: for more ranks than cores)",
+        "MOE_STEP_MODE; torn down after MOE_STEP_GRAPH_PARK_SECONDS, 2 s, without a step, "
+        "since its actors poll for input) or plain actor calls (slower steps)",
     )
     elastic = serve.add_argument_group("elastic expert parallelism")
     elastic.add_argument(

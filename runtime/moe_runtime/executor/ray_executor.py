@@ -6,7 +6,8 @@
   map ranks to pods. Ranks are ordered as vLLM's RayDistributedExecutor orders workers.
 - Each step is one execution of a compiled graph (`ray_graph`; about half the per-step
   overhead of plain actor calls, bench/step.py), or plain actor calls in "remote" mode (the
-  `path`, `ray_step.StepPath`, carries both).
+  `path`, `ray_step.StepPath`, carries both; it parks a graph idle for ~2 s, whose actors
+  would otherwise busy-wait for input, and compiles it again at the next step).
 - Its parts: the roster, heartbeat, switch and weight mover of every executor (`base`), the
   mover's shared-memory way (`ray_weights.SharedMemory`), the group builder
   (`ray_groups.RayGroups`), the step path (`path`: `ray_step.StepPath`) and the warm-up of new
@@ -82,10 +83,12 @@ class RayExecutor(base.Executor):
     is found much sooner, from the heartbeat and the deadline derived from observed step times
     (`health_mod.StepClock`). switch_timeout bounds a `switch` called without a timeout.
     step_mode: "compiled" (a Ray compiled graph per step; the default) or "remote" (plain actor
-    calls). Measured on Ray 2.60: while a compiled graph is live, each idle actor busy-waits
-    on its input channel (~0.45 of a core, sched_yield loop), so on hosts with fewer cores
-    than ranks (laptops, CI, the local demo) "remote" keeps the CPUs for the work; per-step
-    latency is similar there. Default: env MOE_STEP_MODE, else "compiled". rank_hooks: a
+    calls). Default: env MOE_STEP_MODE, else "compiled". Measured on Ray 2.60: while a
+    compiled graph is live, each actor busy-waits on its input channel between steps (up to a
+    core each, sched_yield loop), so the step path tears an idle graph down after
+    park_after s without a step (`ray_step`, "Parking"; default env
+    MOE_STEP_GRAPH_PARK_SECONDS, else `ray_step.PARK_AFTER_SECONDS`; 0 never parks) and the
+    next step compiles it again in the background. rank_hooks: a
     factory of hooks for every rank (`moe_runtime.rank.hooks`; pickled by reference, so its
     module must be importable in the actors: tests install fault hooks with it).
     """
@@ -103,6 +106,7 @@ class RayExecutor(base.Executor):
         rendezvous: str = "auto",
         transfer_backend: str | None = None,
         step_mode: str | None = None,
+        park_after: float | None = None,
         rank_hooks: hooks_mod.HooksFactory | None = None,
     ) -> None:
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
@@ -136,7 +140,9 @@ class RayExecutor(base.Executor):
         #: The step path (plain calls, or a compiled graph over the stepped actors); no path
         #: after a failed step with lost ranks until the next switch.
         self.path = ray_step.StepPath(
-            compiled=mode == STEP_COMPILED, compile_timeout=switch_timeout
+            compiled=mode == STEP_COMPILED,
+            compile_timeout=switch_timeout,
+            park_after=ray_step.park_after_from_env() if park_after is None else park_after,
         )
         self._warm = ray_graph.WarmUp(timeout=ready_timeout)
         super().__init__(

@@ -17,6 +17,17 @@ step path was replaced meanwhile (`gen` changed) tears its graph down instead. S
 pauses serving only for the workers' `activate`, never for a compile (measured here: ~0.2 s
 over actors that were in a graph before, ~2.5 s over fresh ones).
 
+Parking (`park_after`): Ray 2.60's compiled-graph actors busy-wait for their next input (the
+shared-memory channel's read is a ``sched_yield`` loop in ``PlasmaObjectHeader::ReadAcquire``,
+with no setting that makes it block), so a live graph costs each stepped actor most of a core
+while no step runs (measured: 0.9 of a core per serving rank). A thread of the step path tears
+the graph down once no step has run for `park_after` s (none in flight): the path is parked.
+The next step goes through plain calls at once and restarts the background job, which compiles
+the graph again (~0.1-0.2 s over actors that were in one before) and installs it as after a
+switch. A busy server never parks; an idle one costs its ranks nothing while it waits. A park
+and resume cost ~1 CPU-second in all (each compile starts a new `DAGDriverProxyActor` process
+in Ray 2.60), less than `park_after` s of the spinning it stops (docs/BENCHMARKS.md).
+
 Failures: a compile or a probe that fails leaves the plain-call path serving (no request
 notices) and is tried again `RETRY_SECONDS` later, at the next step. A compile that hangs holds
 the job (plain calls keep serving); it runs in the job's thread, never beside another compile. `clear()` leaves
@@ -27,6 +38,7 @@ no step path (a rank was lost); its graph is retired and torn down by the next j
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -44,19 +56,43 @@ log = logging.getLogger(__name__)
 PROBE_STEP_ID = ray_actor.PROBE_STEP_ID
 #: Seconds after a failed background compile before the next step starts another one.
 RETRY_SECONDS = 5.0
+#: Seconds without a step after which a live graph is torn down (parked; module docstring):
+#: default of `StepPath`'s park_after, env MOE_STEP_GRAPH_PARK_SECONDS (0: never park).
+PARK_AFTER_SECONDS = 2.0
+PARK_ENV = "MOE_STEP_GRAPH_PARK_SECONDS"
+
+
+def park_after_from_env() -> float:
+    """`PARK_AFTER_SECONDS`, or the env's MOE_STEP_GRAPH_PARK_SECONDS (0: never park)."""
+    raw = os.environ.get(PARK_ENV, "").strip()
+    if not raw:
+        return PARK_AFTER_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{PARK_ENV} must be a number of seconds >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{PARK_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 class StepPath:
     """Plain calls or a compiled graph over the stepped actors (see the module docstring).
 
     compiled: whether graphs are built at all ("compiled" step mode). compile_timeout bounds
-    the probe step of a new graph.
+    the probe step of a new graph. park_after: seconds without a step before a live graph is
+    torn down (parked) until the next step; 0 never parks.
     """
 
-    def __init__(self, *, compiled: bool, compile_timeout: float) -> None:
+    def __init__(
+        self, *, compiled: bool, compile_timeout: float, park_after: float = PARK_AFTER_SECONDS
+    ) -> None:
         self.compiled = compiled
         self.compile_timeout = compile_timeout
+        self.park_after = park_after
         self._lock = threading.Lock()
+        #: Wakes the parking thread: a graph was installed, or the path closed.
+        self._wake = threading.Condition(self._lock)
         #: One compile or teardown at a time: the graphs of two jobs never overlap.
         self._compile_lock = threading.Lock()
         self._ranks: list[int] | None = None
@@ -67,6 +103,15 @@ class StepPath:
         self._jobs: list[threading.Thread] = []
         self._retry_at: float | None = None
         self._closed = False
+        #: Steps running now; the monotonic time the last one ended (or a graph was installed).
+        self._in_flight = 0
+        self._last_step = time.monotonic()
+        #: The graph was torn down for idleness: the next step starts its recompile.
+        self._parked = False
+        #: How often the graph was parked and how often a step resumed it (benchmarks, tests).
+        self.parks = 0
+        self.resumes = 0
+        self._parker: threading.Thread | None = None
         #: Seconds of the last background compile (teardown, compile, probe), for the logs
         #: and benchmarks; "error" when it failed.
         self.last_compile: dict[str, Any] = {}
@@ -83,6 +128,11 @@ class StepPath:
         with self._lock:
             return self._graph is not None
 
+    def parked(self) -> bool:
+        """The graph was torn down because no step ran for `park_after` s."""
+        with self._lock:
+            return self._parked
+
     def set(self, ranks: Sequence[int], actors: Sequence[Any]) -> None:
         """Step `actors` (labels `ranks`) from the next step on, through plain calls at once;
         in compiled mode a graph over them is compiled in the background and takes over."""
@@ -92,6 +142,7 @@ class StepPath:
             self._gen += 1
             gen = self._gen
             self._retry_at = None
+            self._parked = False
         if self.compiled:
             self._start_job(gen)
 
@@ -101,6 +152,7 @@ class StepPath:
             self._retire_locked()
             self._ranks, self._actors = None, []
             self._gen += 1
+            self._parked = False
 
     def _retire_locked(self) -> None:
         if self._graph is not None:
@@ -120,21 +172,71 @@ class StepPath:
             )
             if retry:
                 self._retry_at = None
+            resume = self._parked and ranks is not None
+            if resume:
+                self._parked = False
+                self.resumes += 1
+            if ranks is not None:
+                self._in_flight += 1
         if ranks is None:
             raise RuntimeError("no step path")
-        if retry:
+        if retry or resume:
             self._start_job(gen)
-        if graph is not None:
-            return list(ray.get(graph.execute(step), timeout=timeout))
-        refs = [a.execute_step.remote(step) for a in actors]
-        outs: list[step_mod.StepOutput] = ray_actor.get_all(
-            refs, list(ranks), what="execute_step", timeout=timeout
-        )
-        return outs
+        try:
+            if graph is not None:
+                return list(ray.get(graph.execute(step), timeout=timeout))
+            refs = [a.execute_step.remote(step) for a in actors]
+            outs: list[step_mod.StepOutput] = ray_actor.get_all(
+                refs, list(ranks), what="execute_step", timeout=timeout
+            )
+            return outs
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._last_step = time.monotonic()
+
+    # -- parking ---------------------------------------------------------------------------
+    def _park_wait_locked(self) -> float | None:
+        """Seconds until the live graph is due to be parked (<= 0: now); None: nothing to
+        park (no graph, or never parking)."""
+        if self._graph is None or self._closed or self.park_after <= 0:
+            return None
+        if self._in_flight:
+            return self.park_after
+        return self._last_step + self.park_after - time.monotonic()
+
+    def _run_parker(self) -> None:
+        """The parking thread: tears the graph down once no step has run for `park_after` s.
+        Under load it wakes about once per `park_after` s and finds a recent step."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                wait = self._park_wait_locked()
+                if wait is None or wait > 0:
+                    self._wake.wait(wait)  # re-checked on wake-up
+                    continue
+                self._retire_locked()
+                self._parked = True
+                self.parks += 1
+                gen = self._gen
+            log.info("no step for %.1fs: parking the step graph", self.park_after)
+            self._start_job(gen, compile=False)
+
+    def _start_parker_locked(self) -> None:
+        if self.park_after > 0 and self._parker is None and not self._closed:
+            self._parker = threading.Thread(
+                target=self._run_parker, name="step-graph-parker", daemon=True
+            )
+            self._parker.start()
 
     # -- the background job ---------------------------------------------------------------
-    def _start_job(self, gen: int) -> None:
-        job = threading.Thread(target=self._run_job, args=(gen,), name="step-graph", daemon=True)
+    def _start_job(self, gen: int, *, compile: bool = True) -> None:
+        """A background job: tear the retired graphs down, then (compile) compile, probe and
+        install the graph over the stepped actors."""
+        job = threading.Thread(
+            target=self._run_job, args=(gen, compile), name="step-graph", daemon=True
+        )
         with self._lock:
             if self._closed:
                 return
@@ -145,14 +247,14 @@ class StepPath:
         with self._lock:
             return gen == self._gen and not self._closed
 
-    def _run_job(self, gen: int) -> None:
+    def _run_job(self, gen: int, compile: bool) -> None:
         with self._compile_lock:
             started = time.monotonic()
             self._teardown_retired()
             torn = time.monotonic()
             with self._lock:
                 actors = list(self._actors)
-            if not self._current(gen):
+            if not compile or not self._current(gen):
                 return
             try:
                 graph = ray_graph.compile_graph(actors)
@@ -183,6 +285,9 @@ class StepPath:
                 installed = gen == self._gen and not self._closed
                 if installed:
                     self._graph = graph
+                    self._last_step = max(self._last_step, time.monotonic())
+                    self._start_parker_locked()
+                    self._wake.notify_all()
             if not installed:
                 self._teardown(graph)  # the step path changed meanwhile
                 return
@@ -231,6 +336,10 @@ class StepPath:
             self._retire_locked()
             self._ranks, self._actors = None, []
             self._gen += 1
+            self._wake.notify_all()
+            parker = self._parker
+        if parker is not None:
+            parker.join(timeout)
         self.wait_idle(timeout)
         with self._compile_lock:
             self._teardown_retired()

@@ -1,0 +1,160 @@
+"""The step path parks an idle compiled graph (`ray_step`, "Parking"): over two actors that do
+no work, a graph idle for `park_after` s is torn down and its actors stop spending CPU, a step
+while parked is answered through plain calls and brings the graph back, and steps that keep
+coming never park it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from moe_runtime import step as step_mod
+
+pytestmark = pytest.mark.ray
+
+PARK_AFTER = 0.5
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class Echo:
+    """A rank that does nothing: answers every step with its step id."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        return step_mod.StepOutput(rank=self.rank, step_id=step.step_id)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)  # poll
+
+
+@pytest.fixture(scope="module")
+def actors(ray_session: None) -> Iterator[list[Any]]:
+    import ray
+
+    remote = ray.remote(num_cpus=0)(Echo)
+    handles = [remote.remote(rank) for rank in range(2)]  # type: ignore[attr-defined]
+    ray.get([h.pid.remote() for h in handles])
+    yield handles
+    for h in handles:
+        ray.kill(h)
+
+
+@pytest.fixture
+def path(actors: list[Any]) -> Iterator[Any]:
+    from moe_runtime.executor import ray_step
+
+    p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=PARK_AFTER)
+    p.set([0, 1], actors)
+    wait_for(p.graph_live, "the step graph took over")
+    yield p
+    p.close()
+
+
+def step(path: Any, step_id: int) -> list[int]:
+    outs = path.execute(step_mod.StepInput(step_id=step_id), timeout=60.0)
+    assert [o.rank for o in outs] == [0, 1]
+    return [o.step_id for o in outs]
+
+
+def test_an_idle_graph_is_parked_and_its_actors_stop_spending_cpu(
+    path: Any, actors: list[Any]
+) -> None:
+    import ray
+
+    assert step(path, 1) == [1, 1]
+    wait_for(path.parked, f"the graph parked after {PARK_AFTER}s without a step")
+    assert not path.graph_live() and path.parks == 1
+    assert path.wait_idle(60)  # the teardown job is over
+    pids = ray.get([a.pid.remote() for a in actors])
+    before = [cpu_seconds(pid) for pid in pids]
+    started = time.monotonic()
+    time.sleep(2.0)  # the measurement window itself
+    seconds = time.monotonic() - started
+    used = [(cpu_seconds(pid) - b) / seconds for pid, b in zip(pids, before, strict=True)]
+    # A live graph's actors busy-wait (most of a core each); parked ones only idle.
+    assert max(used) < 0.15, f"parked actors used {used} of a core"
+
+
+def test_a_step_while_parked_is_served_and_brings_the_graph_back(path: Any) -> None:
+    wait_for(path.parked, "the graph parked")
+    assert step(path, 2) == [2, 2]  # plain calls, at once
+    assert path.resumes == 1 and not path.parked()
+    wait_for(path.graph_live, "the graph compiled again after the step")
+    assert step(path, 3) == [3, 3]
+    wait_for(path.parked, "parked again once idle")
+    assert path.parks == 2
+
+
+def test_steps_that_keep_coming_never_park_the_graph(actors: list[Any]) -> None:
+    from moe_runtime.executor import ray_step
+
+    park_after = 2.0  # wide: a loaded machine may stall this loop for a while
+    p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=park_after)
+    p.set([0, 1], actors)
+    try:
+        wait_for(p.graph_live, "the step graph took over")
+        step_id = 10
+        until = time.monotonic() + 1.5 * park_after
+        while time.monotonic() < until:
+            step_id += 1
+            assert step(p, step_id) == [step_id, step_id]
+            time.sleep(0.05)  # the load: a step every ~50 ms
+        assert p.parks == 0 and p.graph_live()
+    finally:
+        p.close()
+
+
+def test_a_path_closed_while_parked_stops_its_threads(actors: list[Any]) -> None:
+    from moe_runtime.executor import ray_step
+
+    p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=PARK_AFTER)
+    p.set([0, 1], actors)
+    wait_for(p.parked, "the graph parked")
+    p.close()
+    assert p.wait_idle(10)
+    assert p._parker is not None and not p._parker.is_alive()
+    with pytest.raises(RuntimeError, match="no step path"):
+        p.execute(step_mod.StepInput(step_id=1), timeout=10.0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [pytest.param("", None, id="unset"), pytest.param("0", 0.0, id="never"), ("2.5", 2.5)],
+)
+def test_park_seconds_come_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, raw: str, expected: float | None
+) -> None:
+    """Unset: `ray_step.PARK_AFTER_SECONDS`."""
+    from moe_runtime.executor import ray_step
+
+    monkeypatch.setenv(ray_step.PARK_ENV, raw)
+    want = ray_step.PARK_AFTER_SECONDS if expected is None else expected
+    assert ray_step.park_after_from_env() == want
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon"])
+def test_bad_park_seconds_name_the_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    from moe_runtime.executor import ray_step
+
+    monkeypatch.setenv(ray_step.PARK_ENV, raw)
+    with pytest.raises(ValueError, match=ray_step.PARK_ENV):
+        ray_step.park_after_from_env()
