@@ -17,6 +17,10 @@ COMMAND: Final = ("moe-runtime", "serve")
 
 MODEL: Final = "--model"
 DATA_PARALLEL_SIZE: Final = "--data-parallel-size"
+#: Devices (rank actors) per data-parallel rank that shard its attention and dense layers.
+TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
+#: Contiguous stages the decoder layers are split into, per data-parallel rank.
+PIPELINE_PARALLEL_SIZE: Final = "--pipeline-parallel-size"
 SERVED_MODEL_NAME: Final = "--served-model-name"
 HOST: Final = "--host"
 PORT: Final = "--port"
@@ -94,12 +98,20 @@ class ServeArgs:
     warm_spare_ranks: int = 0
     #: One of ``DTYPES``.
     dtype: str = DTYPE_AUTO
+    #: 1 (the runtime's default) is left out, so a head of an older runtime still parses it.
+    tensor_parallel_size: int = 1
+    #: 1 (the runtime's default) is left out.
+    pipeline_parallel_size: int = 1
 
     def argv(self) -> list[str]:
         """``moe-runtime serve ...``, in a fixed order (the head's command in the RayCluster)."""
         out = [*COMMAND]
         out += _option(MODEL, self.model)
         out += _option(DATA_PARALLEL_SIZE, self.data_parallel_size)
+        if self.tensor_parallel_size != 1:
+            out += _option(TENSOR_PARALLEL_SIZE, self.tensor_parallel_size)
+        if self.pipeline_parallel_size != 1:
+            out += _option(PIPELINE_PARALLEL_SIZE, self.pipeline_parallel_size)
         out += _option(SERVED_MODEL_NAME, self.served_model_name)
         out += _option(HOST, self.host)
         out += _option(PORT, self.port)

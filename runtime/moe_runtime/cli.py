@@ -64,6 +64,18 @@ def _kv_budget(
     )
 
 
+def _unsupported_mesh(args: argparse.Namespace) -> str | None:
+    """Why this runtime cannot serve the asked mesh, or None (docs/TENSOR-PARALLEL.md)."""
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        return (
+            f"{flags.TENSOR_PARALLEL_SIZE} {args.tensor_parallel_size} "
+            f"{flags.PIPELINE_PARALLEL_SIZE} {args.pipeline_parallel_size}: this runtime serves "
+            "one device per data-parallel rank only (tensor and pipeline parallelism exist at "
+            "the model level, not in serve yet)"
+        )
+    return None
+
+
 def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -242,6 +254,10 @@ def serve(args: argparse.Namespace) -> int:
     # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
     signal.signal(signal.SIGTERM, _raise_exit)
     started = time.monotonic()
+    unsupported = _unsupported_mesh(args)
+    if unsupported:
+        log.error("serve: %s", unsupported)
+        return termination.failed(unsupported)
     try:
         src = source_mod.open_source(args.model)
     except (OSError, ValueError) as exc:

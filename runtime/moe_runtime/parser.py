@@ -28,6 +28,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(flags.DATA_PARALLEL_SIZE, type=_positive, required=True, help="DP ranks")
     serve.add_argument(
+        flags.TENSOR_PARALLEL_SIZE,
+        type=_positive,
+        default=1,
+        help="rank actors (devices) per DP rank sharding attention, dense MLPs and the "
+        "vocabulary (docs/TENSOR-PARALLEL.md)",
+    )
+    serve.add_argument(
+        flags.PIPELINE_PARALLEL_SIZE,
+        type=_positive,
+        default=1,
+        help="contiguous stages of the decoder layers per DP rank",
+    )
+    serve.add_argument(
         flags.NUM_REDUNDANT_EXPERTS,
         type=_non_negative,
         default=0,

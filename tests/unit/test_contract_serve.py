@@ -146,6 +146,8 @@ def test_a_flag_renamed_on_one_side_only_is_caught(flag: str) -> None:
         builders.serve_args(owner_name="tiny", spec=SAMPLE),
         max_experts_per_rank=4,
         warm_spare_ranks=1,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
     )
     renamed = [
         a.replace(flag, flag + "-renamed", 1) if a == flag or a.startswith(flag + "=") else a
