@@ -2,7 +2,9 @@
 P = 2 gives the greedy tokens of transformers' `generate` and of one process (P = 1) for the
 Mixtral, Qwen3-MoE and DeepSeek-V3 (MLA) shapes, each stage reading and holding only its
 layers' tensors and experts; (T, P) = (2, 2) in four processes (a TP group of two inside each
-stage) gives the same tokens. One pool of four processes for the module; every family in
+stage) gives the same tokens; DP = 2 x PP = 2 with each stage's experts placed over its own
+expert-parallel group (stage s of both DP ranks; different, staggered requests per DP rank)
+gives the tokens of one process. One pool of four processes for the module; every family in
 one task per case.
 """
 
@@ -24,7 +26,13 @@ PROMPTS = [[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)]]
 NEW_TOKENS = 8
 PP = 2
 TP = 2
+DP = 2
 TIMEOUT_S = 240.0
+#: DP x PP case: (prompt, new tokens, arrival step) per request, spread over the DP ranks.
+REQUESTS = [
+    {"seq_id": f"s{i}", "prompt": p, "max_new": 4 + i % 3, "start_step": i % 2, "rank": i % DP}
+    for i, p in enumerate([[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)], [3, 4], [1, 250, 6]])
+]
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +147,37 @@ def _planned_bytes(cfg: Any, plan: pipeline.PipelineStage) -> int:
         for n in names.all_tensor_names(cfg)
         if plan.holds(n)
     )
+
+
+def test_dp_by_pp_with_experts_per_stage_gives_the_tokens_of_one_process(
+    pool: ep_ranks.RankPool,
+    checkpoints: dict[str, dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    store = str(tmp_path_factory.mktemp("dp-pp"))
+    pp_specs = [group.GroupSpec.local(PP, epoch=30 + d, directory=store) for d in range(DP)]
+    ep_specs = [group.GroupSpec.local(DP, epoch=40 + s, directory=store) for s in range(PP)]
+    paths = {family: c["path"] for family, c in checkpoints.items()}
+    processes = [(d, s) for d in range(DP) for s in range(PP)]
+    results = pool.run(
+        "dp_pp_generate",
+        [
+            dict(
+                pp_spec=pp_specs[d],
+                ep_spec=ep_specs[s],
+                dp_rank=d,
+                stage=s,
+                checkpoints=paths,
+                requests=REQUESTS,
+            )
+            for d, s in processes
+        ],
+        timeout=TIMEOUT_S,
+    )
+    for family, c in checkpoints.items():
+        longest = max(r["max_new"] for r in REQUESTS)
+        alone = generate.generate_greedy(c["path"], [r["prompt"] for r in REQUESTS], longest)
+        expected = {r["seq_id"]: t[: r["max_new"]] for r, t in zip(REQUESTS, alone, strict=True)}
+        for (d, s), got in zip(processes, results, strict=True):
+            mine = {r["seq_id"] for r in REQUESTS if r["rank"] == d}
+            assert got[family] == {q: expected[q] for q in mine}, (family, d, s)

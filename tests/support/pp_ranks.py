@@ -6,7 +6,9 @@ A process is TP rank t of pipeline stage s. Its pipeline group holds TP rank t o
 (group rank = stage): stage s receives the hidden states of the batch's new tokens from s - 1
 (gloo recv), runs its layers, sends its hidden states to s + 1; the last stage's tokens are
 broadcast to every stage (the next step's batch is built from them on every stage, as a
-driver would send it). Its TP group holds the TP ranks of its stage.
+driver would send it). Its TP group holds the TP ranks of its stage. With DP ranks, the
+expert-parallel group of stage s holds stage s of every DP rank, under a placement of that
+stage's MoE layers only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any, Protocol
 import safetensors
 import torch
 
-from moe_runtime.comm import group
+from moe_runtime.comm import ep, group
+from moe_runtime.eplb import policy
 from moe_runtime.model import decoder, pipeline, source, tensor_parallel, tp_shard
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
@@ -87,6 +90,70 @@ def pipeline_generate(
     return out
 
 
+def lockstep_pipeline_generate(
+    ep_grp: group.StatelessGroup,
+    dp_rank: int,
+    model: decoder.MoEModel,
+    experts: experts_mod.ExpertBackend,
+    link: Link,
+    requests: list[dict[str, Any]],
+) -> dict[str, list[int]]:
+    """Greedy generation of DP rank `dp_rank`'s requests (each: seq_id, prompt, max_new,
+    start_step, rank) through its pipeline, every stage stepping in lockstep with the same
+    stage of the other DP ranks (its EP group): a DP rank with nothing to do runs an empty
+    batch through its stages. Ends when no DP rank has an unfinished request."""
+    mine = [r for r in requests if r["rank"] == dp_rank]
+    out: dict[str, list[int]] = {r["seq_id"]: [] for r in mine}
+    kv = kv_mod.KVCache(model.local_config, layers=model.layers)
+    step = 0
+    while True:
+        left = torch.tensor([sum(len(out[r["seq_id"]]) < r["max_new"] for r in mine)])
+        ep_grp.all_reduce(left)
+        if int(left.item()) == 0:
+            return out
+        running = [
+            r for r in mine if r["start_step"] <= step and len(out[r["seq_id"]]) < r["max_new"]
+        ]
+        batch = kv_mod.ForwardBatch(
+            seq_ids=[r["seq_id"] for r in running],
+            token_ids=[
+                [out[r["seq_id"]][-1]] if out[r["seq_id"]] else list(r["prompt"]) for r in running
+            ],
+            start_pos=[
+                len(r["prompt"]) + len(out[r["seq_id"]]) - 1 if out[r["seq_id"]] else 0
+                for r in running
+            ],
+        )
+        tokens = pipeline_step(model, kv, experts, link, batch)
+        for r, token in zip(running, tokens, strict=True):
+            out[r["seq_id"]].append(token)
+        step += 1
+
+
+def stage_experts(
+    src: source.ModelSource,
+    stage: pipeline.PipelineStage,
+    ep_grp: group.StatelessGroup,
+    dp_rank: int,
+) -> experts_mod.ExpertBackend:
+    """Stage `stage`'s experts over its EP group: an identity placement of its MoE layers
+    only, this DP rank's slots read from `src` (by the model's MoE layer)."""
+    cfg = src.config
+    if stage.num_moe_layers == 0:
+        return experts_mod.LocalExperts({})  # dense layers only: never called
+    num_dp = ep_grp.world_size
+    physical = policy.num_physical_for(cfg.num_experts, num_dp)
+    placement = policy.identity(stage.num_moe_layers, cfg.num_experts, physical, num_dp)
+    slots = {
+        (layer, slot): experts_mod.load_expert(
+            src, stage.moe_layers[0] + layer, int(placement.phy2log[layer, slot])
+        )
+        for layer in range(stage.num_moe_layers)
+        for slot in placement.slots_of_rank(dp_rank, num_dp)
+    }
+    return ep.ExpertParallelBackend(ep_grp, placement, slots)
+
+
 def stage_model(
     src: source.ModelSource,
     *,
@@ -148,4 +215,37 @@ def task_pp_generate(
         pp_grp.destroy()
 
 
-TASKS: dict[str, Callable[..., Any]] = {"pp_generate": task_pp_generate}
+def task_dp_pp_generate(
+    *,
+    pp_spec: group.GroupSpec,
+    ep_spec: group.GroupSpec,
+    dp_rank: int,
+    stage: int,
+    checkpoints: dict[str, str],
+    requests: list[dict[str, Any]],
+) -> dict[str, dict[str, list[int]]]:
+    """DP x PP in miniature: this process is pipeline stage `stage` of DP rank `dp_rank`; its
+    experts are those of its stage's MoE layers placed over its stage's EP group (stage
+    `stage` of every DP rank). Returns this DP rank's tokens per checkpoint."""
+    pp_grp = group.StatelessGroup(pp_spec, stage, timeout=GROUP_TIMEOUT_S)
+    ep_grp = group.StatelessGroup(ep_spec, dp_rank, timeout=GROUP_TIMEOUT_S)
+    out: dict[str, dict[str, list[int]]] = {}
+    try:
+        for family, path in checkpoints.items():
+            src = source.open_source(path)
+            plan = pipeline.plan(src.config, stage=stage, size=pp_spec.world_size)
+            model = stage_model(src, stage=plan, tp_group=None, tp_rank=0, tp_size=1)
+            backend = stage_experts(src, plan, ep_grp, dp_rank)
+            out[family] = lockstep_pipeline_generate(
+                ep_grp, dp_rank, model, backend, pp_grp, requests
+            )
+        return out
+    finally:
+        ep_grp.destroy()
+        pp_grp.destroy()
+
+
+TASKS: dict[str, Callable[..., Any]] = {
+    "pp_generate": task_pp_generate,
+    "dp_pp_generate": task_dp_pp_generate,
+}
