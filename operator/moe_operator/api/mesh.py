@@ -110,7 +110,7 @@ def parse_quantity(value: Union[int, str]) -> decimal.Decimal | None:
         return None
     number, suffix = decimal.Decimal(match.group(1)), match.group(2) or ""
     if suffix in _BINARY:
-        return number * (1024 ** _BINARY[suffix])
+        return number * decimal.Decimal(1024) ** _BINARY[suffix]
     if suffix in _DECIMAL:
         return number.scaleb(_DECIMAL[suffix])
     if suffix:
