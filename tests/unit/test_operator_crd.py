@@ -219,8 +219,13 @@ def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str)
                                                               "limits": {"cpu": "2.5"}}}},
         # the GPU count belongs to GPU workers only; a cpu worker's GPUs are the user's
         {"tensorParallelSize": 2, "ray": {"workerResources": {"limits": {"nvidia.com/gpu": 1}}}},
+        # one device per rank reads as before these rules: no stored deployment turns invalid
+        {"ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
+        {"ray": {"accelerator": "nvidia.com/gpu",
+                 "workerResources": {"limits": {"nvidia.com/gpu": 2}}}},
     ],
-    ids=["tp-2-cpu", "tp-8-gpu", "gpu-count-given-right", "cpu-cores-enough", "cpu-gpu-limit"],
+    ids=["tp-2-cpu", "tp-8-gpu", "gpu-count-given-right", "cpu-cores-enough", "cpu-gpu-limit",
+         "tp1-half-a-core", "tp1-gpu-count-overwritten"],
 )  # fmt: skip
 def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> None:
     parsed = spec_.MoEDeploymentSpec.model_validate({**VALID, **patch})

@@ -4,7 +4,8 @@ and what its worker pod must offer it: the CRD's CEL rules and their Python twin
 One worker pod per DP rank: the pod holds the rank's T × P devices (README.md, "The
 MoEDeployment, field by field"). On ``nvidia.com/gpu`` the operator sets the pod's GPUs to
 T × P, so a ``ray.workerResources`` that names another GPU count is a mistake, refused; on
-``cpu`` a CPU request or limit that is given must hold T × P cores (one per rank actor).
+``cpu`` a CPU request or limit that is given must hold T × P cores (one per rank actor). Both
+checks start at T × P > 1 (:data:`FIT_RULES`).
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ def _cpus_enough(part: str) -> str:
     )
 
 
-_GIVEN: Final = f"has(self.ray) && has({_RESOURCES}) && has(self.ray.accelerator)"
+_GIVEN: Final = f"{_DEVICES} > 1 && has(self.ray) && has({_RESOURCES}) && has(self.ray.accelerator)"
 
 #: Spec-level rules: a worker pod's resources, where the user sets them, fit the rank's mesh.
-#: A CPU quantity that does not parse is left to the API server's Pod validation.
+#: They apply from T x P > 1 on: a spec of one device per rank reads as it always did (a
+#: fraction of a core; a GPU count the operator overwrites with 1), so no stored deployment
+#: turns invalid under a new operator. A CPU quantity that does not parse is left to the API
+#: server's Pod validation.
 FIT_RULES: Final[list[pydantic.JsonValue]] = [
     {
         "rule": f"!({_GIVEN}) || self.ray.accelerator != '{GPU}' || "
@@ -132,6 +136,8 @@ def check_fit(
     limits: Mapping[str, Union[int, str]] | None,
 ) -> None:
     """:data:`FIT_RULES` in Python (``ValueError`` with the same message, and the values)."""
+    if devices == 1:
+        return
     for part in (requests or {}, limits or {}):
         if accelerator == GPU and GPU in part:
             gpus = parse_quantity(part[GPU])

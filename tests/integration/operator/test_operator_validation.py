@@ -219,8 +219,10 @@ def test_invalid_spec_is_refused(
         {"tensorParallelSize": 2, "ray": {"workerResources": {
             "requests": {"cpu": "2000m"}, "limits": {"cpu": 3, "memory": "1Gi"}}}},
         {"tensorParallelSize": 2, "ray": {"workerResources": {"limits": {"memory": "1Gi"}}}},
+        {"tensorParallelSize": 1, "ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
     ],
-    ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given"],
+    ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given",
+         "tp1-half-a-core"],
 )  # fmt: skip
 def test_a_mesh_the_worker_pod_holds_is_accepted(
     control_plane: cluster.ControlPlane, spec: dict[str, Any]
