@@ -53,23 +53,27 @@ def _present(part: str, key: str) -> str:
     return f"has({_RESOURCES}.{part}) && '{key}' in {_RESOURCES}.{part}"
 
 
-def _quantity(part: str, key: str) -> str:
-    return f"string({_RESOURCES}.{part}['{key}'])"
+def _value(part: str, key: str) -> str:
+    return f"{_RESOURCES}.{part}['{key}']"
 
 
+# An int-or-string value is CEL's dyn, whose estimated size is the whole request: no string()
+# of it (the API server refuses such a rule as too costly), an int compared as an int, a string
+# read by the quantity library.
 def _gpus_equal(part: str) -> str:
-    q = _quantity(part, GPU)
+    v = _value(part, GPU)
     return (
-        f"(!({_present(part, GPU)}) || (isQuantity({q}) && quantity({q}).isInteger() && "
-        f"quantity({q}).asInteger() == {_DEVICES}))"
+        f"(!({_present(part, GPU)}) || (type({v}) == int ? {v} == {_DEVICES} : "
+        f"(isQuantity({v}) && quantity({v}).isInteger() && "
+        f"quantity({v}).asInteger() == {_DEVICES})))"
     )
 
 
 def _cpus_enough(part: str) -> str:
-    q = _quantity(part, CPU)
+    v = _value(part, CPU)
     return (
-        f"(!({_present(part, CPU)}) || !isQuantity({q}) || "
-        f"quantity({q}).compareTo(quantity(string({_DEVICES}))) >= 0)"
+        f"(!({_present(part, CPU)}) || (type({v}) == int ? {v} >= {_DEVICES} : "
+        f"(!isQuantity({v}) || quantity({v}).asApproximateFloat() >= double({_DEVICES}))))"
     )
 
 
