@@ -271,6 +271,12 @@ class Executor(abc.ABC):
         """
         self.switcher.switch(ranks, epoch=epoch, placement=placement, timeout=timeout)
 
+    def promote(self, ranks: Sequence[int]) -> None:
+        """Pending workers started with `add_ranks(spare=True)` that a grow takes now run at
+        the serving ranks' CPU priority (the grow waits for them). No-op unless an executor
+        lowers a spare's priority (Ray: `ray_actor.SPARE_NICENESS`)."""
+        return None
+
     def warm_up(self, ranks: Sequence[int]) -> None:
         """Pay one-time costs of pending workers ahead (RayExecutor: their first compiled
         graph); `prepare_switch` waits for it. No-op unless an executor has any."""

@@ -95,6 +95,11 @@ class RankActor:
             return
         _thread_niceness(self.worker.label, tid, BACKGROUND_NICENESS, only_up=True)
 
+    def promote(self) -> None:
+        """A spare (warm, or a rank pool's process) that a grow takes: the serving ranks'
+        priority for every thread (the grow waits for what it runs next)."""
+        set_niceness(self.worker.label, 0, why="joins a grow")
+
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
         info.update(node_id=self.node_id, ip=self.node_ip)
