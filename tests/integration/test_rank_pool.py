@@ -2,7 +2,8 @@
 
 One server for the module: DP 2 on synthetic://tiny, at most 4 ranks, a pool of 2 rank
 processes started ahead with no weights. Under continuous checked load:
-- the pool's processes are up before any grow (listed as inactive ranks holding no expert);
+- the pool's processes are up before any grow (listed as inactive ranks holding no expert),
+  below the serving ranks' CPU priority;
 - a grow 2→4 takes them (the new ranks are those processes: no process starts in its
   Standby), every answer stays token-identical, and the pool refills with new processes;
 - a later grow takes the refilled ones.
@@ -10,6 +11,7 @@ processes started ahead with no weights. Under continuous checked load:
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ import pytest
 
 from e2e import load as load_mod
 from moe_runtime.elastic import stages
+from moe_runtime.executor import niceness
 from tests.support import runtime_proc
 
 pytestmark = pytest.mark.ray
@@ -89,6 +92,7 @@ def test_a_grow_takes_the_pooled_processes_and_the_pool_refills(
 ) -> None:
     pooled = pooled_pids(server.url)
     serving = active_pids(server.url)
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pooled} == {niceness.SPARE_NICENESS}
     traffic = load_mod.Load(
         lambda: server.url,
         model_name="tiny",
@@ -110,6 +114,7 @@ def test_a_grow_takes_the_pooled_processes_and_the_pool_refills(
     assert record["warm_spares"] == 0
     # The new ranks are the processes the pool had started before the grow.
     assert active_pids(server.url) == serving | pooled
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pooled} == {0}  # they serve now
     # The pool refills with new processes (the grow's are serving now).
     refilled = pooled_pids(server.url)
     assert not refilled & (serving | pooled)
