@@ -11,7 +11,7 @@ start, then loads and transfers the weights as for any new rank; the runtime ref
 in the background afterwards.
 
 Upkeep (`maintain`, every `MAINTAIN_SECONDS` on the pool's thread): drop pooled processes that
-died, stop extra ones, start missing ones on free rank slots. Never while `busy()` (a resize or
+died, start missing ones on free rank slots. Never while `busy()` (a resize or
 a recovery owns the ranks and the slots); a pooled process starts below the serving ranks' CPU
 priority once up and waits there (`Executor.add_ranks(spare=True)`), and a grow gives it the
 serving ranks' priority back when it takes it (`Executor.promote`). The pool counts as free
@@ -133,20 +133,33 @@ class RankPool:
             with self._lock:
                 taken = {u for u, label in by_uid.items() if label in chosen}
                 self._uids = [u for u in self._uids if u not in taken]
-        if chosen:
+        if not chosen:
+            return []
+        try:
             self.executor.promote(chosen)
+        except Exception:  # noqa: BLE001 - the grow starts processes instead
+            log.exception("rank pool: ranks %s did not answer; stopping them", chosen)
+            self._remove(chosen)
+            return []
         return chosen
+
+    def _remove(self, labels: list[int]) -> None:
+        """Stop processes that left the pool unused (best effort: a dead one is gone)."""
+        live = set(self.executor.rank_infos())
+        try:
+            self.executor.remove_ranks([r for r in labels if r in live])
+        except Exception:  # noqa: BLE001 - nothing else holds them
+            log.exception("rank pool: stopping ranks %s failed", labels)
 
     # -- upkeep ----------------------------------------------------------------------------
     def maintain(self) -> None:
-        """One pass: drop lost processes, then (unless busy) stop extra ones and start
-        missing ones on free rank slots."""
+        """One pass: drop lost processes, then (unless busy) start missing ones on free rank
+        slots."""
         if self._stop.is_set():
             return
         self._drop_lost()
         if self._busy():
             return
-        self._drop_extra()
         self._start_missing()
 
     def _drop_lost(self) -> None:
@@ -163,22 +176,7 @@ class RankPool:
                 self._uids = [u for u in self._uids if u != uid]
             log.error("rank pool: process %s (rank %s) is lost: %s", uid, label, state)
             if label is not None:
-                try:
-                    self.executor.remove_ranks([label])
-                except Exception:  # noqa: BLE001 - it is dead already; nothing else holds it
-                    log.exception("rank pool: removing lost process of rank %s failed", label)
-
-    def _drop_extra(self) -> None:
-        with self._lock:
-            extra = self._uids[self.size :]
-            self._uids = self._uids[: self.size]
-        if not extra:
-            return
-        by_uid = self._by_uid()
-        labels = [by_uid[u] for u in extra if u in by_uid]
-        if labels:
-            self.executor.remove_ranks(labels)
-        log.info("rank pool: stopped ranks %s", labels)
+                self._remove([label])
 
     def _start_missing(self) -> None:
         with self._lock:
