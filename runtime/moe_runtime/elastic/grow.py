@@ -8,9 +8,9 @@ Ranks keep their labels; the new ones are N..M-1.
   they still lack moves (`record.experts_prestaged` counts the moves they made unneeded).
 - Standby: take the warm spares there are (`SparePool.take`), then the rank pool's started,
   weightless processes (`rank_pool.RankPool.take`), start the other rank workers; load the
-  ones that hold no weights with placeholder weights (or the model source's non-expert weights with
-  `weight_source="storage"`); build the step and transfer groups of a new epoch over all M
-  ranks in the background while the old group keeps serving.
+  ones that hold no weights with placeholders (or the model source's non-expert weights with
+  `weight_source="storage"`) while the step and transfer groups of a new epoch over all M
+  ranks are built in the background (the old group keeps serving).
 - Transferring: non-expert weights go from old ranks to new ones over the new transfer group
   (peer to peer); the placement for M ranks is computed (`rebalance_for_resize`, which keeps
   experts where they are held: live, retained, pre-staged) and the experts every rank lacks
@@ -69,23 +69,32 @@ class Grow:
             )
         plan.new_labels += plan.fresh
         storage = ctx.config.weight_source == "storage"
+        loading = None
         if plan.fresh:
+            # The new ranks load (their default lane) while every rank joins the new epoch's
+            # groups (the control lane; a join needs no weights): the two overlap.
             first = len(old) + len(plan.from_spares)
-            loaded = ctx.rpc(
+            loading = ctx.executor.collective_rpc_async(
                 "load_weights",
                 ranks=plan.fresh,
+                background=False,
+                timeout=ctx.config.rpc_timeout,
                 per_rank={r: {"rank": first + i} for i, r in enumerate(plan.fresh)},
                 source=ctx.config.source,
                 num_ranks=plan.to_size,
                 placement=None,
                 placeholder=not storage,
             )
-            if storage:
-                record.bytes_non_expert += int(sum(int(b) for b in loaded))
         plan.groups_on = list(old)
-        ctx.executor.build_groups(
-            old + plan.new_labels, epoch=plan.epoch, timeout=ctx.config.rpc_timeout
-        )
+        try:
+            ctx.executor.build_groups(
+                old + plan.new_labels, epoch=plan.epoch, timeout=ctx.config.rpc_timeout
+            )
+        finally:
+            # Always waited for: a rollback releases these ranks only once their load ended.
+            loaded = loading.result() if loading is not None else []
+        if storage:
+            record.bytes_non_expert += int(sum(int(b) for b in loaded))
 
     def transfer(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
         """Non-expert weights to the new ranks, and the target placement's experts staged
