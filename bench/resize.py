@@ -1,14 +1,15 @@
 """Live resize figures on synthetic://small: 2→4 and 4→2 under load, against cold starts.
 
-Measured in one run, with one `moe-runtime serve` per `--warm-spare-ranks` value (Ray ranks,
-compiled step graph unless `--step-mode remote`), each resize `--repeats` times (medians):
+Measured in one run, with one `moe-runtime serve` per `--warm-spare-ranks` value and one (with
+no warm spares) per non-zero `--rank-pool` value (Ray ranks, compiled step graph unless
+`--step-mode remote`), each resize `--repeats` times (medians):
 - total resize time and per-stage durations (from /elastic_ep/status history);
 - blackout: the longest interval in which no request made progress (server-side, from the
   step loop) and, from the clients, the longest gap between two streamed tokens of one request;
 - the switch pause: how long the switch held the step loop (`switch_pause_s` of the record);
 - cold start: wall time from `moe-runtime serve` to /health 200 of a fresh server at the target
   size without spares, and the ratio resize / cold start (aim: <= 0.25 without warm spares,
-  <= 0.05 with them);
+  with or without a rank pool of pre-started weightless processes; <= 0.05 with spares);
 - expert bytes moved against the lower bound for that placement change (every (layer, rank,
   expert) the new placement needs and the old one did not hold, times the bytes of one expert);
   a grow on warm spares that hold its experts pre-staged moves less than the bound (the bench
@@ -18,10 +19,11 @@ compiled step graph unless `--step-mode remote`), each resize `--repeats` times 
 It also draws each server's run (e2e/timeline.py): tokens/s over time, per rank by their share
 of the routed tokens, the stage bands of both resizes, the size, and `requests: ok=N
 failed=M`, into `--png` (default out/resize-timeline.png; out/resize-timeline-spares2.png for
-the server with 2 warm spares).
+the server with 2 warm spares, out/resize-timeline-pool2.png for the one with a pool of 2).
 
 Run: .venv/bin/python bench/resize.py   (a few minutes on 2 cores; prints figures, asserts none)
      .venv/bin/python bench/resize.py --warm-spare-ranks 2 --repeats 3 --step-mode remote
+     .venv/bin/python bench/resize.py --warm-spare-ranks 0 --rank-pool 2 --repeats 2
 """
 
 from __future__ import annotations
@@ -141,6 +143,24 @@ def wait_spares(url: str, count: int, deadline_s: float = 600.0) -> float:
     return time.monotonic() - started
 
 
+def pool_ready(url: str) -> int:
+    """`moe_rank_pool_ready` of /metrics (0 without a pool)."""
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith("moe_rank_pool_ready "):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def wait_pool(url: str, count: int, deadline_s: float = 600.0) -> float:
+    """Seconds until the rank pool holds `count` started processes (0 when none are kept)."""
+    started = time.monotonic()
+    while count and pool_ready(url) < count:
+        if time.monotonic() - started > deadline_s:
+            raise TimeoutError(f"a rank pool of {count} not refilled in {deadline_s}s")
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
 def wait_prestaged(url: str, deadline_s: float = 300.0) -> float:
     """Seconds until every spare holds the experts its grows want pre-staged (`prestaged`
     held == wanted in /elastic_ep/status; a spare with nothing to pre-stage counts)."""
@@ -189,23 +209,28 @@ class Measured:
     before it (the machine's own noise), and the 1-minute load average when it began."""
 
     spares: int
+    pool: int
     record: dict[str, Any]
     client_gap: float
     baseline_gap: float
     load_average: float
 
 
-def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> list[Measured]:
-    """One server with `spares` warm spare ranks: `--repeats` times 2→4 then 4→2 under load."""
+def run_config(
+    args: argparse.Namespace, spares: int, pool: int, workdir: pathlib.Path
+) -> list[Measured]:
+    """One server with `spares` warm spare ranks and a rank pool of `pool`: `--repeats` times
+    2→4 then 4→2 under load."""
     t0 = time.monotonic()
     srv = runtime_proc.start(
         serve_args(args.model, 2, step_mode=args.step_mode)
-        + ["--no-eplb", "--warm-spare-ranks", str(spares)],
-        log=workdir / f"serve-spares{spares}.log",
+        + ["--no-eplb", "--warm-spare-ranks", str(spares), "--rank-pool", str(pool)],
+        log=workdir / f"serve-spares{spares}-pool{pool}.log",
         env={"MOE_ADMIN_TOKEN": TOKEN},
     )
     print(
-        f"server at DP=2 with {spares} warm spare ranks ready in {time.monotonic() - t0:.1f}s "
+        f"server at DP=2 with {spares} warm spare ranks and a rank pool of {pool} ready in "
+        f"{time.monotonic() - t0:.1f}s "
         f"({args.model}, {args.step_mode} step graph, {args.clients} streaming clients)",
         flush=True,
     )
@@ -222,6 +247,9 @@ def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> 
             for _ in range(args.repeats):
                 for to in (4, 2):
                     waited = wait_spares(srv.url, spares)
+                    pooled = wait_pool(srv.url, pool)
+                    if pool:
+                        print(f"  rank pool of {pool} ready after {pooled:.1f}s", flush=True)
                     if spares:
                         pre = wait_prestaged(srv.url) if to > 2 else 0.0
                         print(
@@ -235,7 +263,9 @@ def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> 
                     load.measure_from()
                     load_average = os.getloadavg()[0]
                     record = resize(srv.url, to)
-                    measured.append(Measured(spares, record, load.max_gap, baseline, load_average))
+                    measured.append(
+                        Measured(spares, pool, record, load.max_gap, baseline, load_average)
+                    )
                     print(
                         f"  {record['from']}->{record['to']}: {record['duration_s']:.2f}s "
                         f"({record['expert_moves']} expert moves, "
@@ -249,7 +279,7 @@ def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> 
         sampler.stop()
         picture = timeline.Timeline(
             title=f"bench/resize.py: {args.model}, 2→4→2 under {args.clients} streaming clients, "
-            f"{spares} warm spares",
+            f"{spares} warm spares, a rank pool of {pool}",
             start=started,
             end=time.time(),
             tokens=list(load.token_times),
@@ -262,7 +292,11 @@ def run_config(args: argparse.Namespace, spares: int, workdir: pathlib.Path) -> 
     finally:
         sampler.stop()
         srv.stop()
-    png = args.png if not spares else args.png.with_stem(f"{args.png.stem}-spares{spares}")
+    png = args.png
+    if spares:
+        png = png.with_stem(f"{png.stem}-spares{spares}")
+    if pool:
+        png = png.with_stem(f"{png.stem}-pool{pool}")
     print(f"  timeline: {timeline.render(picture, png)}")
     print(f"  requests: ok={ok} failed={failed}", flush=True)
     return measured
@@ -279,6 +313,14 @@ def main() -> None:
         nargs="+",
         default=[0, 2],
         help="one server per value, each measured the same way (default: 0 2)",
+    )
+    parser.add_argument(
+        "--rank-pool",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="one more server (no warm spares) per non-zero value, with a rank pool of that "
+        "many pre-started weightless processes (default: 2)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="2→4→2 cycles per server")
     parser.add_argument(
@@ -297,20 +339,26 @@ def main() -> None:
     args = parser.parse_args()
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-resize-"))
     per_expert = bytes_per_expert(args.model)
-    measured = [m for k in args.warm_spare_ranks for m in run_config(args, k, workdir)]
+    configs = [(k, 0) for k in args.warm_spare_ranks]
+    configs += [(0, n) for n in args.rank_pool if n > 0]
+    measured = [m for k, n in configs for m in run_config(args, k, n, workdir)]
     colds = {
         size: cold_start(args.model, size, workdir, step_mode=args.step_mode) for size in (4, 2)
     }
     print(f"\ncold start (no spares): DP=4 {colds[4]:.1f}s, DP=2 {colds[2]:.1f}s")
     header = (
-        f"{'spares':>6} {'resize':>7} {'total s':>8} {'ratio':>6} {'blackout ms':>12} "
+        f"{'spares':>6} {'pool':>4} {'resize':>7} {'total s':>8} {'ratio':>6} {'blackout ms':>12} "
         f"{'client gap ms':>14} {'baseline ms':>12} {'pause ms':>9} {'switch ms':>10} "
         f"{'expert MB':>10} {'bound MB':>9} {'load':>5}"
     )
     print(header)
-    for spares in args.warm_spare_ranks:
+    for spares, pool in configs:
         for frm, to in ((2, 4), (4, 2)):
-            runs = [m for m in measured if m.spares == spares and m.record["from"] == frm]
+            runs = [
+                m
+                for m in measured
+                if (m.spares, m.pool) == (spares, pool) and m.record["from"] == frm
+            ]
             if not runs:
                 continue
             recs = [m.record for m in runs]
@@ -321,7 +369,7 @@ def main() -> None:
             )
             pause = statistics.median((r.get("switch_pause_s") or 0.0) for r in recs)
             print(
-                f"{spares:>6} {frm}->{to:<4} {total:8.2f} {total / colds[to]:6.3f} "
+                f"{spares:>6} {pool:>4} {frm}->{to:<4} {total:8.2f} {total / colds[to]:6.3f} "
                 f"{statistics.median(r['blackout_s'] for r in recs) * 1000:12.0f} "
                 f"{statistics.median(m.client_gap for m in runs) * 1000:14.0f} "
                 f"{statistics.median(m.baseline_gap for m in runs) * 1000:12.0f} "
@@ -340,7 +388,7 @@ def main() -> None:
     for m in measured:
         r = m.record
         stages = ", ".join(f"{s['stage']} {s['duration_s']:.2f}s" for s in r["stages"])
-        print(f"  spares {m.spares} {r['from']}->{r['to']} stages: {stages}")
+        print(f"  spares {m.spares} pool {m.pool} {r['from']}->{r['to']} stages: {stages}")
     if args.json:
         print(json.dumps([m.record for m in measured], indent=2))
 

@@ -150,7 +150,12 @@ def _build_into(
         from moe_runtime.executor import ray_executor  # imports ray: only here
 
         runtime.cluster = cluster_mod
-        slots = max(8, max(num_ranks, args.max_data_parallel_size or 0) + args.warm_spare_ranks)
+        slots = max(
+            8,
+            max(num_ranks, args.max_data_parallel_size or 0)
+            + args.warm_spare_ranks
+            + args.rank_pool,
+        )
         runtime.owns_ray = cluster_mod.connect(num_rank_slots=slots)
         use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
         runtime.executor = ray_executor.RayExecutor(
@@ -224,6 +229,7 @@ def _build_into(
             auto_recover=args.auto_recover,
             hang_timeout=args.rank_hang_timeout,
             warm_spare_ranks=args.warm_spare_ranks,
+            rank_pool=args.rank_pool,
         ),
         limits=elastic_coordinator.Limits(
             min_size=args.min_data_parallel_size,

@@ -157,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a rank slot (moe_rank) of its own (MoEDeployment elastic.warmSpareRanks)",
     )
     elastic.add_argument(
+        "--rank-pool",
+        type=_non_negative,
+        default=0,
+        help="rank processes kept started beside the ranks with no weights (Python, Ray, "
+        "torch and the runtime imported), so a grow the warm spares do not cover takes them "
+        "instead of starting processes; refilled in the background after a grow; each takes a "
+        "rank slot (moe_rank) of its own",
+    )
+    elastic.add_argument(
         flags.DRAIN_TIMEOUT,
         type=_non_negative,
         default=0,

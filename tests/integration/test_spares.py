@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from moe_runtime.elastic import settings, stages
-from moe_runtime.executor import ray_actor
+from moe_runtime.executor import niceness
 from tests.support import deployment
 
 pytestmark = pytest.mark.ray
@@ -114,7 +114,7 @@ def test_a_spare_comes_up_ready_beside_the_active_ranks(dep: deployment.Deployme
     assert spare["rank"] not in dep.executor.ranks
     assert_spare_apart(dep)
     # It waits below the serving ranks' CPU priority (they step at 0).
-    assert os.getpriority(os.PRIO_PROCESS, spare["pid"]) == ray_actor.SPARE_NICENESS
+    assert os.getpriority(os.PRIO_PROCESS, spare["pid"]) == niceness.SPARE_NICENESS
     dep.generate(0, 4)
     for info in dep.executor.rank_infos().values():
         if info["pid"] != spare["pid"]:

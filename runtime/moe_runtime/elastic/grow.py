@@ -6,10 +6,11 @@ Ranks keep their labels; the new ones are N..M-1.
   resize is Transferring (experts only) + Switching (+ Reshuffling). When the spares hold the
   experts of this grow pre-staged (`prestage`), its target is the pre-staged one and only what
   they still lack moves (`record.experts_prestaged` counts the moves they made unneeded).
-- Standby: take the warm spares there are (`SparePool.take`), start the other rank workers with
-  placeholder weights (or the model source's non-expert weights with
-  `weight_source="storage"`); build the step and transfer groups of a new epoch over all M
-  ranks in the background while the old group keeps serving.
+- Standby: take the warm spares there are (`SparePool.take`), then the rank pool's started,
+  weightless processes (`rank_pool.RankPool.take`), start the other rank workers; load the
+  ones that hold no weights with placeholders (or the model source's non-expert weights with
+  `weight_source="storage"`) while the step and transfer groups of a new epoch over all M
+  ranks are built in the background (the old group keeps serving).
 - Transferring: non-expert weights go from old ranks to new ones over the new transfer group
   (peer to peer); the placement for M ranks is computed (`rebalance_for_resize`, which keeps
   experts where they are held: live, retained, pre-staged) and the experts every rank lacks
@@ -47,33 +48,53 @@ class Grow:
             return  # the warm spares' standby groups exist already
         old = ctx.executor.ranks
         count = plan.to_size - plan.from_size
-        plan.from_pool = ctx.spares.take(count) if ctx.spares is not None else []
-        plan.new_labels = list(plan.from_pool)
-        if plan.from_pool:
-            log.info("resize %s: warm spares %s join", record.resize_id, plan.from_pool)
-        if len(plan.new_labels) < count:
-            plan.fresh = ctx.executor.add_ranks(
-                count - len(plan.new_labels), timeout=ctx.config.rpc_timeout
+        plan.from_spares = ctx.spares.take(count) if ctx.spares is not None else []
+        plan.new_labels = list(plan.from_spares)
+        if plan.from_spares:
+            ctx.executor.promote(plan.from_spares)
+            log.info("resize %s: warm spares %s join", record.resize_id, plan.from_spares)
+        short = count - len(plan.new_labels)
+        pooled = ctx.rank_pool.take(short) if ctx.rank_pool is not None else []
+        if pooled:
+            log.info(
+                "resize %s: pooled rank processes %s join (%d to start)",
+                record.resize_id,
+                pooled,
+                short - len(pooled),
             )
-            plan.new_labels += plan.fresh
+        plan.fresh = pooled
+        if len(pooled) < short:
+            plan.fresh += ctx.executor.add_ranks(
+                short - len(pooled), timeout=ctx.config.rpc_timeout
+            )
+        plan.new_labels += plan.fresh
         storage = ctx.config.weight_source == "storage"
+        loading = None
         if plan.fresh:
-            first = len(old) + len(plan.from_pool)
-            loaded = ctx.rpc(
+            # The new ranks load (their default lane) while every rank joins the new epoch's
+            # groups (the control lane; a join needs no weights): the two overlap.
+            first = len(old) + len(plan.from_spares)
+            loading = ctx.executor.collective_rpc_async(
                 "load_weights",
                 ranks=plan.fresh,
+                background=False,
+                timeout=ctx.config.rpc_timeout,
                 per_rank={r: {"rank": first + i} for i, r in enumerate(plan.fresh)},
                 source=ctx.config.source,
                 num_ranks=plan.to_size,
                 placement=None,
                 placeholder=not storage,
             )
-            if storage:
-                record.bytes_non_expert += int(sum(int(b) for b in loaded))
         plan.groups_on = list(old)
-        ctx.executor.build_groups(
-            old + plan.new_labels, epoch=plan.epoch, timeout=ctx.config.rpc_timeout
-        )
+        try:
+            ctx.executor.build_groups(
+                old + plan.new_labels, epoch=plan.epoch, timeout=ctx.config.rpc_timeout
+            )
+        finally:
+            # Always waited for: a rollback releases these ranks only once their load ended.
+            loaded = loading.result() if loading is not None else []
+        if storage:
+            record.bytes_non_expert += int(sum(int(b) for b in loaded))
 
     def transfer(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
         """Non-expert weights to the new ranks, and the target placement's experts staged
@@ -109,7 +130,7 @@ class Grow:
     def switch(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
         """At one step boundary: the new epoch and placement, and every rank steps."""
         ctx = self.ctx
-        record.warm_spares = len(plan.from_pool)
+        record.warm_spares = len(plan.from_spares)
         ctx.switch(plan, ctx.executor.ranks + plan.new_labels, record)
 
     def reshuffle(self, plan: resize.Plan, record: records.ResizeRecord) -> None:

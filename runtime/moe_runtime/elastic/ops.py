@@ -74,7 +74,7 @@ class EngineResizeOps:
         )
         if claim is not None:
             plan.new_labels = list(claim.labels)
-            plan.from_pool = list(claim.labels)
+            plan.from_spares = list(claim.labels)
             plan.warm = True
             plan.groups_on = list(plan.old_ranks)
             plan.prestaged_target, plan.prestaged = claim.target, claim.prestaged
@@ -152,7 +152,7 @@ class EngineResizeOps:
             except Exception as exc:  # noqa: BLE001 - go on releasing the rest
                 problems.append(f"drop_epoch: {exc}")
         new = [r for r in plan.new_labels if r in set(ctx.executor.pending_ranks)]
-        spared = [r for r in new if r in plan.from_pool]
+        spared = [r for r in new if r in plan.from_spares]
         if spared and ctx.spares is not None and not stale:
             ctx.spares.give_back(spared)  # still loaded and warm; the pool rebuilds its groups
             new = [r for r in new if r not in spared]

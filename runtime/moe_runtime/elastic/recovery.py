@@ -333,7 +333,8 @@ class Recovery:
             return
         free = self.ctx.executor.free_rank_slots()
         warm = len(self.ctx.spares.ready()) if self.ctx.spares is not None else 0
-        if free is not None and free + warm < target - size:
+        pooled = len(self.ctx.rank_pool.ready()) if self.ctx.rank_pool is not None else 0
+        if free is not None and free + warm + pooled < target - size:
             return
         log.info("auto-recover: %d free rank slots; growing %d -> %d", free or 0, size, target)
         rec = self.coordinator.request(target, trigger=records.TRIGGER_AUTO_RECOVER)

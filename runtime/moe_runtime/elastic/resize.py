@@ -4,7 +4,7 @@ one: the state is passed in, never inherited).
 
 - `Plan`: one resize in progress, what `EngineResizeOps.rollback` must undo;
 - `ResizeContext`: the serving process's pieces a resize changes (engine, executor, the
-  serving state, the live config, EPLB, the warm spares), the figures (`num_physical_for`,
+  serving state, the live config, EPLB, the warm spares, the rank pool), the figures (`num_physical_for`,
   `balancedness`), the placement a resize aims at (`target_for`, and `fits` for a target
   made earlier), and the calls the stages are made of: `rpc` (a bounded `collective_rpc`),
   `at_boundary` (a bounded boundary call), `stage_experts` (stage a target, leaving out what
@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from moe_runtime.elastic import rank_pool as rank_pool_mod
 from moe_runtime.elastic import rebalance, records
 from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.elastic import spares as spares_mod
@@ -51,8 +52,8 @@ class Plan:
     generation: int
     new_labels: list[int] = dataclasses.field(default_factory=list)
     #: new_labels that came from the warm spares (given back on rollback), and the ones
-    #: started by this resize (they need the non-expert weights).
-    from_pool: list[int] = dataclasses.field(default_factory=list)
+    #: started by this resize or taken from the rank pool (they need the non-expert weights).
+    from_spares: list[int] = dataclasses.field(default_factory=list)
     fresh: list[int] = dataclasses.field(default_factory=list)
     #: Warm spares covered the grow: their standby epoch is `epoch`, no Standby stage.
     warm: bool = False
@@ -70,8 +71,8 @@ class Plan:
 
 class ResizeContext:
     """The state every resize stage works on, and the primitives they share (see the module
-    docstring). `config` is replaced live (`settings.LiveSettings`); `spares` is set once the
-    pool exists (`service.ElasticService.attach`)."""
+    docstring). `config` is replaced live (`settings.LiveSettings`); `spares` and `rank_pool`
+    are set once they exist (`service.ElasticService.attach`)."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class ResizeContext:
         config: serving_mod.ElasticConfig,
         rebalancer: rebalance.Rebalancer,
         spares: spares_mod.SparePool | None = None,
+        rank_pool: rank_pool_mod.RankPool | None = None,
     ) -> None:
         self.engine = engine
         self.executor = executor
@@ -91,6 +93,7 @@ class ResizeContext:
         self.config = config
         self.rebalancer = rebalancer
         self.spares = spares
+        self.rank_pool = rank_pool
         #: The expert load window (EPLB's) and the lock that keeps resizes and rebalances apart.
         self.load: serving_mod.LoadTracker = rebalancer.load
         self.mechanics: threading.Lock = rebalancer.mechanics
@@ -231,7 +234,7 @@ class ResizeContext:
             # members[i] is rank i now: the new ranks are from_size.. (they keep those labels
             # if the switch is undone, as ranks left out of a switch above its size do).
             plan.new_labels = list(range(plan.from_size, len(members)))
-            plan.from_pool = [members.index(r) for r in plan.from_pool if r in members]
+            plan.from_spares = [members.index(r) for r in plan.from_spares if r in members]
             self.serving.left[plan.from_size] = self.serving.placement
             self.serving.serve(target, plan.to_size)
             self.serving.epoch = plan.epoch

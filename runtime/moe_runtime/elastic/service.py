@@ -21,6 +21,7 @@ from moe_contract import status as contract
 from moe_runtime.elastic import admin, rebalance, records, recovery, resize, settings, stages
 from moe_runtime.elastic import coordinator as coord_mod
 from moe_runtime.elastic import ops as ops_mod
+from moe_runtime.elastic import rank_pool as rank_pool_mod
 from moe_runtime.elastic import serving as serving_mod
 from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
@@ -91,6 +92,11 @@ class ElasticMetrics:
         self.ranks_lost = prometheus_client.Counter(
             "moe_ranks_lost", "Ranks found dead or hung (and fenced).", registry=r
         )
+        self.rank_pool = prometheus_client.Gauge(
+            "moe_rank_pool_ready",
+            "Rank processes started ahead, weightless, that a grow can take now (--rank-pool).",
+            registry=r,
+        )
         self.requests_rerun = prometheus_client.Counter(
             "moe_recovery_requests_rerun",
             "Sequences of lost ranks re-run on survivors from prompt + generated tokens.",
@@ -135,6 +141,7 @@ class ElasticService:
     live: settings.LiveSettings
     metrics: ElasticMetrics | None = None
     spares: spares_mod.SparePool | None = None
+    rank_pool: rank_pool_mod.RankPool | None = None
 
     @classmethod
     def attach(
@@ -192,6 +199,12 @@ class ElasticService:
             busy=lambda: coord.current is not None,
         )
         ctx.spares = pool
+        ctx.rank_pool = rank_pool = rank_pool_mod.RankPool(
+            executor=executor,
+            size=config.rank_pool,
+            busy=lambda: coord.current is not None,
+            timeout=config.rpc_timeout,
+        )
         pool.prestager.target_for = ctx.target_for
         pool.prestager.fits = ctx.fits
         pool.prestager.max_size = lambda: coord.limits.max_size
@@ -211,6 +224,7 @@ class ElasticService:
                 spares=pool,
             ),
             spares=pool,
+            rank_pool=rank_pool,
         )
         engine.on_step(lambda outputs: coord.tracker.on_step(_produced(outputs), busy()))
         if registry is not None:
@@ -218,16 +232,20 @@ class ElasticService:
             coord.on_change(service.metrics.on_record)
             service.metrics.balancedness.set_function(ctx.balancedness)
             service.metrics.rebalances.set_function(lambda: rebalancer.rebalances)
+            service.metrics.rank_pool.set_function(lambda: len(rank_pool.ready()))
         coord.on_change(_log_stage)
         fault.attach()
         pool.start()
+        rank_pool.start()
         return service
 
     def close(self) -> None:
-        """Stop the spares' upkeep, the heartbeat and the grow-back loop (before the executor
-        shuts down)."""
+        """Stop the spares' and the rank pool's upkeep, the heartbeat and the grow-back loop
+        (before the executor shuts down)."""
         if self.spares is not None:
             self.spares.close()
+        if self.rank_pool is not None:
+            self.rank_pool.close()
         self.recovery.close()
 
     def router(self, *, token: str | admin.TokenSource | None = None) -> fastapi.APIRouter:

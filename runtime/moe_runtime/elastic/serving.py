@@ -30,6 +30,8 @@ class ElasticConfig:
     hang_timeout: seconds without a heartbeat answer before a rank counts as hung (it is
     fenced); heartbeat_interval: seconds between pings. warm_spare_ranks: workers kept started,
     loaded and in standby groups beside the active ranks (`moe_runtime.elastic.spares`).
+    rank_pool: rank processes kept started, weightless, for grows the spares do not cover
+    (`moe_runtime.elastic.rank_pool`).
     """
 
     source: str
@@ -46,10 +48,13 @@ class ElasticConfig:
     hang_timeout: float = 3.0
     heartbeat_interval: float = 0.1
     warm_spare_ranks: int = 0
+    rank_pool: int = 0
 
     def __post_init__(self) -> None:
         if self.warm_spare_ranks < 0:
             raise ValueError(f"warm_spare_ranks must be >= 0, got {self.warm_spare_ranks}")
+        if self.rank_pool < 0:
+            raise ValueError(f"rank_pool must be >= 0, got {self.rank_pool}")
         if self.weight_source not in ("peer", "storage"):
             raise ValueError(
                 f"weight_source must be 'peer' or 'storage', got {self.weight_source!r}"

@@ -223,7 +223,7 @@ class Executor(abc.ABC):
         """Start `count` workers, wait until each answers, return their (pending) rank labels.
 
         `spare`: they will wait as warm spares, so they run below the serving ranks' CPU
-        priority once started, where the executor can (Ray: `ray_actor.SPARE_NICENESS`); a
+        priority once started, where the executor can (Ray: `niceness.SPARE_NICENESS`); a
         grow's new ranks start at the serving ranks' priority, the grow waits for them."""
 
     def build_groups(
@@ -270,6 +270,12 @@ class Executor(abc.ABC):
         `collective_rpc("retire_previous")` confirms the switch.
         """
         self.switcher.switch(ranks, epoch=epoch, placement=placement, timeout=timeout)
+
+    def promote(self, ranks: Sequence[int]) -> None:
+        """Pending workers started with `add_ranks(spare=True)` that a grow takes now run at
+        the serving ranks' CPU priority (the grow waits for them). No-op unless an executor
+        lowers a spare's priority (Ray: `niceness.SPARE_NICENESS`)."""
+        return None
 
     def warm_up(self, ranks: Sequence[int]) -> None:
         """Pay one-time costs of pending workers ahead (RayExecutor: their first compiled

@@ -25,7 +25,7 @@ KILL_WORKER_TIMEOUT_MS = names.RAY_KILL_WORKER_TIMEOUT_MS
 #: of CPU) at the serving ranks' priority. Measured here (2 cores, `small` 2->4 under 4
 #: streaming clients): Standby 12.5 s with new workers at 10, 9.9 s when they raised themselves
 #: in `__init__` (the imports before it dominate), 4.3 s at 0, with no longer blackout. A warm
-#: spare lowers itself to `ray_actor.SPARE_NICENESS` once started, so its idle life and
+#: spare lowers itself to `niceness.SPARE_NICENESS` once started, so its idle life and
 #: pre-staging yield to serving; a rank at 15 served `small` at 12.8 tokens/s against 22.0 at 0.
 WORKER_NICENESS = 0
 

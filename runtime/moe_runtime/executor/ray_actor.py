@@ -30,7 +30,7 @@ import ray.util.scheduling_strategies as ray_sched
 from moe_contract import names, protocol
 from moe_runtime import logs
 from moe_runtime import step as step_mod
-from moe_runtime.executor import base, ray_transfer, roster
+from moe_runtime.executor import base, niceness, ray_transfer, roster
 from moe_runtime.executor import health as health_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import worker as worker_mod
@@ -42,18 +42,6 @@ RANK_RESOURCE = names.RANK_RESOURCE
 CTL_LANE = "ctl"
 EXPORT_LANE = "export"
 HEALTH_LANE = "health"
-#: Niceness a warm spare takes once started (`yield_to_serving`): it waits, or pre-stages
-#: experts, below the serving ranks, and takes 0 again when it is claimed.
-SPARE_NICENESS = 10
-#: Niceness of a serving rank's threads other than its step thread while they move weights
-#: (exports, staging, pre-staging, background control calls): a step waits for its slowest
-#: rank, so the copies take what CPU the step threads leave (`RankActor._in_background`).
-#: Not the copies a resize or a recovery stages (`stage_experts_shared` without a staging id):
-#: the resize waits for them, and since resizes keep most experts in place (`eplb.settle`)
-#: they are few. Measured (bench/resize.py, `small`, 4 clients, 2 cores): a first shrink 4->2
-#: moving ~30 experts took 1.1-2.2 s with them at 10, 0.54-0.62 s at 0, with no longer
-#: blackout than plain serving's longest gap.
-BACKGROUND_NICENESS = 10
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
 
@@ -71,8 +59,8 @@ class RankActor:
         hooks: hooks_mod.HooksFactory | None = None,
     ) -> None:
         logs.configure_rank()
-        if spare:
-            set_niceness(label, SPARE_NICENESS, why="waits as a warm spare")
+        if spare:  # its process began at SPARE_NICENESS already (`niceness.spare_setup`)
+            niceness.set_niceness(label, niceness.SPARE_NICENESS, why="waits as a spare")
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
@@ -88,12 +76,18 @@ class RankActor:
 
     def _in_background(self) -> None:
         """A call that overlaps steps (another lane than the steps'): on a rank that serves,
-        its thread yields the CPU to the step thread (BACKGROUND_NICENESS). A rank that does not
+        its thread yields the CPU to the step thread (`niceness.BACKGROUND_NICENESS`). A rank that
+        does not
         step yet (starting, a spare being claimed) keeps full priority: a grow waits on it."""
         tid = threading.get_native_id()
         if not self._serving or tid == self._step_thread:
             return
-        _thread_niceness(self.worker.label, tid, BACKGROUND_NICENESS, only_up=True)
+        niceness.thread_niceness(self.worker.label, tid, niceness.BACKGROUND_NICENESS, only_up=True)
+
+    def promote(self) -> None:
+        """A spare (warm, or a rank pool's process) that a grow takes: the serving ranks'
+        priority for every thread (the grow waits for what it runs next)."""
+        niceness.set_niceness(self.worker.label, 0, why="joins a grow")
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
@@ -114,14 +108,14 @@ class RankActor:
             return step_mod.StepOutput(rank=-1, step_id=step.step_id)
         if not self._serving:
             self._serving = True
-            set_niceness(self.worker.label, 0, why="steps")
+            niceness.set_niceness(self.worker.label, 0, why="steps")
         tid = threading.get_native_id()
         if tid != self._step_thread:
             # Steps moved to another thread (plain calls while a new step graph compiles, then
             # the graph's): it may have run background calls before, at BACKGROUND_NICENESS
             # (the survivors of a shrink stepped at 10 after the grow before it).
             self._step_thread = tid
-            _thread_niceness(self.worker.label, tid, 0)
+            niceness.thread_niceness(self.worker.label, tid, 0)
         return self.worker.execute_step(step)
 
     def step_niceness(self) -> int | None:
@@ -148,11 +142,11 @@ class RankActor:
         received by both paths. A rank that will serve takes full CPU priority first."""
         if kwargs.get("new_rank") is not None and not self._serving:
             self._serving = True
-            set_niceness(self.worker.label, 0, why="will serve")
+            niceness.set_niceness(self.worker.label, 0, why="will serve")
         if kwargs.get("stage") is None and kwargs.get("new_rank") is not None:
             # A resize or a recovery waits for this copy (an EPLB rebalance passes its
             # staging id and does not): it takes the step threads' priority.
-            _thread_niceness(self.worker.label, threading.get_native_id(), 0)
+            niceness.thread_niceness(self.worker.label, threading.get_native_id(), 0)
         else:
             self._in_background()
         provided, shared_bytes = self._receive(parts)
@@ -264,6 +258,13 @@ def start_ranks(
                 f"{free_resource(RANK_RESOURCE)} free {RANK_RESOURCE}"
             ) from None
         device = "cuda" if use_gpu else "cpu"
+        # A spare's process lowers its priority before it imports the runtime (~3 s of CPU):
+        # its own runtime_env, so Ray starts a process for it (never a pooled idle worker).
+        spare_options: dict[str, Any] = (
+            {"runtime_env": {"env_vars": {niceness.SETUP_HOOK_ENV: niceness.SPARE_SETUP_HOOK}}}
+            if spare
+            else {}
+        )
         for i, pg in enumerate(pgs):
             strategy = ray_sched.PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0
@@ -273,6 +274,7 @@ def start_ranks(
                     scheduling_strategy=strategy,
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
+                    **spare_options,
                 ).remote(
                     label=first_label + i, device=device, dtype=dtype, spare=spare, hooks=hooks
                 )
@@ -305,40 +307,6 @@ def start_ranks(
         [m.info["node_id"][:8] for m in started],
     )
     return started
-
-
-def _thread_niceness(label: int | None, tid: int, niceness: int, *, only_up: bool = False) -> None:
-    """`niceness` for one thread of this process (`only_up`: unless it is nicer already).
-    Without CAP_SYS_NICE a thread cannot take a lower niceness back: it keeps its own."""
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        if now != niceness and not (only_up and now >= niceness):
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
-    except OSError as exc:
-        log.debug(
-            "rank %s: thread %d keeps its niceness (wanted %d): %s", label, tid, niceness, exc
-        )
-
-
-def set_niceness(label: int | None, niceness: int, *, why: str) -> None:
-    """`niceness` for every thread of this process (threads it starts later inherit it).
-
-    Workers start at the serving ranks' priority (`cluster.WORKER_NICENESS`); a warm spare
-    lowers itself (`SPARE_NICENESS`) so it never takes CPU from them, and takes 0 again when it
-    steps or stages for a grow. Raising the priority back needs CAP_SYS_NICE (or RLIMIT_NICE):
-    without it the rank keeps the niceness it has (in a pod of its own, its cgroup's CPU share
-    is what counts, not its niceness beside the pod's other processes).
-    """
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-        if all(os.getpriority(os.PRIO_PROCESS, t) == niceness for t in tids):
-            return
-        for tid in tids:
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
-    except (OSError, ValueError) as exc:
-        log.info("rank %s keeps its scheduling niceness (wanted %d): %s", label, niceness, exc)
-        return
-    log.info("rank %s %s: niceness %d for its %d threads", label, why, niceness, len(tids))
 
 
 def check_health(ranks: Mapping[int, Member], *, timeout: float) -> dict[int, str]:

@@ -255,6 +255,11 @@ class RayExecutor(base.Executor):
         self.roster.add(started)
         return [m.label for m in started]
 
+    def promote(self, ranks: Sequence[int]) -> None:
+        members = self.roster.targets("promote", ranks)
+        refs = [m.handle.actor.promote.remote() for m in members]
+        ray_actor.get_all(refs, list(ranks), what="promote", timeout=self._ready_timeout)
+
     def warm_up(self, ranks: Sequence[int]) -> None:
         """Pay the first compiled graph of pending workers now, in a thread (compiled mode;
         a no-op otherwise): a throwaway graph over them only, never over stepped workers.
