@@ -47,6 +47,15 @@ class TensorParallel:
     def size(self) -> int:
         return self.shard.size
 
+    @property
+    def leads(self) -> bool:
+        """TP rank 0, the DP rank's leader: the only one that runs the routed experts."""
+        return self.shard.rank == 0
+
+    def bias(self, layer: int, role: str) -> torch.Tensor | None:
+        """The reduced bias `role` of decoder layer `layer`, if the model has one."""
+        return self._biases[layer].get(role)
+
     def take(
         self, layers: list[dict[str, torch.Tensor]], global_: Mapping[str, torch.Tensor]
     ) -> None:
