@@ -268,8 +268,6 @@ class MoEModel:
                 continue
             if cfg.shared_intermediate_size and num_tokens:
                 shared = _swiglu(x, w, "shared")
-                if tp is not None:
-                    shared = tp.reduce(shared, index, "shared_down_bias")
                 if cfg.shared_expert_gate:
                     shared = torch.sigmoid(F.linear(x, w["shared_expert_gate"])) * shared
                 out = out + shared
