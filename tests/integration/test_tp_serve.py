@@ -2,8 +2,8 @@
 --data-parallel-size 2 --tensor-parallel-size 2 --dtype float32` (Ray ranks: each DP rank a
 leader actor and one TP follower actor) answers every greedy request token for token as
 transformers' `generate`, before and after a live resize to DP = 3 under load (every answer
-during the resize checked too); a follower SIGKILLed under load takes its DP rank out, no
-request is lost, and the deployment grows back to its size.
+during the resize checked too); a follower SIGKILLed or SIGSTOPped under load takes its DP
+rank out, no request is lost, and the deployment grows back to its size.
 
 One server per family (a module-scoped fixture per family: Mixtral, Qwen3-MoE, DeepSeek-V3
 shapes, tiny random checkpoints saved by `save_pretrained`), joining the tests' Ray instance.
@@ -161,9 +161,13 @@ def test_live_resize_to_three_under_load(served: Served) -> None:
     _check_answers(served)
 
 
-def test_a_killed_follower_takes_its_rank_out_and_the_deployment_grows_back(
-    served: Served,
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_lost_follower_takes_its_rank_out_and_the_deployment_grows_back(
+    served: Served, sig: signal.Signals
 ) -> None:
+    """SIGKILL: the leader's step fails at once; SIGSTOP (a hung follower): its leader's pings
+    fail after `tensor_group.FOLLOWER_HANG_S`. Either way the recovery takes the DP rank out
+    (its placement group, the stopped process with it) and auto-recover grows back."""
     if served.family != FAMILIES[0]:
         pytest.skip("one family is enough for the failure path")
     size = len(_serving(served))
@@ -175,12 +179,16 @@ def test_a_killed_follower_takes_its_rank_out_and_the_deployment_grows_back(
         while traffic.ok < 4:
             assert time.monotonic() < deadline, traffic.summary()
             time.sleep(0.05)
-        os.kill(victim["tp_pids"][0], signal.SIGKILL)
-        deadline = time.monotonic() + 180
+        os.kill(victim["tp_pids"][0], sig)
+        signalled = time.monotonic()
+        deadline = signalled + 180
+        out_after = None
         while True:
             st = _status(served)
             recoveries = [h for h in st["history"][before:] if h.get("recovery")]
             pids = {r["pid"] for r in _serving(served)}
+            if out_after is None and victim["pid"] not in pids:
+                out_after = time.monotonic() - signalled
             if (
                 recoveries
                 and victim["pid"] not in pids
@@ -192,6 +200,9 @@ def test_a_killed_follower_takes_its_rank_out_and_the_deployment_grows_back(
             time.sleep(0.2)
     assert not traffic.failures, traffic.failures[:3]
     assert traffic.ok > 0, traffic.summary()
+    # a hung follower is fenced by its leader: the rank is out well before the step graph's
+    # own timeout (60 s) would end the stuck step
+    assert out_after is not None and out_after < 45, out_after
     lost = [lost for h in recoveries for lost in h["recovery"]["ranks_lost"]]
     assert [r["pid"] for r in lost] == [victim["pid"]], recoveries
     _assert_tensor_parallel(served, size)

@@ -6,7 +6,8 @@
   (join, load, steps: in the order the leader sent them) and `HEALTH_LANE` (pings).
 - `RayFollowers`: the leader's `tensor_group.Followers` over their handles: a call per
   follower, results read with errors turned into `tensor_group.FollowerLost` for a dead
-  actor; `alive` keeps one ping in flight per follower and reads it without blocking.
+  actor; `alive` keeps one ping in flight per follower and reads it without blocking, and
+  kills (fences) a follower that leaves one unanswered for `tensor_group.FOLLOWER_HANG_S`.
 
 The executor creates the followers with the leader (`ray_actor.start_ranks`) and hands their
 handles to it; removing the DP rank's placement group ends them with it.
@@ -107,9 +108,12 @@ class RayFollowers:
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
                 if now - sent > tensor_group.FOLLOWER_HANG_S:
+                    # Fenced, as the heartbeat fences a hung leader: the leader's step may wait
+                    # for it in a TP collective that only its death ends (gloo).
+                    ray.kill(self._actors[tp_rank - 1], no_restart=True)
                     return (
                         f"TP follower {tp_rank} (pid {self._pids[tp_rank - 1]}) did not answer "
-                        f"a ping for {now - sent:.1f}s"
+                        f"a ping for {now - sent:.1f}s (fenced)"
                     )
                 continue
             try:
