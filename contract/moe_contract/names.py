@@ -19,8 +19,9 @@ SCALE_PATH: Final = "/scale_elastic_ep"
 CONFIG_PATH: Final = "/elastic_ep/config"
 IS_SCALING_PATH: Final = "/is_scaling_elastic_ep"
 
-#: Custom Ray resource each worker pod offers once (``ray start --resources``): one DP rank
-#: actor per worker pod; the runtime places every rank actor on one.
+#: Custom Ray resource a worker pod offers (``ray start --resources``): one slot per device of
+#: the DP rank it holds (tensor x pipeline parallel size; one worker pod per DP rank); the
+#: runtime places every rank actor on one slot.
 RANK_RESOURCE: Final = "moe_rank"
 
 #: The pod a rank runs in, given to every Ray container by the operator (downward API); the

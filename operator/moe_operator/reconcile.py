@@ -281,6 +281,7 @@ async def reconcile(
         now=clock.rfc3339(moment),
         resize_status=done.resize,
         autoscaling=scaler.status,
+        mesh=(spec.tensor_parallel_size, spec.pipeline_parallel_size),
     )
     new = plan_status.with_rollout(
         new,
@@ -363,6 +364,7 @@ async def _roll(
         phase=done.phase,
         now=stamp,
         resize_status=done.resize,
+        mesh=(spec.tensor_parallel_size, spec.pipeline_parallel_size),
     )
     planned = result.rollout
     new = plan_status.with_rollout(

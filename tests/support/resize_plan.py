@@ -20,12 +20,13 @@ LATER = T0 + datetime.timedelta(seconds=30)
 PODS = ("tiny-ranks-worker-a", "tiny-ranks-worker-b", "tiny-ranks-worker-c", "tiny-ranks-worker-d")
 
 
-def spec(dp: int, *, timeout: int = 600) -> spec_.MoEDeploymentSpec:
+def spec(dp: int, *, timeout: int = 600, tp: int = 1) -> spec_.MoEDeploymentSpec:
     return spec_.MoEDeploymentSpec.model_validate(
         {
             "model": {"source": "synthetic://tiny"},
             "dataParallelSize": dp,
             "maxDataParallelSize": 4,
+            "tensorParallelSize": tp,
             "elastic": {"resizeTimeoutSeconds": timeout},
         }
     )

@@ -51,6 +51,13 @@ def text(path: str) -> st.SearchStrategy[str]:
     )
 
 
+def pipeline_sizes() -> st.SearchStrategy[int]:
+    """What the CRD accepts of ``pipelineParallelSize``: its bounds, or only 1 while its CEL
+    rule refuses more (pipeline stages not served yet)."""
+    rules = [r["rule"] for r in node("pipelineParallelSize").get("x-kubernetes-validations", [])]
+    return st.just(1) if rules == ["self == 1"] else integers("pipelineParallelSize")
+
+
 @st.composite
 def specs(draw: st.DrawFn) -> dict[str, Any]:
     """A MoEDeployment spec: every field the head's command line depends on, within the
@@ -78,6 +85,8 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
             ),
         },
         "ray": {"accelerator": draw(st.sampled_from(node("ray.accelerator")["enum"]))},
+        "tensorParallelSize": draw(integers("tensorParallelSize")),
+        "pipelineParallelSize": draw(pipeline_sizes()),
     }
     if draw(st.booleans()):
         spec["model"]["servedModelName"] = draw(text("model.servedModelName"))
@@ -124,6 +133,11 @@ def test_the_operators_command_line_parses_with_the_runtimes_parser(
     args = builders.serve_args(owner_name=owner, spec=spec)
     assert builders.serve_command(owner_name=owner, spec=spec) == args.argv()
     assert_parses_as_meant(args)
+    parsed = parse(args.argv())
+    assert (parsed.tensor_parallel_size, parsed.pipeline_parallel_size) == (
+        spec.tensor_parallel_size,
+        spec.pipeline_parallel_size,
+    )
     # and what the head starts at when a resize left another size (head_size)
     assert_parses_as_meant(
         builders.serve_args(owner_name=owner, spec=spec, size=spec.min_data_parallel_size)

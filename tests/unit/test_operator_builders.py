@@ -178,14 +178,63 @@ def test_served_model_name_defaults_to_the_deployment_name() -> None:
 
 
 @pytest.mark.parametrize(
-    ("accelerator", "gpus"), [("cpu", None), ("nvidia.com/gpu", 1)], ids=["cpu", "gpu"]
-)
-def test_gpus_per_worker_follow_tensor_parallel_size(accelerator: str, gpus: int | None) -> None:
-    spec = make_spec(tensorParallelSize=1, ray={"accelerator": accelerator})
+    ("accelerator", "tp", "gpus"),
+    [("cpu", 1, None), ("cpu", 2, None), ("nvidia.com/gpu", 1, 1), ("nvidia.com/gpu", 2, 2),
+     ("nvidia.com/gpu", 8, 8)],
+    ids=["cpu", "cpu-tp2", "gpu", "gpu-tp2", "gpu-tp8"],
+)  # fmt: skip
+def test_gpus_per_worker_follow_tensor_parallel_size(
+    accelerator: str, tp: int, gpus: int | None
+) -> None:
+    spec = make_spec(tensorParallelSize=tp, ray={"accelerator": accelerator})
     group = worker_group(builders.build_raycluster(owner=OWNER, spec=spec))
     resources = group["template"]["spec"]["containers"][0]["resources"]
     assert resources.get("limits", {}).get("nvidia.com/gpu") == gpus
+    assert resources.get("requests", {}).get("nvidia.com/gpu") == gpus
     assert group["rayStartParams"].get("num-gpus") == (str(gpus) if gpus else None)
+
+
+def test_a_tp2_rank_is_one_worker_pod_holding_both_devices() -> None:
+    """One worker pod per DP rank: at T = 2 the pod offers two rank slots (one per rank actor
+    of the rank's placement group) and two GPUs; the user's CPU and memory stay as given;
+    as many workers as ranks."""
+    spec = make_spec(
+        tensorParallelSize=2,
+        ray={
+            "accelerator": "nvidia.com/gpu",
+            "workerResources": {"requests": {"cpu": "4", "memory": "8Gi"}},
+        },
+    )
+    obj = builders.build_raycluster(owner=OWNER, spec=spec)
+    group = worker_group(obj)
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 1, 4)
+    params = group["rayStartParams"]
+    assert json.loads(json.loads(params["resources"])) == {"moe_rank": 2}
+    assert params["num-gpus"] == "2" and "num-cpus" not in params
+    assert group["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": 2},
+        "limits": {"nvidia.com/gpu": 2},
+    }
+    head = obj["spec"]["headGroupSpec"]
+    assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"].get(
+        "limits", {}
+    )
+    assert head["template"]["metadata"]["annotations"]["elasticmoe.io/tensor-parallel-size"] == "2"
+    argv = shlex.split(head_container(obj)["args"][0].split("&& exec ", 1)[1])
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--pipeline-parallel-size" not in argv
+
+
+def test_a_tp1_head_keeps_its_template_as_before() -> None:
+    """At 1 x 1 the head says neither size (annotations, flags): the template of a RayCluster
+    made before TP existed is what this operator builds, so nothing changes under it."""
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec())
+    annotations = obj["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]
+    assert set(annotations) == {
+        "ray.io/overwrite-container-cmd",
+        "elasticmoe.io/initial-data-parallel-size",
+    }
+    assert "parallel-size" not in head_container(obj)["args"][0].replace("data-parallel-size", "")
 
 
 def test_ray_placement_and_resources_come_from_the_spec() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import pathlib
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from moe_operator import cli
-from moe_operator.api import crd, storage
+from moe_operator.api import crd, mesh, storage
 from moe_operator.api import spec as spec_
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -119,6 +120,8 @@ def test_printer_columns() -> None:
     assert columns["MESSAGE"] == '.status.conditions[?(@.type=="Ready")].message'
     wide = {c["name"]: c["jsonPath"] for c in printed if c.get("priority") == 1}
     assert wide == {
+        "TP": ".status.tensorParallelSize",
+        "PP": ".status.pipelineParallelSize",
         "SPARES": ".status.spares.ready",
         "DESIRED": ".status.autoscaling.desiredSize",
         "IN-FLIGHT/RANK": ".status.autoscaling.metric",
@@ -147,6 +150,37 @@ VALID = {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
         ({"minDataParallelSize": 5, "maxDataParallelSize": 4}, "minDataParallelSize"),
         ({"replicas": 2}, "Extra inputs are not permitted"),
         ({"tensorParallelSize": 0}, "greater than or equal to 1"),
+        ({"tensorParallelSize": 9}, "less than or equal to 8"),
+        ({"pipelineParallelSize": 2}, "pipelineParallelSize > 1 is not served yet"),
+        ({"pipelineParallelSize": 9}, "less than or equal to 8"),
+        (
+            {
+                "tensorParallelSize": 2,
+                "ray": {
+                    "accelerator": "nvidia.com/gpu",
+                    "workerResources": {"limits": {"nvidia.com/gpu": 1}},
+                },
+            },
+            r"nvidia.com/gpu must equal tensorParallelSize x pipelineParallelSize .*want 2",
+        ),
+        (
+            {
+                "tensorParallelSize": 2,
+                "ray": {
+                    "accelerator": "nvidia.com/gpu",
+                    "workerResources": {"requests": {"nvidia.com/gpu": "4"}},
+                },
+            },
+            r"nvidia.com/gpu must equal .*got '4', want 2",
+        ),
+        (
+            {"tensorParallelSize": 4, "ray": {"workerResources": {"requests": {"cpu": "3500m"}}}},
+            r"cpu must be at least tensorParallelSize x pipelineParallelSize .*want >= 4",
+        ),
+        (
+            {"tensorParallelSize": 2, "ray": {"workerResources": {"limits": {"cpu": 1}}}},
+            "cpu must be at least",
+        ),
         ({"model": {"source": "pvc://Models/x"}}, "CLAIM a PersistentVolumeClaim name"),
         ({"model": {"source": "pvc:///abs"}}, "CLAIM a PersistentVolumeClaim name"),
         ({"model": {"source": "pvc://models/a/../etc"}}, r"must not contain '\.' or '\.\.'"),
@@ -156,6 +190,13 @@ VALID = {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
         "min-above-max",
         "unknown-field",
         "tp-zero",
+        "tp-above-8",
+        "pp-not-served",
+        "pp-above-8",
+        "gpu-limit-below-tp",
+        "gpu-request-above-tp",
+        "cpu-request-below-tp",
+        "cpu-limit-below-tp",
         "pvc-claim-upper-case",
         "pvc-no-claim",
         "pvc-dot-dot",
@@ -164,6 +205,62 @@ VALID = {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
 def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message):
         spec_.MoEDeploymentSpec.model_validate({**VALID, **patch})
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"tensorParallelSize": 2},
+        {"tensorParallelSize": 8, "ray": {"accelerator": "nvidia.com/gpu"}},
+        {"tensorParallelSize": 2, "ray": {"accelerator": "nvidia.com/gpu",
+         "workerResources": {"requests": {"nvidia.com/gpu": "2", "cpu": 1},
+                             "limits": {"nvidia.com/gpu": 2}}}},
+        {"tensorParallelSize": 2, "ray": {"workerResources": {"requests": {"cpu": "2000m"},
+                                                              "limits": {"cpu": "2.5"}}}},
+        # the GPU count belongs to GPU workers only; a cpu worker's GPUs are the user's
+        {"tensorParallelSize": 2, "ray": {"workerResources": {"limits": {"nvidia.com/gpu": 1}}}},
+        # one device per rank reads as before these rules: no stored deployment turns invalid
+        {"ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
+        {"ray": {"accelerator": "nvidia.com/gpu",
+                 "workerResources": {"limits": {"nvidia.com/gpu": 2}}}},
+    ],
+    ids=["tp-2-cpu", "tp-8-gpu", "gpu-count-given-right", "cpu-cores-enough", "cpu-gpu-limit",
+         "tp1-half-a-core", "tp1-gpu-count-overwritten"],
+)  # fmt: skip
+def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> None:
+    parsed = spec_.MoEDeploymentSpec.model_validate({**VALID, **patch})
+    assert parsed.devices_per_rank == parsed.tensor_parallel_size
+
+
+def test_the_mesh_rules_are_in_the_crd() -> None:
+    """The refusals above are the API server's too (tests/integration/operator/
+    test_operator_validation.py applies them): TP is bounded, PP refused above 1 by a rule of
+    its own (dropped once pipeline stages are served), the pod's fit checked at spec level."""
+    props = schema()["properties"]["spec"]["properties"]
+    assert (props["tensorParallelSize"]["minimum"], props["tensorParallelSize"]["maximum"]) == (
+        1,
+        8,
+    )
+    assert "x-kubernetes-validations" not in props["tensorParallelSize"]
+    pp = props["pipelineParallelSize"]
+    assert (pp["default"], pp["minimum"], pp["maximum"]) == (1, 1, 8)
+    assert [r["rule"] for r in pp["x-kubernetes-validations"]] == ["self == 1"]
+    messages = [r["message"] for r in schema()["properties"]["spec"]["x-kubernetes-validations"]]
+    assert any(m.startswith("ray.workerResources nvidia.com/gpu must equal") for m in messages)
+    assert any(m.startswith("ray.workerResources cpu must be at least") for m in messages)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2", 2), (3, 3), ("500m", 0.5), ("1.5", 1.5), ("2k", 2000), ("1Ki", 1024), ("3e2", 300),
+     ("1E", 10**18), (".5", 0.5)],
+)  # fmt: skip
+def test_quantities_parse_as_kubernetes_reads_them(text: Any, value: float) -> None:
+    assert mesh.parse_quantity(text) == decimal.Decimal(str(value))
+
+
+def test_a_malformed_quantity_is_not_one() -> None:
+    assert mesh.parse_quantity("two") is None and mesh.parse_quantity("1.2.3") is None
 
 
 def test_models_fill_defaults() -> None:

@@ -50,7 +50,7 @@ def test_gpu_sample_gives_each_worker_its_gpus() -> None:
     (group,) = cluster["spec"]["workerGroupSpecs"]
     (worker,) = group["template"]["spec"]["containers"]
     (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
-    gpus = spec.tensor_parallel_size
+    gpus = spec.devices_per_rank  # one worker pod per DP rank holds its T x P devices
     assert worker["resources"]["limits"][spec_.ACCELERATOR_NVIDIA_GPU] == gpus
     assert group["rayStartParams"]["num-gpus"] == str(gpus)
     assert spec_.ACCELERATOR_NVIDIA_GPU not in head["resources"].get("limits", {})

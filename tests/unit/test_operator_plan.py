@@ -9,7 +9,7 @@ import pytest
 from moe_contract import status as runtime_status
 from moe_operator.api import spec as spec_
 from moe_operator.api import status as status_
-from moe_operator.plan import actions, diff, observe, resize
+from moe_operator.plan import actions, builders, diff, observe, resize
 from moe_operator.plan import status as plan_status
 
 SPEC = spec_.MoEDeploymentSpec.model_validate(
@@ -113,6 +113,46 @@ def test_status_fields() -> None:
         "lastTransitionTime": T0,
         "observedGeneration": 1,
     }
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp_annotation", "want"),
+    [(1, None, (1, 1)), (2, None, (2, 1)), (2, "3", (2, 3))],
+    ids=["tp1", "tp2", "tp2-pp3"],
+)
+def test_status_shows_the_mesh_of_the_serving_raycluster(
+    tp: int, pp_annotation: str | None, want: tuple[int, int]
+) -> None:
+    """``kubectl get moed -o wide`` prints TP and PP from the status; the status reads them
+    from the RayCluster the operator built (PP is refused above 1 today: its annotation is
+    written by hand here, as a RayCluster of a later operator would carry it)."""
+    spec = SPEC.model_copy(update={"tensor_parallel_size": tp})
+    built = builders.build_raycluster(
+        owner=builders.Owner(name="tiny", namespace="ml", uid="u"), spec=spec
+    )
+    if pp_annotation is not None:
+        annotations = built["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]
+        annotations["elasticmoe.io/pipeline-parallel-size"] = pp_annotation
+    built["status"] = {
+        "readyWorkerReplicas": 2,
+        "conditions": [{"type": "HeadPodReady", "status": "True"}],
+    }
+    observed = observe.Observed(raycluster=observe.raycluster(built))
+    new = status_after(current=EMPTY, observed=observed, now=T0).to_wire()
+    assert (new["tensorParallelSize"], new["pipelineParallelSize"]) == want
+    # a serving RayCluster keeps showing its own mesh while the spec asks another (a rollout)
+    other = plan_status.next_status(
+        name="tiny", namespace="ml", generation=2, target=2, current=EMPTY, observed=observed,
+        phase=actions.SetPhase(status_.Phase.SERVING, "Serving", ""), now=T0, mesh=(4, 1),
+    )  # fmt: skip
+    assert (other.tensor_parallel_size, other.pipeline_parallel_size) == want
+    # no RayCluster yet: the spec's, which the one created next carries
+    first = plan_status.next_status(
+        name="tiny", namespace="ml", generation=1, target=2, current=EMPTY,
+        observed=observe.Observed(), phase=actions.SetPhase(status_.Phase.PENDING, "Pending", ""), now=T0,
+        mesh=(tp, 1),
+    )  # fmt: skip
+    assert (first.tensor_parallel_size, first.pipeline_parallel_size) == (tp, 1)
 
 
 def test_transition_time_moves_only_when_the_status_flips() -> None:

@@ -108,6 +108,45 @@ def test_down_completes_by_deleting_exactly_the_freed_pods() -> None:
     assert p.resize.freed_pods == list(freed)
 
 
+def test_a_tp2_shrink_deletes_exactly_the_pods_of_the_freed_ranks() -> None:
+    """At T = 2 a DP rank is two rank actors in one worker pod: a shrink 4 -> 2 frees two
+    pods, named once each in workersToDelete and status.resize.freedPods, whether the runtime
+    reports a freed rank once or once per actor."""
+    freed = [
+        runtime_status.FreedRank(rank=rank, pod=base.PODS[rank], tp_rank=tp_rank)
+        for rank in (3, 2)
+        for tp_rank in (0, 1)
+    ]
+    payload = runtime_status.ElasticStatus(
+        data_parallel_size=2,
+        target_data_parallel_size=2,
+        stage="Completed",
+        resize=runtime_status.Resize(
+            resize_id="r1",
+            from_size=4,
+            to_size=2,
+            stage="Completed",
+            started_at=base.T0.timestamp(),
+            stages=[runtime_status.StageTiming(stage="Releasing", duration_s=0.1)],
+            freed=freed,
+        ),
+        ranks=[runtime_status.Rank(rank=r, pod=base.PODS[r]) for r in (0, 1)],
+    ).to_json()
+    rt = observe.runtime(payload)
+    assert rt is not None
+    p = base.plan(
+        2,
+        base.serving(4, base.active(4, 2, base.Stage.RELEASING, rid="r1")),
+        base.observed(raycluster=base.ray(4), rt=rt),
+        tp=2,
+    )
+    assert p.raycluster == actions.ApplyRayCluster(
+        worker_replicas=2, workers_to_delete=(base.PODS[2], base.PODS[3])
+    )
+    assert p.resize.stage is base.Stage.COMPLETED
+    assert p.resize.freed_pods == [base.PODS[3], base.PODS[2]]
+
+
 @pytest.mark.parametrize(
     ("worker_pods", "leaving", "kept"),
     [

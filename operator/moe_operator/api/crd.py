@@ -71,7 +71,23 @@ PRINTER_COLUMNS: Final = [
         "description": "Why it is not ready, or what it does (load progress, a failed start)",
         "jsonPath": '.status.conditions[?(@.type=="Ready")].message',
     },
-    # `kubectl get moed -o wide`: warm spares, the operator's autoscaler (spec.autoscaling).
+    # `kubectl get moed -o wide`: the mesh of a rank, warm spares, the operator's autoscaler
+    # (spec.autoscaling). TP and PP are set once per revision: the default view, a contract
+    # (docs/INTERNALS.md) and already seven columns wide, keeps what changes.
+    {
+        "name": "TP",
+        "type": "integer",
+        "priority": 1,
+        "description": "Devices per data-parallel rank (tensor parallel) of the serving RayCluster",
+        "jsonPath": ".status.tensorParallelSize",
+    },
+    {
+        "name": "PP",
+        "type": "integer",
+        "priority": 1,
+        "description": "Pipeline stages per data-parallel rank of the serving RayCluster",
+        "jsonPath": ".status.pipelineParallelSize",
+    },
     {
         "name": "SPARES",
         "type": "integer",

@@ -27,6 +27,10 @@ ANNOTATION_LOCAL_ENDPOINT: Final = f"{GROUP}/local-endpoint"
 #: Annotation on the RayCluster's head pod template: the ``--data-parallel-size`` the head's
 #: runtime starts at, kept from the RayCluster's creation on (a resize never rewrites the head).
 ANNOTATION_HEAD_SIZE: Final = f"{GROUP}/initial-data-parallel-size"
+#: Annotations on the RayCluster's head pod template: the tensor-parallel and pipeline-parallel
+#: sizes its runtime serves (absent: 1). ``status.tensorParallelSize`` / ``pipelineParallelSize``.
+ANNOTATION_TENSOR_PARALLEL_SIZE: Final = f"{GROUP}/tensor-parallel-size"
+ANNOTATION_PIPELINE_PARALLEL_SIZE: Final = f"{GROUP}/pipeline-parallel-size"
 #: The template revision (``plan.revision``) a RayCluster's pods are made from: on the
 #: RayCluster (annotation) and on its pod templates (label).
 REVISION: Final = f"{GROUP}/revision"

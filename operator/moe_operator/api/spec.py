@@ -13,11 +13,10 @@ from typing import Any, Final, Literal, Union
 import pydantic
 from pydantic import alias_generators
 
-from moe_operator.api import storage
+from moe_operator.api import mesh, storage
 
 #: Largest data-parallel size the schema accepts (bounds CEL cost estimates too).
 MAX_DATA_PARALLEL_SIZE = 1024
-MAX_TENSOR_PARALLEL_SIZE = 64
 #: The runtime image `make images` builds (images/runtime/Dockerfile).
 DEFAULT_IMAGE = "ghcr.io/elastic-moe/runtime:0.1.0"
 
@@ -243,7 +242,10 @@ class RaySpec(ApiModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     accelerator: Accelerator = pydantic.Field(
         default="cpu",
-        description="nvidia.com/gpu gives each worker tensorParallelSize GPUs.",
+        description=(
+            "nvidia.com/gpu gives each worker pod (one per data-parallel rank) "
+            "tensorParallelSize x pipelineParallelSize GPUs."
+        ),
     )
     head_resources: ResourceRequirements | None = None
     worker_resources: ResourceRequirements | None = None
@@ -327,6 +329,7 @@ _SPEC_RULES: list[pydantic.JsonValue] = [
         "fieldPath": ".elastic.warmSpareRanks",
         "reason": "FieldValueInvalid",
     },
+    *mesh.FIT_RULES,
 ]
 
 
@@ -346,21 +349,22 @@ class MoEDeploymentSpec(ApiModel):
     tensor_parallel_size: int = pydantic.Field(
         default=1,
         ge=1,
-        le=MAX_TENSOR_PARALLEL_SIZE,
+        le=mesh.MAX_TENSOR_PARALLEL_SIZE,
         description=(
-            "GPUs per data-parallel rank. Only 1 for now: the runtime has no tensor "
-            "parallelism inside a rank (each rank runs on one device)."
+            "Devices per data-parallel rank that shard its attention and dense layers (one "
+            "rank actor each, in the rank's one worker pod); the expert-parallel size is DP x "
+            "TP. A change rolls the deployment over (docs/ROLLOUTS.md)."
         ),
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self == 1",
-                    "message": "tensorParallelSize > 1 is not supported yet: each data-parallel "
-                    "rank runs on one device (no tensor parallelism inside a rank); use more "
-                    "data-parallel ranks (dataParallelSize) instead",
-                }
-            ]
-        },
+    )
+    pipeline_parallel_size: int = pydantic.Field(
+        default=1,
+        ge=1,
+        le=mesh.MAX_PIPELINE_PARALLEL_SIZE,
+        description=(
+            "Pipeline stages per data-parallel rank (its worker pod holds TP x PP devices). "
+            "Only 1 for now: the runtime serves no pipeline stages yet."
+        ),
+        json_schema_extra={"x-kubernetes-validations": mesh.PIPELINE_RULES},
     )
     max_queued_requests: int = pydantic.Field(
         default=1024,
@@ -380,11 +384,14 @@ class MoEDeploymentSpec(ApiModel):
 
     @pydantic.model_validator(mode="after")
     def _sizes_consistent(self) -> MoEDeploymentSpec:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensorParallelSize > 1 is not supported yet: each data-parallel rank runs on "
-                "one device; use more data-parallel ranks (dataParallelSize) instead"
-            )
+        mesh.check_pipeline(self.pipeline_parallel_size)
+        workers = self.ray.worker_resources
+        mesh.check_fit(
+            devices=self.devices_per_rank,
+            accelerator=self.ray.accelerator,
+            requests=workers.requests if workers is not None else None,
+            limits=workers.limits if workers is not None else None,
+        )
         if self.min_data_parallel_size > self.max_data_parallel_size:
             raise ValueError(
                 "minDataParallelSize must be less than or equal to maxDataParallelSize "
@@ -405,6 +412,11 @@ class MoEDeploymentSpec(ApiModel):
                 f"{self.max_data_parallel_size})"
             )
         return self
+
+    @property
+    def devices_per_rank(self) -> int:
+        """Devices (rank actors) of one data-parallel rank: T x P, all in its worker pod."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def wants_gpus(self) -> bool:

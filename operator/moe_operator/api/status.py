@@ -262,6 +262,16 @@ class MoEDeploymentStatus(spec_.ApiModel):
         default=None, ge=0, description="Ranks serving now."
     )
     target_data_parallel_size: int | None = pydantic.Field(default=None, ge=0)
+    tensor_parallel_size: int | None = pydantic.Field(
+        default=None,
+        ge=1,
+        description="Devices per data-parallel rank (TP) the serving RayCluster runs.",
+    )
+    pipeline_parallel_size: int | None = pydantic.Field(
+        default=None,
+        ge=1,
+        description="Pipeline stages per data-parallel rank (PP) the serving RayCluster runs.",
+    )
     selector: str | None = None
     resize: ResizeStatus | None = None
     experts: ExpertsStatus | None = None

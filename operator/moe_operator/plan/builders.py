@@ -137,6 +137,8 @@ def serve_args(
         eplb_window_size=experts.eplb.window_size,
         eplb_step_interval=experts.eplb.step_interval,
         max_experts_per_rank=experts.max_experts_per_rank,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
         # Said, not guessed: at start the head may not see the GPU workers yet.
         device=flags.DEVICE_CUDA if spec.wants_gpus else flags.DEVICE_CPU,
         dtype=serve_dtype(spec),
@@ -341,6 +343,7 @@ def _head_template(
             "annotations": {
                 OVERWRITE_CMD_ANNOTATION: "true",
                 group.ANNOTATION_HEAD_SIZE: str(size),
+                **mesh_annotations(spec),
             },
         },
         "spec": {
@@ -358,7 +361,8 @@ def _head_template(
 
 
 def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
-    gpus = spec.tensor_parallel_size if spec.wants_gpus else 0
+    # One worker pod per DP rank: it holds the rank's T x P devices (docs/INTERNALS.md).
+    gpus = spec.devices_per_rank if spec.wants_gpus else 0
     container = {
         "name": WORKER_CONTAINER,
         "image": spec.ray.image,
@@ -388,9 +392,23 @@ def _worker_template(*, owner: Owner, spec: spec_.MoEDeploymentSpec) -> dict[str
     }
 
 
-def rank_resources_param() -> str:
-    """``rayStartParams.resources``: KubeRay passes it verbatim to ``ray start --resources``."""
-    return json.dumps(json.dumps({names.RANK_RESOURCE: 1}))
+def rank_resources_param(spec: spec_.MoEDeploymentSpec) -> str:
+    """``rayStartParams.resources``: KubeRay passes it verbatim to ``ray start --resources``.
+    A worker pod offers one rank slot per device of its DP rank (T x P): the runtime's
+    placement group of a rank asks one slot per rank actor, so the rank fills the pod."""
+    return json.dumps(json.dumps({names.RANK_RESOURCE: spec.devices_per_rank}))
+
+
+def mesh_annotations(spec: spec_.MoEDeploymentSpec) -> dict[str, str]:
+    """The head template's record of the mesh its runtime serves (``status.tensorParallelSize``
+    and ``status.pipelineParallelSize`` read it from the serving RayCluster); a size of 1 is
+    left out, so a RayCluster made before these existed reads as 1 x 1, as it serves."""
+    out: dict[str, str] = {}
+    if spec.tensor_parallel_size != 1:
+        out[group.ANNOTATION_TENSOR_PARALLEL_SIZE] = str(spec.tensor_parallel_size)
+    if spec.pipeline_parallel_size != 1:
+        out[group.ANNOTATION_PIPELINE_PARALLEL_SIZE] = str(spec.pipeline_parallel_size)
+    return out
 
 
 def build_raycluster(
@@ -415,9 +433,11 @@ def build_raycluster(
     """
     spares = spec.elastic.warm_spare_ranks
     replicas = spec.data_parallel_size + spares if worker_replicas is None else worker_replicas
-    worker_params = {"resources": rank_resources_param()}
+    # num-cpus is KubeRay's, from the worker container's CPU (ray.workerResources; rank
+    # actors ask for no CPU): the operator sets none of its own.
+    worker_params = {"resources": rank_resources_param(spec)}
     if spec.wants_gpus:
-        worker_params["num-gpus"] = str(spec.tensor_parallel_size)
+        worker_params["num-gpus"] = str(spec.devices_per_rank)
     worker_group: dict[str, Any] = {
         "groupName": WORKER_GROUP,
         "replicas": replicas,

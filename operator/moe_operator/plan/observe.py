@@ -40,6 +40,9 @@ class RayClusterObservation:
     #: ``None``: made by an operator that did not say).
     name: str | None = None
     revision: str | None = None
+    #: The mesh of a DP rank its head serves (its template's annotations; absent: 1).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,15 +212,17 @@ def _condition_true(conditions: Any, type_: str) -> bool:
     return False
 
 
-def _head_size(spec: dict[str, Any]) -> int | None:
+def _head_annotation(spec: dict[str, Any], key: str) -> int | None:
     template = (spec.get("headGroupSpec") or {}).get("template") or {}
-    value = ((template.get("metadata") or {}).get("annotations") or {}).get(
-        group.ANNOTATION_HEAD_SIZE
-    )
+    value = ((template.get("metadata") or {}).get("annotations") or {}).get(key)
     try:
         return int(value) if value is not None else None
     except (TypeError, ValueError):
         return None
+
+
+def _head_size(spec: dict[str, Any]) -> int | None:
+    return _head_annotation(spec, group.ANNOTATION_HEAD_SIZE)
 
 
 def raycluster(
@@ -251,6 +256,8 @@ def raycluster(
         head_size=_head_size(spec),
         name=(obj.get("metadata") or {}).get("name"),
         revision=((obj.get("metadata") or {}).get("annotations") or {}).get(group.REVISION),
+        tensor_parallel_size=_head_annotation(spec, group.ANNOTATION_TENSOR_PARALLEL_SIZE) or 1,
+        pipeline_parallel_size=_head_annotation(spec, group.ANNOTATION_PIPELINE_PARALLEL_SIZE) or 1,
     )
 
 
@@ -358,7 +365,8 @@ def runtime_resize(record: runtime_status.Resize) -> RuntimeResize:
         started_at=record.started_at,
         stage_started_at=record.stage_started_at,
         stages=tuple((s.stage, s.duration_s) for s in record.stages),
-        freed_pods=tuple(f.pod for f in record.freed if f.pod),
+        # Each pod once: a rank of T x P actors may report its pod per actor.
+        freed_pods=tuple(dict.fromkeys(f.pod for f in record.freed if f.pod)),
         kind=record.kind or runtime_status.KIND_RESIZE,
         lost=tuple(
             LostRank(pod=r.pod or None, reason=r.reason or "lost")

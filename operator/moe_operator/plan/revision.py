@@ -43,6 +43,9 @@ LIVE_FIELDS: Final = frozenset(
         "rollout",
     }
 )
+#: Template fields added after revisions existed, with the value every older spec meant: at
+#: that value a field is left out of the hash, so an operator upgrade rolls no deployment over.
+ADDED_LATER: Final = {"pipelineParallelSize": 1}
 #: Hex digits of a revision (enough to tell the revisions of one deployment apart).
 LENGTH: Final = 10
 
@@ -50,7 +53,11 @@ LENGTH: Final = 10
 def template_fields(spec: spec_.MoEDeploymentSpec) -> dict[str, Any]:
     """The spec without its live fields: what the pods are made from."""
     wire = spec.model_dump(by_alias=True, mode="json")
-    return {key: value for key, value in wire.items() if key not in LIVE_FIELDS}
+    return {
+        key: value
+        for key, value in wire.items()
+        if key not in LIVE_FIELDS and not (key in ADDED_LATER and ADDED_LATER[key] == value)
+    }
 
 
 def revision(spec: spec_.MoEDeploymentSpec) -> str:

@@ -65,10 +65,13 @@ def next_status(
     now: str,
     resize_status: status_.ResizeStatus | None | actions.Keep = actions.KEEP,
     autoscaling: status_.AutoscalingStatus | None | actions.Keep = actions.KEEP,
+    mesh: tuple[int, int] = (1, 1),
 ) -> status_.MoEDeploymentStatus:
     """The status the reconcile ends with (``resize_status``: ``status.resize`` as planned,
     ``autoscaling``: ``status.autoscaling`` as the autoscaler left it; by default the
-    current ones are kept)."""
+    current ones are kept). ``mesh``: the spec's (tensor, pipeline) parallel sizes, shown
+    until a RayCluster is seen; then the serving RayCluster's are (a change of the mesh rolls
+    over to a new RayCluster: the serving one keeps its own until the rollout ends)."""
     running = current.resize if isinstance(resize_status, actions.Keep) else resize_status
 
     def cond(type_: str, value: status_.ConditionStatus, reason: str, message: str) -> Any:
@@ -132,6 +135,7 @@ def next_status(
             if rt.warm_spare_ranks or rt.spare_pods
             else None
         )
+    ray = observed.raycluster
     return status_.MoEDeploymentStatus(
         observed_generation=generation,
         phase=phase.phase,
@@ -141,6 +145,8 @@ def next_status(
             previous=current.data_parallel_size if decide.served(current) else None,
         ),
         target_data_parallel_size=target,
+        tensor_parallel_size=ray.tensor_parallel_size if ray else mesh[0],
+        pipeline_parallel_size=ray.pipeline_parallel_size if ray else mesh[1],
         selector=builders.selector(name),
         resize=running,
         experts=experts,

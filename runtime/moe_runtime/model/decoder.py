@@ -13,6 +13,13 @@ With a `tensor_parallel.TensorParallel` part the model is one TP rank's: it hold
 of the weights (`tp_shard`), attends with its heads (`local_config`; its KV cache holds only
 those: build it from `local_config`), and reduces the row-parallel outputs and gathers the
 logits over its TP group. Without one (T = 1) nothing of that runs.
+
+With a `pipeline.PipelineStage` (`pp=`) the model is one pipeline stage's: it holds and runs
+only its decoder layers (and the embedding on the first, the final norm and lm_head on the
+last); a stage after the first takes the previous stage's hidden states instead of looking
+tokens up, a stage before the last returns its hidden states instead of logits; its KV cache
+holds only its layers (`layers`), its experts are called by local MoE layer. Composes with
+a TP part (a TP rank of a pipeline stage).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from moe_runtime.model import attention, names, routing
+from moe_runtime.model import attention, names, pipeline, routing
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
@@ -58,13 +65,19 @@ class MoEModel:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         tp: tp_mod.TensorParallel | None = None,
+        pp: pipeline.PipelineStage | None = None,
     ) -> None:
         if tp is not None and tp.shard.config != config:
             raise ValueError("MoEModel: the tensor parallel shard is of another model config")
+        if pp is not None and pp.config != config:
+            raise ValueError("MoEModel: the pipeline stage is of another model config")
         self.config = config
         #: what attention and the KV cache run with: this TP rank's heads (T = 1: config)
         self.local_config = config if tp is None else tp.shard.local
         self.tp = tp
+        #: this pipeline stage (the whole model at P = 1) and its decoder layers [first, stop)
+        self.pp = pp or pipeline.whole(config)
+        self.layers = self.pp.layers
         self.dtype = dtype
         self.device = torch.device(device)
         self._state: dict[str, torch.Tensor] = {}
@@ -81,15 +94,13 @@ class MoEModel:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         tp: tp_mod.TensorParallel | None = None,
+        pp: pipeline.PipelineStage | None = None,
     ) -> MoEModel:
-        """A model with its non-expert weights read from `source` (a TP rank's: its shard)."""
-        model = cls(source.config, dtype=dtype, device=device, tp=tp)
-        if tp is not None:
-            model.load_non_expert(tp_mod.load_shard(source, tp.shard))
-            return model
-        model.load_non_expert(
-            {name: source.tensor(name) for name in names.non_expert_tensor_names(source.config)}
-        )
+        """A model with its non-expert weights read from `source` (a TP rank's: its shard; a
+        pipeline stage's: its tensors only)."""
+        model = cls(source.config, dtype=dtype, device=device, tp=tp, pp=pp)
+        shard = None if tp is None else tp.shard
+        model.load_non_expert(pipeline.load(source, stage=pp, shard=shard))
         return model
 
     @property
@@ -107,10 +118,12 @@ class MoEModel:
 
         All are checked (present, right shape) before any is set. Expert tensors and a tied
         `lm_head.weight` are ignored; unknown names are refused. A TP rank's tensors are its
-        shard's parts (`tp_shard.Shard.shape`).
+        shard's parts (`tp_shard.Shard.shape`); a pipeline stage's, its own (`pipeline.parts`:
+        those of other stages are ignored).
         """
         cfg = self.config
-        wanted = names.non_expert_tensor_names(cfg)
+        held = pipeline.parts(cfg, stage=self.pp, shard=None if self.tp is None else self.tp.shard)
+        wanted = list(held)
         missing = [n for n in wanted if n not in tensors]
         if missing:
             raise ValueError(f"load_non_expert: missing {len(missing)} tensors: {missing[:5]}")
@@ -127,7 +140,7 @@ class MoEModel:
         for name in wanted:
             value = tensors[name]
             entry = names.entry(cfg, name)
-            shape = entry.shape if self.tp is None else self.tp.shard.shape(name)
+            shape = pipeline.shape(cfg, name, held[name])
             if tuple(value.shape) != shape:
                 raise ValueError(
                     f"load_non_expert: {name!r} has shape {list(value.shape)}, "
@@ -136,9 +149,18 @@ class MoEModel:
             dtype = torch.float32 if entry.role in self._float32 else self.dtype
             state[name] = value.to(device=self.device, dtype=dtype).contiguous()
         self._state = state
-        self._global = {role: state[name] for role, (name, _) in names.global_tensors(cfg).items()}
+        self._global = {
+            role: state[name]
+            for role, (name, _) in names.global_tensors(cfg).items()
+            if name in state
+        }
+        # every decoder layer's weights by role (empty: another pipeline stage's layer)
         self._layers = [
-            {role: state[name] for role, (name, _) in names.layer_tensors(cfg, layer).items()}
+            {
+                role: state[name]
+                for role, (name, _) in names.layer_tensors(cfg, layer).items()
+                if name in state
+            }
             for layer in range(cfg.num_layers)
         ]
         if self.tp is not None:
@@ -160,6 +182,8 @@ class MoEModel:
     def route(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing of hidden [T, H] in MoE layer `layer`: (topk_ids [T, k], topk_weights f32)."""
         decoder_layer = self.config.moe_layer_ids[layer]
+        if not self.layers[0] <= decoder_layer < self.layers[1]:
+            raise ValueError(f"MoE layer {layer} is not in pipeline stage {self.pp.index}")
         return routing.route(self.config, self._layers[decoder_layer], hidden)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -199,6 +223,7 @@ class MoEModel:
         kv: kv_mod.KVCache,
         experts: experts_mod.ExpertBackend,
         *,
+        hidden: torch.Tensor | None = None,
         expert_load: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [num_seqs, vocab] (float32) of the last new token of each sequence.
@@ -206,9 +231,20 @@ class MoEModel:
         Appends the new tokens' attention state to `kv`. An empty batch still calls `experts`
         once per MoE layer with T = 0 and returns a [0, vocab] tensor. `expert_load` (int64
         [num_moe_layers, E]), if given, is incremented by the tokens routed to each expert.
+
+        A pipeline stage after the first takes `hidden` [num_tokens, hidden_size], the
+        previous stage's output for the same batch; a stage before the last returns its hidden
+        states [num_tokens, hidden_size] (serving dtype) instead of logits. A stage's experts
+        and `expert_load` ([stage MoE layers, E]) count its MoE layers from 0.
         """
         self._require_loaded()
         cfg = self.config
+        stage = self.pp
+        if kv.layers != self.layers:
+            raise ValueError(
+                f"the KV cache holds decoder layers {list(kv.layers)}; this model runs "
+                f"{list(self.layers)} (build it with layers=model.layers)"
+            )
         if (kv.parts, kv.heads, kv.dim) != kv_mod.cache_shape(self.local_config):
             raise ValueError(
                 f"the KV cache holds {kv.heads} heads of {kv.dim}; this model attends with "
@@ -217,9 +253,6 @@ class MoEModel:
         spans = self._check(batch, kv)
         for seq_id, _, n, start in spans:
             kv.reserve(seq_id, start, n)
-        ids = torch.tensor(
-            [t for tokens in batch.token_ids for t in tokens], dtype=torch.int64, device=self.device
-        )
         positions = torch.tensor(
             [p for _, _, n, start in spans for p in range(start, start + n)],
             dtype=torch.int64,
@@ -234,10 +267,12 @@ class MoEModel:
             split_norm=None if self.tp is None else self.tp.rms_norm,
         )
         attend = attention.mla if cfg.mla is not None else attention.gqa
-        hidden = F.embedding(ids, self._global["embed"])
+        hidden = self._input(batch, hidden)
         num_tokens = hidden.shape[0]
         tp = self.tp
-        for index, w in enumerate(self._layers):
+        moe0 = stage.moe_layers[0]
+        for index in range(*self.layers):
+            w = self._layers[index]
             if num_tokens:
                 x = self._norm(hidden, w["input_norm"])
                 attended = attend(self.local_config, w, x, ctx, index)
@@ -246,6 +281,7 @@ class MoEModel:
                 hidden = hidden + attended
             x = self._norm(hidden, w["post_norm"])
             moe = cfg.moe_index(index)
+            moe = None if moe is None else moe - moe0
             if moe is None:
                 if num_tokens:
                     mlp = _swiglu(x, w, "mlp")
@@ -272,6 +308,8 @@ class MoEModel:
                     shared = torch.sigmoid(F.linear(x, w["shared_expert_gate"])) * shared
                 out = out + shared
             hidden = hidden + out
+        if not stage.is_last:
+            return hidden
         if not spans:
             return torch.empty((0, cfg.vocab_size), dtype=torch.float32, device=self.device)
         last = torch.tensor([offset + n - 1 for _, offset, n, _ in spans], device=self.device)
@@ -311,5 +349,26 @@ class MoEModel:
         if self.tp is None:
             return tuple(names.tensor_shape(self.config, name))
         return tuple(self.tp.shard.shape(name))
+
+    def _input(self, batch: kv_mod.ForwardBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input: the tokens' embeddings on the first pipeline stage, the
+        previous stage's hidden states (checked) on the others."""
+        if self.pp.is_first:
+            if hidden is not None:
+                raise ValueError("the first pipeline stage looks tokens up: pass no hidden")
+            ids = torch.tensor(
+                [t for tokens in batch.token_ids for t in tokens],
+                dtype=torch.int64,
+                device=self.device,
+            )
+            return F.embedding(ids, self._global["embed"])
+        want = (batch.num_tokens, self.config.hidden_size)
+        if hidden is None or tuple(hidden.shape) != want:
+            got = None if hidden is None else list(hidden.shape)
+            raise ValueError(
+                f"pipeline stage {self.pp.index} takes the hidden states {list(want)} of "
+                f"stage {self.pp.index - 1} for this batch, got {got}"
+            )
+        return hidden.to(device=self.device, dtype=self.dtype)
 
     __call__ = forward

@@ -90,10 +90,17 @@ def cache_shape(config: config_mod.ModelConfig) -> tuple[int, int, int]:
     return 2, config.num_kv_heads, config.head_dim
 
 
-def bytes_per_token(config: config_mod.ModelConfig, dtype: torch.dtype) -> int:
-    """KV cache bytes one position of one sequence takes over all layers."""
+def bytes_per_token(
+    config: config_mod.ModelConfig,
+    dtype: torch.dtype,
+    *,
+    layers: tuple[int, int] | None = None,
+) -> int:
+    """KV cache bytes one position of one sequence takes over all layers (`layers`: over
+    decoder layers [first, stop) only, a pipeline stage's)."""
     parts, heads, dim = cache_shape(config)
-    return config.num_layers * parts * heads * dim * torch.empty((), dtype=dtype).element_size()
+    count = config.num_layers if layers is None else layers[1] - layers[0]
+    return count * parts * heads * dim * torch.empty((), dtype=dtype).element_size()
 
 
 def serving_dtype(name: str, *, cuda: bool) -> torch.dtype:
@@ -189,22 +196,26 @@ class BatchKV:
 
     def write(self, layer: int, *parts: torch.Tensor) -> None:
         """Store each part [T, heads, dim] of the batch's new tokens in layer `layer`."""
+        pool = self.kv.pool[layer - self.kv.layers[0]]
         for i, part in enumerate(parts):
-            self.kv.pool[layer, i].index_copy_(0, self.write_slots, part.to(self.kv.dtype))
+            pool[i].index_copy_(0, self.write_slots, part.to(self.kv.dtype))
 
     def read(self, layer: int, group: Group) -> tuple[torch.Tensor, ...]:
         """Each part of the group's keys, [B, P, heads, dim] (a copy)."""
         b, p = group.key_slots.shape
         flat = group.key_slots.view(-1)
+        pool = self.kv.pool[layer - self.kv.layers[0]]
         return tuple(
-            self.kv.pool[layer, i].index_select(0, flat).view(b, p, self.kv.heads, self.kv.dim)
+            pool[i].index_select(0, flat).view(b, p, self.kv.heads, self.kv.dim)
             for i in range(self.kv.parts)
         )
 
 
 class KVCache:
     """Attention state of every sequence and layer in a pool of fixed-size blocks (module
-    docstring). max_blocks: the most blocks the pool may hold (None: no bound)."""
+    docstring). max_blocks: the most blocks the pool may hold (None: no bound). layers: the
+    decoder layers [first, stop) it holds (a pipeline stage's; None: all), indexed by their
+    model index."""
 
     def __init__(
         self,
@@ -215,7 +226,10 @@ class KVCache:
         block_size: int = BLOCK_SIZE,
         max_blocks: int | None = None,
         initial_capacity: int = 1024,
+        layers: tuple[int, int] | None = None,
     ) -> None:
+        if layers is not None and not 0 <= layers[0] < layers[1] <= config.num_layers:
+            raise ValueError(f"KVCache: layers {layers} not within [0, {config.num_layers}]")
         if block_size < 1 or SHORT_KEY_PAD % block_size:
             raise ValueError(f"block_size must divide {SHORT_KEY_PAD}, got {block_size}")
         self.config = config
@@ -223,6 +237,8 @@ class KVCache:
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_blocks = max_blocks
+        #: the decoder layers [first, stop) held
+        self.layers = (0, config.num_layers) if layers is None else layers
         self.parts, self.heads, self.dim = cache_shape(config)
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
@@ -241,21 +257,29 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         block_size: int = BLOCK_SIZE,
+        layers: tuple[int, int] | None = None,
     ) -> KVCache:
         """A cache of at most `budget_bytes` (whole blocks, at least one)."""
-        per_block = bytes_per_token(config, dtype) * block_size
+        per_block = bytes_per_token(config, dtype, layers=layers) * block_size
         return cls(
             config,
             dtype=dtype,
             device=device,
             block_size=block_size,
             max_blocks=max(1, budget_bytes // per_block),
+            layers=layers,
         )
 
     def _alloc(self, blocks: int) -> torch.Tensor:
         # zeros: padded key slots read unused positions, which must hold finite numbers
         return torch.zeros(
-            (self.config.num_layers, self.parts, blocks * self.block_size, self.heads, self.dim),
+            (
+                self.layers[1] - self.layers[0],
+                self.parts,
+                blocks * self.block_size,
+                self.heads,
+                self.dim,
+            ),
             dtype=self.dtype,
             device=self.device,
         )
@@ -301,7 +325,7 @@ class KVCache:
             * self.block_size
             * self.pool[0, 0, 0].numel()
             * self.pool.element_size()
-            * (self.config.num_layers * self.parts)
+            * ((self.layers[1] - self.layers[0]) * self.parts)
         )
 
     def _grow(self, need: int) -> None:
@@ -357,13 +381,14 @@ class KVCache:
         [start_pos, start_pos + n) of one sequence (reserved)."""
         slots = self._slots(seq_id, start_pos, start_pos + parts[0].shape[0])
         for i, part in enumerate(parts):
-            self.pool[layer, i].index_copy_(0, slots, part.to(self.dtype))
+            self.pool[layer - self.layers[0], i].index_copy_(0, slots, part.to(self.dtype))
 
     def read(self, seq_id: str, layer: int) -> tuple[torch.Tensor, ...]:
         """Each part [heads, num_tokens, dim] of one sequence's layer (copies)."""
         slots = self._slots(seq_id, 0, self.num_tokens(seq_id))
         return tuple(
-            self.pool[layer, i].index_select(0, slots).transpose(0, 1) for i in range(self.parts)
+            self.pool[layer - self.layers[0], i].index_select(0, slots).transpose(0, 1)
+            for i in range(self.parts)
         )
 
     def _slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:

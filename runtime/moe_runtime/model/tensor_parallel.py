@@ -62,15 +62,18 @@ class TensorParallel:
     ) -> None:
         """Take the row-parallel biases out of each layer's weights (the decoder adds them
         after the reduction, here) and this rank's lm_head rows (the embedding's rows when
-        they are tied: a view, no copy)."""
+        they are tied: a view, no copy; a last pipeline stage holds only those rows of it).
+        A pipeline stage before the last has no lm_head."""
         self._biases = [
             {role: w.pop(role) for role in tp_shard.REDUCED_BIASES if role in w} for w in layers
         ]
-        if self.shard.config.tie_word_embeddings:
+        embed = global_.get("embed")
+        if self.shard.config.tie_word_embeddings and embed is not None:
             v0, v1 = self.shard.vocab
-            self._lm_head = global_["embed"][v0:v1]
+            whole = embed.shape[0] == self.shard.config.vocab_size
+            self._lm_head = embed[v0:v1] if whole else embed
         else:
-            self._lm_head = global_["lm_head"]
+            self._lm_head = global_.get("lm_head")
 
     def reduce(self, partial: torch.Tensor, layer: int, bias: str) -> torch.Tensor:
         """The sum over the group of a row-parallel projection's partial output [T, hidden],

@@ -98,7 +98,7 @@ def test_raycluster_passes_kuberay_strict_validation(
         {
             "model": {"source": "synthetic://tiny?seed=0"},
             "dataParallelSize": 2,
-            "tensorParallelSize": 1,
+            "tensorParallelSize": 2,
             "ray": {
                 "accelerator": "nvidia.com/gpu",
                 "workerResources": {"requests": {"cpu": "2", "memory": "8Gi"}},
@@ -132,6 +132,34 @@ def test_kubectl_get_shows_the_columns(
     ]  # fmt: skip
     row = out[1].split()
     assert row[:5] == ["tiny", "0", "2", "Provisioning", "False"]  # STAGE is empty
+
+
+def test_kubectl_get_wide_shows_the_mesh(
+    control_plane: cluster.ControlPlane, operator: ops.OperatorProcess, namespace: str
+) -> None:
+    """A deployment at tensorParallelSize 2: one worker pod per rank offering two rank slots,
+    and TP / PP in `kubectl get moed -o wide`."""
+    doc = yaml.safe_load(ops.SAMPLE.read_text())
+    doc["metadata"]["name"] = "tp2"
+    doc["spec"]["tensorParallelSize"] = 2
+    control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    objs = ops.wait_for(lambda: children(control_plane, namespace, "tp2"), what="children")
+    (group,) = objs["raycluster"]["spec"]["workerGroupSpecs"]
+    assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {"moe_rank": 2}
+    (head,) = objs["raycluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert "--tensor-parallel-size 2" in head["args"][0]
+    ops.wait_for(
+        lambda: status_of(control_plane, namespace, "tp2").get("tensorParallelSize") == 2,
+        what="status.tensorParallelSize 2",
+    )
+    out = control_plane.kubectl("get", "moed", "tp2", "-n", namespace, "-o", "wide").stdout
+    header, row = out.splitlines()[:2]
+    assert header.split()[:9] == [
+        "NAME", "DP", "TARGET", "PHASE", "STAGE", "READY", "AGE", "MESSAGE", "TP",
+    ]  # fmt: skip
+    start = header.index(" TP ") + 1
+    # kubectl aligns the columns: the TP and PP values start under their headers
+    assert row[start:].split()[:2] == ["2", "1"], out
 
 
 def test_status_follows_conventions(

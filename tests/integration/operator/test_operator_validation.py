@@ -69,10 +69,56 @@ CASES = [
         "elastic.warmSpareRanks must be at most maxDataParallelSize",
         id="spares-above-max",
     ),
+    pytest.param(variant("spec.tensorParallelSize", 9), "spec.tensorParallelSize", id="tp-above-8"),
     pytest.param(
-        variant("spec.tensorParallelSize", 2),
-        "tensorParallelSize > 1 is not supported yet",
-        id="tp-not-supported",
+        variant("spec.pipelineParallelSize", 2),
+        "pipelineParallelSize > 1 is not served yet",
+        id="pp-not-served",
+    ),
+    pytest.param(
+        variant("spec.pipelineParallelSize", 9), "spec.pipelineParallelSize", id="pp-above-8"
+    ),
+    pytest.param(
+        variant("spec.tensorParallelSize", 2)
+        | {
+            "spec": {
+                **VALID["spec"],
+                "tensorParallelSize": 2,
+                "ray": {
+                    "accelerator": "nvidia.com/gpu",
+                    "workerResources": {"limits": {"nvidia.com/gpu": 1}},
+                },
+            }
+        },
+        "nvidia.com/gpu must equal tensorParallelSize x pipelineParallelSize",
+        id="gpu-limit-below-tp",
+    ),
+    pytest.param(
+        {
+            **VALID,
+            "spec": {
+                **VALID["spec"],
+                "tensorParallelSize": 2,
+                "ray": {
+                    "accelerator": "nvidia.com/gpu",
+                    "workerResources": {"requests": {"nvidia.com/gpu": "3"}},
+                },
+            },
+        },
+        "nvidia.com/gpu must equal tensorParallelSize x pipelineParallelSize",
+        id="gpu-request-above-tp",
+    ),
+    pytest.param(
+        {
+            **VALID,
+            "spec": {
+                **VALID["spec"],
+                "tensorParallelSize": 4,
+                "ray": {"workerResources": {"requests": {"cpu": "3500m"}}},
+            },
+        },
+        "cpu must be at least tensorParallelSize x pipelineParallelSize",
+        id="cpu-request-below-tp",
     ),
     pytest.param(
         variant("spec.maxQueuedRequests", -1), "spec.maxQueuedRequests", id="negative-queue"
@@ -163,6 +209,35 @@ def test_invalid_spec_is_refused(
     assert gone.returncode != 0  # nothing was stored
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"tensorParallelSize": 2},
+        {"tensorParallelSize": 8, "ray": {"accelerator": "nvidia.com/gpu"}},
+        {"tensorParallelSize": 2, "ray": {"accelerator": "nvidia.com/gpu", "workerResources": {
+            "requests": {"nvidia.com/gpu": 2, "cpu": "1"}, "limits": {"nvidia.com/gpu": "2"}}}},
+        {"tensorParallelSize": 2, "ray": {"workerResources": {
+            "requests": {"cpu": "2000m"}, "limits": {"cpu": 3, "memory": "1Gi"}}}},
+        {"tensorParallelSize": 2, "ray": {"workerResources": {"limits": {"memory": "1Gi"}}}},
+        {"tensorParallelSize": 1, "ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
+    ],
+    ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given",
+         "tp1-half-a-core"],
+)  # fmt: skip
+def test_a_mesh_the_worker_pod_holds_is_accepted(
+    control_plane: cluster.ControlPlane, spec: dict[str, Any]
+) -> None:
+    doc = copy.deepcopy(VALID)
+    doc["spec"].update(spec)
+    doc["metadata"]["name"] = f"tp-{uuid.uuid4().hex[:8]}"
+    control_plane.kubectl("apply", "--validate=strict", "-f", "-", input=yaml.safe_dump(doc))
+    stored = yaml.safe_load(
+        control_plane.kubectl("get", "moed", doc["metadata"]["name"], "-o", "yaml").stdout
+    )
+    assert stored["spec"]["tensorParallelSize"] == spec["tensorParallelSize"]
+    assert stored["spec"]["pipelineParallelSize"] == 1
+
+
 def test_a_pvc_source_is_accepted(control_plane: cluster.ControlPlane) -> None:
     doc = variant("spec.model.source", "pvc://models/org.model/v1.0")
     doc["metadata"]["name"] = f"pvc-{uuid.uuid4().hex[:8]}"
@@ -176,7 +251,7 @@ def test_valid_spec_gets_defaults(control_plane: cluster.ControlPlane) -> None:
         control_plane.kubectl("get", "moed", doc["metadata"]["name"], "-o", "yaml").stdout
     )
     spec = stored["spec"]
-    assert spec["tensorParallelSize"] == 1
+    assert (spec["tensorParallelSize"], spec["pipelineParallelSize"]) == (1, 1)
     assert spec["expertParallel"] == {
         "numRedundantExperts": 0,
         "eplb": {"enabled": True, "windowSize": 1000, "stepInterval": 3000},
