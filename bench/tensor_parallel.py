@@ -2,8 +2,8 @@
 one random Mixtral-shaped checkpoint, and the share of the step spent in the TP collectives.
 
 T = 2 runs two spawned processes over a gloo group on loopback (`model.tensor_parallel`), each
-with one torch thread; T = 1 runs one process without a TP part. Every process holds every
-routed expert (experts are replicated over the TP group, docs/TENSOR-PARALLEL.md), so the
+with one torch thread; T = 1 runs one process without a TP part. Only TP rank 0 runs the
+routed experts (the others add zeros to the MoE reduce, docs/TENSOR-PARALLEL.md), so the
 expert GEMMs cost the same at every T: TP divides only attention, the dense/shared MLPs and
 lm_head. On a 2-core machine shared with other work the T = 2 figures are an upper bound of
 what the collectives cost, not a speed-up to expect; on GPUs with NVLink the all-reduces

@@ -170,6 +170,9 @@ class Rank(Payload):
     node_id: str | None = None
     pod: str | None = None
     pid: int | None = None
+    #: The processes of the rank's tensor-parallel followers (TP ranks 1..T-1; ``pid`` is
+    #: its leader's), empty at tensor-parallel size 1.
+    tp_pids: list[int] = pydantic.Field(default_factory=list)
     healthy: bool = True
     #: The executor's heartbeat state (``ok``, ``dead``, ``unresponsive``, ...).
     state: str | None = None

@@ -33,7 +33,7 @@ from moe_runtime.engine import core, seam
 from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
-from moe_runtime.model import kv_budget
+from moe_runtime.model import kv_budget, tp_shard
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tokenizer as tokenizer_mod
 from moe_runtime.parser import DEFAULT_MAX_QUEUED as DEFAULT_MAX_QUEUED  # re-exported
@@ -64,15 +64,26 @@ def _kv_budget(
     )
 
 
-def _unsupported_mesh(args: argparse.Namespace) -> str | None:
-    """Why this runtime cannot serve the asked mesh, or None (docs/TENSOR-PARALLEL.md)."""
-    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
+    """Why this runtime cannot serve the asked mesh of `cfg`, or None
+    (docs/TENSOR-PARALLEL.md): pipeline stages are not served yet; a tensor-parallel size
+    must shard the model (`tp_shard.plan`, which names the field) and needs Ray ranks."""
+    if args.pipeline_parallel_size != 1:
         return (
-            f"{flags.TENSOR_PARALLEL_SIZE} {args.tensor_parallel_size} "
-            f"{flags.PIPELINE_PARALLEL_SIZE} {args.pipeline_parallel_size}: this runtime serves "
-            "one device per data-parallel rank only (tensor and pipeline parallelism exist at "
-            "the model level, not in serve yet)"
+            f"{flags.PIPELINE_PARALLEL_SIZE} {args.pipeline_parallel_size}: this runtime does "
+            "not serve pipeline stages yet (1 only)"
         )
+    size = args.tensor_parallel_size
+    if size == 1:
+        return None
+    if size < 1:
+        return f"{flags.TENSOR_PARALLEL_SIZE} {size}: must be >= 1"
+    if args.executor != "ray":
+        return f"{flags.TENSOR_PARALLEL_SIZE} {size} needs the Ray executor (--executor ray)"
+    try:
+        tp_shard.plan(cfg, rank=0, size=size)
+    except ValueError as exc:
+        return f"{flags.TENSOR_PARALLEL_SIZE} {size} does not fit this model: {exc}"
     return None
 
 
@@ -131,6 +142,9 @@ def _build_into(
             token=args.admin_token, token_file=args.admin_token_file
         )
     cfg = src.config
+    unsupported = _unsupported_mesh(args, cfg)
+    if unsupported:
+        raise ValueError(unsupported)
     num_ranks = args.data_parallel_size
     num_physical = policy.num_physical_for(cfg.num_experts, num_ranks, args.num_redundant_experts)
     if num_physical != cfg.num_experts + args.num_redundant_experts:
@@ -150,7 +164,9 @@ def _build_into(
         from moe_runtime.executor import ray_executor  # imports ray: only here
 
         runtime.cluster = cluster_mod
-        slots = max(
+        tp_size = args.tensor_parallel_size
+        # a DP rank takes T rank slots (its leader and its T-1 tensor-parallel followers)
+        slots = tp_size * max(
             8,
             max(num_ranks, args.max_data_parallel_size or 0)
             + args.warm_spare_ranks
@@ -164,6 +180,7 @@ def _build_into(
             step_mode=args.step_mode,
             use_gpu=use_gpu,
             rank_hooks=rank_hooks,
+            tp_size=tp_size,
         )
     else:
         from moe_runtime.executor import local
@@ -260,15 +277,15 @@ def serve(args: argparse.Namespace) -> int:
     # Until uvicorn takes over the signals, SIGTERM unwinds through the finally below.
     signal.signal(signal.SIGTERM, _raise_exit)
     started = time.monotonic()
-    unsupported = _unsupported_mesh(args)
-    if unsupported:
-        log.error("serve: %s", unsupported)
-        return termination.failed(unsupported)
     try:
         src = source_mod.open_source(args.model)
     except (OSError, ValueError) as exc:
         log.error("serve: cannot open model %r: %s", args.model, exc)
         return termination.failed(f"cannot open model {args.model}: {exc}")
+    unsupported = _unsupported_mesh(args, src.config)
+    if unsupported:
+        log.error("serve: %s", unsupported)
+        return termination.failed(unsupported)
     try:
         tokens = elastic_admin.token_source(
             token=args.admin_token, token_file=args.admin_token_file

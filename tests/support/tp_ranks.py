@@ -2,8 +2,9 @@
 (`ThreadGroup`, `run_threads`), and the task spawned rank processes run over a real gloo group
 (`TASKS`, for `ep_ranks.RankPool(..., tasks_module=__name__)`).
 
-Every TP rank generates greedily with its shard of the non-expert weights and every routed
-expert (`LocalExperts`: the experts are replicated over the TP group, docs/TENSOR-PARALLEL.md).
+Every TP rank generates greedily with its shard of the non-expert weights; only TP rank 0 (the
+leader) holds routed experts (`LocalExperts`), the followers' backend raises if it is ever
+called (`tensor_group.NoExperts`: they add zeros to the MoE reduce, docs/TENSOR-PARALLEL.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from moe_runtime.comm import ep, group
 from moe_runtime.eplb import policy
 from moe_runtime.model import decoder, generate, source, tensor_parallel, tp_shard
 from moe_runtime.model import experts as experts_mod
+from moe_runtime.rank import tensor_group
 from tests.support import ep_ranks, read_counter
 
 T = TypeVar("T")
@@ -105,8 +107,14 @@ def tp_generate(
 ) -> list[list[int]]:
     """Greedy tokens of every prompt (one batch) on TP rank `rank` of `size`."""
     model = tp_model(src, tp_group, rank, size)
-    local = experts_mod.LocalExperts.from_source(src)
-    return generate.generate_greedy(model, prompts, new_tokens, experts=local)
+    return generate.generate_greedy(model, prompts, new_tokens, experts=experts_for(src, rank))
+
+
+def experts_for(src: source.ModelSource, tp_rank: int) -> Any:
+    """The leader's every routed expert; a follower's backend that must never run."""
+    if tp_rank == 0:
+        return experts_mod.LocalExperts.from_source(src)
+    return tensor_group.NoExperts()
 
 
 # --- spawned rank processes (ep_ranks.RankPool) ------------------------------------------------
@@ -139,7 +147,7 @@ def task_tp_generate(
             finally:
                 safetensors.safe_open = real  # type: ignore[assignment]
             held = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
-            local = experts_mod.LocalExperts.from_source(src)
+            local = experts_for(src, rank)
             tokens = generate.generate_greedy(model, prompts, new_tokens, experts=local)
             out[family] = {"tokens": tokens, "read": counter.nbytes, "held": held}
         return out
@@ -158,9 +166,9 @@ def task_dp_tp_generate(
 ) -> dict[str, dict[str, list[int]]]:
     """DP x TP in miniature: this process is TP rank `tp_rank` of DP rank `dp_rank`. Its TP
     group holds the TP ranks of its DP rank; its expert-parallel group holds TP rank
-    `tp_rank` of every DP rank, all under one placement (so the TP ranks of a DP rank hold
-    the same experts and run the same, replicated, MoE input). Requests carry their DP rank
-    (`rank`); returns this process's tokens per checkpoint."""
+    `tp_rank` of every DP rank; only the leaders' (TP rank 0) runs experts, the followers'
+    one only counts what is left to do (the serving layout: EP over the DP leaders).
+    Requests carry their DP rank (`rank`); returns this process's tokens per checkpoint."""
     tp_grp = group.StatelessGroup(tp_spec, tp_rank, timeout=GROUP_TIMEOUT_S)
     ep_grp = group.StatelessGroup(ep_spec, dp_rank, timeout=GROUP_TIMEOUT_S)
     out: dict[str, dict[str, list[int]]] = {}
@@ -178,7 +186,9 @@ def task_dp_tp_generate(
                 for layer in range(cfg.num_moe_layers)
                 for slot in placement.slots_of_rank(dp_rank, num_dp)
             }
-            backend = ep.ExpertParallelBackend(ep_grp, placement, slots)
+            backend: Any = ep.ExpertParallelBackend(ep_grp, placement, slots)
+            if tp_rank:
+                backend = tensor_group.NoExperts()
             model = tp_model(src, tp_grp, tp_rank, tp_spec.world_size)
             out[family] = ep_ranks.lockstep_generate(ep_grp, model, backend, requests)
         return out

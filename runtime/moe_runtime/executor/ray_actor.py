@@ -30,7 +30,7 @@ import ray.util.scheduling_strategies as ray_sched
 from moe_contract import names, protocol
 from moe_runtime import logs
 from moe_runtime import step as step_mod
-from moe_runtime.executor import base, niceness, ray_transfer, roster
+from moe_runtime.executor import base, niceness, ray_tensor, ray_transfer, roster
 from moe_runtime.executor import health as health_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import worker as worker_mod
@@ -57,16 +57,24 @@ class RankActor:
         dtype: str,
         spare: bool = False,
         hooks: hooks_mod.HooksFactory | None = None,
+        followers: Sequence[Any] = (),
     ) -> None:
         logs.configure_rank()
         if spare:  # its process began at SPARE_NICENESS already (`niceness.spare_setup`)
             niceness.set_niceness(label, niceness.SPARE_NICENESS, why="waits as a spare")
+        tensor = None
+        if followers:
+            # TP ranks 1..T-1 of this DP rank (`ray_tensor`): this actor leads them.
+            pids = ray.get([f.pid.remote() for f in followers])
+            tensor = ray_tensor.RayFollowers(followers, pids)
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
             torch_threads=1,
             label=label,
             hooks=None if hooks is None else hooks(),
+            tensor=tensor,
+            tensor_size=1 + len(followers),
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -223,6 +231,8 @@ class RankHandle:
 
     actor: Any
     pg: Any
+    #: TP ranks 1..T-1 of the DP rank (`ray_tensor.FollowerActor`); the actor leads them.
+    followers: tuple[Any, ...] = ()
 
 
 Member = roster.Member[RankHandle]
@@ -239,21 +249,25 @@ def start_ranks(
     existing_nodes: Sequence[str],
     spare: bool = False,
     hooks: hooks_mod.HooksFactory | None = None,
+    tp_size: int = 1,
 ) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
     the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
-    spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks."""
-    bundle: dict[str, float] = {RANK_RESOURCE: 1}
-    if use_gpu:
-        bundle["GPU"] = 1
-    pgs = [ray.util.placement_group([bundle], strategy="STRICT_PACK") for _ in range(count)]
+    spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks.
+    `tp_size` T > 1: each DP rank's placement group holds T bundles on one node (`bundles`),
+    its leader in bundle 0 and its TP followers (`ray_tensor`) in bundles 1..T-1."""
+    bundle_list = bundles(tp_size, use_gpu=use_gpu)
+    bundle = bundle_list[0]
+    pgs = [ray.util.placement_group(bundle_list, strategy="STRICT_PACK") for _ in range(count)]
     actors: list[Any] = []
+    followers: list[tuple[Any, ...]] = []
     try:
         try:
             ray.get([pg.ready() for pg in pgs], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
-                f"{count} placement groups of {bundle} were not scheduled within "
+                f"{count} placement groups of {len(bundle_list)} x {bundle} were not scheduled "
+                "within "
                 f"{timeout}s: the cluster offers "
                 f"{free_resource(RANK_RESOURCE)} free {RANK_RESOURCE}"
             ) from None
@@ -266,17 +280,28 @@ def start_ranks(
             else {}
         )
         for i, pg in enumerate(pgs):
-            strategy = ray_sched.PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=0
+            mine = tuple(
+                ray_tensor.RemoteFollower.options(
+                    scheduling_strategy=_in_bundle(pg, t),
+                    resources={RANK_RESOURCE: 1},
+                    num_gpus=1 if use_gpu else 0,
+                ).remote(label=first_label + i, tp_rank=t, tp_size=tp_size, device=device)
+                for t in range(1, tp_size)
             )
+            followers.append(mine)
             actors.append(
                 RemoteRankActor.options(
-                    scheduling_strategy=strategy,
+                    scheduling_strategy=_in_bundle(pg, 0),
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
                     **spare_options,
                 ).remote(
-                    label=first_label + i, device=device, dtype=dtype, spare=spare, hooks=hooks
+                    label=first_label + i,
+                    device=device,
+                    dtype=dtype,
+                    spare=spare,
+                    hooks=hooks,
+                    followers=mine,
                 )
             )
         infos = get_all(
@@ -288,7 +313,7 @@ def start_ranks(
         for label, info in zip(range(first_label, first_label + count), infos, strict=True):
             protocol.check(info, where=f"rank {label}")
     except BaseException:
-        for a in actors:
+        for a in [*actors, *(f for fs in followers for f in fs)]:
             ray.kill(a)
         for pg in pgs:
             ray.util.remove_placement_group(pg)
@@ -296,7 +321,9 @@ def start_ranks(
     order = base.order_ranks(infos, driver_node=driver_node, existing_nodes=existing_nodes)
     started = [
         roster.Member(
-            label=first_label + offset, handle=RankHandle(actors[i], pgs[i]), info=infos[i]
+            label=first_label + offset,
+            handle=RankHandle(actors[i], pgs[i], followers[i]),
+            info=infos[i],
         )
         for offset, i in enumerate(order)
     ]
@@ -307,6 +334,23 @@ def start_ranks(
         [m.info["node_id"][:8] for m in started],
     )
     return started
+
+
+def bundles(tp_size: int, *, use_gpu: bool) -> list[dict[str, float]]:
+    """The placement group bundles of one DP rank: one rank slot (and one GPU on GPU) for each
+    of its T tensor-parallel actors, bundle 0 the leader's."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    bundle: dict[str, float] = {RANK_RESOURCE: 1}
+    if use_gpu:
+        bundle["GPU"] = 1
+    return [dict(bundle) for _ in range(tp_size)]
+
+
+def _in_bundle(pg: Any, index: int) -> Any:
+    return ray_sched.PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index
+    )
 
 
 def check_health(ranks: Mapping[int, Member], *, timeout: float) -> dict[int, str]:

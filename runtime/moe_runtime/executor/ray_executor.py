@@ -108,7 +108,12 @@ class RayExecutor(base.Executor):
         step_mode: str | None = None,
         park_after: float | None = None,
         rank_hooks: hooks_mod.HooksFactory | None = None,
+        tp_size: int = 1,
     ) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        #: Actors per DP rank: its leader and T-1 tensor-parallel followers (`ray_tensor`).
+        self.tp_size = tp_size
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
         if mode not in (STEP_COMPILED, STEP_REMOTE):
             raise ValueError(
@@ -174,6 +179,7 @@ class RayExecutor(base.Executor):
             existing_nodes=[m.info["node_id"] for m in self.roster.members().values()],
             spare=spare,
             hooks=self._rank_hooks,
+            tp_size=self.tp_size,
         )
 
     # -- calls ---------------------------------------------------------------------------
@@ -349,7 +355,8 @@ class RayExecutor(base.Executor):
             ray.kill(m.handle.actor, no_restart=True)
 
     def free_rank_slots(self) -> int | None:
-        return int(ray_actor.free_resource(ray_actor.RANK_RESOURCE))
+        # in DP ranks: each takes T rank slots (its leader and followers)
+        return int(ray_actor.free_resource(ray_actor.RANK_RESOURCE)) // self.tp_size
 
     def shutdown(self) -> None:
         self._close()

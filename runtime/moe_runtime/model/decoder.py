@@ -289,16 +289,21 @@ class MoEModel:
                         mlp = tp.reduce(mlp, index, "mlp_down_bias")
                     hidden = hidden + mlp
                 continue
-            topk_ids, topk_weights = routing.route(cfg, w, x)
-            if expert_load is not None and num_tokens:
-                expert_load[moe] += torch.bincount(
-                    topk_ids.reshape(-1), minlength=cfg.num_experts
-                ).to(expert_load.device, expert_load.dtype)
-            out = experts(moe, x, topk_ids, topk_weights).to(hidden.dtype)
+            if tp is None or tp.leads:
+                topk_ids, topk_weights = routing.route(cfg, w, x)
+                if expert_load is not None and num_tokens:
+                    expert_load[moe] += torch.bincount(
+                        topk_ids.reshape(-1), minlength=cfg.num_experts
+                    ).to(expert_load.device, expert_load.dtype)
+                out = experts(moe, x, topk_ids, topk_weights).to(hidden.dtype)
+            else:
+                out = torch.zeros_like(hidden)  # a TP follower holds no routed expert
+            if tp is not None:
+                if num_tokens:
+                    hidden = hidden + self._moe_reduce(tp, w, x, out, index)
+                continue
             if cfg.shared_intermediate_size and num_tokens:
                 shared = _swiglu(x, w, "shared")
-                if tp is not None:
-                    shared = tp.reduce(shared, index, "shared_down_bias")
                 if cfg.shared_expert_gate:
                     shared = torch.sigmoid(F.linear(x, w["shared_expert_gate"])) * shared
                 out = out + shared
@@ -312,6 +317,38 @@ class MoEModel:
         if tp is not None:
             return tp.logits(final)
         return F.linear(final, self._lm_head).to(torch.float32)
+
+    def _moe_reduce(
+        self,
+        tp: tp_mod.TensorParallel,
+        w: Mapping[str, torch.Tensor],
+        x: torch.Tensor,
+        routed: torch.Tensor,
+        index: int,
+    ) -> torch.Tensor:
+        """A TP rank's MoE block output: the routed experts' output (the leader's; zeros on a
+        follower) plus this rank's partial of the shared experts (gated: the gate is the same
+        on every TP rank, so it scales each partial), summed by one all-reduce; then the
+        shared down bias once (gated too)."""
+        cfg = self.config
+        if not cfg.shared_intermediate_size:
+            return tp.reduce(routed, index, "")
+        shared = _swiglu(x, w, "shared")
+        gate = None
+        if cfg.shared_expert_gate:
+            gate = torch.sigmoid(F.linear(x, w["shared_expert_gate"]))
+            shared = gate * shared
+        out = tp.reduce(routed + shared, index, "")
+        bias = tp.bias(index, "shared_down_bias")
+        if bias is not None:
+            out = out + (bias if gate is None else gate * bias)
+        return out
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of non-expert tensor `name` as this model holds it (a TP rank: its part)."""
+        if self.tp is None:
+            return tuple(names.tensor_shape(self.config, name))
+        return tuple(self.tp.shard.shape(name))
 
     def _input(self, batch: kv_mod.ForwardBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input: the tokens' embeddings on the first pipeline stage, the

@@ -2,11 +2,12 @@
 `decoder.MoEModel` holds beside its shard (`tp_shard.Shard`) and the collectives it runs.
 
 Per decoder layer: one all-reduce after attention (o_proj is row-parallel), one after a dense
-MLP or the shared experts (down is row-parallel); per forward pass one all-gather of the
-logits (lm_head holds a slice of the vocabulary). The biases of the row-parallel projections
-are added after the reduction, once. Every TP rank of a group runs the same batch, so the
-hidden states stay identical on all of them (an all-reduce gives every rank the same sum)
-and the routed experts see the same input on every TP rank.
+MLP or the MoE block; per forward pass one all-gather of the logits (lm_head holds a slice of
+the vocabulary). The biases of the row-parallel projections are added after the reduction,
+once. Every TP rank of a group runs the same batch, so the hidden states stay identical on
+all of them (an all-reduce gives every rank the same sum). Routed experts run on TP rank 0
+only (`leads`): the MoE block's all-reduce sums its expert output (zeros on the other TP
+ranks) with every rank's partial of the shared experts (`decoder.MoEModel._moe_reduce`).
 
 The group is any object with `all_reduce` and `all_gather_into` (`Collective`):
 `comm.group.StatelessGroup` in a rank, a fake in tests. The model package does not import
@@ -46,6 +47,15 @@ class TensorParallel:
     @property
     def size(self) -> int:
         return self.shard.size
+
+    @property
+    def leads(self) -> bool:
+        """TP rank 0, the DP rank's leader: the only one that runs the routed experts."""
+        return self.shard.rank == 0
+
+    def bias(self, layer: int, role: str) -> torch.Tensor | None:
+        """The reduced bias `role` of decoder layer `layer`, if the model has one."""
+        return self._biases[layer].get(role)
 
     def take(
         self, layers: list[dict[str, torch.Tensor]], global_: Mapping[str, torch.Tensor]

@@ -17,8 +17,8 @@ in, data out.
 - lm_head: rows of the vocabulary `[r * C, min(V, (r+1) * C))`, C = ceil(V / T); the logits
   are all-gathered (padded to C per rank) and trimmed to V. Embeddings, norms, routers and
   the shared-expert gate are replicated (held whole).
-- Routed experts are not part of a shard: every TP rank of a DP rank runs the same MoE layer
-  input through its expert backend (`docs/TENSOR-PARALLEL.md`).
+- Routed experts are not part of a shard: TP rank 0 (the DP rank's leader) runs them, the
+  other TP ranks add zeros to the MoE block's all-reduce (`docs/TENSOR-PARALLEL.md`).
 
 Not sharded (refused by `plan`, naming the field): a head count or MLP size T does not
 divide, KV heads that neither divide nor are divided by T.

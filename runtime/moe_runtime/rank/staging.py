@@ -58,7 +58,7 @@ def exchange_non_expert(
     cfg = model.config
     sender_of = senders_for(list(src_ranks), list(dst_ranks))
     tensor_names = names.non_expert_tensor_names(cfg)
-    shapes = [names.tensor_shape(cfg, n) for n in tensor_names]
+    shapes = [model.tensor_shape(n) for n in tensor_names]  # a TP leader's: its part
     numel = sum(_numel(s) for s in shapes)
     mine = sorted(dst for dst, src in sender_of.items() if src == me)
     works: list[Any] = []

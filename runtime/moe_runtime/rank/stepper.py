@@ -25,6 +25,7 @@ from moe_runtime.model import kv as kv_mod
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import sampling
 from moe_runtime.rank import slots as slots_mod
+from moe_runtime.rank import tensor_group as tensor_mod
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,17 @@ class Stepper:
     `ctx.loaded` and the live experts of `slots` (the backend, the rank; the EPLB commit a
     step's control carries)."""
 
-    def __init__(self, ctx: context_mod.RankContext, *, slots: slots_mod.ExpertSlots) -> None:
+    def __init__(
+        self,
+        ctx: context_mod.RankContext,
+        *,
+        slots: slots_mod.ExpertSlots,
+        tensor: tensor_mod.TensorLeader | None = None,
+    ) -> None:
         self._ctx = ctx
         self._slots = slots
+        #: The rank's TP followers (T > 1): each forward pass with tokens runs on them too.
+        self._tensor = tensor
         #: One step at a time: after a step timed out in the driver, the rebuilt step path
         #: (plain calls, another thread) must not start the next step on this rank while the
         #: old one still runs in the compiled graph's loop: both would use the step group at
@@ -101,6 +110,8 @@ class Stepper:
                 raise RuntimeError(f"rank not activated ({self._ctx.where()})")
             for seq_id in batch.free:
                 kv.free(seq_id)
+            if self._tensor is not None:
+                self._tensor.free(batch.free)
             seqs = list(batch.seqs) if run_batch else []
             bad = _invalid(seqs, cfg, kv)
             if bad:
@@ -121,9 +132,16 @@ class Stepper:
                 step_group = getattr(backend, "group", None)
                 if not isinstance(step_group, group_mod.StatelessGroup):
                     step_group = None
+                following = None
+                tensor = self._tensor if seqs else None  # no token: no TP collective
                 try:
                     self._ctx.check("forward")
+                    if tensor is not None:
+                        following = tensor.begin(model, fwd)
                     logits = model.forward(fwd, kv, backend, expert_load=load)
+                    if tensor is not None:
+                        tensor.end(following)
+                        following = None
                     # One host read: the tokens (it waits for the step's collectives).
                     tokens = sampling.sample(
                         logits,
@@ -134,16 +152,20 @@ class Stepper:
                         step_group.check()  # NCCL's errors show only now (module docstring)
                 except Exception as exc:
                     # Back to the KV state before this step, so the same step can be sent again.
-                    for s in seqs:
-                        if s.start_pos == 0:
-                            kv.free(s.seq_id)
-                        else:
-                            kv.reserve(s.seq_id, s.start_pos, 0)
+                    tensor_mod.restore_kv(kv, fwd)
+                    raised: Exception = exc
+                    if tensor is not None and following is not None:
+                        try:
+                            tensor.end(following, failed=exc)
+                        except tensor_mod.FollowerLost as lost:
+                            raised = lost  # what broke: the DP rank is lost
                     if step_group is not None:
                         # Peers may wait for this rank in an expert collective it will not
                         # join: the group is let go now (gloo: they raise at once), never used
                         # again (a new epoch's groups replace it).
                         step_group.abort(f"the forward pass failed: {type(exc).__name__}")
+                    if raised is not exc:
+                        raise raised from exc
                     raise
                 out.tokens = {s.seq_id: token for s, token in zip(seqs, tokens, strict=True)}
                 out.expert_load = load.cpu()
@@ -164,6 +186,9 @@ class Stepper:
         here (it leaves every group: no peer waits for it)."""
         if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
             self._ctx.fail(f"out of memory in a step: {type(exc).__name__}: {exc}")
+            return step_mod.FAILURE_RANK
+        if isinstance(exc, tensor_mod.FollowerLost):
+            self._ctx.fail(f"a tensor-parallel follower is lost: {exc}")
             return step_mod.FAILURE_RANK
         step_group = getattr(self._slots.backend, "group", None)
         failed = isinstance(step_group, group_mod.StatelessGroup) and step_group.failure is not None

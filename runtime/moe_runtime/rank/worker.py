@@ -47,7 +47,7 @@ from moe_contract import names as contract_names
 from moe_contract import protocol
 from moe_runtime import step as step_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import decoder, names
+from moe_runtime.model import decoder, names, tp_shard
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
@@ -58,6 +58,7 @@ from moe_runtime.rank import loaded as loaded_mod
 from moe_runtime.rank import progress as progress_mod
 from moe_runtime.rank import slots as slots_mod
 from moe_runtime.rank import stepper as stepper_mod
+from moe_runtime.rank import tensor_group as tensor_mod
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,8 @@ class RankWorker:
         torch_threads: int | None = None,
         label: int | None = None,
         hooks: hooks_mod.Hooks | None = None,
+        tensor: tensor_mod.Followers | None = None,
+        tensor_size: int = 1,
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -143,6 +146,12 @@ class RankWorker:
         self.label = label  # the executor's label of this worker (logging only)
         self.hooks = hooks
         self.loaded = loaded_mod.LoadedModel()
+        #: The TP leader's side of this DP rank's tensor-parallel group (T > 1), else None.
+        self.tensor: tensor_mod.TensorLeader | None = None
+        if tensor_size > 1:
+            if tensor is None:
+                raise ValueError(f"tensor_size {tensor_size} needs the rank's followers")
+            self.tensor = tensor_mod.TensorLeader(tensor, size=tensor_size, device=self.device)
         #: What `load_weights` has read so far (`load_progress`).
         self.progress = progress_mod.LoadCounter()
         ctx = context_mod.RankContext(
@@ -155,7 +164,7 @@ class RankWorker:
         )
         self.groups = groups_mod.RankGroups(ctx)
         self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups)
-        self.stepper = stepper_mod.Stepper(ctx, slots=self.slots)
+        self.stepper = stepper_mod.Stepper(ctx, slots=self.slots, tensor=self.tensor)
 
     # -- calls by name -------------------------------------------------------------------
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
@@ -205,6 +214,8 @@ class RankWorker:
             "num_experts": len(self.slots.experts),
             "num_seqs": 0 if kv is None else len(kv),
             "steps": self.stepper.steps,
+            "tp_size": 1 if self.tensor is None else self.tensor.size,
+            "tp_pids": [] if self.tensor is None else self.tensor.followers.pids(),
             protocol.INFO_KEY: protocol.VERSION,
         }
 
@@ -214,6 +225,11 @@ class RankWorker:
 
     def ping(self) -> dict[str, Any]:
         """Cheap liveness answer for health checks; RankFailed once the rank failed (`fail`)."""
+        if self.failed is None and self.tensor is not None:
+            try:
+                self.tensor.check()
+            except tensor_mod.FollowerLost as exc:
+                self.fail(f"a tensor-parallel follower is lost: {exc}")
         if self.failed is not None:
             raise RankFailed(f"rank failed: {self.failed} ({self.where()})")
         slots = self.slots
@@ -256,6 +272,8 @@ class RankWorker:
             self.failed = reason
         log.error("rank failed, leaving every group: %s (%s)", reason, self.where())
         self.groups.abort(None, f"rank failed: {reason}")
+        if self.tensor is not None:
+            self.tensor.abort(f"rank failed: {reason}")
 
     def abort_live_groups(self, reason: str = "a peer was lost") -> list[tuple[int, str]]:
         """Abort the live epoch's groups now, without waiting on any peer: the executor lost a
@@ -283,7 +301,12 @@ class RankWorker:
         started = time.monotonic()
         src = source_mod.open_source(source)
         cfg = src.config
-        model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device)
+        shard: tp_shard.Shard | None = None
+        if self.tensor is None:
+            model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device)
+        else:
+            # The followers read their shards from the source meanwhile (`tensor_group`).
+            model, shard, following = self.tensor.model(source, cfg, dtype=self.dtype)
         non_expert = names.non_expert_tensor_names(cfg)
         mine: list[tuple[int, int, int]] = []  # (MoE layer, local slot, logical expert)
         if placement is not None:
@@ -297,17 +320,20 @@ class RankWorker:
         self.progress.begin(
             rank=rank,
             tensors_total=len(non_expert) + len(mine) * len(expert_shapes),
-            bytes_total=progress_mod.nbytes((names.tensor_shape(cfg, n) for n in non_expert), size)
+            bytes_total=progress_mod.nbytes((model.tensor_shape(n) for n in non_expert), size)
             + len(mine) * expert_bytes,
         )
         state: dict[str, torch.Tensor] = {}
         for n in non_expert:
             self._check("load_tensor")
-            shape = names.tensor_shape(cfg, n)
+            shape = model.tensor_shape(n)
+            part = None if shard is None else shard.slice_of(n)
             if placeholder:
                 state[n] = torch.zeros(shape, dtype=self.dtype)
-            else:
+            elif part is None:
                 state[n] = src.tensor(n)
+            else:
+                state[n] = src.tensor_slice(n, dim=part.dim, start=part.start, stop=part.stop)
             self.progress.add(tensors=1, nbytes=progress_mod.nbytes([shape], size))
         model.load_non_expert(state)
         del state  # the model holds its own (cast) copies where the dtype differs
@@ -323,7 +349,9 @@ class RankWorker:
                     src, layer, logical, dtype=self.dtype, device=self.device
                 )
             self.progress.add(tensors=len(expert_shapes), nbytes=expert_bytes)
-        kv = kv_mod.KVCache(cfg, dtype=self.dtype, device=self.device)
+        if self.tensor is not None:
+            self.tensor.finish_load(following)
+        kv = kv_mod.KVCache(model.local_config, dtype=self.dtype, device=self.device)
         self.loaded.load(source, cfg, model, kv)
         self.slots.reset(
             placement=placement,
@@ -375,4 +403,6 @@ class RankWorker:
         waits for its peers to close) and drop weights."""
         self.groups.close()
         self.slots.close()
+        if self.tensor is not None:
+            self.tensor.close()
         log.info("shut down (%s)", self.where())

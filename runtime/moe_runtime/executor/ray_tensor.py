@@ -1,0 +1,133 @@
+"""The follower actors of a DP rank at tensor-parallel size T > 1 (`rank.tensor_group`).
+
+- `FollowerActor`: TP rank t (1..T-1) of one DP rank, a `tensor_group.TensorFollower` in its
+  own actor, placed in bundle t of the DP rank's placement group (bundle 0 is the leader's:
+  STRICT_PACK, one node, so the TP group runs over loopback). Two lanes: the default one
+  (join, load, steps: in the order the leader sent them) and `HEALTH_LANE` (pings).
+- `RayFollowers`: the leader's `tensor_group.Followers` over their handles: a call per
+  follower, results read with errors turned into `tensor_group.FollowerLost` for a dead
+  actor; `alive` keeps one ping in flight per follower and reads it without blocking, and
+  kills (fences) a follower that leaves one unanswered for `tensor_group.FOLLOWER_HANG_S`.
+
+The executor creates the followers with the leader (`ray_actor.start_ranks`) and hands their
+handles to it; removing the DP rank's placement group ends them with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import ray.exceptions
+
+from moe_runtime import logs
+from moe_runtime.rank import tensor_group
+
+log = logging.getLogger(__name__)
+
+HEALTH_LANE = "health"
+
+
+class FollowerActor:
+    """TP rank `tp_rank` of `tp_size` of DP rank `label` (module docstring)."""
+
+    def __init__(self, *, label: int, tp_rank: int, tp_size: int, device: str) -> None:
+        logs.configure_rank()
+        import torch
+
+        torch.set_num_threads(1)
+        self.follower = tensor_group.TensorFollower(
+            rank=tp_rank, size=tp_size, device=device, label=label
+        )
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in ("join", "load", "step", "shutdown"):
+            raise AttributeError(f"a TP follower has no method {method!r}")
+        return getattr(self.follower, method)(*args)
+
+    def ping(self) -> dict[str, Any]:
+        return self.follower.ping()
+
+
+RemoteFollower: Any = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, concurrency_groups={HEALTH_LANE: 1}
+)(FollowerActor)
+
+
+class RayFollowers:
+    """`tensor_group.Followers` over follower actor handles (TP ranks 1..T-1, in order)."""
+
+    def __init__(self, actors: Sequence[Any], pids: Sequence[int]) -> None:
+        self._actors = list(actors)
+        self._pids = list(pids)
+        self._pings: list[tuple[Any, float]] = []
+        self._lock = threading.Lock()  # the step thread and the health lane both look
+
+    def send(self, method: str, *args: Any) -> list[Any]:
+        return [a.call.remote(method, *args) for a in self._actors]
+
+    def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        refs = list(pending)
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        out: list[Any] = []
+        for tp_rank, ref in enumerate(refs, start=1):
+            if ref in late:
+                raise TimeoutError(f"TP follower {tp_rank} did not answer within {timeout}s")
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                raise tensor_group.FollowerLost(
+                    f"TP follower {tp_rank} (pid {self._pids[tp_rank - 1]}) died: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+                ) from exc
+            except ray.exceptions.RayTaskError as exc:
+                raise RuntimeError(f"TP follower {tp_rank} failed: {exc.cause!r}") from exc
+        return out
+
+    def alive(self) -> str | None:
+        with self._lock:
+            return self._alive()
+
+    def _alive(self) -> str | None:
+        now = time.monotonic()
+        if not self._pings:
+            self._pings = [
+                (a.ping.options(concurrency_group=HEALTH_LANE).remote(), now) for a in self._actors
+            ]
+            return None
+        for tp_rank, (ref, sent) in enumerate(self._pings, start=1):
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                if now - sent > tensor_group.FOLLOWER_HANG_S:
+                    # Fenced, as the heartbeat fences a hung leader: the leader's step may wait
+                    # for it in a TP collective that only its death ends (gloo).
+                    ray.kill(self._actors[tp_rank - 1], no_restart=True)
+                    return (
+                        f"TP follower {tp_rank} (pid {self._pids[tp_rank - 1]}) did not answer "
+                        f"a ping for {now - sent:.1f}s (fenced)"
+                    )
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return f"TP follower {tp_rank} (pid {self._pids[tp_rank - 1]}) died"
+            except ray.exceptions.RayError:
+                pass  # it answered: alive
+            actor = self._actors[tp_rank - 1]
+            self._pings[tp_rank - 1] = (
+                actor.ping.options(concurrency_group=HEALTH_LANE).remote(),
+                now,
+            )
+        return None
+
+    def pids(self) -> list[int]:
+        return list(self._pids)

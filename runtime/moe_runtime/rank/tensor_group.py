@@ -1,0 +1,286 @@
+"""Tensor parallelism inside a DP rank at serving time: the leader (TP rank 0, the DP rank's
+`RankWorker`) and its followers (TP ranks 1..T-1, `TensorFollower`), docs/TENSOR-PARALLEL.md.
+
+The DP rank stays one rank for everything elastic (roster, step and transfer groups, expert
+parallelism, EPLB, resizes, spares, recovery): only its leader is seen. The leader holds its
+TP shard of the non-expert weights and every routed expert of the DP rank; a follower holds
+only its TP shard and a KV cache of its heads. Each forward pass of the leader with tokens is
+sent to its followers first (`TensorLeader.begin`: the same sequences, start positions and KV
+frees), then all run it together, synchronised by the TP group (`comm.group.StatelessGroup`
+over loopback, gloo on CPU and NCCL on GPU); only the leader samples.
+
+Failures: a follower that died, or whose step failed, fails the leader's step; a follower
+that is dead or does not answer pings for `FOLLOWER_HANG_S` makes the leader's pings fail
+(`FollowerLost`, `RankWorker.fail`), so the executor's recovery takes the whole DP rank out.
+After a step that failed on a live TP group, the group is aborted (no follower waits in a
+collective the leader left) and the next step forms a new one (a new TP epoch).
+
+Nothing here knows about Ray: the leader reaches its followers through `Followers`
+(`executor.ray_tensor` implements it over follower actors).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from moe_runtime.comm import group as group_mod
+from moe_runtime.model import decoder, tp_shard
+from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import source as source_mod
+from moe_runtime.model import tensor_parallel as tp_mod
+
+log = logging.getLogger(__name__)
+
+#: Seconds a follower may leave a ping unanswered before its DP rank is reported lost.
+FOLLOWER_HANG_S = float(os.environ.get("MOE_TP_FOLLOWER_HANG_SECONDS", "10"))
+#: Seconds a TP group's join, and each of its collectives, may take.
+GROUP_TIMEOUT_S = 60.0
+#: Seconds the leader waits for its followers' load.
+LOAD_TIMEOUT_S = 600.0
+
+
+class FollowerLost(RuntimeError):
+    """A follower died or hangs: its DP rank cannot step again."""
+
+
+class Followers(Protocol):
+    """How a leader reaches its followers (one call per follower, in TP rank order 1..T-1)."""
+
+    def send(self, method: str, *args: Any) -> Any:
+        """Start `TensorFollower.<method>(*args)` on every follower; a handle for `wait`."""
+
+    def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        """The followers' results; FollowerLost naming a dead one, RuntimeError for a call
+        that raised, TimeoutError for one still running after `timeout` s."""
+
+    def alive(self) -> str | None:
+        """None while every follower answers pings (checked without blocking), else why
+        not (dead, or no answer for FOLLOWER_HANG_S)."""
+
+    def pids(self) -> list[int]:
+        """The followers' process ids."""
+
+
+class NoExperts:
+    """A follower's expert backend: it never runs a routed expert (the leader does)."""
+
+    def __call__(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        raise RuntimeError("a TP follower runs no routed expert")
+
+
+def plan(config: Any, *, rank: int, size: int) -> tp_shard.Shard:
+    """`tp_shard.plan` (ValueError naming the field when T does not fit the model)."""
+    return tp_shard.plan(config, rank=rank, size=size)
+
+
+def backend_for(device: str) -> group_mod.Backend:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def restore_kv(kv: kv_mod.KVCache, batch: kv_mod.ForwardBatch) -> None:
+    """The KV state before a failed forward pass of `batch` (the step may be sent again)."""
+    for seq_id, start in zip(batch.seq_ids, batch.start_pos, strict=True):
+        if start == 0:
+            kv.free(seq_id)
+        else:
+            kv.reserve(seq_id, start, 0)
+
+
+class TensorLeader:
+    """The leader's side of its TP group: the group, the followers, KV frees still to send."""
+
+    def __init__(self, followers: Followers, *, size: int, device: str) -> None:
+        self.followers = followers
+        self.size = size
+        self.device = device
+        self.group: group_mod.StatelessGroup | None = None
+        self.epoch = 0
+        self._frees: list[str] = []
+        self._lost: str | None = None
+
+    # -- the group ---------------------------------------------------------------------
+    def ensure_group(self) -> group_mod.StatelessGroup:
+        """The live TP group, formed anew (next TP epoch) when there is none or it failed."""
+        if self.group is not None and self.group.failure is None:
+            return self.group
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        self.epoch += 1
+        spec = group_mod.GroupSpec.local(
+            self.size, epoch=self.epoch, backend=backend_for(self.device)
+        )
+        pending = self.followers.send("join", spec)
+        group = group_mod.StatelessGroup(spec, 0, timeout=GROUP_TIMEOUT_S)
+        self._wait(pending, GROUP_TIMEOUT_S)
+        self.group = group
+        return group
+
+    def abort(self, reason: str) -> None:
+        """Let the TP group go now: a follower waiting in one of its collectives stops."""
+        if self.group is not None:
+            self.group.abort(reason)
+
+    # -- loading -----------------------------------------------------------------------
+    def model(
+        self, source: str, cfg: Any, *, dtype: torch.dtype
+    ) -> tuple[decoder.MoEModel, tp_shard.Shard, Any]:
+        """The leader's (empty) model of TP rank 0 over a fresh group, and its followers'
+        load of `source` started (a handle for `finish_load`)."""
+        shard = plan(cfg, rank=0, size=self.size)
+        group = self.ensure_group()
+        pending = self.followers.send("load", source, str(dtype).removeprefix("torch."))
+        model = decoder.MoEModel(
+            cfg, dtype=dtype, device=self.device, tp=tp_mod.TensorParallel(shard, group)
+        )
+        self._frees = []
+        return model, shard, pending
+
+    def finish_load(self, pending: Any) -> None:
+        self._wait(pending, LOAD_TIMEOUT_S)
+
+    # -- steps -------------------------------------------------------------------------
+    def free(self, seq_ids: Sequence[str]) -> None:
+        """KV frees to send with the next forward pass (a follower frees them then)."""
+        self._frees.extend(seq_ids)
+
+    def begin(self, model: decoder.MoEModel, batch: kv_mod.ForwardBatch) -> Any:
+        """Send the forward pass of `batch` (and the KV frees before it) to the followers,
+        over a live TP group; a handle for `end`."""
+        self.check()
+        group = self.ensure_group()
+        assert model.tp is not None
+        model.tp.group = group
+        frees, self._frees = self._frees, []
+        return self.followers.send("step", self.epoch, frees, batch)
+
+    def end(self, pending: Any, *, failed: BaseException | None = None) -> None:
+        """Wait for the followers' part of the step. After a failed forward pass of the
+        leader (`failed`) the group is aborted first, so none of them waits for it."""
+        if failed is not None:
+            self.abort(f"the leader's forward pass failed: {type(failed).__name__}")
+            try:
+                self._wait(pending, GROUP_TIMEOUT_S)
+            except FollowerLost:
+                raise
+            except Exception:  # noqa: BLE001 - their step failed with the leader's
+                log.debug("followers' step failed with the leader's", exc_info=True)
+            return
+        try:
+            self._wait(pending, GROUP_TIMEOUT_S)
+        except FollowerLost:
+            raise
+        except Exception:
+            self.abort("a follower's step failed")
+            raise
+
+    # -- health ------------------------------------------------------------------------
+    def check(self) -> None:
+        """FollowerLost once a follower died or hangs (its DP rank cannot step again)."""
+        if self._lost is None:
+            self._lost = self.followers.alive()
+        if self._lost is not None:
+            raise FollowerLost(self._lost)
+
+    def _wait(self, pending: Any, timeout: float) -> list[Any]:
+        try:
+            return self.followers.wait(pending, timeout)
+        except FollowerLost as exc:
+            self._lost = str(exc)
+            raise
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+
+class TensorFollower:
+    """TP rank `rank` of `size` of one DP rank: its shard, its KV cache, its TP group."""
+
+    def __init__(self, *, rank: int, size: int, device: str, label: int | None = None) -> None:
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.label = label
+        self.group: group_mod.StatelessGroup | None = None
+        self.epoch = 0
+        self.model: decoder.MoEModel | None = None
+        self.kv: kv_mod.KVCache | None = None
+        self.steps = 0
+
+    def where(self) -> str:
+        return f"rank label={self.label} tp={self.rank}/{self.size} tp_epoch={self.epoch}"
+
+    def join(self, spec: group_mod.GroupSpec) -> None:
+        """Join the leader's TP group of `spec.epoch` (the last one replaces any before it)."""
+        group = group_mod.StatelessGroup(spec, self.rank, timeout=GROUP_TIMEOUT_S)
+        old, self.group, self.epoch = self.group, group, spec.epoch
+        if old is not None:
+            old.destroy()
+        if self.model is not None and self.model.tp is not None:
+            self.model.tp.group = group
+
+    def load(self, source: str, dtype: str) -> int:
+        """Read this TP rank's shard of `source` (only its bytes where the checkpoint allows);
+        an empty KV cache of its heads. Returns the bytes held."""
+        if self.group is None:
+            raise RuntimeError(f"no TP group joined ({self.where()})")
+        started = time.monotonic()
+        src = source_mod.open_source(source)
+        shard = plan(src.config, rank=self.rank, size=self.size)
+        torch_dtype = getattr(torch, dtype)
+        model = decoder.MoEModel.from_source(
+            src,
+            dtype=torch_dtype,
+            device=self.device,
+            tp=tp_mod.TensorParallel(shard, self.group),
+        )
+        self.model = model
+        self.kv = kv_mod.KVCache(model.local_config, dtype=torch_dtype, device=self.device)
+        nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
+        log.info(
+            "loaded TP shard of %s: %.1f MB in %.2fs (%s)",
+            source,
+            nbytes / 1e6,
+            time.monotonic() - started,
+            self.where(),
+        )
+        return nbytes
+
+    def step(self, epoch: int, frees: Sequence[str], batch: kv_mod.ForwardBatch) -> int:
+        """The leader's forward pass of `batch` over TP group `epoch` (this rank's part of
+        every collective; logits are discarded: the leader samples). Returns the steps run."""
+        model, kv = self.model, self.kv
+        if model is None or kv is None:
+            raise RuntimeError(f"no weights loaded ({self.where()})")
+        if epoch != self.epoch:
+            raise RuntimeError(f"step of TP epoch {epoch}, joined {self.epoch} ({self.where()})")
+        for seq_id in frees:
+            kv.free(seq_id)
+        try:
+            model.forward(batch, kv, NoExperts())
+        except Exception:
+            restore_kv(kv, batch)
+            if self.group is not None:
+                self.group.abort("a follower's forward pass failed")
+            log.exception("TP step failed (%s)", self.where())
+            raise
+        self.steps += 1
+        return self.steps
+
+    def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "tp_rank": self.rank, "steps": self.steps}
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None

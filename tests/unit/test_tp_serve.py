@@ -1,0 +1,162 @@
+"""Serving at tensor-parallel size T > 1, the pieces (docs/TENSOR-PARALLEL.md): the placement
+bundles of a DP rank, the MoE reduce where only the leader runs routed experts, the leader's
+view of its followers (a lost one fails the DP rank), and the start-up refusals."""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from moe_contract import loading
+from moe_runtime import cli
+from moe_runtime.executor import ray_actor
+from moe_runtime.model import kv, source
+from moe_runtime.rank import tensor_group, worker
+from tests.support import checkpoints, hf_families, tp_ranks
+
+
+@pytest.fixture(autouse=True)
+def _few_threads() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize(
+    ("size", "gpu", "want"),
+    [
+        (1, False, [{"moe_rank": 1}]),
+        (2, False, [{"moe_rank": 1}] * 2),
+        (4, True, [{"moe_rank": 1, "GPU": 1}] * 4),
+    ],
+)
+def test_a_dp_rank_takes_one_bundle_per_tp_rank(size: int, gpu: bool, want: list[Any]) -> None:
+    assert ray_actor.bundles(size, use_gpu=gpu) == want
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        ray_actor.bundles(0, use_gpu=False)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, source.ModelSource]:
+    root = tmp_path_factory.mktemp("tp_serve")
+    out = {}
+    for family in ("mixtral", "qwen2_moe", "deepseek_v3"):  # qwen2_moe: a gated shared expert
+        model = hf_families.build(family)
+        out[family] = source.open_source(str(hf_families.save(model, root / family)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_followers_add_zeros_to_the_moe_reduce_and_logits_equal_one_process(
+    sources: dict[str, source.ModelSource], family: str
+) -> None:
+    """Only TP rank 0 holds experts (the followers' backend raises if called): the logits of a
+    prefill and a decode step equal T = 1's, on every TP rank."""
+    src = sources[family]
+    prompts = [[1, 5, 9, 200, 3], [1, 7]]
+    whole = decoder_logits(src, None, 0, 1, prompts)
+
+    def rank(g: tp_ranks.ThreadGroup) -> list[torch.Tensor]:
+        return decoder_logits(src, g, g.rank, 2, prompts)
+
+    for logits in tp_ranks.run_threads(2, rank):
+        for got, want in zip(logits, whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def decoder_logits(
+    src: source.ModelSource, g: Any, rank: int, size: int, prompts: list[list[int]]
+) -> list[torch.Tensor]:
+    if g is None:
+        from moe_runtime.model import decoder
+
+        model = decoder.MoEModel.from_source(src)
+    else:
+        model = tp_ranks.tp_model(src, g, rank, size)
+    experts = tp_ranks.experts_for(src, rank)
+    cache = kv.KVCache(model.local_config)
+    ids = [f"s{i}" for i in range(len(prompts))]
+    first = model.forward(kv.ForwardBatch(ids, prompts, [0] * len(prompts)), cache, experts)
+    nxt = [[int(t)] for t in first.argmax(-1)]
+    second = model.forward(kv.ForwardBatch(ids, nxt, [len(p) for p in prompts]), cache, experts)
+    return [first, second]
+
+
+class _Followers:
+    """`tensor_group.Followers` that say what the test wants."""
+
+    def __init__(self) -> None:
+        self.lost: str | None = None
+
+    def send(self, method: str, *args: Any) -> Any:
+        return method
+
+    def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        if self.lost is not None:
+            raise tensor_group.FollowerLost(self.lost)
+        return [None]
+
+    def alive(self) -> str | None:
+        return self.lost
+
+    def pids(self) -> list[int]:
+        return [4242]
+
+
+def test_a_lost_follower_fails_its_leader() -> None:
+    """A dead or hung follower makes its leader's pings raise RankFailed (the heartbeat then
+    reports the DP rank lost and the recovery takes it out); the leader says its followers'
+    processes."""
+    followers = _Followers()
+    rank = worker.RankWorker(device="cpu", tensor=followers, tensor_size=2)
+    assert rank.info()["tp_pids"] == [4242] and rank.info()["tp_size"] == 2
+    rank.ping()
+    followers.lost = "TP follower 1 (pid 4242) died"
+    with pytest.raises(worker.RankFailed, match="follower is lost: TP follower 1"):
+        rank.ping()
+    with pytest.raises(ValueError, match="needs the rank's followers"):
+        worker.RankWorker(device="cpu", tensor_size=2)
+
+
+@pytest.fixture
+def termination_log(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    path = tmp_path / "termination-log"
+    path.write_text("")
+    monkeypatch.setenv(loading.TERMINATION_LOG_ENV, str(path))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _keep_sigterm() -> Iterator[None]:
+    handler = signal.getsignal(signal.SIGTERM)  # serve installs its own
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--tensor-parallel-size", "3"],
+            "--tensor-parallel-size 3 does not fit this model: tensor parallel size 3 must "
+            "divide num_heads (num_attention_heads) (4)",
+        ),
+        (
+            ["--tensor-parallel-size", "2", "--executor", "local"],
+            "--tensor-parallel-size 2 needs the Ray executor",
+        ),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: this runtime does not"),
+    ],
+    ids=["tp-does-not-shard", "tp-local-executor", "pp"],
+)
+def test_serve_refuses_a_mesh_it_cannot_serve_at_start_up(
+    tmp_path: pathlib.Path, termination_log: pathlib.Path, flags: list[str], message: str
+) -> None:
+    path = tmp_path / "ckpt"
+    checkpoints.build(path)  # 4 heads over 2 KV heads
+    argv = ["serve", "--model", str(path), "--data-parallel-size", "1", "--port", "0", *flags]
+    assert cli.serve(cli.build_parser().parse_args(argv)) != 0
+    assert message in termination_log.read_text()
