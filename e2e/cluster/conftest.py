@@ -4,11 +4,13 @@ already started one, and then left running), a namespace that enforces Pod Secur
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pathlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -147,3 +149,69 @@ def diagnose(cluster: kube.Kubectl, ns: str, *, head_lines: int = 60) -> None:
     for title, args in sections:
         done = cluster.kubectl(*args, check=False)
         print(f"\n----- {title} -----\n{done.stdout}{done.stderr}")
+
+
+def manifest(name: str, model: dict[str, str], **spec: object) -> dict[str, Any]:
+    """The sample MoEDeployment renamed ``name``, serving ``model`` (``spec.model``), without
+    autoscaling, with ``spec`` set on top (camelCase keys)."""
+    doc: dict[str, Any] = yaml.safe_load(SAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["model"] = model
+    doc["spec"].pop("autoscaling", None)
+    doc["spec"].update(spec)
+    return doc
+
+
+def service_url(
+    node: kube.Kubectl, namespace: str, name: str
+) -> Iterator[Callable[[], str | None]]:
+    """The body of a module's ``endpoint`` fixture: the URL of deployment ``name``'s runtime
+    from here, its ClusterIP (the node routes the Service range here), or a port-forward on
+    another cluster (``$MOE_E2E_KUBECONFIG``)."""
+    if EXTERNAL_KUBECONFIG:
+        forward = kube.PortForward(node, namespace=namespace, target=f"svc/{name}-api", port=8000)
+        yield forward.url
+        forward.stop()
+        return
+    yield kube.ServiceUrl(node, namespace=namespace, name=f"{name}-api", port=8000).url
+
+
+def apply(
+    node: kube.Kubectl,
+    namespace: str,
+    doc: dict[str, Any],
+    *,
+    endpoint: Callable[[], str | None],
+    ready: Callable[[kube.Deployment], object],
+    what: str,
+    timeout_s: float,
+    tag: str,
+) -> kube.Deployment:
+    """``kubectl apply`` of ``doc`` and the deployment once ``ready`` (polled) is truthy."""
+    started = time.monotonic()
+    node.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    name = str(doc["metadata"]["name"])
+    d = kube.Deployment(cluster=node, name=name, namespace=namespace, endpoint=endpoint)
+    kube.wait_for(lambda: ready(d), timeout_s=timeout_s, what=what)
+    print(f"\n[{tag}] kubectl apply -> {what}: {time.monotonic() - started:.1f}s")
+    return d
+
+
+@contextlib.contextmanager
+def model_load(
+    dep: kube.Deployment, *, model: str, lengths: tuple[int, ...], tag: str
+) -> Iterator[load_mod.Load]:
+    """Four checked clients (greedy, seeded, streamed) on ``dep``, every answer compared with
+    single-process generation of ``model``; running once the first answers came back."""
+    reference = load_mod.reference_tokens(model, load_mod.cases(lengths=lengths, seeds=(1,)))
+    with load_mod.Load(
+        dep.endpoint, model_name=dep.name, reference=reference, clients=4, lengths=lengths,
+        seeds=(1,),
+    ) as lg:  # fmt: skip
+        try:
+            kube.wait_for(lambda: lg.ok >= 4 or lg.failed, timeout_s=180, what="first answers")
+            yield lg
+        finally:
+            print(f"\n[{tag}] {lg.summary()}")
+            for failure in lg.failures[:10]:
+                print(f"[{tag}] failure: {failure}")

@@ -53,24 +53,15 @@ def _sample() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def endpoint(node: kube.Kubectl, namespace: str) -> Iterator[Callable[[], str | None]]:
-    """The runtime's URL from here: its ClusterIP (the node routes the Service range here),
-    or a port-forward on another cluster."""
-    if conftest.EXTERNAL_KUBECONFIG:
-        forward = kube.PortForward(node, namespace=namespace, target=f"svc/{NAME}-api", port=8000)
-        yield forward.url
-        forward.stop()
-        return
-    yield kube.ServiceUrl(node, namespace=namespace, name=f"{NAME}-api", port=8000).url
+    yield from conftest.service_url(node, namespace, NAME)
 
 
 @pytest.fixture(scope="module")
 def dep(node: kube.Kubectl, namespace: str, endpoint: Callable[[], str | None]) -> kube.Deployment:
-    started = time.monotonic()
-    node.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(_sample()))
-    d = kube.Deployment(cluster=node, name=NAME, namespace=namespace, endpoint=endpoint)
-    kube.wait_for(lambda: d.serving(1), timeout_s=READY_TIMEOUT_S, what="DP=1 Serving")
-    print(f"\n[autoscale] kubectl apply -> Serving at DP=1: {time.monotonic() - started:.1f}s")
-    return d
+    return conftest.apply(
+        node, namespace, _sample(), endpoint=endpoint, ready=lambda d: d.serving(1),
+        what="Serving at DP=1", timeout_s=READY_TIMEOUT_S, tag="autoscale",
+    )  # fmt: skip
 
 
 class Gate:

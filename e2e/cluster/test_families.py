@@ -12,13 +12,11 @@ here is checked token for token against single-process generation of the same mo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
 import pytest
-import yaml
 
 from e2e import kube
 from e2e import load as load_mod
@@ -34,48 +32,27 @@ LENGTHS = (8, 24, 48)
 
 
 def _manifest() -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load(conftest.SAMPLE.read_text())
-    doc["metadata"]["name"] = NAME
-    doc["spec"]["model"] = {"source": MODEL, "servedModelName": NAME, "dtype": "float32"}
-    doc["spec"].pop("autoscaling", None)
-    return doc
+    model = {"source": MODEL, "servedModelName": NAME, "dtype": "float32"}
+    return conftest.manifest(NAME, model)
 
 
 @pytest.fixture(scope="module")
 def endpoint(node: kube.Kubectl, namespace: str) -> Iterator[Callable[[], str | None]]:
-    if conftest.EXTERNAL_KUBECONFIG:
-        forward = kube.PortForward(node, namespace=namespace, target=f"svc/{NAME}-api", port=8000)
-        yield forward.url
-        forward.stop()
-        return
-    yield kube.ServiceUrl(node, namespace=namespace, name=f"{NAME}-api", port=8000).url
+    yield from conftest.service_url(node, namespace, NAME)
 
 
 @pytest.fixture(scope="module")
 def dep(node: kube.Kubectl, namespace: str, endpoint: Callable[[], str | None]) -> kube.Deployment:
-    started = time.monotonic()
-    node.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(_manifest()))
-    d = kube.Deployment(cluster=node, name=NAME, namespace=namespace, endpoint=endpoint)
-    kube.wait_for(lambda: d.serving(2), timeout_s=READY_TIMEOUT_S, what="DP=2 Serving")
-    print(
-        f"\n[families] {MODEL}: kubectl apply -> Serving at DP=2: {time.monotonic() - started:.1f}s"
-    )
-    return d
+    return conftest.apply(
+        node, namespace, _manifest(), endpoint=endpoint, ready=lambda d: d.serving(2),
+        what=f"{MODEL} Serving at DP=2", timeout_s=READY_TIMEOUT_S, tag="families",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def load(dep: kube.Deployment) -> Iterator[load_mod.Load]:
-    reference = load_mod.reference_tokens(MODEL, load_mod.cases(lengths=LENGTHS, seeds=(1,)))
-    with load_mod.Load(
-        dep.endpoint, model_name=NAME, reference=reference, clients=4, lengths=LENGTHS, seeds=(1,)
-    ) as lg:
-        try:
-            kube.wait_for(lambda: lg.ok >= 4 or lg.failed, timeout_s=180, what="first answers")
-            yield lg
-        finally:
-            print(f"\n[families] {lg.summary()}")
-            for failure in lg.failures[:10]:
-                print(f"[families] failure: {failure}")
+    with conftest.model_load(dep, model=MODEL, lengths=LENGTHS, tag="families") as lg:
+        yield lg
 
 
 def test_serves_the_deepseek_shape_at_two_ranks(dep: kube.Deployment, load: load_mod.Load) -> None:

@@ -41,12 +41,7 @@ def _sample() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def endpoint(node: kube.Kubectl, namespace: str) -> Iterator[Callable[[], str | None]]:
-    if conftest.EXTERNAL_KUBECONFIG:
-        forward = kube.PortForward(node, namespace=namespace, target=f"svc/{NAME}-api", port=8000)
-        yield forward.url
-        forward.stop()
-        return
-    yield kube.ServiceUrl(node, namespace=namespace, name=f"{NAME}-api", port=8000).url
+    yield from conftest.service_url(node, namespace, NAME)
 
 
 def _settled(dep: kube.Deployment, size: int) -> dict[str, Any] | None:
@@ -63,14 +58,10 @@ def _settled(dep: kube.Deployment, size: int) -> dict[str, Any] | None:
 
 @pytest.fixture(scope="module")
 def dep(node: kube.Kubectl, namespace: str, endpoint: Callable[[], str | None]) -> kube.Deployment:
-    started = time.monotonic()
-    node.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(_sample()))
-    d = kube.Deployment(cluster=node, name=NAME, namespace=namespace, endpoint=endpoint)
-    kube.wait_for(lambda: _settled(d, 2), timeout_s=READY_TIMEOUT_S, what="DP=2 + a ready spare")
-    print(
-        f"\n[spares] kubectl apply -> Serving at DP=2, spare ready: {time.monotonic() - started:.1f}s"
-    )
-    return d
+    return conftest.apply(
+        node, namespace, _sample(), endpoint=endpoint, ready=lambda d: _settled(d, 2),
+        what="Serving at DP=2, spare ready", timeout_s=READY_TIMEOUT_S, tag="spares",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
