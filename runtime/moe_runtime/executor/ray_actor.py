@@ -30,7 +30,7 @@ import ray.util.scheduling_strategies as ray_sched
 from moe_contract import names, protocol
 from moe_runtime import logs
 from moe_runtime import step as step_mod
-from moe_runtime.executor import base, niceness, ray_tensor, ray_transfer, roster
+from moe_runtime.executor import base, guards, niceness, ray_tensor, ray_transfer, roster
 from moe_runtime.executor import health as health_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import worker as worker_mod
@@ -246,16 +246,20 @@ def start_ranks(
     dtype: str,
     timeout: float,
     driver_node: str,
-    existing_nodes: Sequence[str],
+    existing: Sequence[Mapping[str, Any]],
     spare: bool = False,
     hooks: hooks_mod.HooksFactory | None = None,
     tp_size: int = 1,
+    env: Mapping[str, str] | None = None,
 ) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
     the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
     spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks.
     `tp_size` T > 1: each DP rank's placement group holds T bundles on one node (`bundles`),
-    its leader in bundle 0 and its TP followers (`ray_tensor`) in bundles 1..T-1."""
+    its leader in bundle 0 and its TP followers (`ray_tensor`) in bundles 1..T-1.
+    `existing`: the infos of running ranks (`node_id`, `ip`); ranks on two nodes that report
+    one IP are refused (`guards.check_node_ips`). `env`: the head's variables every actor gets
+    (`guards.rank_env`)."""
     bundle_list = bundles(tp_size, use_gpu=use_gpu)
     bundle = bundle_list[0]
     pgs = [ray.util.placement_group(bundle_list, strategy="STRICT_PACK") for _ in range(count)]
@@ -273,18 +277,20 @@ def start_ranks(
             ) from None
         device = "cuda" if use_gpu else "cpu"
         # A spare's process lowers its priority before it imports the runtime (~3 s of CPU):
-        # its own runtime_env, so Ray starts a process for it (never a pooled idle worker).
-        spare_options: dict[str, Any] = (
-            {"runtime_env": {"env_vars": {niceness.SETUP_HOOK_ENV: niceness.SPARE_SETUP_HOOK}}}
-            if spare
-            else {}
+        # its own runtime_env, so Ray starts a process for it (never a pooled idle worker). The
+        # head's copied variables (`env`) join it; without either, no runtime_env at all.
+        leader_options = guards.actor_env_options(
+            env or {},
+            {niceness.SETUP_HOOK_ENV: niceness.SPARE_SETUP_HOOK} if spare else {},
         )
+        follower_options = guards.actor_env_options(env or {}, {})
         for i, pg in enumerate(pgs):
             mine = tuple(
                 ray_tensor.RemoteFollower.options(
                     scheduling_strategy=_in_bundle(pg, t),
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
+                    **follower_options,
                 ).remote(label=first_label + i, tp_rank=t, tp_size=tp_size, device=device)
                 for t in range(1, tp_size)
             )
@@ -294,7 +300,7 @@ def start_ranks(
                     scheduling_strategy=_in_bundle(pg, 0),
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
-                    **spare_options,
+                    **leader_options,
                 ).remote(
                     label=first_label + i,
                     device=device,
@@ -312,13 +318,16 @@ def start_ranks(
         )
         for label, info in zip(range(first_label, first_label + count), infos, strict=True):
             protocol.check(info, where=f"rank {label}")
+        guards.check_node_ips(infos, existing=existing)
     except BaseException:
         for a in [*actors, *(f for fs in followers for f in fs)]:
             ray.kill(a)
         for pg in pgs:
             ray.util.remove_placement_group(pg)
         raise
-    order = base.order_ranks(infos, driver_node=driver_node, existing_nodes=existing_nodes)
+    order = base.order_ranks(
+        infos, driver_node=driver_node, existing_nodes=[str(i["node_id"]) for i in existing]
+    )
     started = [
         roster.Member(
             label=first_label + offset,

@@ -44,6 +44,7 @@ import ray.util
 from moe_runtime import step as step_mod
 from moe_runtime.executor import (
     base,
+    guards,
     ray_actor,
     ray_graph,
     ray_groups,
@@ -120,6 +121,8 @@ class RayExecutor(base.Executor):
                 f"step_mode must be {STEP_COMPILED!r} or {STEP_REMOTE!r}, got {mode!r}"
             )
         self.step_mode = mode
+        if mode == STEP_COMPILED:
+            guards.check_compiled_graph()
         if rendezvous not in ("auto", "tcp", "file"):
             raise ValueError(f"rendezvous must be 'auto', 'tcp' or 'file', got {rendezvous!r}")
         transfer_backend = transfer_backend or os.environ.get("MOE_TRANSFER_BACKEND") or "auto"
@@ -140,6 +143,8 @@ class RayExecutor(base.Executor):
         #: Seconds one step may take while every rank stays healthy (tests lower it).
         self.step_timeout = step_timeout
         self._rank_hooks = rank_hooks
+        #: The head's variables every rank actor gets (`guards.rank_env`), read once here.
+        self._rank_env = guards.rank_env(os.environ)
         self._driver_node = ray.get_runtime_context().get_node_id()
         members: roster.Roster[ray_actor.RankHandle] = roster.Roster()
         #: The step path (plain calls, or a compiled graph over the stepped actors); no path
@@ -176,10 +181,11 @@ class RayExecutor(base.Executor):
             dtype=self._dtype,
             timeout=self._ready_timeout,
             driver_node=self._driver_node,
-            existing_nodes=[m.info["node_id"] for m in self.roster.members().values()],
+            existing=[m.info for m in self.roster.members().values()],
             spare=spare,
             hooks=self._rank_hooks,
             tp_size=self.tp_size,
+            env=self._rank_env,
         )
 
     # -- calls ---------------------------------------------------------------------------

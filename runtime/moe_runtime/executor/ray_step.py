@@ -47,7 +47,7 @@ from typing import Any
 import ray
 
 from moe_runtime import step as step_mod
-from moe_runtime.executor import ray_actor, ray_graph
+from moe_runtime.executor import guards, ray_actor, ray_graph
 
 log = logging.getLogger(__name__)
 
@@ -261,9 +261,12 @@ class StepPath:
             except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
                 log.exception(
                     "compiling the step graph over %d ranks failed; steps stay on plain actor "
-                    "calls and the compile is tried again in %.0fs",
+                    "calls and the compile is tried again in %.0fs (Ray %s; %s steps on plain "
+                    "calls only)",
                     len(actors),
                     RETRY_SECONDS,
+                    ray.__version__,
+                    guards.REMOTE_MODE_HINT,
                 )
                 self.last_compile = {"error": f"{type(exc).__name__}: {exc}"}
                 with self._lock:
