@@ -1,8 +1,9 @@
 """Start-up guard rails of `RayExecutor` (the seed's, vLLM's RayDistributedExecutor):
 
 - `check_node_ips`: ranks on different Ray nodes must report different IPs (the seed checks
-  `n_nodes == n_ips`); a rank's groups rendezvous on its node's IP, so two nodes behind one
-  address would meet the wrong peer. Checked when ranks start and when a grow adds ranks.
+  `n_nodes == n_ips`): ranks that share an IP are taken for one node (loopback, a FileStore
+  rendezvous on its disk: `ray_groups.RayGroups`), so two nodes behind one address would never
+  meet. Checked when ranks start and when a grow adds ranks.
 - `check_compiled_graph`: the "compiled" step mode needs Ray's compiled graph; a Ray that lacks
   it is refused at start-up, naming its version and `MOE_STEP_MODE=remote`.
 - `rank_env`: the head's environment that every rank actor gets (`runtime_env["env_vars"]`).
