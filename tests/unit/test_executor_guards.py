@@ -12,6 +12,17 @@ from moe_contract import protocol
 from moe_runtime.executor import guards, niceness, ray_actor
 
 
+def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reaching Ray fails at once (no local instance is started by these tests)."""
+    from moe_runtime.executor import ray_executor
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the executor reached ray.init")
+
+    monkeypatch.setattr(ray_executor.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_executor.ray, "init", refuse)
+
+
 def _info(node: str, ip: str) -> dict[str, Any]:
     return {"node_id": node, "ip": ip, protocol.INFO_KEY: protocol.VERSION}
 
@@ -50,6 +61,7 @@ def test_compiled_mode_checks_ray_at_start_up(monkeypatch: pytest.MonkeyPatch) -
         raise guards.CompiledGraphUnavailable("no compiled graph")
 
     monkeypatch.setattr(guards, "check_compiled_graph", refuse)
+    _no_ray(monkeypatch)
     with pytest.raises(guards.CompiledGraphUnavailable):
         ray_executor.RayExecutor(num_ranks=1, step_mode="compiled")
 
@@ -180,3 +192,38 @@ def test_without_head_env_a_serving_rank_gets_no_runtime_env(
     _start(count=1, existing=[], env={}, tp_size=2)
     assert "runtime_env" not in leaders.options_seen[0]
     assert "runtime_env" not in followers.options_seen[0]
+
+
+def test_serve_on_a_ray_without_compiled_graph_fails_its_start_saying_why(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import signal
+
+    from moe_contract import loading
+    from moe_runtime import cli
+    from moe_runtime.executor import cluster
+    from tests.support import checkpoints
+
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    monkeypatch.setenv(loading.TERMINATION_LOG_ENV, str(log))
+    monkeypatch.delenv("MOE_STEP_MODE", raising=False)
+    monkeypatch.setattr(cluster, "connect", lambda **k: False)  # no Ray instance
+    monkeypatch.setattr(cluster, "disconnect", lambda: None)
+    _no_ray(monkeypatch)
+    real = guards.check_compiled_graph
+    monkeypatch.setattr(
+        guards, "check_compiled_graph", lambda: real(lambda: ("2.9.3", "missing ray.dag"))
+    )
+    checkpoints.build(tmp_path / "model")
+    argv = ["serve", "--model", str(tmp_path / "model"), "--executor", "ray", "--port", "0"]
+    argv += ["--data-parallel-size", "1"]
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.serve(cli.build_parser().parse_args(argv)) == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    message = log.read_text()
+    assert "CompiledGraphUnavailable" in message and "Ray 2.9.3" in message
+    assert "MOE_STEP_MODE=remote" in message
+    assert "MOE_STEP_MODE=remote" in capsys.readouterr().err
