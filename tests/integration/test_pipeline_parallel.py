@@ -29,10 +29,9 @@ TP = 2
 DP = 2
 TIMEOUT_S = 240.0
 #: DP x PP case: (prompt, new tokens, arrival step) per request, spread over the DP ranks.
-REQUESTS = [
-    {"seq_id": f"s{i}", "prompt": p, "max_new": 4 + i % 3, "start_step": i % 2, "rank": i % DP}
-    for i, p in enumerate([[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)], [3, 4], [1, 250, 6]])
-]
+REQUESTS = hf_families.staggered_requests(
+    [[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)], [3, 4], [1, 250, 6]], DP
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +39,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     """Per family: the saved checkpoint, transformers' tokens and one process's."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("pp2")
-    out: dict[str, dict[str, Any]] = {}
-    for family in FAMILIES:
-        model = hf_families.build(family)
-        path = hf_families.save(model, root / family)
-        out[family] = {
-            "path": str(path),
-            "transformers": [hf_families.greedy(model, p, NEW_TOKENS) for p in PROMPTS],
-            "one_process": generate.generate_greedy(str(path), PROMPTS, NEW_TOKENS),
-        }
-    return out
+    return hf_families.references(root, FAMILIES, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

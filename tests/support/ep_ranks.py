@@ -65,6 +65,10 @@ def lockstep_generate(
     model: decoder.MoEModel,
     experts: experts_mod.ExpertBackend,
     requests: list[dict[str, Any]],
+    *,
+    rank: int | None = None,
+    kv: kv_mod.KVCache | None = None,
+    step: Callable[[kv_mod.ForwardBatch], list[int]] | None = None,
 ) -> dict[str, list[int]]:
     """Greedy generation of this rank's requests, stepping in lockstep with the other ranks.
 
@@ -72,17 +76,24 @@ def lockstep_generate(
     in a step runs an empty batch (it still joins every layer's all-to-all). The loop ends when
     no rank has an unfinished request (all-reduce of the count).
     """
-    mine = [r for r in requests if r["rank"] == grp.rank]
+    mine = [r for r in requests if r["rank"] == (grp.rank if rank is None else rank)]
     out: dict[str, list[int]] = {r["seq_id"]: [] for r in mine}
-    kv = kv_mod.KVCache(model.local_config)  # a TP rank's cache holds only its heads
-    step = 0
+    if kv is None:
+        kv = kv_mod.KVCache(model.local_config)  # a TP rank's cache holds only its heads
+    cache = kv
+
+    def argmax_step(batch: kv_mod.ForwardBatch) -> list[int]:
+        return [int(t) for t in torch.argmax(model.forward(batch, cache, experts), -1).tolist()]
+
+    forward = step or argmax_step
+    step_no = 0
     while True:
         left = torch.tensor([sum(len(out[r["seq_id"]]) < r["max_new"] for r in mine)])
         grp.all_reduce(left)
         if int(left.item()) == 0:
             return out
         running = [
-            r for r in mine if r["start_step"] <= step and len(out[r["seq_id"]]) < r["max_new"]
+            r for r in mine if r["start_step"] <= step_no and len(out[r["seq_id"]]) < r["max_new"]
         ]
         batch = kv_mod.ForwardBatch(
             seq_ids=[r["seq_id"] for r in running],
@@ -94,10 +105,9 @@ def lockstep_generate(
                 for r in running
             ],
         )
-        logits = model.forward(batch, kv, experts)
-        for r, token in zip(running, torch.argmax(logits, dim=-1).tolist(), strict=True):
+        for r, token in zip(running, forward(batch), strict=True):
             out[r["seq_id"]].append(int(token))
-        step += 1
+        step_no += 1
 
 
 def task_generate(

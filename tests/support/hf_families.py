@@ -181,6 +181,46 @@ def save(model: transformers.PreTrainedModel, path: pathlib.Path, **kw: Any) -> 
     return path
 
 
+def save_source(family: str, root: pathlib.Path, **overrides: Any) -> Any:
+    """The family's tiny model saved under root/family, opened as the runtime opens it."""
+    from moe_runtime.model import source
+
+    return source.open_source(str(save(build(family, **overrides), root / family)))
+
+
+def references(
+    root: pathlib.Path, families: Sequence[str], prompts: Sequence[Sequence[int]], n: int
+) -> dict[str, dict[str, Any]]:
+    """Per family: the saved checkpoint's path, transformers' greedy tokens of every prompt and
+    one process's (`generate.generate_greedy`): what a sharded run must equal."""
+    from moe_runtime.model import generate
+
+    out: dict[str, dict[str, Any]] = {}
+    for family in families:
+        model = build(family)
+        path = save(model, root / family)
+        out[family] = {
+            "path": str(path),
+            "transformers": [greedy(model, p, n) for p in prompts],
+            "one_process": generate.generate_greedy(str(path), [list(p) for p in prompts], n),
+        }
+    return out
+
+
+def staggered_requests(prompts: Sequence[Sequence[int]], ranks: int) -> list[dict[str, Any]]:
+    """Requests of other lengths arriving at other steps, spread over `ranks` DP ranks."""
+    return [
+        {
+            "seq_id": f"s{i}",
+            "prompt": list(p),
+            "max_new": 4 + i % 3,
+            "start_step": i % 2,
+            "rank": i % ranks,
+        }
+        for i, p in enumerate(prompts)
+    ]
+
+
 def greedy(model: transformers.PreTrainedModel, prompt: Sequence[int], n: int) -> list[int]:
     """transformers' greedy `generate` (no eos stop)."""
     out = model.generate(

@@ -24,7 +24,7 @@ from moe_runtime.eplb import policy
 from moe_runtime.model import decoder, pipeline, source, tensor_parallel, tp_shard
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
-from tests.support import read_counter
+from tests.support import ep_ranks, read_counter
 
 GROUP_TIMEOUT_S = 60.0
 
@@ -102,32 +102,16 @@ def lockstep_pipeline_generate(
     start_step, rank) through its pipeline, every stage stepping in lockstep with the same
     stage of the other DP ranks (its EP group): a DP rank with nothing to do runs an empty
     batch through its stages. Ends when no DP rank has an unfinished request."""
-    mine = [r for r in requests if r["rank"] == dp_rank]
-    out: dict[str, list[int]] = {r["seq_id"]: [] for r in mine}
     kv = kv_mod.KVCache(model.local_config, layers=model.layers)
-    step = 0
-    while True:
-        left = torch.tensor([sum(len(out[r["seq_id"]]) < r["max_new"] for r in mine)])
-        ep_grp.all_reduce(left)
-        if int(left.item()) == 0:
-            return out
-        running = [
-            r for r in mine if r["start_step"] <= step and len(out[r["seq_id"]]) < r["max_new"]
-        ]
-        batch = kv_mod.ForwardBatch(
-            seq_ids=[r["seq_id"] for r in running],
-            token_ids=[
-                [out[r["seq_id"]][-1]] if out[r["seq_id"]] else list(r["prompt"]) for r in running
-            ],
-            start_pos=[
-                len(r["prompt"]) + len(out[r["seq_id"]]) - 1 if out[r["seq_id"]] else 0
-                for r in running
-            ],
-        )
-        tokens = pipeline_step(model, kv, experts, link, batch)
-        for r, token in zip(running, tokens, strict=True):
-            out[r["seq_id"]].append(token)
-        step += 1
+    return ep_ranks.lockstep_generate(
+        ep_grp,
+        model,
+        experts,
+        requests,
+        rank=dp_rank,
+        kv=kv,
+        step=lambda batch: pipeline_step(model, kv, experts, link, batch),
+    )
 
 
 def stage_experts(

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
 
 import pytest
 import safetensors
 import torch
-import transformers
 
 from moe_runtime.model import decoder, generate, names, pipeline, source, tensor_parallel, tp_shard
 from moe_runtime.model import kv as kv_mod
@@ -29,16 +27,13 @@ def _few_threads() -> None:
     torch.set_num_threads(1)
 
 
-def _save(family: str, root: pathlib.Path, **overrides: object) -> source.ModelSource:
-    model: transformers.PreTrainedModel = hf_families.build(family, **overrides)
-    return source.open_source(str(hf_families.save(model, root / family)))
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, source.ModelSource]:
     root = tmp_path_factory.mktemp("pp")
-    out = {family: _save(family, root) for family in hf_families.FAMILIES}
-    out["qwen3_moe_tied"] = _save("qwen3_moe", root / "tied", tie_word_embeddings=True)
+    out = {family: hf_families.save_source(family, root) for family in hf_families.FAMILIES}
+    out["qwen3_moe_tied"] = hf_families.save_source(
+        "qwen3_moe", root / "tied", tie_word_embeddings=True
+    )
     return out
 
 

@@ -8,12 +8,10 @@ tokens is tests/integration/test_tensor_parallel.py.
 from __future__ import annotations
 
 import math
-import pathlib
 
 import pytest
 import safetensors
 import torch
-import transformers
 
 from moe_runtime.model import generate, names, source, tensor_parallel, tp_shard
 from tests.support import hf_families, read_counter, tp_ranks
@@ -30,16 +28,11 @@ def _few_threads() -> None:
     torch.set_num_threads(1)
 
 
-def _save(family: str, root: pathlib.Path, **overrides: object) -> source.ModelSource:
-    model: transformers.PreTrainedModel = hf_families.build(family, **overrides)
-    return source.open_source(str(hf_families.save(model, root / family)))
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, source.ModelSource]:
     root = tmp_path_factory.mktemp("tp")
-    out = {family: _save(family, root) for family in hf_families.FAMILIES}
-    out["mixtral_wide"] = _save("mixtral", root / "wide", **WIDE)
+    out = {family: hf_families.save_source(family, root) for family in hf_families.FAMILIES}
+    out["mixtral_wide"] = hf_families.save_source("mixtral", root / "wide", **WIDE)
     return out
 
 
