@@ -41,7 +41,11 @@ ROLLOUT_TIMEOUT_S = 900.0
 #: The new RayCluster's time to serve before a rollback (the sample's head serves in ~1 min).
 NEW_READY_TIMEOUT_S = 240
 SECOND_TAG_SUFFIX = "-rollout"
-MISSING_IMAGE = "ghcr.io/elastic-moe/runtime:does-not-exist"
+#: A registry on loopback where nothing listens: the pull is refused at once (no outside
+#: lookup), as an image that exists nowhere would be.
+MISSING_IMAGE = "127.0.0.1:1/elastic-moe/runtime:does-not-exist"
+#: The missing image's rollout: the pull fails in seconds, so a short wait shows the rollback.
+MISSING_READY_TIMEOUT_S = 60
 NEW_SOURCE = "synthetic://tiny?seed=1"
 
 
@@ -237,10 +241,19 @@ def test_a_missing_image_rolls_back_by_itself_and_keeps_serving_at_its_size(
     sampler.start()
     try:
         seen = _earlier(dep)
-        _patch(dep, {"ray": {"image": MISSING_IMAGE}, "rollout": {"maxSurgeRanks": 1}})
+        _patch(
+            dep,
+            {
+                "ray": {"image": MISSING_IMAGE},
+                "rollout": {
+                    "maxSurgeRanks": 1,
+                    "readyTimeoutSeconds": MISSING_READY_TIMEOUT_S,
+                },
+            },
+        )
         rollout = kube.wait_for(
             lambda: _ended(dep, seen=seen),
-            timeout_s=NEW_READY_TIMEOUT_S + 300,
+            timeout_s=MISSING_READY_TIMEOUT_S + 300,
             what="the rollout to roll back",
         )
     finally:
@@ -248,7 +261,7 @@ def test_a_missing_image_rolls_back_by_itself_and_keeps_serving_at_its_size(
         sampler.join(timeout=30)
         watch.stop()
     assert rollout["stage"] == "RolledBack", rollout
-    assert f"did not serve within {NEW_READY_TIMEOUT_S}s" in rollout["message"]
+    assert f"did not serve within {MISSING_READY_TIMEOUT_S}s" in rollout["message"]
     assert "ErrImagePull" in rollout["message"] or "ImagePullBackOff" in rollout["message"]
     assert _rayclusters(dep) == [serving]
     assert min(sizes) == 2, sizes  # maxSurgeRanks 1: the serving one never gave up a rank
@@ -274,7 +287,14 @@ def test_a_new_model_source_switches_answers_with_no_failed_request(
     during = EitherModel(dep.endpoint, model_name=NAME, references=[old, new], clients=2)
     with during:
         seen = _earlier(dep)
-        _patch(dep, {"model": {"source": NEW_SOURCE}, "ray": {"image": second_tag}})
+        _patch(
+            dep,
+            {
+                "model": {"source": NEW_SOURCE},
+                "ray": {"image": second_tag},
+                "rollout": {"readyTimeoutSeconds": NEW_READY_TIMEOUT_S},  # the case above's 60
+            },
+        )
         rollout = kube.wait_for(
             lambda: _ended(dep, seen=seen),
             timeout_s=ROLLOUT_TIMEOUT_S,
