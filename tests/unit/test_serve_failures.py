@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import signal
-from collections.abc import Iterator
 
 import pytest
 import safetensors.torch
@@ -17,20 +15,7 @@ from moe_contract import loading
 from moe_runtime import cli
 from tests.support import checkpoints
 
-
-@pytest.fixture
-def termination_log(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
-    path = tmp_path / "termination-log"
-    path.write_text("")  # the kubelet makes the file; the runtime only writes it
-    monkeypatch.setenv(loading.TERMINATION_LOG_ENV, str(path))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def _keep_sigterm() -> Iterator[None]:
-    handler = signal.getsignal(signal.SIGTERM)  # serve installs its own
-    yield
-    signal.signal(signal.SIGTERM, handler)
+pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
 
 
 def _serve(model: str) -> int:

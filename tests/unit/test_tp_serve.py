@@ -5,14 +5,11 @@ view of its followers (a lost one fails the DP rank), and the start-up refusals.
 from __future__ import annotations
 
 import pathlib
-import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from moe_contract import loading
 from moe_runtime import cli
 from moe_runtime.executor import ray_actor
 from moe_runtime.model import kv, source
@@ -121,19 +118,7 @@ def test_a_lost_follower_fails_its_leader() -> None:
         worker.RankWorker(device="cpu", tensor_size=2)
 
 
-@pytest.fixture
-def termination_log(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
-    path = tmp_path / "termination-log"
-    path.write_text("")
-    monkeypatch.setenv(loading.TERMINATION_LOG_ENV, str(path))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def _keep_sigterm() -> Iterator[None]:
-    handler = signal.getsignal(signal.SIGTERM)  # serve installs its own
-    yield
-    signal.signal(signal.SIGTERM, handler)
+pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
 
 
 @pytest.mark.parametrize(
