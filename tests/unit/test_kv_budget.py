@@ -138,10 +138,16 @@ def test_a_shrinks_migrations_beyond_the_survivors_budget_wait_and_resume() -> N
     placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 2)
     ex = local.LocalExecutor(2)
     ex.start(MIXTRAL, placement=placement)
+    asked: list[dict[int, int] | None] = []
+
+    def budgets(ranks: Any, slots: Any) -> dict[int, int]:  # the same room at any placement
+        asked.append(None if slots is None else dict(slots))
+        return dict.fromkeys(ranks, budget)
+
     engine = core.Engine(
         ex,
         src.tokenizer(),
-        seam.EngineConfig(max_model_len=512, kv_tokens_per_rank=budget, max_num_seqs_per_rank=8),
+        seam.EngineConfig(max_model_len=512, kv_budget=budgets, max_num_seqs_per_rank=8),
     )
     elastic = service.ElasticService.attach(
         engine=engine,
@@ -195,3 +201,4 @@ def test_a_shrinks_migrations_beyond_the_survivors_budget_wait_and_resume() -> N
     assert seen["max_waiting"] >= 1  # some migrated sequences waited for room
     assert seen["max_used"] <= budget
     assert engine.stats().active_ranks == (0,)
+    assert asked[-1] == {0: cfg.num_experts}  # the survivor's budget from all 8 slots it holds
