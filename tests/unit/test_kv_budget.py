@@ -17,12 +17,14 @@ from moe_runtime.elastic import coordinator, service, serving
 from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req_mod
 from moe_runtime.engine import scheduler as scheduler_mod
+from moe_runtime.engine import text as text_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import generate, kv_budget
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
+from tests.support import engine_fakes as fakes
 
 MIXTRAL = "synthetic://tiny?seed=0"  # 4 query heads over 2 KV heads
 DEEPSEEK = "synthetic://deepseek-tiny?seed=0"  # MLA
@@ -71,6 +73,45 @@ def test_a_rank_holding_more_expert_slots_gets_fewer_positions_on_a_gpu() -> Non
     cpu = dataclasses.replace(gpu, cuda=False)
     even = cpu.per_rank([0, 1], {0: 6, 1: 2})
     assert even[0] == even[1] == cpu.tokens(2)  # the host's room less all 8 slots, shared
+
+
+def _seq(rid: str, *, rank: int, reserved: int, started: bool) -> scheduler_mod.Seq:
+    request = fakes.req(rid, "abc", max_tokens=20)
+    seq = scheduler_mod.Seq(
+        handle=req_mod.RequestHandle(request),
+        tokens=list(request.prompt_token_ids),
+        prompt_len=len(request.prompt_token_ids),
+        text=text_mod.IncrementalText(fakes.LetterTokenizer()),
+        rank=rank,
+        kv_reserved=reserved,
+    )
+    if started:  # its prompt is in its rank's KV cache
+        seq.dirty, seq.num_computed = True, len(seq.tokens)
+    return seq
+
+
+def test_a_smaller_budget_keeps_running_reservations_and_re_places_unstarted_ones() -> None:
+    """A shrink of a rank's budget (more slots): the sequence that has run keeps its
+    reservation; the one not started there yet waits for room, ahead of the queue, and is
+    placed once the first ends."""
+
+    def budgets(ranks: Any, slots: Any) -> dict[int, int]:  # 16 positions less a slot
+        return {r: 96 - 16 * (2 if slots is None else slots[r]) for r in ranks}
+
+    sched = scheduler_mod.Scheduler(
+        ranks=[0], max_num_seqs_per_rank=8, max_tokens_per_step=64, kv_budget=budgets
+    )
+    assert sched.kv_budgets == {0: 64}
+    running = _seq("running", rank=0, reserved=32, started=True)
+    fresh = _seq("fresh", rank=0, reserved=32, started=False)
+    sched.running = {"running": running, "fresh": fresh}
+    sched.set_active([0], slots={0: 3})  # 48 positions now
+    assert sched.kv_budgets == {0: 48}
+    assert list(sched.running) == ["running"] and list(sched.waiting) == [fresh]
+    assert not sched.place_waiting()  # 16 free: it still waits
+    sched.remove(running)
+    assert sched.place_waiting() and sched.running == {"fresh": fresh}
+    assert (fresh.rank, fresh.num_computed, fresh.kv_reserved) == (0, 0, 32)
 
 
 @pytest.mark.parametrize(

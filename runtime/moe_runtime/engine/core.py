@@ -220,8 +220,8 @@ class Engine:
     def set_active_ranks(
         self, ranks: Iterable[int], *, slots: Mapping[int, int] | None = None
     ) -> concurrent.futures.Future[None]:
-        """At the next boundary: step exactly these ranks; clears the draining marks. slots:
-        the expert slots each rank holds from then on (the KV budget follows them).
+        """At the next boundary: step exactly these ranks (holding `slots` expert slots each:
+        their KV budgets follow); clears the draining marks.
 
         Sequences on ranks that leave are migrated first (see `migrate_from`), so none is lost.
         Leaving ranks get no more StepInput, so KV frees still owed to them are dropped: call
@@ -230,11 +230,11 @@ class Engine:
         new = sorted(set(ranks))
         if not new:
             raise ValueError("at least one active rank is needed")
-        held = dict(slots) if slots is not None else None
-        return self.call_at_boundary(lambda: self.scheduler.set_active(new, held))
+        return self.call_at_boundary(lambda: self.scheduler.set_active(new, slots))
 
     def migrate_from(self, ranks: Iterable[int]) -> concurrent.futures.Future[list[str]]:
-        """At the next boundary: move the sequences of `ranks` to other active ranks.
+        """At the next boundary: move the sequences of `ranks` to other active ranks (with no
+        room there: ahead of the queue, until a rank has room).
 
         The ranks are marked draining (no new sequence goes there). Each moved sequence is
         re-prefilled on its new rank with prompt + tokens generated so far, and keeps its

@@ -328,9 +328,9 @@ class Scheduler:
         log.info("engine: active ranks %s -> %s", old, self.active)
 
     def _rederive_budget(self, slots: Mapping[int, int] | None) -> None:
-        """The budget of every active rank from the slots it holds; on a rank it no longer
-        holds, sequences that have computed nothing there yet wait for room again (newest
-        first), those running keep their reservations."""
+        """The budget of every active rank from the slots it holds. On a rank whose
+        reservations now exceed its budget, sequences that have computed nothing there yet
+        wait for room again (newest first) until they fit; those running keep theirs."""
         if not self.active or self.kv_budgets is None:
             return
         if self.kv_budget is None:
