@@ -61,6 +61,7 @@ def _kv_budget(
         fraction=args.kv_cache_fraction,
         cuda=cuda,
         num_physical=num_physical,
+        tp_size=args.tensor_parallel_size,
     )
 
 
@@ -218,7 +219,7 @@ def _build_into(
             max_model_len=cfg.max_position_embeddings,
             max_num_seqs_per_rank=args.max_num_seqs,
             max_tokens_per_step=max(args.max_tokens_per_step, args.max_num_seqs),
-            kv_budget=_kv_budget(args, cfg, dtype, num_physical).tokens,
+            kv_budget=_kv_budget(args, cfg, dtype, num_physical).per_rank,
             kv_block_size=kv_mod.BLOCK_SIZE,
         ),
         max_queued_requests=args.max_queued_requests or None,

@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-bytes",
         type=_non_negative,
         default=0,
-        help="KV cache budget of one rank in bytes; requests wait in the queue while no rank "
-        "has room for prompt + max_tokens; 0 = auto (--kv-cache-fraction)",
+        help="KV cache budget of one device of a rank in bytes (a rank at "
+        "--tensor-parallel-size T is T devices, each caching its heads); requests wait in the "
+        "queue while no rank has room for prompt + max_tokens; 0 = auto (--kv-cache-fraction)",
     )
     serve.add_argument(
         "--kv-cache-fraction",

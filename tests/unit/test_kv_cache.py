@@ -80,14 +80,15 @@ def test_a_resize_re_derives_the_budget_from_the_experts_a_rank_holds(
     CPU the host's room is shared by the ranks on it. The engine's admission bound follows the
     active ranks (`Scheduler.set_active`)."""
     non_expert, experts = kv_budget.weight_bytes(cfg, torch.float32)
+    _, slot = kv_budget.weight_bytes(cfg, torch.float32, num_physical=1)
     per_token = kv_mod.bytes_per_token(cfg, torch.float32)
     gpu = kv_budget.KVBudget(
         per_token=per_token, context=16, fraction=0.5, cuda=True,
         available=non_expert + experts + 4000 * per_token,
-        non_expert=non_expert, experts=experts,
+        non_expert=non_expert, slot_bytes=slot, num_physical=cfg.num_experts,
     )  # fmt: skip
-    assert gpu.bytes(1) == 2000 * per_token
-    assert gpu.bytes(2) - gpu.bytes(1) == (experts - experts // 2) // 2
+    assert gpu.device_bytes(1) == 2000 * per_token
+    assert gpu.device_bytes(2) - gpu.device_bytes(1) == (experts - experts // 2) // 2
     assert gpu.tokens(4) > gpu.tokens(2) > gpu.tokens(1)
     cpu = dataclasses.replace(
         gpu, cuda=False, available=4 * non_expert + experts + 8000 * per_token
@@ -95,7 +96,7 @@ def test_a_resize_re_derives_the_budget_from_the_experts_a_rank_holds(
     assert cpu.tokens(4) < cpu.tokens(2) < cpu.tokens(1)  # one host's room over more ranks
 
     sched = scheduler_mod.Scheduler(
-        ranks=[0, 1], max_num_seqs_per_rank=8, max_tokens_per_step=64, kv_budget=gpu.tokens
+        ranks=[0, 1], max_num_seqs_per_rank=8, max_tokens_per_step=64, kv_budget=gpu.per_rank
     )
     assert sched.kv_tokens_per_rank == gpu.tokens(2)
     sched.set_active([0])  # a shrink to one rank: the bound of one rank

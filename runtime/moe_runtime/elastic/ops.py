@@ -160,7 +160,9 @@ class EngineResizeOps:
             problems += self._release(new, record)
         if plan.migrated and not stale:
             try:
-                ctx.at_boundary(lambda: ctx.engine.set_active_ranks(ctx.executor.ranks))
+                ranks = ctx.executor.ranks
+                slots = ctx.serving.placement.slot_counts(len(ranks))
+                ctx.at_boundary(lambda: ctx.engine.set_active_ranks(ranks, slots=slots))
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"set_active_ranks: {exc}")
         where = self._where(problems)
@@ -198,7 +200,8 @@ class EngineResizeOps:
             )
             ctx.serving.serve(plan.old_placement, len(old))
             ctx.serving.epoch = plan.old_epoch
-            ctx.engine.set_active_ranks(old)  # sequences on the new ranks re-run on the old
+            # Sequences on the new ranks re-run on the old; the KV budget follows their slots.
+            ctx.engine.set_active_ranks(old, slots=plan.old_placement.slot_counts(len(old)))
             plan.switched = False
 
         ctx.at_boundary(back)

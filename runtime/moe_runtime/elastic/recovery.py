@@ -223,7 +223,9 @@ class Recovery:
         # Confirmed: the old groups go in the background (destroying one with a dead peer takes
         # ~0.5 s) while the survivors serve.
         self.ctx.executor.collective_rpc_async("retire_previous", ranks=list(range(n)))
-        self.ctx.engine.set_active_ranks(survivors).result()
+        held = target.slot_counts(n)  # by new index; the engine still knows the old labels
+        slots = {old: held[new] for new, old in enumerate(survivors)}
+        self.ctx.engine.set_active_ranks(survivors, slots=slots).result()
         self.ctx.engine.relabel_ranks({old: new for new, old in enumerate(survivors)}).result()
 
     def _choose(

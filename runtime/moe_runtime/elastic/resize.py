@@ -238,7 +238,10 @@ class ResizeContext:
             self.serving.left[plan.from_size] = self.serving.placement
             self.serving.serve(target, plan.to_size)
             self.serving.epoch = plan.epoch
-            self.engine.set_active_ranks(range(plan.to_size))
+            # The KV budget of each rank follows the expert slots it holds from now on.
+            self.engine.set_active_ranks(
+                range(plan.to_size), slots=target.slot_counts(plan.to_size)
+            )
 
         self.executor.prepare_switch()  # outside the pause
         self.at_boundary(switch)

@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from moe_runtime import step as step_types
@@ -217,8 +217,11 @@ class Engine:
         """`add_step_control(control)` and that step's outputs, with a deadline."""
         return self.boundary.run_control(control, timeout=timeout)
 
-    def set_active_ranks(self, ranks: Iterable[int]) -> concurrent.futures.Future[None]:
-        """At the next boundary: step exactly these ranks; clears the draining marks.
+    def set_active_ranks(
+        self, ranks: Iterable[int], *, slots: Mapping[int, int] | None = None
+    ) -> concurrent.futures.Future[None]:
+        """At the next boundary: step exactly these ranks (holding `slots` expert slots each:
+        their KV budgets follow); clears the draining marks.
 
         Sequences on ranks that leave are migrated first (see `migrate_from`), so none is lost.
         Leaving ranks get no more StepInput, so KV frees still owed to them are dropped: call
@@ -227,10 +230,11 @@ class Engine:
         new = sorted(set(ranks))
         if not new:
             raise ValueError("at least one active rank is needed")
-        return self.call_at_boundary(lambda: self.scheduler.set_active(new))
+        return self.call_at_boundary(lambda: self.scheduler.set_active(new, slots))
 
     def migrate_from(self, ranks: Iterable[int]) -> concurrent.futures.Future[list[str]]:
-        """At the next boundary: move the sequences of `ranks` to other active ranks.
+        """At the next boundary: move the sequences of `ranks` to other active ranks (with no
+        room there: ahead of the queue, until a rank has room).
 
         The ranks are marked draining (no new sequence goes there). Each moved sequence is
         re-prefilled on its new rank with prompt + tokens generated so far, and keeps its
@@ -324,7 +328,7 @@ class Engine:
                     cf.set_exception(EngineStopped("the engine stopped"))
             for handle in queued:
                 self.outputs.finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
-            for seq in list(self.scheduler.running.values()):
+            for seq in self.scheduler.sequences():
                 self.outputs.finish(seq, req.FinishReason.ERROR, error="the engine stopped")
             self.delivery.close()  # every output pushed before stop() returns
             self._publish_stats()
@@ -455,8 +459,10 @@ class Engine:
 
     def _admit(self) -> None:
         running = self.scheduler.running
+        if not self.scheduler.place_waiting():
+            return  # migrated sequences wait for room first, ahead of the queue
         while (handle := self.queue.head()) is not None:
-            if handle.request_id in running:
+            if self.scheduler.find(handle.request_id) is not None:
                 self.queue.pop_head(admitted=False)
                 self.outputs.finish_unstarted(
                     handle, req.FinishReason.ERROR, f"duplicate request id {handle.request_id}"
@@ -483,7 +489,7 @@ class Engine:
         sched = self.scheduler
         stats = seam.EngineStats(
             alive=self._alive,
-            num_waiting=len(self.queue),
+            num_waiting=len(self.queue) + len(sched.waiting),
             num_running=len(sched.running),
             active_ranks=tuple(sched.active),
             draining_ranks=tuple(sorted(sched.draining)),

@@ -152,7 +152,7 @@ class Outputs:
 
         token: the last sampled token, if any (decode: it goes into the text); new_text: its
         text when made already (stop strings)."""
-        self._scheduler.running.pop(seq.seq_id, None)
+        self._scheduler.remove(seq)  # running, or waiting for room
         if seq.dirty:
             self._scheduler.free_later(seq.rank, [seq.seq_id])
             seq.dirty = False
@@ -200,6 +200,6 @@ class Outputs:
         for handle in queue.remove(aborts):
             self.finish_unstarted(handle, req.FinishReason.ABORT, None)
         for rid in aborts:
-            seq = self._scheduler.running.get(rid)
+            seq = self._scheduler.find(rid)
             if seq is not None:
                 self.finish(seq, req.FinishReason.ABORT)

@@ -15,19 +15,32 @@
   `drain`, `relabel`): sequences on leaving ranks are re-prefilled on others with prompt +
   generated tokens (same `num_generated`, so seeded sampling goes on identically); after an
   executor switch renumbers its workers, sequences, KV frees and marks follow their worker.
+- The KV budget (`kv_budgets`: positions per active rank, from `kv_budget(ranks, slots)`,
+  re-derived by `set_active` from the expert slots each rank will hold). A migrated sequence
+  that no survivor has room for (a sequence slot and its KV reservation), and a sequence a
+  new, smaller budget no longer holds before it has computed anything on its rank, waits in
+  `waiting`, ahead of the request queue, with its tokens; `place_waiting` (admission) re-places
+  it when room frees, re-prefilled with prompt + generated tokens like any migration. So no
+  rank's reservations exceed its budget except those of sequences already running when the
+  budget shrank (they keep theirs).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import request as req
 from moe_runtime.engine import text as text_mod
 
 log = logging.getLogger(__name__)
+
+#: positions per rank for `ranks` serving, rank -> its expert slots (None: an even share):
+#: `model.kv_budget.KVBudget.per_rank`.
+KVBudgetFn = Callable[[Sequence[int], Mapping[int, int] | None], dict[int, int]]
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,10 +81,10 @@ class Scheduler:
 
     max_num_seqs_per_rank: sequences a rank takes; max_tokens_per_step: token budget of one
     rank in one step; kv_tokens_per_rank: KV positions a rank's cache holds (None: no bound),
-    counted in blocks of kv_block_size (`core.EngineConfig`); kv_budget: that bound for a
-    number of active ranks, re-derived when they change (a shrink gives survivors more
-    experts: less room on a GPU; sequences already running keep their reservations, new ones
-    wait for room).
+    counted in blocks of kv_block_size (`core.EngineConfig`); kv_budget: that bound per rank
+    for the active ranks and the expert slots each holds, re-derived when they change (a
+    shrink gives survivors more experts: less room on a GPU; sequences already running keep
+    their reservations, new and migrated ones wait for room: module docstring).
     """
 
     def __init__(
@@ -82,18 +95,27 @@ class Scheduler:
         max_tokens_per_step: int,
         kv_tokens_per_rank: int | None = None,
         kv_block_size: int = 16,
-        kv_budget: Callable[[int], int] | None = None,
+        kv_budget: KVBudgetFn | None = None,
     ) -> None:
         self.max_num_seqs_per_rank = max_num_seqs_per_rank
         self.max_tokens_per_step = max_tokens_per_step
         self.kv_block_size = kv_block_size
         self.kv_budget = kv_budget
         self.active: list[int] = sorted(set(ranks))
-        self.kv_tokens_per_rank = (
-            kv_tokens_per_rank if kv_budget is None else kv_budget(len(self.active))
+        #: KV positions each active rank's cache may hold (None: no bound).
+        self.kv_budgets: dict[int, int] | None = (
+            kv_budget(self.active, None)
+            if kv_budget is not None
+            else None
+            if kv_tokens_per_rank is None
+            else dict.fromkeys(self.active, kv_tokens_per_rank)
         )
+        self._kv_default = kv_tokens_per_rank  # a fixed bound, for ranks added later
         self.draining: set[int] = set()
         self.running: dict[str, Seq] = {}
+        #: Sequences with no rank, waiting for room ahead of the request queue (migrated with
+        #: no survivor room, or parked by a smaller budget): re-placed by `place_waiting`.
+        self.waiting: collections.deque[Seq] = collections.deque()
         #: KV frees owed to each rank, sent with its next batch.
         self.pending_free: dict[int, list[str]] = {}
 
@@ -107,6 +129,24 @@ class Scheduler:
         """A step has work: running sequences or KV frees owed."""
         return bool(self.running or any(self.pending_free.values()))
 
+    def sequences(self) -> list[Seq]:
+        """Every sequence the engine holds: running, then waiting for room."""
+        return [*self.running.values(), *self.waiting]
+
+    def find(self, seq_id: str) -> Seq | None:
+        """The running or waiting sequence `seq_id`, or None."""
+        seq = self.running.get(seq_id)
+        if seq is None:
+            seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
+        return seq
+
+    def remove(self, seq: Seq) -> None:
+        """`seq` ends: it is neither running nor waiting any more."""
+        if self.running.get(seq.seq_id) is seq:
+            del self.running[seq.seq_id]
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
     # -- placing sequences ---------------------------------------------------------------
     def load(self) -> dict[int, int]:
         """Running sequences per active rank."""
@@ -115,12 +155,28 @@ class Scheduler:
             load[seq.rank] = load.get(seq.rank, 0) + 1
         return load
 
+    @property
+    def kv_tokens_per_rank(self) -> int | None:
+        """The largest active rank's budget in KV positions (None: no bound): the most one
+        sequence may reserve."""
+        budgets = self.kv_budgets  # replaced whole, never changed in place: any thread
+        if budgets is None:
+            return None
+        return max(budgets.values(), default=self._kv_default)
+
+    def kv_budget_of(self, rank: int) -> int | None:
+        """KV positions `rank` may hold (None: no bound)."""
+        if self.kv_budgets is None:
+            return None
+        return self.kv_budgets.get(rank, self.kv_tokens_per_rank)
+
     def kv_need(self, num_tokens: int) -> int:
         """KV positions a sequence of up to `num_tokens` tokens reserves: whole blocks, at
         most a rank's budget."""
         bs = self.kv_block_size
         need = -(-num_tokens // bs) * bs
-        return need if self.kv_tokens_per_rank is None else min(need, self.kv_tokens_per_rank)
+        cap = self.kv_tokens_per_rank
+        return need if cap is None else min(need, cap)
 
     def kv_used(self) -> dict[int, int]:
         """KV positions reserved per active rank."""
@@ -134,16 +190,47 @@ class Scheduler:
         and the fewest sequences (None: none)."""
         load = self.load()
         used = self.kv_used()
-        budget = self.kv_tokens_per_rank
-        candidates = [
-            (load[r], r)
-            for r in self.active
-            if r not in self.draining
-            and (exclude is None or r not in exclude)
-            and load[r] < self.max_num_seqs_per_rank
-            and (budget is None or used[r] + kv <= budget)
-        ]
+        candidates = []
+        for r in self.active:
+            budget = self.kv_budget_of(r)
+            if (
+                r not in self.draining
+                and (exclude is None or r not in exclude)
+                and load[r] < self.max_num_seqs_per_rank
+                and (budget is None or used[r] + kv <= budget)
+            ):
+                candidates.append((load[r], r))
         return min(candidates)[1] if candidates else None
+
+    def place_waiting(self) -> bool:
+        """Re-place the waiting sequences, in order, on ranks with room (re-prefilled there:
+        prompt + generated tokens); True when none is left waiting (the request queue may be
+        admitted), False when the first still finds no room (first come, first served)."""
+        while self.waiting:
+            seq = self.waiting[0]
+            need = self.kv_need(seq.kv_reserved)
+            target = self.least_loaded(kv=need)
+            if target is None:
+                return False
+            self.waiting.popleft()
+            seq.rank, seq.kv_reserved = target, need
+            seq.num_computed, seq.dirty = 0, False
+            self.running[seq.seq_id] = seq
+            log.info(
+                "engine: %s placed on rank %d after waiting for room (%d tokens to re-prefill)",
+                seq.seq_id,
+                target,
+                len(seq.tokens),
+            )
+        return True
+
+    def _park(self, seq: Seq) -> None:
+        """`seq` leaves its rank (its KV there freed) and waits for room (`place_waiting`)."""
+        if seq.dirty:
+            self.free_later(seq.rank, [seq.seq_id])
+        self.running.pop(seq.seq_id, None)
+        seq.num_computed, seq.dirty = 0, False
+        self.waiting.append(seq)
 
     def schedule(self) -> tuple[dict[int, step_types.RankBatch], list[Work]]:
         """The next step's batch of every active rank, and the work it carries."""
@@ -189,16 +276,19 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.rank not in leaving:
                 continue
-            target = self.least_loaded(exclude=leaving, kv=seq.kv_reserved)
+            target = self.least_loaded(exclude=leaving, kv=self.kv_need(seq.kv_reserved))
             if target is None:
-                # Over capacity: the survivors take it anyway (the limits are a batching
-                # preference and an admission bound; a rank's cache grows past its budget
-                # rather than lose the request).
-                survivors = [r for r in self.active if r not in leaving and r not in self.draining]
-                if not survivors:
-                    raise RuntimeError(f"no rank left to take the sequences of ranks {leaving}")
-                load = self.load()
-                target = min(survivors, key=lambda r: (load[r], r))
+                # Over capacity: it waits for room, ahead of the queue, with its tokens (a
+                # survivor's budget is never exceeded; nothing is lost).
+                log.info(
+                    "engine: %s leaves rank %d and waits for room (%d tokens to re-prefill)",
+                    seq.seq_id,
+                    seq.rank,
+                    len(seq.tokens),
+                )
+                self._park(seq)
+                moved.append(seq.seq_id)
+                continue
             if seq.dirty:
                 self.free_later(seq.rank, [seq.seq_id])
             log.info(
@@ -209,13 +299,17 @@ class Scheduler:
                 len(seq.tokens),
             )
             seq.rank = target
+            seq.kv_reserved = self.kv_need(seq.kv_reserved)
             seq.num_computed = 0
             seq.dirty = False
             moved.append(seq.seq_id)
         return moved
 
-    def set_active(self, ranks: list[int]) -> None:
-        """Step exactly `ranks` from now on; sequences on leaving ranks migrate first."""
+    def set_active(self, ranks: list[int], slots: Mapping[int, int] | None = None) -> None:
+        """Step exactly `ranks` from now on; sequences on leaving ranks migrate first.
+
+        slots: the expert slots each of `ranks` holds in the placement it serves from now on
+        (None: an even share): the KV budget of each is re-derived from them."""
         old = list(self.active)
         leaving = set(old) - set(ranks)
         # While migrating, the leaving ranks still count as active (their KV is freed in the
@@ -225,22 +319,45 @@ class Scheduler:
             self.migrate(leaving)
         self.active = list(ranks)
         self.draining = set()
-        if self.kv_budget is not None and self.active:
-            budget = self.kv_budget(len(self.active))
-            if budget != self.kv_tokens_per_rank:
-                log.info(
-                    "engine: KV budget %s -> %d positions a rank at %d ranks",
-                    self.kv_tokens_per_rank,
-                    budget,
-                    len(self.active),
-                )
-            self.kv_tokens_per_rank = budget
+        self._rederive_budget(slots)
         # Ranks that no longer step read no StepInput: their KV goes away with them.
         dropped = {r: ids for r, ids in self.pending_free.items() if r not in ranks and ids}
         self.pending_free = {r: ids for r, ids in self.pending_free.items() if r in ranks}
         if dropped:
             log.info("engine: KV frees for leaving ranks dropped: %s", dropped)
         log.info("engine: active ranks %s -> %s", old, self.active)
+
+    def _rederive_budget(self, slots: Mapping[int, int] | None) -> None:
+        """The budget of every active rank from the slots it holds. On a rank whose
+        reservations now exceed its budget, sequences that have computed nothing there yet
+        wait for room again (newest first) until they fit; those running keep theirs."""
+        if not self.active or self.kv_budgets is None:
+            return
+        if self.kv_budget is None:
+            fixed = self.kv_tokens_per_rank
+            assert fixed is not None
+            self.kv_budgets = {r: self.kv_budgets.get(r, fixed) for r in self.active}
+        else:
+            budgets = self.kv_budget(self.active, slots)
+            if budgets != self.kv_budgets:
+                log.info(
+                    "engine: KV budget %s -> %s positions per rank (expert slots %s)",
+                    self.kv_budgets,
+                    budgets,
+                    dict(slots) if slots is not None else "an even share",
+                )
+            self.kv_budgets = budgets
+        used = self.kv_used()
+        parked: set[str] = set()
+        for rank in self.active:
+            unstarted = [s for s in self.running.values() if s.rank == rank and not s.dirty]
+            for seq in reversed(unstarted):  # the newest wait first
+                if used[rank] <= self.kv_budgets[rank]:
+                    break
+                used[rank] -= seq.kv_reserved
+                parked.add(seq.seq_id)
+        for seq in [s for s in self.running.values() if s.seq_id in parked]:
+            self._park(seq)  # in admission order
 
     def relabel(self, mapping: dict[int, int]) -> None:
         """Rank `old` is now `mapping[old]` (others keep theirs); ValueError, and nothing
@@ -256,6 +373,8 @@ class Scheduler:
                 f"relabel mapping {mapping} sends two of ranks {sorted(known)} to one label"
             )
         self.active = sorted(new(r) for r in self.active)
+        if self.kv_budgets is not None:
+            self.kv_budgets = {new(r): b for r, b in self.kv_budgets.items()}
         self.draining = {new(r) for r in self.draining}
         for seq in self.running.values():
             seq.rank = new(seq.rank)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from moe_runtime import step as step_types
@@ -62,8 +62,9 @@ class EngineConfig:
     it fails with an error. kv_tokens_per_rank: KV positions one rank's cache holds (its
     memory budget, `model.kv`); a request is admitted to a rank only while the sequences there
     reserve (prompt + max_tokens, in blocks of kv_block_size) no more; None: no bound.
-    kv_budget: that bound for a number of serving ranks (`model.kv_budget.KVBudget.tokens`),
-    re-derived whenever the ranks that step change; when set, it gives kv_tokens_per_rank.
+    kv_budget: that bound per serving rank from the expert slots each holds
+    (`model.kv_budget.KVBudget.per_rank`), re-derived whenever the ranks that step or their
+    placement change; when set, it gives kv_tokens_per_rank.
     async_outputs: detokenise and stream a step's outputs on a thread of their own, while the
     ranks run the next step (`delivery`); False: on the step loop's thread, between steps.
     """
@@ -74,7 +75,7 @@ class EngineConfig:
     max_step_retries: int = 2
     kv_tokens_per_rank: int | None = None
     kv_block_size: int = 16
-    kv_budget: Callable[[int], int] | None = None
+    kv_budget: Callable[[Sequence[int], Mapping[int, int] | None], dict[int, int]] | None = None
     async_outputs: bool = True
 
     def __post_init__(self) -> None:

@@ -138,6 +138,11 @@ class Placement:
             raise ValueError(f"rank must be in [0, {num_ranks}), got {rank}")
         return range(rank * per, (rank + 1) * per)
 
+    def slot_counts(self, num_ranks: int) -> dict[int, int]:
+        """rank -> how many slots it holds (each layer), over `num_ranks` ranks (the KV
+        budget of a rank follows its expert memory: `model.kv_budget`)."""
+        return {r: len(self.slots_of_rank(r, num_ranks)) for r in range(num_ranks)}
+
     def rank_of_slot(self, slot: int, num_ranks: int) -> int:
         return slot // self.slots_per_rank(num_ranks)
 

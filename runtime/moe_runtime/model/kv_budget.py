@@ -1,19 +1,27 @@
 """How many KV positions one rank may hold (`KVBudget`), at the size it starts with and at
-every size a resize takes it to.
+every size and placement a resize takes it to.
 
 Measured once, at start-up, before any weight is loaded: the device's free memory less a
 margin (a GPU: each rank has its own), or the host's available memory (CPU ranks share the
-host). What is left for the KV cache at a rank count n is that memory less the weights:
+host). What is left for the KV cache is that memory less the weights; `device_bytes` is what
+ONE device of a rank may cache (at tensor-parallel size T a rank is T devices, each caching
+its shard's heads: `per_token` is one device's bytes a position, `tp_shard.plan(...).local`):
 
-- GPU, per device: ``(free - margin - rank_weights(n)) * fraction``, where a rank's weights
-  are the non-expert weights (every rank holds them) and its share of the expert slots; a
-  shrink gives each survivor more experts, so less KV room, and a grow more.
-- CPU, per rank of the host: ``(available - n * non_expert - experts) / n * fraction``.
-- ``--kv-cache-bytes``: that, at every size.
+- GPU, per device: ``(free - margin - non_expert - slots * slot_bytes) * fraction``: the TP
+  leader's device binds (it holds the rank's non-expert shard and every expert slot of the
+  rank: docs/TENSOR-PARALLEL.md); ``slots`` are the slots this rank holds in the placement
+  it serves (a shrink gives each survivor more, so less KV room; a grow fewer).
+- CPU, per device of the host: ``(available - n * rank_non_expert - total_slots * slot_bytes)
+  / (n * T) * fraction``: the host holds every rank's T shards and every slot.
+- ``--kv-cache-bytes``: that, per device, at every size.
 
-Never under one context (max_position_embeddings, in whole blocks): a prompt that fits the
-model fits a rank. The engine re-derives its admission bound from `tokens(n)` whenever the
-ranks that step change (`engine.scheduler.Scheduler.set_active`).
+Positions = device bytes // per_token, in whole blocks, never under one context
+(max_position_embeddings): a prompt that fits the model fits a rank. So at T = 2 a rank of a
+GQA model whose KV heads split gets about twice the positions of T = 1 for the same bytes a
+device; MLA's latent is replicated on every TP rank (no gain), and KV heads replicated where
+T exceeds them gain only up to T = KV. The engine re-derives its admission bound per rank
+(`per_rank`) whenever the ranks that step or their placement change
+(`engine.scheduler.Scheduler.set_active`).
 """
 
 from __future__ import annotations
@@ -21,12 +29,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
-from moe_runtime.model import names
+from moe_runtime.model import names, tp_shard
 
 #: Device memory kept free besides the weights and the KV cache (a GPU: CUDA's workspace).
 GPU_MARGIN_BYTES = 1 << 30
@@ -45,32 +54,55 @@ def host_available_bytes() -> int:
 
 
 def weight_bytes(
-    config: config_mod.ModelConfig, dtype: torch.dtype, *, num_physical: int | None = None
+    config: config_mod.ModelConfig,
+    dtype: torch.dtype,
+    *,
+    num_physical: int | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[int, int]:
-    """(non-expert bytes, bytes of `num_physical` expert slots in every MoE layer) in `dtype`
-    (`num_physical` None: one slot per expert)."""
+    """(non-expert bytes of TP rank `tp_rank`'s shard, bytes of `num_physical` expert slots in
+    every MoE layer) in `dtype` (`num_physical` None: one slot per expert; `tp_size` 1: the
+    whole non-expert weights)."""
     size = torch.empty((), dtype=dtype).element_size()
-    non_expert = sum(
-        math.prod(names.tensor_shape(config, n)) for n in names.non_expert_tensor_names(config)
-    )
+    shard = tp_shard.plan(config, rank=tp_rank, size=tp_size)
+    non_expert = sum(math.prod(shard.shape(n)) for n in shard.tensor_names())
     one = sum(math.prod(shape) for shape in names.expert_parts(config).values())
     slots = config.num_experts if num_physical is None else num_physical
     return non_expert * size, one * slots * config.num_moe_layers * size
 
 
+def per_token_bytes(config: config_mod.ModelConfig, dtype: torch.dtype, *, tp_size: int = 1) -> int:
+    """KV bytes one position takes on one device of a rank at tensor-parallel size `tp_size`
+    (its shard's KV heads; MLA: the whole latent, replicated)."""
+    return kv_mod.bytes_per_token(tp_shard.plan(config, rank=0, size=tp_size).local, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class KVBudget:
-    """What a rank's KV cache may take at any rank count (see the module docstring)."""
+    """What one device of a rank may cache at any rank count and placement (see the module
+    docstring).
+
+    per_token: KV bytes of one position on one device (at T > 1: a TP rank's heads);
+    context: one context in whole blocks (the floor); available: bytes measured at start-up (a
+    GPU's free memory less the margin, or the host's available); non_expert: the non-expert
+    bytes on the binding device (the TP leader's shard); rank_non_expert: a rank's over its T
+    devices (CPU: the host holds them all; None: T x non_expert); slot_bytes: one expert slot
+    over every MoE layer; num_physical: the slots at start-up (a rank count's even share when
+    no placement is given); tp_size: devices a rank.
+    """
 
     per_token: int
     context: int
     fraction: float
     cuda: bool = False
-    #: Bytes measured at start-up: a GPU's free memory less the margin, or the host's available.
     available: int = 0
     non_expert: int = 0
-    experts: int = 0
-    #: ``--kv-cache-bytes``: the same budget at every size (None: derived).
+    slot_bytes: int = 0
+    num_physical: int = 0
+    tp_size: int = 1
+    rank_non_expert: int | None = None
+    #: ``--kv-cache-bytes``: the same budget a device at every size (None: derived).
     fixed_bytes: int | None = None
 
     @classmethod
@@ -83,6 +115,7 @@ class KVBudget:
         fraction: float,
         cuda: bool,
         num_physical: int | None = None,
+        tp_size: int = 1,
     ) -> KVBudget:
         """The budget of this process's device (its GPU when it sees one, else the host: ranks
         on GPUs this process cannot see get the host figure), measured now."""
@@ -94,32 +127,71 @@ class KVBudget:
                 available = free - GPU_MARGIN_BYTES
             else:
                 available = host_available_bytes()
-        non_expert, experts = weight_bytes(config, dtype, num_physical=num_physical)
+        slots = config.num_experts if num_physical is None else num_physical
+        non_expert, _ = weight_bytes(config, dtype, num_physical=0, tp_size=tp_size)
+        _, slot_bytes = weight_bytes(config, dtype, num_physical=1)
+        rank_non_expert = sum(
+            weight_bytes(config, dtype, num_physical=0, tp_rank=t, tp_size=tp_size)[0]
+            for t in range(tp_size)
+        )
         block = kv_mod.BLOCK_SIZE
         return cls(
-            per_token=kv_mod.bytes_per_token(config, dtype),
+            per_token=per_token_bytes(config, dtype, tp_size=tp_size),
             context=-(-config.max_position_embeddings // block) * block,
             fraction=fraction,
             cuda=on_gpu,
             available=available,
             non_expert=non_expert,
-            experts=experts,
+            slot_bytes=slot_bytes,
+            num_physical=slots,
+            tp_size=tp_size,
+            rank_non_expert=rank_non_expert,
             fixed_bytes=budget_bytes,
         )
 
-    def bytes(self, num_ranks: int) -> int:
-        """KV bytes one rank may use when `num_ranks` ranks serve."""
+    def even_slots(self, num_ranks: int) -> int:
+        """Slots a rank holds when `num_ranks` share the start-up slots evenly (rounded up)."""
+        return -(-self.num_physical // max(1, num_ranks))
+
+    def device_bytes(
+        self, num_ranks: int, slots: int | None = None, *, total_slots: int | None = None
+    ) -> int:
+        """KV bytes one device of a rank may use when `num_ranks` ranks serve and this rank
+        holds `slots` expert slots of `total_slots` in all (None: the even share)."""
         n = max(1, num_ranks)
         if self.fixed_bytes is not None:
             return self.fixed_bytes
+        if slots is None:
+            slots = self.even_slots(n)
         if self.cuda:
-            left = self.available - self.non_expert - self.experts // n
+            left = self.available - self.non_expert - slots * self.slot_bytes
             return max(0, int(left * self.fraction))
-        left = self.available - n * self.non_expert - self.experts
-        return max(0, int(left // n * self.fraction))
+        if total_slots is None:
+            total_slots = self.even_slots(n) * n
+        rank_non_expert = (
+            self.non_expert * self.tp_size if self.rank_non_expert is None else self.rank_non_expert
+        )
+        left = self.available - n * rank_non_expert - total_slots * self.slot_bytes
+        return max(0, int(left // (n * self.tp_size) * self.fraction))
 
-    def tokens(self, num_ranks: int) -> int:
-        """KV positions one rank may hold when `num_ranks` ranks serve, in whole blocks."""
+    def tokens(
+        self, num_ranks: int, slots: int | None = None, *, total_slots: int | None = None
+    ) -> int:
+        """KV positions one rank may hold (`device_bytes` // per_token), in whole blocks."""
         block = kv_mod.BLOCK_SIZE
-        tokens = self.bytes(num_ranks) // self.per_token // block * block
+        device = self.device_bytes(num_ranks, slots, total_slots=total_slots)
+        tokens = device // self.per_token // block * block
         return max(tokens, self.context)
+
+    def per_rank(
+        self, ranks: Sequence[int], slots: Mapping[int, int] | None = None
+    ) -> dict[int, int]:
+        """KV positions each of `ranks` may hold when they serve, holding `slots[rank]` expert
+        slots each (None, or a rank it omits: the even share of the start-up slots)."""
+        n = len(ranks)
+        held = {
+            r: (self.even_slots(n) if slots is None else slots.get(r, self.even_slots(n)))
+            for r in ranks
+        }
+        total = sum(held.values())
+        return {r: self.tokens(n, held[r], total_slots=total) for r in ranks}
