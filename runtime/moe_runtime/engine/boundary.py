@@ -47,6 +47,8 @@ class Boundary:
         self._refused = refused
         self._calls: list[BoundaryCall] = []
         self._controls: list[StepControl] = []
+        #: Calls run at once on the engine thread (a prepared step made before one is dropped).
+        self.ran_at_once = 0
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Runs `fn` on the engine thread between two steps; no step runs while it runs.
@@ -56,6 +58,7 @@ class Boundary:
         """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._on_engine_thread():
+            self.ran_at_once += 1
             run_into(fn, future)
             return future
         with self._cond:

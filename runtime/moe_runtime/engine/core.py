@@ -22,9 +22,13 @@ running sequence's next slice of tokens (`scheduler.Scheduler`), run `execute_st
 the outputs (`outputs.Outputs`: the sampled token of each sequence whose uncomputed tokens are
 now all in its KV cache; retries after a failed step). What the consumers see of it (text
 deltas, finished outputs) is made and streamed by `delivery.Delivery`'s thread while the ranks
-run the next step (async output processing; `EngineConfig.async_outputs`). The `Engine` holds
-those parts and the boundary's (`boundary.Boundary`); it owns the loop, the request intake and
-the callbacks.
+run the next step (async output processing; `EngineConfig.async_outputs`). With async
+scheduling (`EngineConfig.async_scheduling`) the step runs on the step thread
+(`flight.StepThread`) while the engine thread takes arrivals and aborts, admits, and prepares
+the next step (`prepare`); once the outputs are applied, the prepared step is launched at once,
+or, when it might be wrong or a boundary call, a step control or a stop waits, the loop goes
+to a boundary with no step in flight and schedules afresh. The `Engine` holds those parts and
+the boundary's (`boundary.Boundary`); it owns the loop, the request intake and the callbacks.
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ from typing import Any, TypeVar
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
 from moe_runtime.engine import delivery as delivery_mod
+from moe_runtime.engine import flight as flight_mod
 from moe_runtime.engine import outputs as outputs_mod
+from moe_runtime.engine import prepare, seam
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
 from moe_runtime.engine import scheduler as scheduler_mod
-from moe_runtime.engine import seam
 from moe_runtime.engine import text as text_mod
 
 log = logging.getLogger(__name__)
@@ -80,7 +85,11 @@ class Engine:
         self.boundary = boundary_mod.Boundary(
             cond=self._cond,
             notify=self._notify_locked,
-            on_engine_thread=lambda: threading.current_thread() is self._thread,
+            # A call from the engine thread runs at once, unless a step is in flight (a step
+            # callback while the next step runs): then it waits for the boundary.
+            on_engine_thread=lambda: (
+                threading.current_thread() is self._thread and self._flying is None
+            ),
             refused=self._refused,
         )
         self._aborts: set[str] = set()
@@ -122,6 +131,14 @@ class Engine:
             max_step_retries=config.max_step_retries,
             observer=lambda: self._observer,
         )
+        #: Runs the steps (async scheduling: on its own thread); the step launched and not
+        #: yet landed.
+        self._steps = flight_mod.StepThread(
+            lambda step: self.executor.execute_step(step),
+            threaded=config.async_scheduling,
+            wake=self._wake,
+        )
+        self._flying: flight_mod.Flight | None = None
         self._step_id = 0
         self._last_step_seconds = 0.0
         self._last_token_time: float | None = None
@@ -299,6 +316,10 @@ class Engine:
         self._events += 1
         self._cond.notify_all()
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _refused(self) -> BaseException | None:
         """What a new boundary call gets instead of running (holding _cond)."""
         if self._stopping or (self._thread is not None and not self._alive):
@@ -312,6 +333,9 @@ class Engine:
         except Exception:
             log.exception("engine: step loop died at step %d", self._step_id)
         finally:
+            if self._flying is not None:  # the loop died with a step running: let it end
+                concurrent.futures.wait([self._flying.future], timeout=30.0)
+            self._steps.close()
             with self._cond:
                 self._alive = False
                 calls = self.boundary.take_calls()
@@ -360,80 +384,117 @@ class Engine:
                 if future.set_running_or_notify_cancel():  # False: withdrawn by its caller
                     controls.update(control)
                     control_futures.append(future)
-            self._step(controls, control_futures)
+            batches, work = self.scheduler.schedule()
+            flight: flight_mod.Flight | None = self._launch(
+                batches, work, controls, control_futures
+            )
+            while flight is not None:
+                flight = self._fly(flight)
             self.delivery.send()  # the outputs of a failed step (retries exhausted)
             self._publish_stats()
 
     def _must_step(self) -> bool:
         return self.scheduler.must_step() or self.boundary.has_controls()
 
-    def _step(
+    def _launch(
         self,
+        batches: dict[int, step_types.RankBatch],
+        work: list[scheduler_mod.Work],
         controls: dict[str, Any],
         control_futures: list[boundary_mod.ControlFuture],
-    ) -> None:
-        batches, work = self.scheduler.schedule()
+    ) -> flight_mod.Flight:
         self._step_id += 1
         step = step_types.StepInput(step_id=self._step_id, batches=batches, control=controls)
-        started = time.monotonic()
-        try:
-            outputs = self.executor.execute_step(step)
-        except Exception as exc:
-            log.exception(
-                "engine: step %d failed (ranks %s, %d sequences, control %s)",
-                self._step_id,
-                sorted(batches),
-                len(work),
-                sorted(controls),
-            )
-            for rank, batch in batches.items():
-                self.scheduler.free_later(rank, batch.free)
-            for cf in control_futures:
-                cf.set_exception(exc)
-            message = f"{type(exc).__name__}: {exc}"
-            for w in work:
-                self.outputs.step_failed(w, message)
-            named = tuple(getattr(exc, "ranks", None) or ())
-            self._failed(
-                seam.StepFailure(
-                    step_id=self._step_id,
-                    ranks=named or tuple(sorted(batches)),
-                    message=message,
-                    exception=exc,
-                )
-            )
-            return
-        elapsed = time.monotonic() - started
-        self._last_step_seconds = elapsed
-        by_rank = {out.rank: out for out in outputs}
-        produced, errors = self.outputs.apply(self._step_id, work, by_rank, batches)
-        self.delivery.send()  # made and streamed while the next step runs
-        if produced:
-            self._last_token_time = time.monotonic()
-        for cf in control_futures:
-            cf.set_result(outputs)
-        if self._observer is not None:
+        self._flying = self._steps.launch(step, work, control_futures)
+        return self._flying
+
+    def _fly(self, flight: flight_mod.Flight) -> flight_mod.Flight | None:
+        """While `flight` runs (async scheduling): take arrivals and aborts, admit, prepare the
+        next step. Then land it, and launch the prepared step when it still holds and nothing
+        waits for a boundary; returns that step (None: the loop goes to a boundary)."""
+        prepared: prepare.Prepared | None = None
+        later: set[str] = set()  # aborts: running sequences end once the step is applied
+        seen = -1
+        while self.config.async_scheduling:
+            with self._cond:  # a stop waits for the step to end
+                while self._events == seen and not flight.done():
+                    self._cond.wait()
+                seen = self._events
+                self.queue.take_inbox()
+                aborts, self._aborts = self._aborts, set()
+            self.outputs.abort_queued(aborts, self.queue)
+            later |= aborts
+            if self._admit() or prepared is None:
+                prepared = self._prepare(flight.work)
+            self.delivery.send()
+            self._publish_stats()
+            if flight.done():
+                break
+        self._flying = None
+        landed = self.outputs.land(flight)
+        self.outputs.abort(later, self.queue)
+        ran = self.boundary.ran_at_once
+        failure = self._answer(flight, landed)  # step callbacks: at this boundary
+        if failure is not None:
+            self._failed(failure)  # no step in flight: the next one is scheduled afresh
+            return None
+        launched = None
+        if prepared is not None and self.boundary.ran_at_once == ran:
+            with self._cond:
+                hold = self._stopping or self.boundary.waiting() or self.boundary.has_controls()
+            committed = None if hold else prepare.commit(prepared, self.scheduler)
+            if committed is not None:
+                launched = self._launch(*committed, {}, [])
+        if self._observer is not None and landed.exception is None:
             self._observer.observe_step(
-                seconds=elapsed,
-                num_seqs=len(work),
-                num_tokens=sum(w.num_tokens for w in work),
-                outputs=outputs,
+                seconds=landed.elapsed,
+                num_seqs=len(flight.work),
+                num_tokens=sum(w.num_tokens for w in flight.work),
+                outputs=landed.outputs,
             )
+        return launched
+
+    def _prepare(self, inflight: list[scheduler_mod.Work]) -> prepare.Prepared | None:
+        try:
+            return prepare.prepare(self.scheduler, inflight)
+        except Exception:  # pure: nothing to undo; the next step is scheduled afresh
+            log.exception("engine: preparing step %d failed", self._step_id + 1)
+            return None
+
+    def _answer(
+        self, flight: flight_mod.Flight, landed: flight_mod.Landed
+    ) -> seam.StepFailure | None:
+        """A landed step's outputs sent, its step controls answered, the step callbacks run
+        (a boundary call they make runs at once: no step is in flight); the failure, if any."""
+        step = flight.step
+        if landed.exception is not None:
+            named = tuple(getattr(landed.exception, "ranks", None) or ())
+            return seam.StepFailure(
+                step_id=step.step_id,
+                ranks=named or tuple(sorted(step.batches)),
+                message=landed.message,
+                exception=landed.exception,
+            )
+        self._last_step_seconds = landed.elapsed
+        self.delivery.send()  # made and streamed while the next step runs
+        if landed.produced:
+            self._last_token_time = time.monotonic()
+        for cf in flight.control_futures:
+            cf.set_result(landed.outputs)
         with self._cond:
             callbacks = list(self._callbacks)
         for cb in callbacks:
             try:
-                cb(outputs)
+                cb(landed.outputs)
             except Exception:
-                log.exception("engine: step callback %r failed at step %d", cb, self._step_id)
-        if errors:
-            self._failed(
-                seam.StepFailure(
-                    step_id=self._step_id,
-                    ranks=tuple(sorted(errors)),
-                    message="; ".join(errors[r] for r in sorted(errors)),
-                )
-            )
+                log.exception("engine: step callback %r failed at step %d", cb, step.step_id)
+        if not landed.errors:
+            return None
+        return seam.StepFailure(
+            step_id=step.step_id,
+            ranks=tuple(sorted(landed.errors)),
+            message="; ".join(landed.errors[r] for r in sorted(landed.errors)),
+        )
 
     def _failed(self, failure: seam.StepFailure) -> None:
         with self._cond:
@@ -453,8 +514,10 @@ class Engine:
         with self._cond:  # a boundary call (a repair) or a stop ends the wait early
             self._cond.wait_for(lambda: self._stopping or self.boundary.waiting(), delay)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Admits from the queue's head while there is room; True when any was admitted."""
         running = self.scheduler.running
+        admitted = False
         while (handle := self.queue.head()) is not None:
             if handle.request_id in running:
                 self.queue.pop_head(admitted=False)
@@ -468,7 +531,7 @@ class Engine:
             )
             rank = self.scheduler.least_loaded(kv=kv_need)
             if rank is None:
-                return  # no sequence slot or KV room: it waits (first come, first served)
+                return admitted  # no sequence slot or KV room: it waits (first come, first served)
             self.queue.pop_head(admitted=True)
             running[request.request_id] = scheduler_mod.Seq(
                 handle=handle,
@@ -478,6 +541,8 @@ class Engine:
                 rank=rank,
                 kv_reserved=kv_need,
             )
+            admitted = True
+        return admitted
 
     def _publish_stats(self) -> None:
         sched = self.scheduler

@@ -147,26 +147,15 @@ class Scheduler:
 
     def schedule(self) -> tuple[dict[int, step_types.RankBatch], list[Work]]:
         """The next step's batch of every active rank, and the work it carries."""
-        batches = {rank: step_types.RankBatch() for rank in self.active}
-        for rank, ids in self.pending_free.items():
-            if rank in batches:
-                batches[rank].free.extend(ids)
-        self.pending_free = {}
-        budget = dict.fromkeys(self.active, self.max_tokens_per_step)
+        batches = self.take_frees()
         work: list[Work] = []
-        decodes = [s for s in self.running.values() if len(s.tokens) - s.num_computed == 1]
-        prefills = [s for s in self.running.values() if len(s.tokens) - s.num_computed > 1]
-        for seq in decodes + prefills:
-            left = budget.get(seq.rank, 0)
-            if left <= 0:
-                continue
-            n = min(len(seq.tokens) - seq.num_computed, left)
-            budget[seq.rank] = left - n
+        views = [(s, s.num_computed, len(s.tokens)) for s in self.running.values()]
+        for seq, start, n in self.plan(views):
             batches[seq.rank].seqs.append(
                 step_types.SeqWork(
                     seq_id=seq.seq_id,
-                    token_ids=seq.tokens[seq.num_computed : seq.num_computed + n],
-                    start_pos=seq.num_computed,
+                    token_ids=seq.tokens[start : start + n],
+                    start_pos=start,
                     sampling=seq.handle.request.sampling,
                     num_generated=seq.num_generated,
                 )
@@ -174,6 +163,34 @@ class Scheduler:
             seq.dirty = True
             work.append(Work(seq=seq, rank=seq.rank, num_tokens=n))
         return batches, work
+
+    def take_frees(self) -> dict[int, step_types.RankBatch]:
+        """An empty batch for every active rank carrying the KV frees owed to it (taken)."""
+        batches = {rank: step_types.RankBatch() for rank in self.active}
+        for rank, ids in self.pending_free.items():
+            if rank in batches:
+                batches[rank].free.extend(ids)
+        self.pending_free = {}
+        return batches
+
+    def plan(self, views: Iterable[tuple[Seq, int, int]]) -> list[tuple[Seq, int, int]]:
+        """Which tokens run in a step, given each sequence as (seq, tokens computed, tokens
+        it has): (seq, start, count) within every active rank's token budget, decodes first
+        (one token each), then prefill chunks in arrival order. Pure: `schedule` passes the
+        sequences as they are, `prepare` as they will be after the step in flight."""
+        budget = dict.fromkeys(self.active, self.max_tokens_per_step)
+        views = list(views)
+        decodes = [v for v in views if v[2] - v[1] == 1]
+        prefills = [v for v in views if v[2] - v[1] > 1]
+        slices: list[tuple[Seq, int, int]] = []
+        for seq, computed, length in decodes + prefills:
+            left = budget.get(seq.rank, 0)
+            if left <= 0:
+                continue
+            n = min(length - computed, left)
+            budget[seq.rank] = left - n
+            slices.append((seq, computed, n))
+        return slices
 
     # -- what a resize changes (at a step boundary) ----------------------------------------
     def drain(self, leaving: set[int]) -> list[str]:
