@@ -115,6 +115,15 @@ class Boundary:
         return controls
 
 
+def fail(calls: list[BoundaryCall], controls: list[StepControl], exc: BaseException) -> None:
+    """Those calls and controls will never run (the engine stopped): `exc` for each."""
+    for _, future in calls:
+        future.set_exception(exc)
+    for _, cf in controls:
+        if cf.set_running_or_notify_cancel():
+            cf.set_exception(exc)
+
+
 def run_into(fn: Callable[[], T], future: concurrent.futures.Future[T]) -> None:
     """Run `fn` and hand its outcome to `future` (unless the future was cancelled)."""
     if not future.set_running_or_notify_cancel():

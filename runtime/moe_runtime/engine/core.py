@@ -50,7 +50,6 @@ from moe_runtime.engine import prepare, seam
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
 from moe_runtime.engine import scheduler as scheduler_mod
-from moe_runtime.engine import text as text_mod
 
 log = logging.getLogger(__name__)
 
@@ -183,21 +182,11 @@ class Engine:
         """Queues a request; returns its handle at once (never blocks on the step loop).
 
         Raises `queue.QueueFull` when the queue's bound is reached (never during a resize)."""
-        if not request.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if len(request.prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(request.prompt_token_ids)} tokens; the context is "
-                f"{self.config.max_model_len} tokens"
-            )
-        budget = self.scheduler.kv_tokens_per_rank  # an int read: at this size
-        if budget is not None and len(request.prompt_token_ids) > budget:
-            raise ValueError(
-                f"prompt has {len(request.prompt_token_ids)} tokens; a rank's KV cache holds "
-                f"{budget}"
-            )
+        req.check(
+            request,
+            max_model_len=self.config.max_model_len,
+            kv_tokens_per_rank=self.scheduler.kv_tokens_per_rank,  # an int read: at this size
+        )
         handle = req.RequestHandle(request)
         exempt = self.queue.exempt_now()  # before our lock: it may take a resize's lock
         with self._cond:
@@ -341,11 +330,7 @@ class Engine:
                 calls = self.boundary.take_calls()
                 controls = self.boundary.take_controls()
                 queued = self.queue.clear()
-            for _, future in calls:
-                future.set_exception(EngineStopped("the engine stopped"))
-            for _, cf in controls:
-                if cf.set_running_or_notify_cancel():
-                    cf.set_exception(EngineStopped("the engine stopped"))
+            boundary_mod.fail(calls, controls, EngineStopped("the engine stopped"))
             for handle in queued:
                 self.outputs.finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
             for seq in list(self.scheduler.running.values()):
@@ -516,31 +501,17 @@ class Engine:
 
     def _admit(self) -> bool:
         """Admits from the queue's head while there is room; True when any was admitted."""
-        running = self.scheduler.running
         admitted = False
         while (handle := self.queue.head()) is not None:
-            if handle.request_id in running:
+            if handle.request_id in self.scheduler.running:
                 self.queue.pop_head(admitted=False)
                 self.outputs.finish_unstarted(
                     handle, req.FinishReason.ERROR, f"duplicate request id {handle.request_id}"
                 )
                 continue
-            request = handle.request
-            kv_need = self.scheduler.kv_need(
-                min(len(request.prompt_token_ids) + request.max_tokens, self.config.max_model_len)
-            )
-            rank = self.scheduler.least_loaded(kv=kv_need)
-            if rank is None:
+            if not self.scheduler.admit(handle, self.config.max_model_len, self.tokenizer):
                 return admitted  # no sequence slot or KV room: it waits (first come, first served)
             self.queue.pop_head(admitted=True)
-            running[request.request_id] = scheduler_mod.Seq(
-                handle=handle,
-                tokens=list(request.prompt_token_ids),
-                prompt_len=len(request.prompt_token_ids),
-                text=text_mod.IncrementalText(self.tokenizer, stop=request.stop),
-                rank=rank,
-                kv_reserved=kv_need,
-            )
             admitted = True
         return admitted
 

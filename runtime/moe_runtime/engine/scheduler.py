@@ -145,6 +145,28 @@ class Scheduler:
         ]
         return min(candidates)[1] if candidates else None
 
+    def admit(
+        self, handle: req.RequestHandle, max_model_len: int, tokenizer: text_mod.Decoder
+    ) -> bool:
+        """Runs `handle`'s request on the least loaded rank with a sequence slot and KV room
+        for its prompt + max_tokens (True), or does nothing (False: no rank has room)."""
+        request = handle.request
+        kv_need = self.kv_need(
+            min(len(request.prompt_token_ids) + request.max_tokens, max_model_len)
+        )
+        rank = self.least_loaded(kv=kv_need)
+        if rank is None:
+            return False
+        self.running[request.request_id] = Seq(
+            handle=handle,
+            tokens=list(request.prompt_token_ids),
+            prompt_len=len(request.prompt_token_ids),
+            text=text_mod.IncrementalText(tokenizer, stop=request.stop),
+            rank=rank,
+            kv_reserved=kv_need,
+        )
+        return True
+
     def schedule(self) -> tuple[dict[int, step_types.RankBatch], list[Work]]:
         """The next step's batch of every active rank, and the work it carries."""
         batches = self.take_frees()
