@@ -420,11 +420,8 @@ class Engine:
         self.outputs.abort(later, self.queue)
         ran = self.boundary.ran_at_once
         failure = self._answer(flight, landed)  # step callbacks: at this boundary
-        if failure is not None:
-            self._failed(failure)  # no step in flight: the next one is scheduled afresh
-            return None
         launched = None
-        if prepared is not None and self.boundary.ran_at_once == ran:
+        if failure is None and prepared is not None and self.boundary.ran_at_once == ran:
             with self._cond:
                 hold = self._stopping or self.boundary.waiting() or self.boundary.has_controls()
             committed = None if hold else prepare.commit(prepared, self.scheduler)
@@ -437,6 +434,8 @@ class Engine:
                 num_tokens=sum(w.num_tokens for w in flight.work),
                 outputs=landed.outputs,
             )
+        if failure is not None:
+            self._failed(failure)  # no step in flight: the next one is scheduled afresh
         return launched
 
     def _prepare(self, inflight: list[scheduler_mod.Work]) -> prepare.Prepared | None:
