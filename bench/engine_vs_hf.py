@@ -9,7 +9,10 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
   latency p50/p99, the mean step, and the engine's share: the engine thread's time outside
   `execute_step` (scheduling, outputs, and with `--outputs sync` detokenising and streaming)
   over the run's wall time, and `deliv`: the output thread's busy time over it (async output
-  processing, overlapped with the steps); `--outputs async sync` runs both loops;
+  processing, overlapped with the steps); `--outputs async sync` runs both loops; with async
+  scheduling (`--schedule async`, the default) `execute_step` runs on the engine's step thread
+  while the engine thread prepares the next step, so `engine` is the time the ranks wait for
+  it (applying a step's outputs and launching the next); `--schedule async sync` runs both;
 - floor: our model's forward pass over the same batches with no engine (one prefill of every
   prompt, then one decode step of every stream at a time, argmax); `1 - floor / ours` is
   everything the serving path adds over the arithmetic;
@@ -22,6 +25,7 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
     .venv/bin/python bench/engine_vs_hf.py --streams 16 32 64 --dp 1 2 --cb
     .venv/bin/python bench/engine_vs_hf.py --executor ray    # rank processes, as served
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --outputs async sync  # before/after
+    .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --schedule async sync
 """
 
 from __future__ import annotations
@@ -202,7 +206,7 @@ def hf_generate_batch(
 
 def row(name: str, streams: int, r: dict[str, Any]) -> str:
     ms: Callable[[float], str] = lambda s: f"{s * 1e3:7.1f}"  # noqa: E731
-    cells = [f"{name:<22}", f"{streams:>4}", f"{r['tok/s']:>8.0f}"]
+    cells = [f"{name:<28}", f"{streams:>4}", f"{r['tok/s']:>8.0f}"]
     if "ttft" in r:
         cells += [ms(r["ttft"][0]), ms(r["ttft"][1]), ms(r["itl"][0]), ms(r["itl"][1])]
     else:
@@ -251,6 +255,14 @@ def main() -> None:
         "step runs (EngineConfig.async_outputs); sync: on the step loop, between steps",
     )
     parser.add_argument(
+        "--schedule",
+        choices=("async", "sync"),
+        nargs="+",
+        default=["async"],
+        help="async: the next step prepared while the ranks run this one, the step on a "
+        "thread of its own (EngineConfig.async_scheduling); sync: schedule, step, apply in turn",
+    )
+    parser.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -277,20 +289,22 @@ def main() -> None:
         f"{torch.get_num_threads()}"
     )
     header = (
-        f"{'':<22} {'strm':>4} {'tok/s':>8} {'TTFT50':>7} {'TTFT99':>7} {'ITL50':>7} "
+        f"{'':<28} {'strm':>4} {'tok/s':>8} {'TTFT50':>7} {'TTFT99':>7} {'ITL50':>7} "
         f"{'ITL99':>7} {'step':>7} {'engine':>7} {'>floor':>7} {'deliv':>7}"
     )
     print(
-        header + "\n(ms; engine: time outside execute_step / wall; >floor: 1 - floor / ours; "
+        header + "\n(ms; engine: time no execute_step runs / wall; >floor: 1 - floor / ours; "
         "deliv: output thread busy / wall)"
     )
-    engines: dict[tuple[int, str], tuple[core.Engine, Timed, Any]] = {}
+    engines: dict[tuple[int, str, str], tuple[core.Engine, Timed, Any]] = {}
     owns_ray = False
     if args.executor == "ray":
         from moe_runtime.executor import cluster, ray_executor
 
-        owns_ray = cluster.connect(num_rank_slots=max(8, sum(args.dp) * len(args.outputs)))
-    for dp, mode in [(dp, mode) for dp in args.dp for mode in args.outputs]:
+        loops = len(args.outputs) * len(args.schedule)
+        owns_ray = cluster.connect(num_rank_slots=max(8, sum(args.dp) * loops))
+    runs = [(dp, o, s) for dp in args.dp for o in args.outputs for s in args.schedule]
+    for dp, mode, sched in runs:
         executor: Any
         if args.executor == "ray":
             executor = ray_executor.RayExecutor(dp, dtype="float32", step_mode=args.step_mode)
@@ -310,10 +324,11 @@ def main() -> None:
                 max_num_seqs_per_rank=max(args.streams),
                 max_tokens_per_step=max(2048, max(args.streams) * args.prompt_len),
                 async_outputs=mode == "async",
+                async_scheduling=sched == "async",
             ),
         )
         engine.start()
-        engines[dp, mode] = (engine, timed, executor)
+        engines[dp, mode, sched] = (engine, timed, executor)
         ours(engine, timed, prompts(4, args.prompt_len, cfg.vocab_size), 4)  # warm-up
     floor(model, experts, prompts(4, args.prompt_len, cfg.vocab_size), 4)
     hf_generate(hf, prompts(4, args.prompt_len, cfg.vocab_size), 4)
@@ -329,8 +344,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 bases.append(floor(model, experts, batch, new))
                 runs = [
-                    (f"ours DP={dp} {mode}", ours(engine, timed, batch, new))
-                    for (dp, mode), (engine, timed, _) in engines.items()
+                    (f"ours DP={dp} out:{mode} sch:{sched}", ours(engine, timed, batch, new))
+                    for (dp, mode, sched), (engine, timed, _) in engines.items()
                 ]
                 runs.append(("hf generate", hf_generate(hf, batch, new)))
                 for name, r in runs:

@@ -80,6 +80,10 @@ class FakeExecutor:
             out = step_types.StepOutput(rank=rank, step_id=step.step_id)
             for work in batch.seqs:
                 held = cache.setdefault(work.seq_id, [])
+                if min(work.token_ids) < 0:  # an unfilled placeholder of async scheduling
+                    message = f"rank {rank}: {work.seq_id} runs token ids {work.token_ids}"
+                    self.violations.append(message)
+                    raise AssertionError(message)
                 if work.start_pos != len(held):
                     message = (
                         f"rank {rank}: {work.seq_id} start_pos {work.start_pos} but KV holds "

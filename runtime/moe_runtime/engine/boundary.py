@@ -47,6 +47,8 @@ class Boundary:
         self._refused = refused
         self._calls: list[BoundaryCall] = []
         self._controls: list[StepControl] = []
+        #: Calls run at once on the engine thread (a prepared step made before one is dropped).
+        self.ran_at_once = 0
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Runs `fn` on the engine thread between two steps; no step runs while it runs.
@@ -56,6 +58,7 @@ class Boundary:
         """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._on_engine_thread():
+            self.ran_at_once += 1
             run_into(fn, future)
             return future
         with self._cond:
@@ -110,6 +113,15 @@ class Boundary:
     def take_controls(self) -> list[StepControl]:
         controls, self._controls = self._controls, []
         return controls
+
+
+def fail(calls: list[BoundaryCall], controls: list[StepControl], exc: BaseException) -> None:
+    """Those calls and controls will never run (the engine stopped): `exc` for each."""
+    for _, future in calls:
+        future.set_exception(exc)
+    for _, cf in controls:
+        if cf.set_running_or_notify_cancel():
+            cf.set_exception(exc)
 
 
 def run_into(fn: Callable[[], T], future: concurrent.futures.Future[T]) -> None:

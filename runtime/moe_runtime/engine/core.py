@@ -22,9 +22,13 @@ running sequence's next slice of tokens (`scheduler.Scheduler`), run `execute_st
 the outputs (`outputs.Outputs`: the sampled token of each sequence whose uncomputed tokens are
 now all in its KV cache; retries after a failed step). What the consumers see of it (text
 deltas, finished outputs) is made and streamed by `delivery.Delivery`'s thread while the ranks
-run the next step (async output processing; `EngineConfig.async_outputs`). The `Engine` holds
-those parts and the boundary's (`boundary.Boundary`); it owns the loop, the request intake and
-the callbacks.
+run the next step (async output processing; `EngineConfig.async_outputs`). With async
+scheduling (`EngineConfig.async_scheduling`) the step runs on the step thread
+(`flight.StepThread`) while the engine thread takes arrivals and aborts, admits, and prepares
+the next step (`prepare`); once the outputs are applied, the prepared step is launched at once,
+or, when it might be wrong or a boundary call, a step control or a stop waits, the loop goes
+to a boundary with no step in flight and schedules afresh. The `Engine` holds those parts and
+the boundary's (`boundary.Boundary`); it owns the loop, the request intake and the callbacks.
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ from typing import Any, TypeVar
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
 from moe_runtime.engine import delivery as delivery_mod
+from moe_runtime.engine import flight as flight_mod
 from moe_runtime.engine import outputs as outputs_mod
+from moe_runtime.engine import prepare, seam
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
 from moe_runtime.engine import scheduler as scheduler_mod
-from moe_runtime.engine import seam
-from moe_runtime.engine import text as text_mod
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,11 @@ class Engine:
         self.boundary = boundary_mod.Boundary(
             cond=self._cond,
             notify=self._notify_locked,
-            on_engine_thread=lambda: threading.current_thread() is self._thread,
+            # A call from the engine thread runs at once, unless a step is in flight (a step
+            # callback while the next step runs): then it waits for the boundary.
+            on_engine_thread=lambda: (
+                threading.current_thread() is self._thread and self._flying is None
+            ),
             refused=self._refused,
         )
         self._aborts: set[str] = set()
@@ -122,6 +130,14 @@ class Engine:
             max_step_retries=config.max_step_retries,
             observer=lambda: self._observer,
         )
+        #: Runs the steps (async scheduling: on its own thread); the step launched and not
+        #: yet landed.
+        self._steps = flight_mod.StepThread(
+            lambda step: self.executor.execute_step(step),
+            threaded=config.async_scheduling,
+            wake=self._wake,
+        )
+        self._flying: flight_mod.Flight | None = None
         self._step_id = 0
         self._last_step_seconds = 0.0
         self._last_token_time: float | None = None
@@ -166,21 +182,11 @@ class Engine:
         """Queues a request; returns its handle at once (never blocks on the step loop).
 
         Raises `queue.QueueFull` when the queue's bound is reached (never during a resize)."""
-        if not request.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if len(request.prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(request.prompt_token_ids)} tokens; the context is "
-                f"{self.config.max_model_len} tokens"
-            )
-        budget = self.scheduler.kv_tokens_per_rank  # an int read: at this size
-        if budget is not None and len(request.prompt_token_ids) > budget:
-            raise ValueError(
-                f"prompt has {len(request.prompt_token_ids)} tokens; a rank's KV cache holds "
-                f"{budget}"
-            )
+        req.check(
+            request,
+            max_model_len=self.config.max_model_len,
+            kv_tokens_per_rank=self.scheduler.kv_tokens_per_rank,  # an int read: at this size
+        )
         handle = req.RequestHandle(request)
         exempt = self.queue.exempt_now()  # before our lock: it may take a resize's lock
         with self._cond:
@@ -303,6 +309,10 @@ class Engine:
         self._events += 1
         self._cond.notify_all()
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _refused(self) -> BaseException | None:
         """What a new boundary call gets instead of running (holding _cond)."""
         if self._stopping or (self._thread is not None and not self._alive):
@@ -316,16 +326,15 @@ class Engine:
         except Exception:
             log.exception("engine: step loop died at step %d", self._step_id)
         finally:
+            if self._flying is not None:  # the loop died with a step running: let it end
+                concurrent.futures.wait([self._flying.future], timeout=30.0)
+            self._steps.close()
             with self._cond:
                 self._alive = False
                 calls = self.boundary.take_calls()
                 controls = self.boundary.take_controls()
                 queued = self.queue.clear()
-            for _, future in calls:
-                future.set_exception(EngineStopped("the engine stopped"))
-            for _, cf in controls:
-                if cf.set_running_or_notify_cancel():
-                    cf.set_exception(EngineStopped("the engine stopped"))
+            boundary_mod.fail(calls, controls, EngineStopped("the engine stopped"))
             for handle in queued:
                 self.outputs.finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
             for seq in self.scheduler.sequences():
@@ -364,80 +373,116 @@ class Engine:
                 if future.set_running_or_notify_cancel():  # False: withdrawn by its caller
                     controls.update(control)
                     control_futures.append(future)
-            self._step(controls, control_futures)
+            batches, work = self.scheduler.schedule()
+            flight: flight_mod.Flight | None = self._launch(
+                batches, work, controls, control_futures
+            )
+            while flight is not None:
+                flight = self._fly(flight)
             self.delivery.send()  # the outputs of a failed step (retries exhausted)
             self._publish_stats()
 
     def _must_step(self) -> bool:
         return self.scheduler.must_step() or self.boundary.has_controls()
 
-    def _step(
+    def _launch(
         self,
+        batches: dict[int, step_types.RankBatch],
+        work: list[scheduler_mod.Work],
         controls: dict[str, Any],
         control_futures: list[boundary_mod.ControlFuture],
-    ) -> None:
-        batches, work = self.scheduler.schedule()
+    ) -> flight_mod.Flight:
         self._step_id += 1
         step = step_types.StepInput(step_id=self._step_id, batches=batches, control=controls)
-        started = time.monotonic()
-        try:
-            outputs = self.executor.execute_step(step)
-        except Exception as exc:
-            log.exception(
-                "engine: step %d failed (ranks %s, %d sequences, control %s)",
-                self._step_id,
-                sorted(batches),
-                len(work),
-                sorted(controls),
-            )
-            for rank, batch in batches.items():
-                self.scheduler.free_later(rank, batch.free)
-            for cf in control_futures:
-                cf.set_exception(exc)
-            message = f"{type(exc).__name__}: {exc}"
-            for w in work:
-                self.outputs.step_failed(w, message)
-            named = tuple(getattr(exc, "ranks", None) or ())
-            self._failed(
-                seam.StepFailure(
-                    step_id=self._step_id,
-                    ranks=named or tuple(sorted(batches)),
-                    message=message,
-                    exception=exc,
-                )
-            )
-            return
-        elapsed = time.monotonic() - started
-        self._last_step_seconds = elapsed
-        by_rank = {out.rank: out for out in outputs}
-        produced, errors = self.outputs.apply(self._step_id, work, by_rank, batches)
-        self.delivery.send()  # made and streamed while the next step runs
-        if produced:
-            self._last_token_time = time.monotonic()
-        for cf in control_futures:
-            cf.set_result(outputs)
-        if self._observer is not None:
+        self._flying = self._steps.launch(step, work, control_futures)
+        return self._flying
+
+    def _fly(self, flight: flight_mod.Flight) -> flight_mod.Flight | None:
+        """While `flight` runs (async scheduling): take arrivals and aborts, admit, prepare the
+        next step. Then land it, and launch the prepared step when it still holds and nothing
+        waits for a boundary; returns that step (None: the loop goes to a boundary)."""
+        prepared: prepare.Prepared | None = None
+        later: set[str] = set()  # aborts: running sequences end once the step is applied
+        seen = -1
+        while self.config.async_scheduling:
+            with self._cond:  # a stop waits for the step to end
+                while self._events == seen and not flight.done():
+                    self._cond.wait()
+                seen = self._events
+                self.queue.take_inbox()
+                aborts, self._aborts = self._aborts, set()
+            self.outputs.abort_queued(aborts, self.queue)
+            later |= aborts
+            if self._admit() or prepared is None:
+                prepared = self._prepare(flight.work)
+            self.delivery.send()
+            self._publish_stats()
+            if flight.done():
+                break
+        self._flying = None
+        landed = self.outputs.land(flight)
+        self.outputs.abort(later, self.queue)
+        ran = self.boundary.ran_at_once
+        failure = self._answer(flight, landed)  # step callbacks: at this boundary
+        launched = None
+        if failure is None and prepared is not None and self.boundary.ran_at_once == ran:
+            with self._cond:
+                hold = self._stopping or self.boundary.waiting() or self.boundary.has_controls()
+            committed = None if hold else prepare.commit(prepared, self.scheduler)
+            if committed is not None:
+                launched = self._launch(*committed, {}, [])
+        if self._observer is not None and landed.exception is None:
             self._observer.observe_step(
-                seconds=elapsed,
-                num_seqs=len(work),
-                num_tokens=sum(w.num_tokens for w in work),
-                outputs=outputs,
+                seconds=landed.elapsed,
+                num_seqs=len(flight.work),
+                num_tokens=sum(w.num_tokens for w in flight.work),
+                outputs=landed.outputs,
             )
+        if failure is not None:
+            self._failed(failure)  # no step in flight: the next one is scheduled afresh
+        return launched
+
+    def _prepare(self, inflight: list[scheduler_mod.Work]) -> prepare.Prepared | None:
+        try:
+            return prepare.prepare(self.scheduler, inflight)
+        except Exception:  # pure: nothing to undo; the next step is scheduled afresh
+            log.exception("engine: preparing step %d failed", self._step_id + 1)
+            return None
+
+    def _answer(
+        self, flight: flight_mod.Flight, landed: flight_mod.Landed
+    ) -> seam.StepFailure | None:
+        """A landed step's outputs sent, its step controls answered, the step callbacks run
+        (a boundary call they make runs at once: no step is in flight); the failure, if any."""
+        step = flight.step
+        if landed.exception is not None:
+            named = tuple(getattr(landed.exception, "ranks", None) or ())
+            return seam.StepFailure(
+                step_id=step.step_id,
+                ranks=named or tuple(sorted(step.batches)),
+                message=landed.message,
+                exception=landed.exception,
+            )
+        self._last_step_seconds = landed.elapsed
+        self.delivery.send()  # made and streamed while the next step runs
+        if landed.produced:
+            self._last_token_time = time.monotonic()
+        for cf in flight.control_futures:
+            cf.set_result(landed.outputs)
         with self._cond:
             callbacks = list(self._callbacks)
         for cb in callbacks:
             try:
-                cb(outputs)
+                cb(landed.outputs)
             except Exception:
-                log.exception("engine: step callback %r failed at step %d", cb, self._step_id)
-        if errors:
-            self._failed(
-                seam.StepFailure(
-                    step_id=self._step_id,
-                    ranks=tuple(sorted(errors)),
-                    message="; ".join(errors[r] for r in sorted(errors)),
-                )
-            )
+                log.exception("engine: step callback %r failed at step %d", cb, step.step_id)
+        if not landed.errors:
+            return None
+        return seam.StepFailure(
+            step_id=step.step_id,
+            ranks=tuple(sorted(landed.errors)),
+            message="; ".join(landed.errors[r] for r in sorted(landed.errors)),
+        )
 
     def _failed(self, failure: seam.StepFailure) -> None:
         with self._cond:
@@ -457,10 +502,14 @@ class Engine:
         with self._cond:  # a boundary call (a repair) or a stop ends the wait early
             self._cond.wait_for(lambda: self._stopping or self.boundary.waiting(), delay)
 
-    def _admit(self) -> None:
-        running = self.scheduler.running
-        if not self.scheduler.place_waiting():
-            return  # migrated sequences wait for room first, ahead of the queue
+    def _admit(self) -> bool:
+        """Places waiting (migrated) sequences, then admits from the queue's head while there
+        is room; True when any sequence was placed or admitted."""
+        waiting = len(self.scheduler.waiting)
+        placed_all = self.scheduler.place_waiting()
+        admitted = len(self.scheduler.waiting) < waiting
+        if not placed_all:
+            return admitted  # migrated sequences wait for room first, ahead of the queue
         while (handle := self.queue.head()) is not None:
             if self.scheduler.find(handle.request_id) is not None:
                 self.queue.pop_head(admitted=False)
@@ -468,22 +517,11 @@ class Engine:
                     handle, req.FinishReason.ERROR, f"duplicate request id {handle.request_id}"
                 )
                 continue
-            request = handle.request
-            kv_need = self.scheduler.kv_need(
-                min(len(request.prompt_token_ids) + request.max_tokens, self.config.max_model_len)
-            )
-            rank = self.scheduler.least_loaded(kv=kv_need)
-            if rank is None:
-                return  # no sequence slot or KV room: it waits (first come, first served)
+            if not self.scheduler.admit(handle, self.config.max_model_len, self.tokenizer):
+                return admitted  # no sequence slot or KV room: it waits (first come, first served)
             self.queue.pop_head(admitted=True)
-            running[request.request_id] = scheduler_mod.Seq(
-                handle=handle,
-                tokens=list(request.prompt_token_ids),
-                prompt_len=len(request.prompt_token_ids),
-                text=text_mod.IncrementalText(self.tokenizer, stop=request.stop),
-                rank=rank,
-                kv_reserved=kv_need,
-            )
+            admitted = True
+        return admitted
 
     def _publish_stats(self) -> None:
         sched = self.scheduler

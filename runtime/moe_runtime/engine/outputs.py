@@ -2,7 +2,8 @@
 engine thread): sampled tokens appended, requests finished (stop, length, abort, error), and
 the sequences of a failed step re-prefilled, or failed after `EngineConfig.max_step_retries`
 failed steps in a row. The outputs the consumers see (text deltas, finished outputs) are
-queued to `delivery.Delivery`, which makes their text and streams them off the step path."""
+queued to `delivery.Delivery`, which makes their text and streams them off the step path.
+`land` takes a step's outcome (`flight.Flight`) on the engine thread."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import delivery as delivery_mod
+from moe_runtime.engine import flight as flight_mod
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
 from moe_runtime.engine import scheduler as scheduler_mod
@@ -43,6 +45,32 @@ class Outputs:
         self._max_model_len = max_model_len
         self._max_step_retries = max_step_retries
         self._observer = observer
+
+    def land(self, flight: flight_mod.Flight) -> flight_mod.Landed:
+        """A step has ended: its outputs applied (`apply`), or, when `execute_step` raised,
+        its KV frees owed again, its step controls failed and its sequences re-prefilled."""
+        step, work = flight.step, flight.work
+        try:
+            outputs, elapsed = flight.future.result()
+        except Exception as exc:
+            log.exception(
+                "engine: step %d failed (ranks %s, %d sequences, control %s)",
+                step.step_id,
+                sorted(step.batches),
+                len(work),
+                sorted(step.control),
+            )
+            for rank, batch in step.batches.items():
+                self._scheduler.free_later(rank, batch.free)
+            for cf in flight.control_futures:
+                cf.set_exception(exc)
+            message = f"{type(exc).__name__}: {exc}"
+            for w in work:
+                self.step_failed(w, message)
+            return flight_mod.Landed(exception=exc, message=message)
+        by_rank = {out.rank: out for out in outputs}
+        produced, errors = self.apply(step.step_id, work, by_rank, step.batches)
+        return flight_mod.Landed(outputs=outputs, elapsed=elapsed, produced=produced, errors=errors)
 
     def apply(
         self,
@@ -197,9 +225,15 @@ class Outputs:
         """End the requests `aborts` names, queued or running (finish_reason "abort")."""
         if not aborts:
             return
-        for handle in queue.remove(aborts):
-            self.finish_unstarted(handle, req.FinishReason.ABORT, None)
+        self.abort_queued(aborts, queue)
         for rid in aborts:
             seq = self._scheduler.find(rid)
             if seq is not None:
                 self.finish(seq, req.FinishReason.ABORT)
+
+    def abort_queued(self, aborts: set[str], queue: queue_mod.RequestQueue) -> None:
+        """End the queued requests `aborts` names (while a step runs: the running ones end
+        once it is applied, with `abort`)."""
+        if aborts:
+            for handle in queue.remove(aborts):
+                self.finish_unstarted(handle, req.FinishReason.ABORT, None)

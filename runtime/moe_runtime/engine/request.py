@@ -202,6 +202,20 @@ class _LoopWaker:
             queue.put_nowait(output)
 
 
+def check(request: Request, *, max_model_len: int, kv_tokens_per_rank: int | None) -> None:
+    """ValueError, naming the field, when the engine cannot run `request`: an empty prompt,
+    max_tokens < 1, a prompt that fills the context or exceeds a rank's KV cache."""
+    n = len(request.prompt_token_ids)
+    if not n:
+        raise ValueError("prompt_token_ids must not be empty")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if n >= max_model_len:
+        raise ValueError(f"prompt has {n} tokens; the context is {max_model_len} tokens")
+    if kv_tokens_per_rank is not None and n > kv_tokens_per_rank:
+        raise ValueError(f"prompt has {n} tokens; a rank's KV cache holds {kv_tokens_per_rank}")
+
+
 def collect(request: Request, outputs: list[RequestOutput]) -> CompletedRequest:
     """Joins the deltas of a finished request into its whole answer."""
     last = outputs[-1]

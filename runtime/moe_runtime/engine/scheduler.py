@@ -232,28 +232,39 @@ class Scheduler:
         seq.num_computed, seq.dirty = 0, False
         self.waiting.append(seq)
 
+    def admit(
+        self, handle: req.RequestHandle, max_model_len: int, tokenizer: text_mod.Decoder
+    ) -> bool:
+        """Runs `handle`'s request on the least loaded rank with a sequence slot and KV room
+        for its prompt + max_tokens (True), or does nothing (False: no rank has room)."""
+        request = handle.request
+        kv_need = self.kv_need(
+            min(len(request.prompt_token_ids) + request.max_tokens, max_model_len)
+        )
+        rank = self.least_loaded(kv=kv_need)
+        if rank is None:
+            return False
+        self.running[request.request_id] = Seq(
+            handle=handle,
+            tokens=list(request.prompt_token_ids),
+            prompt_len=len(request.prompt_token_ids),
+            text=text_mod.IncrementalText(tokenizer, stop=request.stop),
+            rank=rank,
+            kv_reserved=kv_need,
+        )
+        return True
+
     def schedule(self) -> tuple[dict[int, step_types.RankBatch], list[Work]]:
         """The next step's batch of every active rank, and the work it carries."""
-        batches = {rank: step_types.RankBatch() for rank in self.active}
-        for rank, ids in self.pending_free.items():
-            if rank in batches:
-                batches[rank].free.extend(ids)
-        self.pending_free = {}
-        budget = dict.fromkeys(self.active, self.max_tokens_per_step)
+        batches = self.take_frees()
         work: list[Work] = []
-        decodes = [s for s in self.running.values() if len(s.tokens) - s.num_computed == 1]
-        prefills = [s for s in self.running.values() if len(s.tokens) - s.num_computed > 1]
-        for seq in decodes + prefills:
-            left = budget.get(seq.rank, 0)
-            if left <= 0:
-                continue
-            n = min(len(seq.tokens) - seq.num_computed, left)
-            budget[seq.rank] = left - n
+        views = [(s, s.num_computed, len(s.tokens)) for s in self.running.values()]
+        for seq, start, n in self.plan(views):
             batches[seq.rank].seqs.append(
                 step_types.SeqWork(
                     seq_id=seq.seq_id,
-                    token_ids=seq.tokens[seq.num_computed : seq.num_computed + n],
-                    start_pos=seq.num_computed,
+                    token_ids=seq.tokens[start : start + n],
+                    start_pos=start,
                     sampling=seq.handle.request.sampling,
                     num_generated=seq.num_generated,
                 )
@@ -261,6 +272,34 @@ class Scheduler:
             seq.dirty = True
             work.append(Work(seq=seq, rank=seq.rank, num_tokens=n))
         return batches, work
+
+    def take_frees(self) -> dict[int, step_types.RankBatch]:
+        """An empty batch for every active rank carrying the KV frees owed to it (taken)."""
+        batches = {rank: step_types.RankBatch() for rank in self.active}
+        for rank, ids in self.pending_free.items():
+            if rank in batches:
+                batches[rank].free.extend(ids)
+        self.pending_free = {}
+        return batches
+
+    def plan(self, views: Iterable[tuple[Seq, int, int]]) -> list[tuple[Seq, int, int]]:
+        """Which tokens run in a step, given each sequence as (seq, tokens computed, tokens
+        it has): (seq, start, count) within every active rank's token budget, decodes first
+        (one token each), then prefill chunks in arrival order. Pure: `schedule` passes the
+        sequences as they are, `prepare` as they will be after the step in flight."""
+        budget = dict.fromkeys(self.active, self.max_tokens_per_step)
+        views = list(views)
+        decodes = [v for v in views if v[2] - v[1] == 1]
+        prefills = [v for v in views if v[2] - v[1] > 1]
+        slices: list[tuple[Seq, int, int]] = []
+        for seq, computed, length in decodes + prefills:
+            left = budget.get(seq.rank, 0)
+            if left <= 0:
+                continue
+            n = min(length - computed, left)
+            budget[seq.rank] = left - n
+            slices.append((seq, computed, n))
+        return slices
 
     # -- what a resize changes (at a step boundary) ----------------------------------------
     def drain(self, leaving: set[int]) -> list[str]:

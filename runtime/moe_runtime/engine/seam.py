@@ -67,6 +67,8 @@ class EngineConfig:
     placement change; when set, it gives kv_tokens_per_rank.
     async_outputs: detokenise and stream a step's outputs on a thread of their own, while the
     ranks run the next step (`delivery`); False: on the step loop's thread, between steps.
+    async_scheduling: run each step on a thread of its own while the engine thread admits and
+    prepares the next one (`prepare`); False: schedule, step and apply in turn on one thread.
     """
 
     max_model_len: int
@@ -77,6 +79,7 @@ class EngineConfig:
     kv_block_size: int = 16
     kv_budget: Callable[[Sequence[int], Mapping[int, int] | None], dict[int, int]] | None = None
     async_outputs: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_seqs_per_rank < 1:

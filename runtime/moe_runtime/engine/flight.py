@@ -1,0 +1,100 @@
+"""A step in flight (`Flight`) and the thread that runs steps (`StepThread`, a part of
+`core.Engine`): with async scheduling `execute_step` runs on the dedicated `moe-engine-step`
+thread, so the engine thread takes arrivals, admits and prepares the next step meanwhile
+(`prepare`); without it, the step runs on the caller's thread (the synchronous loop).
+
+The executor API stays one blocking `execute_step(step)` per step; one step is in flight at a
+time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable
+
+from moe_runtime import step as step_types
+from moe_runtime.engine import boundary as boundary_mod
+from moe_runtime.engine import scheduler as scheduler_mod
+
+#: What a step gives: every rank's output, and the seconds `execute_step` took.
+Result = tuple[list[step_types.StepOutput], float]
+
+
+@dataclasses.dataclass(eq=False)
+class Flight:
+    """One launched step: its input, the work it carries, the step controls waiting for its
+    outputs, and its outcome (`future`)."""
+
+    step: step_types.StepInput
+    work: list[scheduler_mod.Work]
+    control_futures: list[boundary_mod.ControlFuture]
+    future: concurrent.futures.Future[Result]
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class Landed:
+    """A step's outcome on the engine thread: its outputs applied (`produced`: a token came;
+    `errors`: {rank: message} of ranks that failed it), or the exception `execute_step`
+    raised (`message` its text)."""
+
+    outputs: list[step_types.StepOutput] = dataclasses.field(default_factory=list)
+    elapsed: float = 0.0
+    produced: bool = False
+    errors: dict[int, str] = dataclasses.field(default_factory=dict)
+    exception: Exception | None = None
+    message: str = ""
+
+
+class StepThread:
+    """Runs steps: on its own thread (`threaded`), calling `wake()` when one ends, or inline.
+
+    execute(step): the executor's `execute_step`.
+    """
+
+    def __init__(
+        self,
+        execute: Callable[[step_types.StepInput], list[step_types.StepOutput]],
+        *,
+        threaded: bool,
+        wake: Callable[[], None],
+    ) -> None:
+        self._execute = execute
+        self._wake = wake
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moe-engine-step")
+            if threaded
+            else None
+        )
+
+    def launch(
+        self,
+        step: step_types.StepInput,
+        work: list[scheduler_mod.Work],
+        control_futures: list[boundary_mod.ControlFuture],
+    ) -> Flight:
+        """Starts `step` (threaded: returns at once; inline: returns it done)."""
+        if self._pool is not None:
+            future = self._pool.submit(self._timed, step)
+            future.add_done_callback(lambda _: self._wake())
+        else:
+            future = concurrent.futures.Future()
+            try:
+                future.set_result(self._timed(step))
+            except Exception as exc:  # noqa: BLE001 - handed to the engine thread (`Outputs.land`)
+                future.set_exception(exc)
+        return Flight(step=step, work=work, control_futures=control_futures, future=future)
+
+    def close(self) -> None:
+        """No more steps (a step still running ends on its own)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _timed(self, step: step_types.StepInput) -> Result:
+        started = time.monotonic()
+        outputs = self._execute(step)
+        return outputs, time.monotonic() - started

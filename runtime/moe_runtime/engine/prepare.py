@@ -1,0 +1,116 @@
+"""Async scheduling: step N+1 prepared while the ranks run step N (`EngineConfig.
+async_scheduling`), so that the ranks wait only for N's outputs to be applied and N+1 patched.
+
+- `prepare(scheduler, inflight)` is pure (it reads the scheduler and changes nothing): it plans
+  the next step as if the step in flight succeeds for every sequence. A sequence whose tokens
+  are all computed by then samples one more token in flight: its next slice is a one-token
+  decode at a known position whose id is not known yet (`PLACEHOLDER` in `SeqWork.token_ids`);
+  a prefill chunk that is not the last is followed by the next chunk (its tokens are known); a
+  sequence the step does not run (admitted meanwhile, or beyond a rank's token budget) gets its
+  slice as `Scheduler.schedule` would. Per-rank token budgets are `Scheduler.plan`'s.
+- `commit(prepared, scheduler)` runs once N's outputs are applied (tokens appended, finishes
+  decided, frees owed): the prepared step becomes the real one, the placeholders filled with
+  the sampled tokens, the sequences no longer running (finished, aborted, failed past their
+  retries) dropped, the KV frees owed taken as `schedule` takes them. When anything differs
+  from what the preparation assumed (the active ranks, a sequence's rank, computed tokens or
+  length: a retry, a migration, a relabel) it returns None and changes nothing: the caller
+  falls back to `Scheduler.schedule`. So a committed step is what `schedule` would send for
+  each sequence it holds; only the split of the token budget may differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from moe_runtime import step as step_types
+from moe_runtime.engine import scheduler as scheduler_mod
+
+#: The id of a token sampled by the step in flight, in a prepared `SeqWork.token_ids`.
+PLACEHOLDER = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One sequence's slice of the prepared step, and the state it assumes.
+
+    rank, start, length: the sequence's rank, computed tokens and token count once the step
+    in flight is applied; work: its `SeqWork` (a `PLACEHOLDER` last when the step in flight
+    samples that token).
+    """
+
+    seq: scheduler_mod.Seq
+    rank: int
+    start: int
+    length: int
+    work: step_types.SeqWork
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The next step planned while one runs; `active`: the ranks it was planned for."""
+
+    active: tuple[int, ...]
+    entries: list[Entry]
+
+
+def prepare(scheduler: scheduler_mod.Scheduler, inflight: Sequence[scheduler_mod.Work]) -> Prepared:
+    """The step after the one running `inflight`, assuming that step succeeds (pure)."""
+    running = scheduler.running
+    after = {w.seq.seq_id: w.seq.num_computed + w.num_tokens for w in inflight}
+    views: list[tuple[scheduler_mod.Seq, int, int]] = []
+    for seq in running.values():
+        computed = after.get(seq.seq_id, seq.num_computed)
+        length = len(seq.tokens)
+        if seq.seq_id in after and computed >= length:
+            length += 1  # the step in flight samples its next token
+        views.append((seq, computed, length))
+    lengths = {seq.seq_id: length for seq, _, length in views}
+    entries: list[Entry] = []
+    for seq, start, n in scheduler.plan(views):
+        length = lengths[seq.seq_id]
+        ids = seq.tokens[start : start + n]
+        ids += [PLACEHOLDER] * (start + n - len(seq.tokens))  # at most one, last
+        work = step_types.SeqWork(
+            seq_id=seq.seq_id,
+            token_ids=ids,
+            start_pos=start,
+            sampling=seq.handle.request.sampling,
+            num_generated=length - seq.prompt_len,
+        )
+        entries.append(Entry(seq=seq, rank=seq.rank, start=start, length=length, work=work))
+    return Prepared(active=tuple(scheduler.active), entries=entries)
+
+
+def commit(
+    prepared: Prepared, scheduler: scheduler_mod.Scheduler
+) -> tuple[dict[int, step_types.RankBatch], list[scheduler_mod.Work]] | None:
+    """The prepared step as the real one (the step in flight applied), or None, changing
+    nothing, when it might be wrong or holds no sequence (then `schedule`)."""
+    if tuple(scheduler.active) != prepared.active:
+        return None
+    running = scheduler.running
+    keep: list[Entry] = []
+    for entry in prepared.entries:
+        seq = entry.seq
+        if running.get(seq.seq_id) is not seq:
+            continue  # finished or aborted: its KV free is owed (`Outputs.finish`)
+        if (seq.rank, seq.num_computed, len(seq.tokens)) != (
+            entry.rank,
+            entry.start,
+            entry.length,
+        ):
+            return None  # retried, migrated, relabelled: not the state it was planned for
+        keep.append(entry)
+    if not keep:
+        return None
+    batches = scheduler.take_frees()
+    work: list[scheduler_mod.Work] = []
+    for entry in keep:
+        ids = entry.work.token_ids
+        if ids[-1] == PLACEHOLDER:
+            ids[-1] = entry.seq.tokens[entry.start + len(ids) - 1]
+        batches[entry.rank].seqs.append(entry.work)
+        entry.seq.dirty = True
+        work.append(scheduler_mod.Work(seq=entry.seq, rank=entry.rank, num_tokens=len(ids)))
+    return batches, work
