@@ -42,11 +42,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from moe_runtime import step as step_types
+from moe_runtime.engine import admission, prepare, seam
 from moe_runtime.engine import boundary as boundary_mod
 from moe_runtime.engine import delivery as delivery_mod
 from moe_runtime.engine import flight as flight_mod
+from moe_runtime.engine import listeners as listeners_mod
 from moe_runtime.engine import outputs as outputs_mod
-from moe_runtime.engine import prepare, seam
 from moe_runtime.engine import queue as queue_mod
 from moe_runtime.engine import request as req
 from moe_runtime.engine import scheduler as scheduler_mod
@@ -76,7 +77,6 @@ class Engine:
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
-        self._observer = observer
         # Shared with other threads: guarded by _cond.
         self._cond = threading.Condition()
         #: Requests waiting for a slot; the bound is `queue.max_queued` (live: set_max_queued).
@@ -92,8 +92,8 @@ class Engine:
             refused=self._refused,
         )
         self._aborts: set[str] = set()
-        self._callbacks: list[seam.StepCallback] = []
-        self._failure_callbacks: list[seam.FailureCallback] = []
+        #: Step and failure callbacks, the observer.
+        self.listeners = listeners_mod.Listeners(self._cond, observer)
         self._events = 0
         self._stopping = False
         #: The Service no longer sends this process new requests (a rollout moved it to
@@ -128,7 +128,7 @@ class Engine:
             stop_token_ids=tokenizer.stop_token_ids,
             max_model_len=config.max_model_len,
             max_step_retries=config.max_step_retries,
-            observer=lambda: self._observer,
+            observer=lambda: self.listeners.observer,
         )
         #: Runs the steps (async scheduling: on its own thread); the step launched and not
         #: yet landed.
@@ -276,20 +276,18 @@ class Engine:
 
     def on_step(self, callback: seam.StepCallback) -> None:
         """Registers `callback(outputs)`, called on the engine thread after every step."""
-        with self._cond:
-            self._callbacks.append(callback)
+        self.listeners.on_step(callback)
 
     def on_step_failure(self, callback: seam.FailureCallback) -> None:
         """Registers `callback(StepFailure)`, called on the engine thread after a failed step,
         before it is retried: a fault handler can repair the ranks there (directly, or with
         `call_at_boundary`, which runs before the retry), so the requests survive.
         """
-        with self._cond:
-            self._failure_callbacks.append(callback)
+        self.listeners.on_failure(callback)
 
     def set_observer(self, observer: seam.StepObserver | None) -> None:
         """Replaces the receiver of step and finish figures (metrics); call before start()."""
-        self._observer = observer
+        self.listeners.observer = observer
 
     def stats(self) -> seam.EngineStats:
         """Progress records: queue depth, running sequences, time of the last token, …"""
@@ -335,10 +333,7 @@ class Engine:
                 controls = self.boundary.take_controls()
                 queued = self.queue.clear()
             boundary_mod.fail(calls, controls, EngineStopped("the engine stopped"))
-            for handle in queued:
-                self.outputs.finish_unstarted(handle, req.FinishReason.ERROR, "the engine stopped")
-            for seq in self.scheduler.sequences():
-                self.outputs.finish(seq, req.FinishReason.ERROR, error="the engine stopped")
+            self.outputs.end_all(queued, self.scheduler.sequences(), "the engine stopped")
             self.delivery.close()  # every output pushed before stop() returns
             self._publish_stats()
             log.info("engine: step loop stopped after %d steps", self._step_id)
@@ -414,7 +409,7 @@ class Engine:
             self.outputs.abort_queued(aborts, self.queue)
             later |= aborts
             if self._admit() or prepared is None:
-                prepared = self._prepare(flight.work)
+                prepared = prepare.prepare_or_none(self.scheduler, flight.work, self._step_id + 1)
             self.delivery.send()
             self._publish_stats()
             if flight.done():
@@ -431,8 +426,9 @@ class Engine:
             committed = None if hold else prepare.commit(prepared, self.scheduler)
             if committed is not None:
                 launched = self._launch(*committed, {}, [])
-        if self._observer is not None and landed.exception is None:
-            self._observer.observe_step(
+        observer = self.listeners.observer
+        if observer is not None and landed.exception is None:
+            observer.observe_step(
                 seconds=landed.elapsed,
                 num_seqs=len(flight.work),
                 num_tokens=sum(w.num_tokens for w in flight.work),
@@ -441,13 +437,6 @@ class Engine:
         if failure is not None:
             self._failed(failure)  # no step in flight: the next one is scheduled afresh
         return launched
-
-    def _prepare(self, inflight: list[scheduler_mod.Work]) -> prepare.Prepared | None:
-        try:
-            return prepare.prepare(self.scheduler, inflight)
-        except Exception:  # pure: nothing to undo; the next step is scheduled afresh
-            log.exception("engine: preparing step %d failed", self._step_id + 1)
-            return None
 
     def _answer(
         self, flight: flight_mod.Flight, landed: flight_mod.Landed
@@ -469,13 +458,7 @@ class Engine:
             self._last_token_time = time.monotonic()
         for cf in flight.control_futures:
             cf.set_result(landed.outputs)
-        with self._cond:
-            callbacks = list(self._callbacks)
-        for cb in callbacks:
-            try:
-                cb(landed.outputs)
-            except Exception:
-                log.exception("engine: step callback %r failed at step %d", cb, step.step_id)
+        self.listeners.stepped(step.step_id, landed.outputs)
         if not landed.errors:
             return None
         return seam.StepFailure(
@@ -485,15 +468,7 @@ class Engine:
         )
 
     def _failed(self, failure: seam.StepFailure) -> None:
-        with self._cond:
-            callbacks = list(self._failure_callbacks)
-        for cb in callbacks:
-            try:
-                cb(failure)
-            except Exception:
-                log.exception(
-                    "engine: step-failure callback %r failed at step %d", cb, failure.step_id
-                )
+        self.listeners.failed(failure)
         self._backoff()
 
     def _backoff(self) -> None:
@@ -503,25 +478,13 @@ class Engine:
             self._cond.wait_for(lambda: self._stopping or self.boundary.waiting(), delay)
 
     def _admit(self) -> bool:
-        """Places waiting (migrated) sequences, then admits from the queue's head while there
-        is room; True when any sequence was placed or admitted."""
-        waiting = len(self.scheduler.waiting)
-        placed_all = self.scheduler.place_waiting()
-        admitted = len(self.scheduler.waiting) < waiting
-        if not placed_all:
-            return admitted  # migrated sequences wait for room first, ahead of the queue
-        while (handle := self.queue.head()) is not None:
-            if self.scheduler.find(handle.request_id) is not None:
-                self.queue.pop_head(admitted=False)
-                self.outputs.finish_unstarted(
-                    handle, req.FinishReason.ERROR, f"duplicate request id {handle.request_id}"
-                )
-                continue
-            if not self.scheduler.admit(handle, self.config.max_model_len, self.tokenizer):
-                return admitted  # no sequence slot or KV room: it waits (first come, first served)
-            self.queue.pop_head(admitted=True)
-            admitted = True
-        return admitted
+        return admission.admit(
+            self.scheduler,
+            self.queue,
+            self.outputs,
+            max_model_len=self.config.max_model_len,
+            tokenizer=self.tokenizer,
+        )
 
     def _publish_stats(self) -> None:
         sched = self.scheduler

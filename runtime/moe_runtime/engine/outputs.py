@@ -8,7 +8,7 @@ queued to `delivery.Delivery`, which makes their text and streams them off the s
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from moe_runtime import step as step_types
@@ -220,6 +220,18 @@ class Outputs:
         observer = self._observer()
         if observer is not None:
             observer.observe_finished(reason=reason, num_prompt_tokens=n, num_generated_tokens=0)
+
+    def end_all(
+        self,
+        queued: Iterable[req.RequestHandle],
+        running: Iterable[scheduler_mod.Seq],
+        error: str,
+    ) -> None:
+        """Every queued request and every sequence ends with `error` (the engine stopped)."""
+        for handle in queued:
+            self.finish_unstarted(handle, req.FinishReason.ERROR, error)
+        for seq in list(running):
+            self.finish(seq, req.FinishReason.ERROR, error=error)
 
     def abort(self, aborts: set[str], queue: queue_mod.RequestQueue) -> None:
         """End the requests `aborts` names, queued or running (finish_reason "abort")."""

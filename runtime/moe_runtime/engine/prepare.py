@@ -21,10 +21,13 @@ async_scheduling`), so that the ranks wait only for N's outputs to be applied an
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import scheduler as scheduler_mod
+
+log = logging.getLogger(__name__)
 
 #: The id of a token sampled by the step in flight, in a prepared `SeqWork.token_ids`.
 PLACEHOLDER = -1
@@ -80,6 +83,18 @@ def prepare(scheduler: scheduler_mod.Scheduler, inflight: Sequence[scheduler_mod
         )
         entries.append(Entry(seq=seq, rank=seq.rank, start=start, length=length, work=work))
     return Prepared(active=tuple(scheduler.active), entries=entries)
+
+
+def prepare_or_none(
+    scheduler: scheduler_mod.Scheduler, inflight: Sequence[scheduler_mod.Work], step_id: int
+) -> Prepared | None:
+    """`prepare`, or None where it raised (logged): the step is then scheduled afresh (the
+    preparation is pure: nothing to undo)."""
+    try:
+        return prepare(scheduler, inflight)
+    except Exception:
+        log.exception("engine: preparing step %d failed", step_id)
+        return None
 
 
 def commit(
