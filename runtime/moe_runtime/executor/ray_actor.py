@@ -123,6 +123,8 @@ class RankActor:
         if not self._serving:
             self._serving = True
             niceness.set_niceness(self.worker.label, 0, why="steps")
+            if self._followers is not None:  # a claimed warm spare's followers (not awaited)
+                self._followers.promote(None)
         tid = threading.get_native_id()
         if tid != self._step_thread:
             # Steps moved to another thread (plain calls while a new step graph compiles, then
