@@ -55,8 +55,9 @@ class FollowerActor:
         )
 
     def promote(self) -> None:
-        """Its DP rank joins a grow: the serving ranks' priority for every thread."""
-        niceness.set_niceness(self.label, 0, why="joins a grow (TP follower)")
+        """Its DP rank joins a grow or begins to step: the serving ranks' priority for every
+        thread."""
+        niceness.set_niceness(self.label, 0, why="serves (TP follower)")
 
     def pid(self) -> int:
         import os
