@@ -2,7 +2,8 @@
 2 --tensor-parallel-size 2 --rank-pool 1` keeps its pooled process as a whole DP rank (a
 leader and its TP follower, no weights, both below the serving ranks' CPU priority); a grow to
 3 takes it whole (no process started: the new DP rank is those two processes, its follower
-loads its shard), every answer under load equals transformers', and the pool refills whole.
+loads its shard), every answer under load equals transformers', and the pool refills whole;
+a pooled rank whose follower is SIGKILLed is removed whole and replaced.
 
 One server (tiny random Mixtral shape, `tests.support.tp_serving`), joining the tests' Ray
 instance (8 rank slots: 3 DP ranks and the pooled one, 2 actors each).
@@ -10,6 +11,8 @@ instance (8 rank slots: 3 DP ranks and the pooled one, 2 actors each).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -64,3 +67,11 @@ def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served)
     refilled = _pooled(served)
     assert refilled[0]["pid"] != pooled[0]["pid"]
     assert_whole(refilled, nice=niceness.SPARE_NICENESS)
+    # a pooled rank whose follower dies is lost whole (its leader's pings fail) and replaced
+    os.kill(refilled[0]["tp_pids"][0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while (again := _pooled(served))[0]["pid"] == refilled[0]["pid"]:
+        assert time.monotonic() < deadline, (again, served.server.tail())
+        time.sleep(0.2)
+    assert_whole(again, nice=niceness.SPARE_NICENESS)
+    assert len(serving(status(served))) == 3
