@@ -177,12 +177,14 @@ def test_a_grow_onto_a_running_ranks_ip_is_refused(monkeypatch: pytest.MonkeyPat
 def test_every_rank_actor_gets_the_head_env_and_a_spare_keeps_its_hook(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A spare (or a pooled process) is a whole DP rank: its TP followers start below the
+    serving ranks' priority with its leader (the same process setup hook)."""
     leaders, followers, _ = _fake_ray(monkeypatch, [_info("n1", "127.0.0.1")])
     env = {"NCCL_DEBUG": "INFO"}
     _start(count=1, existing=[], env=env, spare=True, tp_size=2)
     hook = {niceness.SETUP_HOOK_ENV: niceness.SPARE_SETUP_HOOK}
     assert leaders.options_seen[0]["runtime_env"] == {"env_vars": {**env, **hook}}
-    assert followers.options_seen[0]["runtime_env"] == {"env_vars": env}
+    assert followers.options_seen[0]["runtime_env"] == {"env_vars": {**env, **hook}}
 
 
 def test_without_head_env_a_serving_rank_gets_no_runtime_env(

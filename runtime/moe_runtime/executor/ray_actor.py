@@ -42,6 +42,8 @@ RANK_RESOURCE = names.RANK_RESOURCE
 CTL_LANE = "ctl"
 EXPORT_LANE = "export"
 HEALTH_LANE = "health"
+#: Seconds `RankActor.promote` waits for its TP followers' answers.
+PROMOTE_TIMEOUT_S = 30.0
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
 
@@ -67,6 +69,7 @@ class RankActor:
             # TP ranks 1..T-1 of this DP rank (`ray_tensor`): this actor leads them.
             pids = ray.get([f.pid.remote() for f in followers])
             tensor = ray_tensor.RayFollowers(followers, pids)
+        self._followers = tensor
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
@@ -94,8 +97,11 @@ class RankActor:
 
     def promote(self) -> None:
         """A spare (warm, or a rank pool's process) that a grow takes: the serving ranks'
-        priority for every thread (the grow waits for what it runs next)."""
+        priority for every thread (the grow waits for what it runs next); its TP followers
+        too (a DP rank joins whole)."""
         niceness.set_niceness(self.worker.label, 0, why="joins a grow")
+        if self._followers is not None:
+            self._followers.promote(PROMOTE_TIMEOUT_S)
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
@@ -117,6 +123,8 @@ class RankActor:
         if not self._serving:
             self._serving = True
             niceness.set_niceness(self.worker.label, 0, why="steps")
+            if self._followers is not None:  # a claimed warm spare's followers (not awaited)
+                self._followers.promote(None)
         tid = threading.get_native_id()
         if tid != self._step_thread:
             # Steps moved to another thread (plain calls while a new step graph compiles, then
@@ -283,7 +291,8 @@ def start_ranks(
             env or {},
             {niceness.SETUP_HOOK_ENV: niceness.SPARE_SETUP_HOOK} if spare else {},
         )
-        follower_options = guards.actor_env_options(env or {}, {})
+        # A spare's followers too: a warm spare (or a pooled process) is a whole DP rank.
+        follower_options = leader_options
         for i, pg in enumerate(pgs):
             mine = tuple(
                 ray_tensor.RemoteFollower.options(
@@ -291,7 +300,13 @@ def start_ranks(
                     resources={RANK_RESOURCE: 1},
                     num_gpus=1 if use_gpu else 0,
                     **follower_options,
-                ).remote(label=first_label + i, tp_rank=t, tp_size=tp_size, device=device)
+                ).remote(
+                    label=first_label + i,
+                    tp_rank=t,
+                    tp_size=tp_size,
+                    device=device,
+                    spare=spare,
+                )
                 for t in range(1, tp_size)
             )
             followers.append(mine)

@@ -25,6 +25,7 @@ import ray
 import ray.exceptions
 
 from moe_runtime import logs
+from moe_runtime.executor import niceness
 from moe_runtime.rank import tensor_group
 
 log = logging.getLogger(__name__)
@@ -33,16 +34,30 @@ HEALTH_LANE = "health"
 
 
 class FollowerActor:
-    """TP rank `tp_rank` of `tp_size` of DP rank `label` (module docstring)."""
+    """TP rank `tp_rank` of `tp_size` of DP rank `label` (module docstring). `spare`: its DP
+    rank starts as a warm spare or a rank pool's process: like its leader it waits (and loads)
+    below the serving ranks' CPU priority (its process began there: `niceness.spare_setup`)
+    and takes 0 again when a grow takes the rank (`promote`) or at its first step."""
 
-    def __init__(self, *, label: int, tp_rank: int, tp_size: int, device: str) -> None:
+    def __init__(
+        self, *, label: int, tp_rank: int, tp_size: int, device: str, spare: bool = False
+    ) -> None:
         logs.configure_rank()
+        if spare:
+            niceness.set_niceness(label, niceness.SPARE_NICENESS, why="waits as a spare")
         import torch
 
         torch.set_num_threads(1)
+        self.label = label
+        self._serving = False
         self.follower = tensor_group.TensorFollower(
             rank=tp_rank, size=tp_size, device=device, label=label
         )
+
+    def promote(self) -> None:
+        """Its DP rank joins a grow or begins to step: the serving ranks' priority for every
+        thread."""
+        niceness.set_niceness(self.label, 0, why="serves (TP follower)")
 
     def pid(self) -> int:
         import os
@@ -52,6 +67,9 @@ class FollowerActor:
     def call(self, method: str, *args: Any) -> Any:
         if method not in ("join", "load", "step", "shutdown"):
             raise AttributeError(f"a TP follower has no method {method!r}")
+        if method == "step" and not self._serving:
+            self._serving = True
+            niceness.set_niceness(self.label, 0, why="steps (TP follower)")
         return getattr(self.follower, method)(*args)
 
     def ping(self) -> dict[str, Any]:
@@ -131,3 +149,11 @@ class RayFollowers:
 
     def pids(self) -> list[int]:
         return list(self._pids)
+
+    def promote(self, timeout: float | None) -> None:
+        """Every follower at the serving ranks' priority (`FollowerActor.promote`): waited for
+        up to `timeout` s, or only sent (None: it runs before any later call of the leader on
+        the follower's lane, so before its next load or step)."""
+        refs = [a.promote.remote() for a in self._actors]
+        if timeout is not None:
+            self.wait(refs, timeout)

@@ -1,0 +1,124 @@
+"""Shared by the integration tests of `serve --tensor-parallel-size 2` with warm spares or a
+rank pool (tests/integration/test_tp_spares.py, test_tp_rank_pool.py): a tiny random Mixtral
+served at DP 2 x TP 2 joining the tests' Ray instance, transformers' reference answers,
+checked mixed load (greedy and seeded, streamed or not) and the status checks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import transformers
+
+from e2e import load as load_mod
+from moe_runtime import step
+from tests.support import hf_families, runtime_proc
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FAMILY = "mixtral"
+PROMPTS = tuple(range(6))
+LENGTHS = (6, 12)
+SEED = 1
+Reference = dict[tuple[int, int, int | None], list[int]]
+
+
+@dataclasses.dataclass
+class Served:
+    server: runtime_proc.RuntimeProcess
+    reference: Reference
+
+
+def reference(model: transformers.PreTrainedModel) -> Reference:
+    """transformers' answer to every (prompt, length, seed) case the load sends."""
+    params = step.SamplingParams(temperature=load_mod.TEMPERATURE, top_p=load_mod.TOP_P, seed=SEED)
+    out: Reference = {}
+    for p in PROMPTS:
+        prompt = load_mod.PROMPTS[p]
+        greedy = hf_families.greedy(model, prompt, max(LENGTHS))
+        seeded = hf_families.sampled(model, prompt, max(LENGTHS), params)
+        for n in LENGTHS:
+            out[(p, n, None)] = greedy[:n]
+            out[(p, n, SEED)] = seeded[:n]
+    return out
+
+
+def serve(root: pathlib.Path, *extra: str) -> Iterator[Served]:
+    """`serve --data-parallel-size 2 --tensor-parallel-size 2 --max-data-parallel-size 3
+    EXTRA` on a fresh tiny Mixtral under `root`, on the tests' Ray instance (a generator for a
+    fixture: stopped after its yield)."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    torch.set_num_threads(1)
+    model = hf_families.build(FAMILY)
+    path = hf_families.save(model, root / "ckpt")
+    args = ["--model", str(path), "--data-parallel-size", "2", "--tensor-parallel-size", "2"]
+    args += ["--dtype", "float32", "--max-data-parallel-size", "3", *extra]
+    args += ["--served-model-name", FAMILY]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(
+            runtime_proc.start,
+            args,
+            log=root / "serve.log",
+            env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": address},
+        )
+        try:
+            ref = reference(model)
+        finally:
+            server = starting.result()
+    try:
+        yield Served(server, ref)
+    finally:
+        server.stop()
+
+
+def status(s: Served) -> dict[str, Any]:
+    return runtime_proc.status(s.server.url, headers=AUTH)
+
+
+def serving(st: dict[str, Any]) -> list[dict[str, Any]]:
+    """The active DP ranks of a status."""
+    return [r for r in st["ranks"] if r["rank"] is not None and r["active"]]
+
+
+def load(s: Served) -> load_mod.Load:
+    """4 clients of checked greedy and seeded completions, streamed or not."""
+    return load_mod.Load(
+        lambda: s.server.url,
+        model_name=FAMILY,
+        reference=s.reference,
+        clients=4,
+        lengths=LENGTHS,
+        seeds=(SEED,),
+        prompts=PROMPTS,
+    )
+
+
+def wait_traffic(traffic: load_mod.Load, count: int) -> None:
+    """Until `count` answers were checked."""
+    deadline = time.monotonic() + 60
+    while traffic.ok < count:
+        assert time.monotonic() < deadline, traffic.summary()
+        time.sleep(0.05)
+
+
+def assert_whole(ranks: list[dict[str, Any]], *, nice: int | None = None) -> None:
+    """Each DP rank a leader and one live follower process of its own (`nice`: both at that
+    CPU niceness)."""
+    for r in ranks:
+        assert len(r["tp_pids"]) == 1 and r["tp_pids"][0] != r["pid"], r
+        os.kill(r["tp_pids"][0], 0)  # alive
+        if nice is not None:
+            # a follower takes its leader's priority on its own lane (before its next step)
+            pids = [r["pid"], r["tp_pids"][0]]
+            deadline = time.monotonic() + 10
+            while [os.getpriority(os.PRIO_PROCESS, p) for p in pids] != [nice] * 2:
+                assert time.monotonic() < deadline, (r, nice)
+                time.sleep(0.05)
