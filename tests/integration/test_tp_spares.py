@@ -27,7 +27,15 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, ray_session: None) -> Iterator[Served]:
-    yield from tp_serving.serve(tmp_path_factory.mktemp("tp_spares"), "--warm-spare-ranks", "1")
+    # 8 rank processes on 2 cores: a heartbeat answer can take over 3 s there (a rank fenced
+    # with no fault); the follower this test kills fails its rank's step at once anyway
+    yield from tp_serving.serve(
+        tmp_path_factory.mktemp("tp_spares"),
+        "--warm-spare-ranks",
+        "1",
+        "--rank-hang-timeout",
+        "15",
+    )
 
 
 def _wait_spare_ready(s: Served, timeout: float = 180.0) -> dict[str, object]:
