@@ -93,18 +93,13 @@ def served(
         path = hf_families.save(model, root / "ckpt")
     args = ["--model", str(path), "--data-parallel-size", "2", "--dtype", "float32"]
     args += ["--max-data-parallel-size", "3", "--served-model-name", family]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # The server starts (Ray, ranks, weights) while transformers computes the reference.
-        starting = pool.submit(
-            runtime_proc.start,
-            args,
-            log=root / "serve.log",
-            env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": ray_address},
-        )
-        try:
-            reference = _reference(model)
-        finally:
-            server = starting.result()
+    # The server starts (Ray, ranks, weights) while transformers computes the reference.
+    server, reference = runtime_proc.start_while(
+        args,
+        lambda: _reference(model),
+        log=root / "serve.log",
+        env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": ray_address},
+    )
     try:
         yield Served(family, server, model, reference, tokenizer)
     finally:

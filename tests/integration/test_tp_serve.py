@@ -76,17 +76,12 @@ def served(
     args = ["--model", str(path), "--data-parallel-size", "2", "--tensor-parallel-size", "2"]
     args += ["--dtype", "float32", "--max-data-parallel-size", "3"]
     args += ["--served-model-name", family]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(
-            runtime_proc.start,
-            args,
-            log=root / "serve.log",
-            env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": ray_address},
-        )
-        try:
-            reference = _reference(model)
-        finally:
-            server = starting.result()
+    server, reference = runtime_proc.start_while(
+        args,
+        lambda: _reference(model),
+        log=root / "serve.log",
+        env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": ray_address},
+    )
     try:
         yield Served(family, server, model, reference)
     finally:

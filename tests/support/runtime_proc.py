@@ -3,6 +3,7 @@ and the small clients tests use on it: a /health prober, scale and status calls.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import pathlib
@@ -12,9 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 BIN = pathlib.Path(sys.executable).parent / "moe-runtime"
 
@@ -123,6 +127,26 @@ class HealthProbe:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+
+
+def start_while(
+    args: list[str],
+    meanwhile: Callable[[], T],
+    *,
+    log: pathlib.Path,
+    env: dict[str, str] | None = None,
+) -> tuple[RuntimeProcess, T]:
+    """`start(args)` on another thread while `meanwhile()` runs here (transformers' reference
+    answers while the server starts its ranks); the server once it serves, and that result.
+    The server is waited for even when `meanwhile` raises (and then stopped)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start, args, log=log, env=env)
+        try:
+            result = meanwhile()
+        except BaseException:
+            starting.result().stop()
+            raise
+        return starting.result(), result
 
 
 def scale(url: str, to: int, *, headers: dict[str, str]) -> dict[str, Any]:

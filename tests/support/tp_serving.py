@@ -5,7 +5,6 @@ checked mixed load (greedy and seeded, streamed or not) and the status checks.""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import pathlib
@@ -62,17 +61,12 @@ def serve(root: pathlib.Path, *extra: str) -> Iterator[Served]:
     args = ["--model", str(path), "--data-parallel-size", "2", "--tensor-parallel-size", "2"]
     args += ["--dtype", "float32", "--max-data-parallel-size", "3", *extra]
     args += ["--served-model-name", FAMILY]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(
-            runtime_proc.start,
-            args,
-            log=root / "serve.log",
-            env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": address},
-        )
-        try:
-            ref = reference(model)
-        finally:
-            server = starting.result()
+    server, ref = runtime_proc.start_while(
+        args,
+        lambda: reference(model),
+        log=root / "serve.log",
+        env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": address},
+    )
     try:
         yield Served(server, ref)
     finally:
