@@ -19,6 +19,7 @@ import pytest
 from moe_runtime import step as step_types
 from moe_runtime.engine import core, request, seam, text
 from tests.support import engine_fakes as fakes
+from tests.support import polling
 
 DEADLINE = 10.0
 
@@ -30,12 +31,8 @@ def engine1() -> Iterator[tuple[core.Engine, fakes.FakeExecutor]]:
         yield engine, executor
 
 
-def poll(condition: Callable[[], bool], what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
+def poll(condition: Callable[[], object], what: str, deadline: float = DEADLINE) -> None:
+    polling.poll(condition, what, deadline, every=0.002)
 
 
 # ---------------------------------------------------------------------------- basics

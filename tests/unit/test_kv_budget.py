@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,6 +25,7 @@ from moe_runtime.model import generate, kv_budget
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 from tests.support import engine_fakes as fakes
+from tests.support import polling
 
 MIXTRAL = "synthetic://tiny?seed=0"  # 4 query heads over 2 KV heads
 DEEPSEEK = "synthetic://deepseek-tiny?seed=0"  # MLA
@@ -156,12 +157,8 @@ def test_at_tensor_parallel_size_2_the_budget_counts_one_devices_heads(
 # --------------------------------------------- a shrink whose migrations exceed the survivor
 
 
-def _poll(condition: Any, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+def _poll(condition: Callable[[], object], what: str, deadline: float = DEADLINE) -> None:
+    polling.poll(condition, what, deadline, every=0.005)
 
 
 def test_a_shrinks_migrations_beyond_the_survivors_budget_wait_and_resume() -> None:

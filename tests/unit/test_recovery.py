@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from moe_runtime.executor import base, local
 from moe_runtime.executor import health as health_mod
 from moe_runtime.model import generate
 from moe_runtime.model import source as source_mod
-from tests.support import engine_fakes
+from tests.support import engine_fakes, polling
 
 SOURCE = "synthetic://tiny?seed=0"
 DEADLINE = 60.0
@@ -91,12 +92,8 @@ def test_recovery_plan_refuses_no_survivor() -> None:
 # ---------------------------------------------------------------- heartbeat and fencing
 
 
-def _poll(condition: Any, what: str, deadline: float = DEADLINE) -> None:
-    end = time.monotonic() + deadline
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+def _poll(condition: Callable[[], object], what: str, deadline: float = DEADLINE) -> None:
+    polling.poll(condition, what, deadline, every=0.005)
 
 
 def test_heartbeat_fences_a_rank_that_stops_answering_and_steps_then_name_it() -> None:
