@@ -32,13 +32,14 @@ def served(tmp_path_factory: pytest.TempPathFactory, ray_session: None) -> Itera
 
 
 def _pooled(s: Served, timeout: float = 180.0) -> list[dict[str, Any]]:
-    """The pool's rank once it is up: the inactive rank, holding no expert."""
+    """The pool's rank once it is up and healthy: the inactive rank, holding no expert (a
+    pooled rank just lost shows unhealthy until it is replaced)."""
     deadline = time.monotonic() + timeout
     while True:
         st = status(s)
         idle = [r for r in st["ranks"] if r["rank"] is not None and not r["active"]]
-        if idle and not st["is_scaling"]:
-            assert all(r["healthy"] and r["num_experts"] == 0 for r in idle), idle
+        if idle and not st["is_scaling"] and all(r["healthy"] for r in idle):
+            assert all(r["num_experts"] == 0 for r in idle), idle
             return idle
         assert time.monotonic() < deadline, (st["ranks"], s.server.tail())
         time.sleep(0.2)
