@@ -445,13 +445,7 @@ class Engine:
         (a boundary call they make runs at once: no step is in flight); the failure, if any."""
         step = flight.step
         if landed.exception is not None:
-            named = tuple(getattr(landed.exception, "ranks", None) or ())
-            return seam.StepFailure(
-                step_id=step.step_id,
-                ranks=named or tuple(sorted(step.batches)),
-                message=landed.message,
-                exception=landed.exception,
-            )
+            return landed.failure(step)
         self._last_step_seconds = landed.elapsed
         self.delivery.send()  # made and streamed while the next step runs
         if landed.produced:
@@ -459,19 +453,11 @@ class Engine:
         for cf in flight.control_futures:
             cf.set_result(landed.outputs)
         self.listeners.stepped(step.step_id, landed.outputs)
-        if not landed.errors:
-            return None
-        return seam.StepFailure(
-            step_id=step.step_id,
-            ranks=tuple(sorted(landed.errors)),
-            message="; ".join(landed.errors[r] for r in sorted(landed.errors)),
-        )
+        return landed.failure(step)
 
     def _failed(self, failure: seam.StepFailure) -> None:
+        """The failure callbacks (a fault handler repairs there), then a backoff."""
         self.listeners.failed(failure)
-        self._backoff()
-
-    def _backoff(self) -> None:
         failures = max((s.failures for s in self.scheduler.running.values()), default=0)
         delay = min(0.05 * 2 ** max(0, failures), 1.0)
         with self._cond:  # a boundary call (a repair) or a stop ends the wait early

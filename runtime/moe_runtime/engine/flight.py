@@ -17,6 +17,7 @@ from collections.abc import Callable
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
 from moe_runtime.engine import scheduler as scheduler_mod
+from moe_runtime.engine import seam
 
 #: What a step gives: every rank's output, and the seconds `execute_step` took.
 Result = tuple[list[step_types.StepOutput], float]
@@ -48,6 +49,25 @@ class Landed:
     errors: dict[int, str] = dataclasses.field(default_factory=dict)
     exception: Exception | None = None
     message: str = ""
+
+    def failure(self, step: step_types.StepInput) -> seam.StepFailure | None:
+        """What failed `step`: the exception (the ranks it names, else every rank of the
+        step), or the ranks that reported an error; None when it succeeded."""
+        if self.exception is not None:
+            named = tuple(getattr(self.exception, "ranks", None) or ())
+            return seam.StepFailure(
+                step_id=step.step_id,
+                ranks=named or tuple(sorted(step.batches)),
+                message=self.message,
+                exception=self.exception,
+            )
+        if not self.errors:
+            return None
+        return seam.StepFailure(
+            step_id=step.step_id,
+            ranks=tuple(sorted(self.errors)),
+            message="; ".join(self.errors[r] for r in sorted(self.errors)),
+        )
 
 
 class StepThread:
