@@ -8,8 +8,8 @@
   behind a transfer);
 - `RankHandle`: how the executor reaches one DP rank (its actor and placement group; the
   roster keeps it with the rank's info and health);
-- `start_ranks`, `check_health`, `ping` / `poll` (the heartbeat's calls), `get_all` (results
-  with errors naming the rank: `RankDied` for a dead actor).
+- `start_ranks`, `get_all` (results with errors naming the rank: `RankDied` for a dead
+  actor); the heartbeat's calls on the health lane are `ray_health`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from moe_contract import names, protocol
 from moe_runtime import logs
 from moe_runtime import step as step_mod
 from moe_runtime.executor import base, guards, niceness, ray_tensor, ray_transfer, roster
-from moe_runtime.executor import health as health_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import worker as worker_mod
 
@@ -122,9 +121,7 @@ class RankActor:
             return step_mod.StepOutput(rank=-1, step_id=step.step_id)
         if not self._serving:
             self._serving = True
-            niceness.set_niceness(self.worker.label, 0, why="steps")
-            if self._followers is not None:  # a claimed warm spare's followers (not awaited)
-                self._followers.promote(None)
+            niceness.set_niceness(self.worker.label, 0, why="steps")  # followers: their own
         tid = threading.get_native_id()
         if tid != self._step_thread:
             # Steps moved to another thread (plain calls while a new step graph compiles, then
@@ -291,15 +288,11 @@ def start_ranks(
             env or {},
             {niceness.SETUP_HOOK_ENV: niceness.SPARE_SETUP_HOOK} if spare else {},
         )
-        # A spare's followers too: a warm spare (or a pooled process) is a whole DP rank.
-        follower_options = leader_options
         for i, pg in enumerate(pgs):
+            # The followers take the leader's options: a spare is a whole DP rank.
             mine = tuple(
                 ray_tensor.RemoteFollower.options(
-                    scheduling_strategy=_in_bundle(pg, t),
-                    resources={RANK_RESOURCE: 1},
-                    num_gpus=1 if use_gpu else 0,
-                    **follower_options,
+                    **_bundle_options(pg, t, use_gpu, leader_options)
                 ).remote(
                     label=first_label + i,
                     tp_rank=t,
@@ -311,12 +304,7 @@ def start_ranks(
             )
             followers.append(mine)
             actors.append(
-                RemoteRankActor.options(
-                    scheduling_strategy=_in_bundle(pg, 0),
-                    resources={RANK_RESOURCE: 1},
-                    num_gpus=1 if use_gpu else 0,
-                    **leader_options,
-                ).remote(
+                RemoteRankActor.options(**_bundle_options(pg, 0, use_gpu, leader_options)).remote(
                     label=first_label + i,
                     device=device,
                     dtype=dtype,
@@ -377,83 +365,14 @@ def _in_bundle(pg: Any, index: int) -> Any:
     )
 
 
-def check_health(ranks: Mapping[int, Member], *, timeout: float) -> dict[int, str]:
-    """Ping every rank now and wait up to `timeout`: "ok", "dead" or "unresponsive" by label."""
-    labels = sorted(ranks)
-    refs = [ping(ranks[r].handle.actor) for r in labels]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    done = set(ready)
-    report: dict[int, str] = {}
-    for label, ref in zip(labels, refs, strict=True):
-        if ref not in done:
-            report[label] = "unresponsive"
-            continue
-        try:
-            ray.get(ref)
-            report[label] = "ok"
-        except ray.exceptions.RayActorError:
-            report[label] = "dead"
-        except ray.exceptions.RayError as exc:
-            report[label] = "dead" if _rank_failed(exc) else "unresponsive"
-    return report
-
-
-def load_progress(actors: Sequence[Any], *, timeout: float) -> list[dict[str, Any]]:
-    """`RankWorker.load_progress` of each actor, asked on its health lane (a load runs on the
-    default lane); those that do not answer within `timeout` s, or fail, are left out."""
-    refs = [
-        a.execute_method.options(concurrency_group=HEALTH_LANE).remote("load_progress")
-        for a in actors
-    ]
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    out: list[dict[str, Any]] = []
-    for ref in refs:
-        if ref not in done:
-            continue
-        try:
-            out.append(ray.get(ref))
-        except Exception as exc:  # noqa: BLE001 - a rank that cannot say is left out
-            log.debug("load progress not read: %s", exc)
-    return out
-
-
-def ping(actor: Any) -> Any:
-    """Start a ping of `actor` on its health lane; the ref goes to `poll`."""
-    return actor.execute_method.options(concurrency_group=HEALTH_LANE).remote("ping")
-
-
-def poll(ref: Any) -> str | None:
-    """None while the ping is pending, else health_mod.HEALTH_OK or health_mod.HEALTH_DEAD."""
-    ready, _ = ray.wait([ref], timeout=0)
-    if not ready:
-        return None
-    try:
-        ray.get(ref)
-    except ray.exceptions.RayActorError:
-        return health_mod.HEALTH_DEAD
-    except ray.exceptions.RayError as exc:
-        # it answered with an error: alive, unless the rank failed (`RankWorker.fail`)
-        return health_mod.HEALTH_DEAD if _rank_failed(exc) else health_mod.HEALTH_OK
-    return health_mod.HEALTH_OK
-
-
-def ping_error(ref: Any) -> str | None:
-    """The `worker.RankFailed` message a finished ping raised, else None."""
-    try:
-        ray.get(ref, timeout=0)
-    except ray.exceptions.RayError as exc:
-        if _rank_failed(exc):
-            cause = getattr(exc, "cause", None)
-            return str(cause if cause is not None else exc)
-    except Exception:  # noqa: BLE001 - a ping that cannot be read says nothing more
-        return None
-    return None
-
-
-def _rank_failed(exc: BaseException) -> bool:
-    """A ping answered with `worker.RankFailed` (the rank cannot step again)."""
-    cause = getattr(exc, "cause", None)
-    return isinstance(exc, worker_mod.RankFailed) or isinstance(cause, worker_mod.RankFailed)
+def _bundle_options(pg: Any, index: int, use_gpu: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """The actor options of bundle `index` of `pg`: one rank slot (and one GPU) there."""
+    return dict(
+        scheduling_strategy=_in_bundle(pg, index),
+        resources={RANK_RESOURCE: 1},
+        num_gpus=1 if use_gpu else 0,
+        **options,
+    )
 
 
 def get_all(

@@ -48,6 +48,7 @@ from moe_runtime.executor import (
     ray_actor,
     ray_graph,
     ray_groups,
+    ray_health,
     ray_step,
     ray_weights,
     roster,
@@ -327,19 +328,19 @@ class RayExecutor(base.Executor):
 
     def load_progress(self) -> list[dict[str, Any]]:
         members = [m for _, m in sorted(self.roster.members().items())]
-        return ray_actor.load_progress([m.handle.actor for m in members], timeout=LOAD_POLL_S)
+        return ray_health.load_progress([m.handle.actor for m in members], timeout=LOAD_POLL_S)
 
     def check_health(self, *, timeout: float = 5.0) -> dict[int, str]:
-        return ray_actor.check_health(self.roster.members(), timeout=timeout)
+        return ray_health.check_health(self.roster.members(), timeout=timeout)
 
     def _send_ping(self, label: int) -> Any:
-        return ray_actor.ping(self.roster.member(label).handle.actor)
+        return ray_health.ping(self.roster.member(label).handle.actor)
 
     def _poll_ping(self, handle: Any) -> str | None:
-        return ray_actor.poll(handle)
+        return ray_health.poll(handle)
 
     def _ping_error(self, handle: Any) -> str | None:
-        return ray_actor.ping_error(handle)
+        return ray_health.ping_error(handle)
 
     def _send_abort(self, member: ray_actor.Member, reason: str) -> None:
         health = {"concurrency_group": ray_actor.HEALTH_LANE}

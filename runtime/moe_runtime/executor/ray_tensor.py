@@ -150,10 +150,8 @@ class RayFollowers:
     def pids(self) -> list[int]:
         return list(self._pids)
 
-    def promote(self, timeout: float | None) -> None:
-        """Every follower at the serving ranks' priority (`FollowerActor.promote`): waited for
-        up to `timeout` s, or only sent (None: it runs before any later call of the leader on
-        the follower's lane, so before its next load or step)."""
-        refs = [a.promote.remote() for a in self._actors]
-        if timeout is not None:
-            self.wait(refs, timeout)
+    def promote(self, timeout: float) -> None:
+        """Every follower at the serving ranks' priority (`FollowerActor.promote`), waited for
+        up to `timeout` s (a claimed warm spare, never promoted, raises them at their first
+        step: `FollowerActor.call`)."""
+        self.wait([a.promote.remote() for a in self._actors], timeout)
