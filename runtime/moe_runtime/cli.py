@@ -120,8 +120,9 @@ def _fixed_size(args: argparse.Namespace) -> str | None:
     """Why this deployment cannot change its data-parallel size, or None (it can)."""
     if args.pipeline_parallel_size > 1:
         return (
-            f"{flags.PIPELINE_PARALLEL_SIZE} {args.pipeline_parallel_size}: resizing a "
-            "deployment with pipeline stages is not supported yet (docs/PIPELINE-PARALLEL.md)"
+            f"served with {flags.PIPELINE_PARALLEL_SIZE} {args.pipeline_parallel_size}, whose "
+            "data-parallel size and expert placement are fixed: resizes, recovery and EPLB "
+            "with pipeline stages are not built yet (docs/PIPELINE-PARALLEL.md)"
         )
     return None
 

@@ -179,6 +179,13 @@ class LiveSettings:
                     "this process keeps no warm spare ranks", param="warm_spare_ranks"
                 )
             config, limits = self.rebalancer.config, self.coordinator.limits
+            if limits.fixed is not None and given.get("eplb_enabled"):
+                raise InvalidConfig(
+                    f"eplb_enabled cannot be turned on: the expert placement is fixed "
+                    f"({limits.fixed})",
+                    param="eplb_enabled",
+                    status_code=409,
+                )
             new_limits = dataclasses.replace(
                 limits,
                 min_size=given.get("min_data_parallel_size", limits.min_size),
