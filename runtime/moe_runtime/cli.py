@@ -116,17 +116,6 @@ def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig)
     return None
 
 
-def _fixed_size(args: argparse.Namespace) -> str | None:
-    """Why this deployment cannot change its data-parallel size, or None (it can)."""
-    if args.pipeline_parallel_size > 1:
-        return (
-            f"served with {flags.PIPELINE_PARALLEL_SIZE} {args.pipeline_parallel_size}, whose "
-            "data-parallel size and expert placement are fixed: resizes, recovery and EPLB "
-            "with pipeline stages are not built yet (docs/PIPELINE-PARALLEL.md)"
-        )
-    return None
-
-
 def _raise_exit(signum: int, frame: types.FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -294,6 +283,12 @@ def _build_into(
             hang_timeout=args.rank_hang_timeout,
             warm_spare_ranks=args.warm_spare_ranks,
             rank_pool=args.rank_pool,
+            eplb_refused=(
+                None
+                if args.pipeline_parallel_size == 1
+                else f"not served with {flags.PIPELINE_PARALLEL_SIZE} "
+                f"{args.pipeline_parallel_size} yet (docs/PIPELINE-PARALLEL.md)"
+            ),
         ),
         limits=elastic_coordinator.Limits(
             min_size=args.min_data_parallel_size,
@@ -301,7 +296,6 @@ def _build_into(
             num_experts=cfg.num_experts,
             num_redundant_experts=args.num_redundant_experts,
             max_experts_per_rank=args.max_experts_per_rank,
-            fixed=_fixed_size(args),
         ),
         registry=metrics.registry,
         drain_timeout=float(args.drain_timeout),

@@ -3,12 +3,13 @@
 pipeline stage 0, and one stage actor) answers every greedy request token for token as
 transformers' `generate`, at DP = 1 and at DP = 2 (each stage's experts over its own
 expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
-some steps, which still runs an empty batch through its stages); a resize is refused with 409
-naming the flag, and the deployment keeps serving.
+some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
+under load (every answer checked), a SIGKILLed stage actor under load (its DP rank out, no
+request lost, grown back); EPLB cannot be turned on.
 
 One server per case (a module-scoped fixture: Mixtral at DP = 1 and 2, Qwen3-MoE and
 DeepSeek-V3 shapes at DP = 2; tiny random checkpoints saved by `save_pretrained`), joining
-the tests' Ray instance.
+the tests' Ray instance; the resize and failure tests run on Mixtral at DP = 2 only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,17 +132,90 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
     _check_answers(served)
 
 
-def test_a_resize_is_refused_with_409_naming_the_flag(served: Served) -> None:
+def _load(s: Served) -> load_mod.Load:
+    return load_mod.Load(
+        lambda: s.server.url,
+        model_name=s.family,
+        reference=s.reference,
+        clients=4,
+        lengths=LENGTHS,
+        seeds=(),
+        prompts=PROMPTS,
+    )
+
+
+def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:
+    """Each stage follows its leader's new placement (the experts it lacks from the source);
+    the new DP rank is a leader and a stage actor; every answer during and after equal."""
     if served.size != 2 or served.family != CASES[0][0]:
+        pytest.skip("one case is enough for the resizes")
+    for size in (3, 2):
+        traffic = _load(served)
+        with traffic:
+            done = runtime_proc.scale(served.server.url, size, headers=AUTH)
+        assert done["stage"] == "Completed", done
+        assert not traffic.failures, traffic.failures[:3]
+        assert traffic.ok > 0, traffic.summary()
+        ranks = _serving(served)
+        assert len(ranks) == size, ranks
+        assert all(len(r["pp_pids"]) == 1 for r in ranks), ranks
+        _check_answers(served)
+
+
+def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
+    served: Served,
+) -> None:
+    """SIGKILL of a DP rank's stage actor under load: its leader's step fails (the stage is
+    lost), the recovery shrinks around the DP rank (no request fails: they re-run on the
+    survivor) and auto-recover grows back to the size with a fresh leader and stage."""
+    if served.size != 2 or served.family != CASES[0][0]:
+        pytest.skip("one case is enough for the failure path")
+    size = len(_serving(served))
+    victim = _serving(served)[-1]
+    before = len(_status(served)["history"])
+    traffic = _load(served)
+    with traffic:
+        deadline = time.monotonic() + 60
+        while traffic.ok < 4:
+            assert time.monotonic() < deadline, traffic.summary()
+            time.sleep(0.05)
+        os.kill(victim["pp_pids"][0], signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while True:
+            st = _status(served)
+            recoveries = [h for h in st["history"][before:] if h.get("recovery")]
+            pids = {r["pid"] for r in _serving(served)}
+            if (
+                recoveries
+                and victim["pid"] not in pids
+                and st["data_parallel_size"] == size
+                and not st["is_scaling"]
+            ):
+                break
+            assert time.monotonic() < deadline, (st, served.server.tail())
+            time.sleep(0.2)
+    assert not traffic.failures, traffic.failures[:3]
+    assert traffic.ok > 0, traffic.summary()
+    lost = [lost for h in recoveries for lost in h["recovery"]["ranks_lost"]]
+    assert [r["pid"] for r in lost] == [victim["pid"]], recoveries
+    ranks = _serving(served)
+    assert all(len(r["pp_pids"]) == 1 for r in ranks), ranks
+    for r in ranks:
+        os.kill(r["pp_pids"][0], 0)
+    _check_answers(served)
+
+
+def test_eplb_cannot_be_turned_on_while_serving(served: Served) -> None:
+    """`--no-eplb` is required at P > 1 (start-up); a PATCH turning it on answers 409."""
+    if served.size != 1:
         pytest.skip("one case is enough for the refusal")
-    r = httpx.post(
-        f"{served.server.url}/scale_elastic_ep",
-        json={"new_data_parallel_size": 3},
+    r = httpx.patch(
+        f"{served.server.url}/elastic_ep/config",
+        json={"eplb_enabled": True},
         headers=AUTH,
         timeout=30,
     )
     assert r.status_code == 409, r.text
     assert "--pipeline-parallel-size 2" in r.text, r.text
-    st = _status(served)
-    assert st["data_parallel_size"] == 2 and not st["is_scaling"], st
-    _check_answers(served)
+    r = httpx.get(f"{served.server.url}/elastic_ep/config", headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["eplb_enabled"] is False, r.text

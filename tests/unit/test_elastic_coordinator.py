@@ -63,18 +63,6 @@ def test_impossible_sizes_are_refused_and_change_nothing(size: int, match: str) 
     assert ops.ran == [] and ops.size == 2 and c.last() is None
 
 
-def test_a_fixed_size_refuses_every_resize_with_409_naming_why() -> None:
-    """Pipeline stages (`Limits.fixed`, cli): no resize runs; the same size is a no-op."""
-    ops, c = fake_ops.make(2, fixed="served with --pipeline-parallel-size 2")
-    for size in (1, 3):
-        with pytest.raises(coordinator.ResizeConflict, match="--pipeline-parallel-size 2") as e:
-            c.request(size)
-        assert e.value.status_code == 409
-    same = c.request(2)
-    assert same.succeeded and "already serving" in same.message
-    assert ops.ran == [] and ops.size == 2
-
-
 def test_a_failed_stage_rolls_back_and_a_later_resize_succeeds() -> None:
     ops, c = fake_ops.make(2)
     ops.fail_in = stages.Stage.TRANSFERRING

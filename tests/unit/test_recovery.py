@@ -285,11 +285,10 @@ def test_a_recovery_is_the_current_record_and_joins_the_history() -> None:
 
 
 def _deployment(
-    size: int, *, model: str = SOURCE, fixed: str | None = None, **config: Any
+    size: int, *, model: str = SOURCE, **config: Any
 ) -> tuple[local.LocalExecutor, core.Engine, service.ElasticService, policy.Placement]:
     """An in-process deployment of `size` ranks (identity placement, no EPLB, no
-    autoRecover, sizes 1..3; `fixed`: no size but this one, `Limits.fixed`), its engine
-    started."""
+    autoRecover, sizes 1..3), its engine started."""
     src = source_mod.open_source(model)
     cfg = src.config
     physical = policy.num_physical_for(cfg.num_experts, size)
@@ -305,7 +304,7 @@ def _deployment(
         config=serving.ElasticConfig(
             source=model, eplb_enabled=False, auto_recover=False, **config
         ),
-        limits=coordinator.Limits(min_size=1, max_size=3, num_experts=cfg.num_experts, fixed=fixed),
+        limits=coordinator.Limits(min_size=1, max_size=3, num_experts=cfg.num_experts),
     )
     engine.start()
     return ex, engine, elastic, placement
@@ -352,29 +351,6 @@ def test_a_fenced_rank_is_shrunk_around_under_load_with_identical_tokens(model: 
         lost = [r for r in status["ranks"] if r["rank"] is None]
         assert lost and lost[0]["lost_rank"] == 1 and not lost[0]["healthy"]
         assert elastic.readiness() == (True, "serving")
-    finally:
-        elastic.close()
-        engine.stop()
-        ex.shutdown()
-
-
-def test_a_rank_lost_where_the_size_is_fixed_is_reported_once_and_nothing_shrinks() -> None:
-    """Pipeline stages (`Limits.fixed`): the recovery is refused, its record Failed naming
-    why; the deployment is not half-resized (every rank still in the executor, the size the
-    same), and a later step's retry does not record it again."""
-    ex, engine, elastic, _ = _deployment(2, fixed="served with --pipeline-parallel-size 2")
-    try:
-        ex.fence([1], reason="test")
-        # on the engine thread, as a failed step does; twice, as its retry does
-        for _ in range(2):
-            engine.run_at_boundary(elastic.recovery.recover_now, timeout=DEADLINE)
-        history = elastic.status()["history"]
-        (rec,) = [h for h in history if h["kind"] == "recovery"]
-        assert rec["stage"] == "Failed", rec
-        assert "cannot shrink around them" in rec["message"], rec
-        assert "--pipeline-parallel-size 2" in rec["message"], rec
-        assert elastic.status()["data_parallel_size"] == 2
-        assert sorted(ex.ranks) == [0, 1]
     finally:
         elastic.close()
         engine.stop()

@@ -66,9 +66,6 @@ class Limits:
     num_experts: int = 1
     num_redundant_experts: int = 0
     max_experts_per_rank: int | None = None
-    #: Why the deployment cannot change its size at all (pipeline stages: a resize is
-    #: refused with 409 naming it), None when it can.
-    fixed: str | None = None
 
     def slots_per_rank(self, size: int) -> int:
         total = self.num_experts + self.num_redundant_experts
@@ -263,8 +260,6 @@ class Coordinator:
                 )
             self.limits.check(new_size)
             from_size = self._ops.current_size()
-            if self.limits.fixed is not None and new_size != from_size:
-                raise ResizeConflict(f"cannot resize {from_size}->{new_size}: {self.limits.fixed}")
             record = records.ResizeRecord(
                 resize_id=uuid.uuid4().hex[:12],
                 from_size=from_size,

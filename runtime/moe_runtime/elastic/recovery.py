@@ -65,8 +65,6 @@ class Recovery:
         self._stop = threading.Event()
         self._grow_thread: threading.Thread | None = None
         self._retry_at = 0.0
-        #: A recovery refused (the deployment's size is fixed, `Limits.fixed`) was reported.
-        self._refused = False
 
     def attach(self) -> None:
         """Register with the engine, start the heartbeat and (autoRecover) the grow-back loop."""
@@ -126,24 +124,7 @@ class Recovery:
             }
             for label in gone
         ]
-        fixed = self.coordinator.limits.fixed
-        if fixed is not None and self._refused:
-            return  # reported once (below); the steps keep failing until the process restarts
         record = self.coordinator.begin_recovery(from_size=old_n, to_size=len(survivors), info=info)
-        if fixed is not None:
-            # Pipeline stages: a shrink cannot move a DP rank's stages yet. Nothing is changed
-            # (no half-resized deployment); the record says so, and requests fail after the
-            # engine's step retries.
-            self._refused = True
-            log.error("recovery %s: ranks %s lost; %s", record.resize_id, gone, fixed)
-            self.coordinator.end_recovery(
-                record,
-                error=(
-                    f"ranks {gone} lost; cannot shrink around them: {fixed}. The deployment "
-                    f"stays at {old_n} ranks and cannot step: restart it"
-                ),
-            )
-            return
         log.error(
             "recovery %s: ranks %s lost; shrinking %d -> %d ranks",
             record.resize_id,

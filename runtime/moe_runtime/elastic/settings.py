@@ -179,10 +179,9 @@ class LiveSettings:
                     "this process keeps no warm spare ranks", param="warm_spare_ranks"
                 )
             config, limits = self.rebalancer.config, self.coordinator.limits
-            if limits.fixed is not None and given.get("eplb_enabled"):
+            if config.eplb_refused is not None and given.get("eplb_enabled"):
                 raise InvalidConfig(
-                    f"eplb_enabled cannot be turned on: the expert placement is fixed "
-                    f"({limits.fixed})",
+                    f"eplb_enabled cannot be turned on: EPLB rebalancing is {config.eplb_refused}",
                     param="eplb_enabled",
                     status_code=409,
                 )

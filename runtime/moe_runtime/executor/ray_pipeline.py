@@ -85,11 +85,13 @@ class RayStages(ray_tensor.RayFollowers):
             return [a.join.options(**ctl).remote(*args) for a in self._actors]
         return super().send(method, *args)
 
-    def chain(self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any) -> list[Any]:
+    def chain(
+        self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any, live: Any
+    ) -> list[Any]:
         refs: list[Any] = []
         prev = hidden
         for actor in self._actors:
-            prev = actor.call.remote("step", epoch, list(frees), batch, prev)
+            prev = actor.call.remote("step", epoch, list(frees), batch, prev, live)
             refs.append(prev)
         return refs
 

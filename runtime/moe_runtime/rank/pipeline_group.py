@@ -8,7 +8,11 @@ slots of the other stages' layers are one shared zero expert, never called); sta
 its layers, a KV cache of them and the routed experts of its MoE layers, placed over its own
 expert-parallel group: stage s of every DP rank, joined whenever the leaders join a step
 group (same epoch, same group rank; `PipelineLeader.join`). Its placement is the leader's
-restricted to its MoE layers (`stage_placement`).
+restricted to its MoE layers (`stage_placement`): each step carries the leader's live token
+(epoch, origin, rank, size) and, when that changed (an activate, a revert, an EPLB commit),
+the placement; the stage follows it (`StageWorker.follow`: experts it holds or held before
+are kept, the others read from the model source). So resizes and recovery of the leaders
+carry the stages along.
 
 A step with tokens on any DP rank: the leader runs stage 0 (also with no token of its own:
 its stages must join their experts' collectives) and hands its hidden states to stage 1, ...,
@@ -53,6 +57,12 @@ LOAD_TIMEOUT_S = 600.0
 STEP_TIMEOUT_S = 120.0
 
 
+#: What the leader serves with, sent with each step: ((epoch, origin, rank, num_ranks), the
+#: placement of every MoE layer, or None when the stages were sent this token's already).
+Token = tuple[int, int | None, int, int]
+Live = tuple[Token, policy.Placement | None]
+
+
 class StageLost(tensor_group.FollowerLost):
     """A pipeline stage actor died or hangs: its DP rank cannot step again."""
 
@@ -63,9 +73,10 @@ class Stages(Protocol):
     def send(self, method: str, *args: Any) -> Any:
         """Start `StageWorker.<method>(*args)` on every stage; a handle for `wait`."""
 
-    def chain(self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any) -> Any:
+    def chain(self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any, live: Live) -> Any:
         """Start one step through the stages: stage 1 gets `hidden`, stage s + 1 what stage s
-        returns; a handle for `wait`, whose last result is the last stage's answer."""
+        returns, each `live`; a handle for `wait`, whose last result is the last stage's
+        answer."""
 
     def wait(self, pending: Any, timeout: float | None) -> list[Any]:
         """The stages' results; StageLost naming a dead one, RuntimeError for a call that
@@ -111,6 +122,8 @@ class PipelineLeader:
         self.device = device
         self._frees: list[str] = []
         self._lost: str | None = None
+        #: The live token every stage has followed (None: send the placement with the next).
+        self._sent: Token | None = None
 
     def plan(self, cfg: Any) -> pipeline.PipelineStage:
         """Stage 0 of `cfg` (ValueError naming the field when P does not fit the model)."""
@@ -128,6 +141,7 @@ class PipelineLeader:
     ) -> Any:
         """The stages' load of `source` started (a handle for `finish_load`)."""
         self._frees = []
+        self._sent = None
         return self.stages.send(
             "load", source, str(dtype).removeprefix("torch."), rank, num_ranks, placement
         )
@@ -161,9 +175,14 @@ class PipelineLeader:
         experts: experts_mod.ExpertBackend,
         *,
         epoch: int,
+        token: Token,
+        placement: policy.Placement,
         expert_load: torch.Tensor,
     ) -> torch.Tensor:
         """Stage 0 here, then the stages in turn; the last stage's logits [seqs, vocab]. Each
+        stage serves `placement` (its MoE layers' rows) as the leader's live `token` says:
+        the placement goes with the first step of a new token (after an activate, a revert or
+        an EPLB commit; a stage then takes the experts it lacks from the model source). Each
         stage's expert load is added at its MoE layers. On a failure the stages' groups are
         aborted (their peers must not wait for them) and the error raised."""
         self.check()
@@ -173,11 +192,15 @@ class PipelineLeader:
             self.abort(f"the leader's forward pass failed: {type(exc).__name__}")
             raise
         frees, self._frees = self._frees, []
+        live: Live = (token, None if token == self._sent else placement)
         try:
-            answers = self._wait(self.stages.chain(epoch, frees, batch, hidden), STEP_TIMEOUT_S)
+            pending = self.stages.chain(epoch, frees, batch, hidden, live)
+            answers = self._wait(pending, STEP_TIMEOUT_S)
         except Exception as exc:
+            self._sent = None  # a stage may not have seen it
             self.abort(f"a pipeline stage's step failed: {type(exc).__name__}")
             raise
+        self._sent = token
         last = answers[-1]
         for first, stop, load in last["loads"]:
             if load is not None and stop > first:
@@ -219,6 +242,14 @@ class StageWorker:
         self.placement: policy.Placement | None = None
         self.rank = -1
         self.experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        self.source: str | None = None
+        self.dtype = torch.float32
+        #: the leader's live token this stage serves (None: as loaded)
+        self.token: Token | None = None
+        #: experts of the state before the live one, by (local MoE layer, logical expert):
+        #: a revert (or a switch back) takes them without reading the source
+        self._before: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        self._stepped: list[int] = []  # the epochs stepped, latest last
         #: stage groups by epoch (joined with the leaders' step groups) and their backends
         self.groups: dict[int, group_mod.StatelessGroup] = {}
         self._backends: dict[int, experts_mod.ExpertBackend] = {}
@@ -270,6 +301,7 @@ class StageWorker:
                     )
         self.model, self.stage, self.placement = model, stage, local
         self.rank, self.experts = rank, experts
+        self.source, self.dtype, self.token, self._before = source, torch_dtype, None, {}
         self.kv = kv_mod.KVCache(
             model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
         )
@@ -295,7 +327,10 @@ class StageWorker:
         group = self.groups.get(epoch)
         if group is None:
             raise RuntimeError(f"no stage group of epoch {epoch} joined ({self.where()})")
-        for old in [e for e in self.groups if e < epoch]:
+        if epoch not in self._stepped:
+            self._stepped = [*self._stepped[-1:], epoch]
+        # Groups of epochs before the two last stepped go (a revert steps the one before).
+        for old in [e for e in self.groups if e < min(self._stepped)]:
             self.groups.pop(old).destroy()
             self._backends.pop(old, None)
         if self.placement is None:
@@ -310,15 +345,82 @@ class StageWorker:
         self._backends[epoch] = backend
         return backend
 
+    def follow(self, token: Token, placement: policy.Placement | None) -> None:
+        """Serve as the leader's live `token` says: its DP rank `token[2]` of `token[3]` under
+        `placement` (this stage's rows of it). Experts held now or before are kept; the rest
+        are read from the model source. A new token without a placement is refused."""
+        stage = self.stage
+        if token == self.token or stage is None:
+            return
+        if placement is None:
+            raise RuntimeError(
+                f"the leader serves {token}, this stage {self.token}, and no placement came "
+                f"({self.where()})"
+            )
+        rank, num_ranks = token[2], token[3]
+        if not stage.num_moe_layers:
+            self.rank, self.token = rank, token
+            return
+        local = stage_placement(placement, stage)
+        held = dict(self._before)
+        if self.placement is not None:
+            held.update(
+                ((layer, int(self.placement.phy2log[layer, slot])), w)
+                for (layer, slot), w in self.experts.items()
+            )
+        src = None
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        read = 0
+        for layer in range(stage.num_moe_layers):
+            for slot in local.slots_of_rank(rank, num_ranks):
+                logical = int(local.phy2log[layer, slot])
+                weights = held.get((layer, logical))
+                if weights is None:
+                    if src is None:
+                        assert self.source is not None
+                        src = source_mod.open_source(self.source)
+                    weights = experts_mod.load_expert(
+                        src,
+                        stage.moe_layers[0] + layer,
+                        logical,
+                        dtype=self.dtype,
+                        device=self.device,
+                    )
+                    held[(layer, logical)] = weights
+                    read += 1
+                experts[(layer, slot)] = weights
+        if self.placement is not None:
+            self._before = {
+                (layer, int(self.placement.phy2log[layer, slot])): w
+                for (layer, slot), w in self.experts.items()
+            }
+        self.placement, self.rank, self.experts, self.token = local, rank, experts, token
+        self._backends.clear()
+        log.info(
+            "pipeline stage serves %s: %d expert slots, %d read from the source (%s)",
+            token,
+            len(experts),
+            read,
+            self.where(),
+        )
+
     def step(
-        self, epoch: int, frees: Sequence[str], batch: kv_mod.ForwardBatch, prev: Any
+        self,
+        epoch: int,
+        frees: Sequence[str],
+        batch: kv_mod.ForwardBatch,
+        prev: Any,
+        live: Live | None = None,
     ) -> dict[str, Any]:
         """This stage's forward pass of `batch` given the previous stage's hidden states
-        (`prev`: the tensor, or the previous stage's answer). Returns {"out": hidden states,
-        or the logits at the last stage, "loads": every stage's (first, stop, load) so far}."""
+        (`prev`: the tensor, or the previous stage's answer), serving as the leader's `live`
+        says (`follow`). Returns {"out": hidden states, or the logits at the last stage,
+        "loads": every stage's (first, stop, load) so far}."""
         model, kv, stage = self.model, self.kv, self.stage
         if model is None or kv is None or stage is None:
             raise RuntimeError(f"no weights loaded ({self.where()})")
+        if live is not None:
+            self.follow(*live)
         loads: list[Any] = []
         hidden = prev
         if isinstance(prev, dict):

@@ -146,9 +146,17 @@ class Stepper:
                     if tensor is not None:
                         following = tensor.begin(model, fwd)
                     if self._pipeline is not None:
-                        assert slots.epoch is not None
+                        epoch, placement = slots.epoch, slots.placement
+                        assert epoch is not None and placement is not None
                         logits = self._pipeline.forward(
-                            model, fwd, kv, backend, epoch=slots.epoch, expert_load=load
+                            model,
+                            fwd,
+                            kv,
+                            backend,
+                            epoch=epoch,
+                            token=(epoch, slots.origin, rank, slots.num_ranks or 0),
+                            placement=placement,
+                            expert_load=load,
                         )
                     else:
                         logits = model.forward(fwd, kv, backend, expert_load=load)
