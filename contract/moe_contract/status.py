@@ -173,6 +173,9 @@ class Rank(Payload):
     #: The processes of the rank's tensor-parallel followers (TP ranks 1..T-1; ``pid`` is
     #: its leader's), empty at tensor-parallel size 1.
     tp_pids: list[int] = pydantic.Field(default_factory=list)
+    #: The processes of the rank's pipeline stages 1..P-1 (``pid`` is stage 0's, its
+    #: leader), empty at pipeline-parallel size 1.
+    pp_pids: list[int] = pydantic.Field(default_factory=list)
     healthy: bool = True
     #: The executor's heartbeat state (``ok``, ``dead``, ``unresponsive``, ...).
     state: str | None = None

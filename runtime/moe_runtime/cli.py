@@ -33,7 +33,7 @@ from moe_runtime.engine import core, seam
 from moe_runtime.eplb import policy
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
-from moe_runtime.model import kv_budget, tp_shard
+from moe_runtime.model import kv_budget, pipeline, tp_shard
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tokenizer as tokenizer_mod
 from moe_runtime.parser import DEFAULT_MAX_QUEUED as DEFAULT_MAX_QUEUED  # re-exported
@@ -62,18 +62,17 @@ def _kv_budget(
         cuda=cuda,
         num_physical=num_physical,
         tp_size=args.tensor_parallel_size,
+        pp_size=args.pipeline_parallel_size,
     )
 
 
 def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
     """Why this runtime cannot serve the asked mesh of `cfg`, or None
-    (docs/TENSOR-PARALLEL.md): pipeline stages are not served yet; a tensor-parallel size
-    must shard the model (`tp_shard.plan`, which names the field) and needs Ray ranks."""
+    (docs/TENSOR-PARALLEL.md, docs/PIPELINE-PARALLEL.md): a tensor-parallel size must shard
+    the model (`tp_shard.plan`, which names the field) and needs Ray ranks; pipeline stages
+    (`_unsupported_pipeline`) are served at T = 1 only."""
     if args.pipeline_parallel_size != 1:
-        return (
-            f"{flags.PIPELINE_PARALLEL_SIZE} {args.pipeline_parallel_size}: this runtime does "
-            "not serve pipeline stages yet (1 only)"
-        )
+        return _unsupported_pipeline(args, cfg)
     size = args.tensor_parallel_size
     if size == 1:
         return None
@@ -85,6 +84,35 @@ def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> 
         tp_shard.plan(cfg, rank=0, size=size)
     except ValueError as exc:
         return f"{flags.TENSOR_PARALLEL_SIZE} {size} does not fit this model: {exc}"
+    return None
+
+
+def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
+    """Why pipeline stages at `--pipeline-parallel-size` P != 1 cannot serve, or None: P must
+    fit the model's layers (`pipeline.plan`) and needs the Ray executor; not yet together
+    with tensor parallelism, warm spares, a rank pool or EPLB rebalancing (each named)."""
+    size = args.pipeline_parallel_size
+    what = f"{flags.PIPELINE_PARALLEL_SIZE} {size}"
+    if size < 1:
+        return f"{what}: must be >= 1"
+    if args.executor != "ray":
+        return f"{what} needs the Ray executor (--executor ray)"
+    not_yet = [
+        (
+            args.tensor_parallel_size != 1,
+            f"{flags.TENSOR_PARALLEL_SIZE} {args.tensor_parallel_size}",
+        ),
+        (args.warm_spare_ranks > 0, f"{flags.WARM_SPARE_RANKS} {args.warm_spare_ranks}"),
+        (args.rank_pool > 0, f"--rank-pool {args.rank_pool}"),
+        (args.eplb, f"{flags.EPLB} (EPLB rebalancing is on by default: pass --no-eplb)"),
+    ]
+    for asked, flag in not_yet:
+        if asked:
+            return f"{what} is not served together with {flag} yet (docs/PIPELINE-PARALLEL.md)"
+    try:
+        pipeline.plan(cfg, stage=0, size=size)
+    except ValueError as exc:
+        return f"{what} does not fit this model: {exc}"
     return None
 
 
@@ -166,12 +194,18 @@ def _build_into(
 
         runtime.cluster = cluster_mod
         tp_size = args.tensor_parallel_size
-        # a DP rank takes T rank slots (its leader and its T-1 tensor-parallel followers)
-        slots = tp_size * max(
-            8,
-            max(num_ranks, args.max_data_parallel_size or 0)
-            + args.warm_spare_ranks
-            + args.rank_pool,
+        pp_size = args.pipeline_parallel_size
+        # a DP rank takes T x P rank slots (its leader and its T-1 tensor-parallel followers,
+        # or its P-1 pipeline stages)
+        slots = (
+            tp_size
+            * pp_size
+            * max(
+                8,
+                max(num_ranks, args.max_data_parallel_size or 0)
+                + args.warm_spare_ranks
+                + args.rank_pool,
+            )
         )
         runtime.owns_ray = cluster_mod.connect(num_rank_slots=slots)
         use_gpu = {"auto": None, "cpu": False, "cuda": True}[args.device]
@@ -182,6 +216,7 @@ def _build_into(
             use_gpu=use_gpu,
             rank_hooks=rank_hooks,
             tp_size=tp_size,
+            pp_size=pp_size,
         )
     else:
         from moe_runtime.executor import local
@@ -248,6 +283,12 @@ def _build_into(
             hang_timeout=args.rank_hang_timeout,
             warm_spare_ranks=args.warm_spare_ranks,
             rank_pool=args.rank_pool,
+            eplb_refused=(
+                None
+                if args.pipeline_parallel_size == 1
+                else f"not served with {flags.PIPELINE_PARALLEL_SIZE} "
+                f"{args.pipeline_parallel_size} yet (docs/PIPELINE-PARALLEL.md)"
+            ),
         ),
         limits=elastic_coordinator.Limits(
             min_size=args.min_data_parallel_size,

@@ -154,6 +154,29 @@ def test_at_tensor_parallel_size_2_the_budget_counts_one_devices_heads(
     assert cpu_2.tokens(2) * 2 * per_2 > 0.8 * cpu_1.tokens(2) * per_1
 
 
+@pytest.mark.parametrize("model", [MIXTRAL, DEEPSEEK], ids=["gqa", "mla"])
+def test_with_pipeline_stages_a_position_costs_the_largest_stages_layers(model: str) -> None:
+    """At P stages a device caches its stage's layers only: the stage with the most layers
+    binds (layers split as `pipeline.plan` does), and a CPU host's room is shared by DP x P
+    devices."""
+    cfg = _config(model)
+    whole = kv_mod.bytes_per_token(cfg, torch.float32)
+    for size in range(2, cfg.num_layers + 1):
+        most = -(-cfg.num_layers // size)
+        per = kv_budget.per_token_bytes(cfg, torch.float32, pp_size=size)
+        assert per * cfg.num_layers == whole * most, size
+    budget = kv_budget.KVBudget.measure(
+        cfg,
+        torch.float32,
+        budget_bytes=whole * 4096,
+        fraction=0.5,
+        cuda=False,
+        pp_size=cfg.num_layers,
+    )
+    assert budget.tokens(2) == 4096 * cfg.num_layers  # one layer a device
+    assert budget.tp_size == cfg.num_layers  # devices a rank
+
+
 # --------------------------------------------- a shrink whose migrations exceed the survivor
 
 

@@ -133,9 +133,43 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
             ["--tensor-parallel-size", "2", "--executor", "local"],
             "--tensor-parallel-size 2 needs the Ray executor",
         ),
-        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: this runtime does not"),
+        (
+            ["--pipeline-parallel-size", "2"],
+            "--pipeline-parallel-size 2 is not served together with --eplb (EPLB rebalancing "
+            "is on by default: pass --no-eplb) yet",
+        ),
+        (
+            ["--pipeline-parallel-size", "2", "--no-eplb", "--tensor-parallel-size", "2"],
+            "--pipeline-parallel-size 2 is not served together with --tensor-parallel-size 2 yet",
+        ),
+        (
+            ["--pipeline-parallel-size", "2", "--no-eplb", "--warm-spare-ranks", "1"],
+            "--pipeline-parallel-size 2 is not served together with --warm-spare-ranks 1 yet",
+        ),
+        (
+            ["--pipeline-parallel-size", "2", "--no-eplb", "--rank-pool", "1"],
+            "--pipeline-parallel-size 2 is not served together with --rank-pool 1 yet",
+        ),
+        (
+            ["--pipeline-parallel-size", "2", "--no-eplb", "--executor", "local"],
+            "--pipeline-parallel-size 2 needs the Ray executor",
+        ),
+        (
+            ["--pipeline-parallel-size", "4", "--no-eplb"],
+            "--pipeline-parallel-size 4 does not fit this model: pipeline parallel size 4 "
+            "exceeds num_layers (num_hidden_layers) 3",
+        ),
     ],
-    ids=["tp-does-not-shard", "tp-local-executor", "pp"],
+    ids=[
+        "tp-does-not-shard",
+        "tp-local-executor",
+        "pp-eplb",
+        "pp-tp",
+        "pp-spares",
+        "pp-rank-pool",
+        "pp-local-executor",
+        "pp-over-layers",
+    ],
 )
 def test_serve_refuses_a_mesh_it_cannot_serve_at_start_up(
     tmp_path: pathlib.Path, termination_log: pathlib.Path, flags: list[str], message: str

@@ -297,6 +297,7 @@ class ElasticService:
                     pod=info.get("pod"),
                     pid=info.get("pid"),
                     tp_pids=list(info.get("tp_pids") or []),
+                    pp_pids=list(info.get("pp_pids") or []),
                     healthy=h is not None and h.state == executor_health.HEALTH_OK,
                     state=h.state if h is not None else executor_health.HEALTH_OK,
                     num_experts=slots if label in active else 0,

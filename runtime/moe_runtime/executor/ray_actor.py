@@ -30,7 +30,15 @@ import ray.util.scheduling_strategies as ray_sched
 from moe_contract import names, protocol
 from moe_runtime import logs
 from moe_runtime import step as step_mod
-from moe_runtime.executor import base, guards, niceness, ray_tensor, ray_transfer, roster
+from moe_runtime.executor import (
+    base,
+    guards,
+    niceness,
+    ray_pipeline,
+    ray_tensor,
+    ray_transfer,
+    roster,
+)
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import worker as worker_mod
 
@@ -59,6 +67,7 @@ class RankActor:
         spare: bool = False,
         hooks: hooks_mod.HooksFactory | None = None,
         followers: Sequence[Any] = (),
+        stages: Sequence[Any] = (),
     ) -> None:
         logs.configure_rank()
         if spare:  # its process began at SPARE_NICENESS already (`niceness.spare_setup`)
@@ -69,6 +78,10 @@ class RankActor:
             pids = ray.get([f.pid.remote() for f in followers])
             tensor = ray_tensor.RayFollowers(followers, pids)
         self._followers = tensor
+        pipeline = None
+        if stages:
+            # pipeline stages 1..P-1 of this DP rank (`ray_pipeline`): this actor is stage 0.
+            pipeline = ray_pipeline.RayStages(stages, ray.get([s.pid.remote() for s in stages]))
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
@@ -77,6 +90,8 @@ class RankActor:
             hooks=None if hooks is None else hooks(),
             tensor=tensor,
             tensor_size=1 + len(followers),
+            pipeline=pipeline,
+            pipeline_size=1 + len(stages),
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -236,7 +251,8 @@ class RankHandle:
 
     actor: Any
     pg: Any
-    #: TP ranks 1..T-1 of the DP rank (`ray_tensor.FollowerActor`); the actor leads them.
+    #: TP ranks 1..T-1 of the DP rank (`ray_tensor.FollowerActor`), or its pipeline stages
+    #: 1..P-1 (`ray_pipeline.StageActor`); the actor leads them.
     followers: tuple[Any, ...] = ()
 
 
@@ -255,6 +271,7 @@ def start_ranks(
     spare: bool = False,
     hooks: hooks_mod.HooksFactory | None = None,
     tp_size: int = 1,
+    pp_size: int = 1,
     env: Mapping[str, str] | None = None,
 ) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
@@ -262,10 +279,14 @@ def start_ranks(
     spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks.
     `tp_size` T > 1: each DP rank's placement group holds T bundles on one node (`bundles`),
     its leader in bundle 0 and its TP followers (`ray_tensor`) in bundles 1..T-1.
+    `pp_size` P > 1 (T = 1): P bundles, the leader (pipeline stage 0) in bundle 0 and its
+    stage actors (`ray_pipeline`) in bundles 1..P-1.
     `existing`: the infos of running ranks (`node_id`, `ip`); ranks on two nodes that report
     one IP are refused (`guards.check_node_ips`). `env`: the head's variables every actor gets
     (`guards.rank_env`)."""
-    bundle_list = bundles(tp_size, use_gpu=use_gpu)
+    if tp_size > 1 and pp_size > 1:
+        raise ValueError("tensor and pipeline parallelism together are not served yet")
+    bundle_list = bundles(tp_size * pp_size, use_gpu=use_gpu)
     bundle = bundle_list[0]
     pgs = [ray.util.placement_group(bundle_list, strategy="STRICT_PACK") for _ in range(count)]
     actors: list[Any] = []
@@ -302,6 +323,12 @@ def start_ranks(
                 )
                 for t in range(1, tp_size)
             )
+            mine += tuple(
+                ray_pipeline.RemoteStage.options(
+                    **_bundle_options(pg, s, use_gpu, leader_options)
+                ).remote(label=first_label + i, stage=s, size=pp_size, device=device)
+                for s in range(1, pp_size)
+            )
             followers.append(mine)
             actors.append(
                 RemoteRankActor.options(**_bundle_options(pg, 0, use_gpu, leader_options)).remote(
@@ -310,7 +337,8 @@ def start_ranks(
                     dtype=dtype,
                     spare=spare,
                     hooks=hooks,
-                    followers=mine,
+                    followers=mine if pp_size == 1 else (),
+                    stages=mine if pp_size > 1 else (),
                 )
             )
         infos = get_all(
@@ -350,7 +378,8 @@ def start_ranks(
 
 def bundles(tp_size: int, *, use_gpu: bool) -> list[dict[str, float]]:
     """The placement group bundles of one DP rank: one rank slot (and one GPU on GPU) for each
-    of its T tensor-parallel actors, bundle 0 the leader's."""
+    of its T tensor-parallel actors (or P pipeline stages: `tp_size` is then T x P), bundle 0
+    the leader's."""
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     bundle: dict[str, float] = {RANK_RESOURCE: 1}

@@ -111,11 +111,17 @@ class RayExecutor(base.Executor):
         park_after: float | None = None,
         rank_hooks: hooks_mod.HooksFactory | None = None,
         tp_size: int = 1,
+        pp_size: int = 1,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        if pp_size < 1:
+            raise ValueError(f"pp_size must be >= 1, got {pp_size}")
         #: Actors per DP rank: its leader and T-1 tensor-parallel followers (`ray_tensor`).
         self.tp_size = tp_size
+        #: Pipeline stages per DP rank: its leader (stage 0) and P-1 stage actors
+        #: (`ray_pipeline`).
+        self.pp_size = pp_size
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
         if mode not in (STEP_COMPILED, STEP_REMOTE):
             raise ValueError(
@@ -186,6 +192,7 @@ class RayExecutor(base.Executor):
             spare=spare,
             hooks=self._rank_hooks,
             tp_size=self.tp_size,
+            pp_size=self.pp_size,
             env=self._rank_env,
         )
 
@@ -363,7 +370,8 @@ class RayExecutor(base.Executor):
 
     def free_rank_slots(self) -> int | None:
         # in DP ranks: each takes T rank slots (its leader and followers)
-        return int(ray_actor.free_resource(ray_actor.RANK_RESOURCE)) // self.tp_size
+        per_rank = self.tp_size * self.pp_size
+        return int(ray_actor.free_resource(ray_actor.RANK_RESOURCE)) // per_rank
 
     def shutdown(self) -> None:
         self._close()

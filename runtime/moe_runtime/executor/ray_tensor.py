@@ -84,9 +84,19 @@ RemoteFollower: Any = ray.remote(  # type: ignore[call-overload]
 class RayFollowers:
     """`tensor_group.Followers` over follower actor handles (TP ranks 1..T-1, in order)."""
 
-    def __init__(self, actors: Sequence[Any], pids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        actors: Sequence[Any],
+        pids: Sequence[int],
+        *,
+        what: str = "TP follower",
+        lost: type[tensor_group.FollowerLost] = tensor_group.FollowerLost,
+    ) -> None:
         self._actors = list(actors)
         self._pids = list(pids)
+        #: how errors name an actor ("TP follower 1"; pipeline stages: "pipeline stage 1")
+        self._what = what
+        self._lost_type = lost
         self._pings: list[tuple[Any, float]] = []
         self._lock = threading.Lock()  # the step thread and the health lane both look
 
@@ -99,16 +109,16 @@ class RayFollowers:
         out: list[Any] = []
         for tp_rank, ref in enumerate(refs, start=1):
             if ref in late:
-                raise TimeoutError(f"TP follower {tp_rank} did not answer within {timeout}s")
+                raise TimeoutError(f"{self._what} {tp_rank} did not answer within {timeout}s")
             try:
                 out.append(ray.get(ref))
             except ray.exceptions.RayActorError as exc:
-                raise tensor_group.FollowerLost(
-                    f"TP follower {tp_rank} (pid {self._pids[tp_rank - 1]}) died: "
+                raise self._lost_type(
+                    f"{self._what} {tp_rank} (pid {self._pids[tp_rank - 1]}) died: "
                     f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
                 ) from exc
             except ray.exceptions.RayTaskError as exc:
-                raise RuntimeError(f"TP follower {tp_rank} failed: {exc.cause!r}") from exc
+                raise RuntimeError(f"{self._what} {tp_rank} failed: {exc.cause!r}") from exc
         return out
 
     def alive(self) -> str | None:
@@ -130,14 +140,14 @@ class RayFollowers:
                     # for it in a TP collective that only its death ends (gloo).
                     ray.kill(self._actors[tp_rank - 1], no_restart=True)
                     return (
-                        f"TP follower {tp_rank} (pid {self._pids[tp_rank - 1]}) did not answer "
+                        f"{self._what} {tp_rank} (pid {self._pids[tp_rank - 1]}) did not answer "
                         f"a ping for {now - sent:.1f}s (fenced)"
                     )
                 continue
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
-                return f"TP follower {tp_rank} (pid {self._pids[tp_rank - 1]}) died"
+                return f"{self._what} {tp_rank} (pid {self._pids[tp_rank - 1]}) died"
             except ray.exceptions.RayError:
                 pass  # it answered: alive
             actor = self._actors[tp_rank - 1]

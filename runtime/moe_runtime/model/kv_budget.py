@@ -35,7 +35,7 @@ import torch
 
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
-from moe_runtime.model import names, tp_shard
+from moe_runtime.model import names, pipeline, tp_shard
 
 #: Device memory kept free besides the weights and the KV cache (a GPU: CUDA's workspace).
 GPU_MARGIN_BYTES = 1 << 30
@@ -72,10 +72,21 @@ def weight_bytes(
     return non_expert * size, one * slots * config.num_moe_layers * size
 
 
-def per_token_bytes(config: config_mod.ModelConfig, dtype: torch.dtype, *, tp_size: int = 1) -> int:
+def per_token_bytes(
+    config: config_mod.ModelConfig, dtype: torch.dtype, *, tp_size: int = 1, pp_size: int = 1
+) -> int:
     """KV bytes one position takes on one device of a rank at tensor-parallel size `tp_size`
-    (its shard's KV heads; MLA: the whole latent, replicated)."""
-    return kv_mod.bytes_per_token(tp_shard.plan(config, rank=0, size=tp_size).local, dtype)
+    (its shard's KV heads; MLA: the whole latent, replicated) and pipeline-parallel size
+    `pp_size` (a stage's layers only; the stage with the most layers binds)."""
+    local = tp_shard.plan(config, rank=0, size=tp_size).local
+    if pp_size == 1:
+        return kv_mod.bytes_per_token(local, dtype)
+    return max(
+        kv_mod.bytes_per_token(
+            local, dtype, layers=pipeline.plan(config, stage=s, size=pp_size).layers
+        )
+        for s in range(pp_size)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +127,7 @@ class KVBudget:
         cuda: bool,
         num_physical: int | None = None,
         tp_size: int = 1,
+        pp_size: int = 1,
     ) -> KVBudget:
         """The budget of this process's device (its GPU when it sees one, else the host: ranks
         on GPUs this process cannot see get the host figure), measured now."""
@@ -136,7 +148,7 @@ class KVBudget:
         )
         block = kv_mod.BLOCK_SIZE
         return cls(
-            per_token=per_token_bytes(config, dtype, tp_size=tp_size),
+            per_token=per_token_bytes(config, dtype, tp_size=tp_size, pp_size=pp_size),
             context=-(-config.max_position_embeddings // block) * block,
             fraction=fraction,
             cuda=on_gpu,
@@ -144,7 +156,7 @@ class KVBudget:
             non_expert=non_expert,
             slot_bytes=slot_bytes,
             num_physical=slots,
-            tp_size=tp_size,
+            tp_size=tp_size * pp_size,
             rank_non_expert=rank_non_expert,
             fixed_bytes=budget_bytes,
         )

@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.rank import context as context_mod
@@ -36,8 +36,16 @@ class RankGroups:
     """The groups of one rank by (epoch, role), and the non-expert transfer over them (whose
     weights are the rank's `ctx.loaded`)."""
 
-    def __init__(self, ctx: context_mod.RankContext) -> None:
+    def __init__(
+        self,
+        ctx: context_mod.RankContext,
+        *,
+        on_join: Callable[[group_mod.GroupSpec, int, str], None] | None = None,
+    ) -> None:
         self._ctx = ctx
+        #: called after each successful join with (spec, rank, role): a pipeline leader's
+        #: stages join their own groups of the epoch then (`pipeline_group`)
+        self._on_join = on_join
         self._lock = threading.Lock()
         self._groups: dict[Key, group_mod.StatelessGroup] = {}
         self._group_ranks: dict[Key, int] = {}
@@ -104,6 +112,8 @@ class RankGroups:
         )
         try:
             self._ctx.check("join_group")
+            if self._on_join is not None:
+                self._on_join(spec, rank, role)
         except Exception:
             self.drop_group(key)
             raise

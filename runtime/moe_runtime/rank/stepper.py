@@ -23,6 +23,7 @@ from moe_runtime.comm import semantics
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.rank import context as context_mod
+from moe_runtime.rank import pipeline_group as pipeline_mod
 from moe_runtime.rank import sampling
 from moe_runtime.rank import slots as slots_mod
 from moe_runtime.rank import tensor_group as tensor_mod
@@ -41,11 +42,15 @@ class Stepper:
         *,
         slots: slots_mod.ExpertSlots,
         tensor: tensor_mod.TensorLeader | None = None,
+        pipeline: pipeline_mod.PipelineLeader | None = None,
     ) -> None:
         self._ctx = ctx
         self._slots = slots
         #: The rank's TP followers (T > 1): each forward pass with tokens runs on them too.
         self._tensor = tensor
+        #: The rank's pipeline stages 1..P-1 (P > 1): every forward pass runs through them,
+        #: an empty one too (their expert collectives need every DP rank's stage).
+        self._pipeline = pipeline
         #: One step at a time: after a step timed out in the driver, the rebuilt step path
         #: (plain calls, another thread) must not start the next step on this rank while the
         #: old one still runs in the compiled graph's loop: both would use the step group at
@@ -112,6 +117,8 @@ class Stepper:
                 kv.free(seq_id)
             if self._tensor is not None:
                 self._tensor.free(batch.free)
+            if self._pipeline is not None:
+                self._pipeline.free(batch.free)
             seqs = list(batch.seqs) if run_batch else []
             bad = _invalid(seqs, cfg, kv)
             if bad:
@@ -138,7 +145,21 @@ class Stepper:
                     self._ctx.check("forward")
                     if tensor is not None:
                         following = tensor.begin(model, fwd)
-                    logits = model.forward(fwd, kv, backend, expert_load=load)
+                    if self._pipeline is not None:
+                        epoch, placement = slots.epoch, slots.placement
+                        assert epoch is not None and placement is not None
+                        logits = self._pipeline.forward(
+                            model,
+                            fwd,
+                            kv,
+                            backend,
+                            epoch=epoch,
+                            token=(epoch, slots.origin, rank, slots.num_ranks or 0),
+                            placement=placement,
+                            expert_load=load,
+                        )
+                    else:
+                        logits = model.forward(fwd, kv, backend, expert_load=load)
                     if tensor is not None:
                         tensor.end(following)
                         following = None
@@ -186,6 +207,9 @@ class Stepper:
         here (it leaves every group: no peer waits for it)."""
         if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
             self._ctx.fail(f"out of memory in a step: {type(exc).__name__}: {exc}")
+            return step_mod.FAILURE_RANK
+        if isinstance(exc, pipeline_mod.StageLost):
+            self._ctx.fail(f"a pipeline stage is lost: {exc}")
             return step_mod.FAILURE_RANK
         if isinstance(exc, tensor_mod.FollowerLost):
             self._ctx.fail(f"a tensor-parallel follower is lost: {exc}")

@@ -47,7 +47,7 @@ from moe_contract import names as contract_names
 from moe_contract import protocol
 from moe_runtime import step as step_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import decoder, names, tp_shard
+from moe_runtime.model import decoder, names, pipeline, tp_shard
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
@@ -55,6 +55,7 @@ from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import loaded as loaded_mod
+from moe_runtime.rank import pipeline_group as pipeline_mod
 from moe_runtime.rank import progress as progress_mod
 from moe_runtime.rank import slots as slots_mod
 from moe_runtime.rank import stepper as stepper_mod
@@ -132,6 +133,8 @@ class RankWorker:
         hooks: hooks_mod.Hooks | None = None,
         tensor: tensor_mod.Followers | None = None,
         tensor_size: int = 1,
+        pipeline: pipeline_mod.Stages | None = None,
+        pipeline_size: int = 1,
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -152,6 +155,16 @@ class RankWorker:
             if tensor is None:
                 raise ValueError(f"tensor_size {tensor_size} needs the rank's followers")
             self.tensor = tensor_mod.TensorLeader(tensor, size=tensor_size, device=self.device)
+        #: Pipeline stage 0's side of this DP rank's pipeline (P > 1), else None.
+        self.pipeline: pipeline_mod.PipelineLeader | None = None
+        if pipeline_size > 1:
+            if pipeline is None or self.tensor is not None:
+                raise ValueError(
+                    f"pipeline_size {pipeline_size} needs the rank's stages (and T = 1)"
+                )
+            self.pipeline = pipeline_mod.PipelineLeader(
+                pipeline, size=pipeline_size, device=self.device
+            )
         #: What `load_weights` has read so far (`load_progress`).
         self.progress = progress_mod.LoadCounter()
         ctx = context_mod.RankContext(
@@ -162,9 +175,13 @@ class RankWorker:
             where=self.where,
             fail=self.fail,
         )
-        self.groups = groups_mod.RankGroups(ctx)
+        self.groups = groups_mod.RankGroups(
+            ctx, on_join=None if self.pipeline is None else self._stages_join
+        )
         self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups)
-        self.stepper = stepper_mod.Stepper(ctx, slots=self.slots, tensor=self.tensor)
+        self.stepper = stepper_mod.Stepper(
+            ctx, slots=self.slots, tensor=self.tensor, pipeline=self.pipeline
+        )
 
     # -- calls by name -------------------------------------------------------------------
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
@@ -216,6 +233,8 @@ class RankWorker:
             "steps": self.stepper.steps,
             "tp_size": 1 if self.tensor is None else self.tensor.size,
             "tp_pids": [] if self.tensor is None else self.tensor.followers.pids(),
+            "pp_size": 1 if self.pipeline is None else self.pipeline.size,
+            "pp_pids": [] if self.pipeline is None else self.pipeline.stages.pids(),
             protocol.INFO_KEY: protocol.VERSION,
         }
 
@@ -230,6 +249,11 @@ class RankWorker:
                 self.tensor.check()
             except tensor_mod.FollowerLost as exc:
                 self.fail(f"a tensor-parallel follower is lost: {exc}")
+        if self.failed is None and self.pipeline is not None:
+            try:
+                self.pipeline.check()
+            except pipeline_mod.StageLost as exc:
+                self.fail(f"a pipeline stage is lost: {exc}")
         if self.failed is not None:
             raise RankFailed(f"rank failed: {self.failed} ({self.where()})")
         slots = self.slots
@@ -274,13 +298,23 @@ class RankWorker:
         self.groups.abort(None, f"rank failed: {reason}")
         if self.tensor is not None:
             self.tensor.abort(f"rank failed: {reason}")
+        if self.pipeline is not None:
+            self.pipeline.abort(f"rank failed: {reason}")
 
     def abort_live_groups(self, reason: str = "a peer was lost") -> list[tuple[int, str]]:
         """Abort the live epoch's groups now, without waiting on any peer: the executor lost a
         stepped peer, and a collective of this rank waiting for it must end (NCCL notices no
         dead peer by itself; gloo does, this is then a no-op in effect). Health lane."""
         epoch = self.slots.epoch
+        if epoch is not None and self.pipeline is not None:
+            self.pipeline.abort(reason)  # the stages' groups of every epoch go with it
         return [] if epoch is None else self.groups.abort(epoch, reason)
+
+    def _stages_join(self, spec: Any, rank: int, role: str) -> None:
+        """The leader joined `role`'s group of `spec.epoch`: for the step group its pipeline
+        stages join theirs (`PipelineLeader.join`)."""
+        if role == groups_mod.STEP and self.pipeline is not None:
+            self.pipeline.join(spec, rank)
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(
@@ -302,12 +336,25 @@ class RankWorker:
         src = source_mod.open_source(source)
         cfg = src.config
         shard: tp_shard.Shard | None = None
-        if self.tensor is None:
+        stage: pipeline.PipelineStage | None = None
+        staging = None
+        if self.pipeline is not None:
+            # Pipeline stage 0; stages 1..P-1 read their layers and experts meanwhile.
+            stage = self.pipeline.plan(cfg)
+            model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device, pp=stage)
+            staging = self.pipeline.start_load(
+                source, self.dtype, rank=rank, num_ranks=num_ranks, placement=placement
+            )
+        elif self.tensor is None:
             model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device)
         else:
             # The followers read their shards from the source meanwhile (`tensor_group`).
             model, shard, following = self.tensor.model(source, cfg, dtype=self.dtype)
-        non_expert = names.non_expert_tensor_names(cfg)
+        non_expert = (
+            names.non_expert_tensor_names(cfg)
+            if stage is None
+            else list(pipeline.parts(cfg, stage=stage, shard=None))
+        )
         mine: list[tuple[int, int, int]] = []  # (MoE layer, local slot, logical expert)
         if placement is not None:
             placement.validate(num_ranks)
@@ -338,9 +385,14 @@ class RankWorker:
         model.load_non_expert(state)
         del state  # the model holds its own (cast) copies where the dtype differs
         experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        elsewhere = None  # the slots of other pipeline stages' MoE layers: one zero expert
         for layer, slot, logical in mine:
             self._check("load_tensor")
-            if placeholder:
+            if stage is not None and not layer < stage.moe_layers[1]:
+                if elsewhere is None:
+                    elsewhere = experts_mod.zero_expert(cfg, dtype=self.dtype, device=self.device)
+                experts[(layer, slot)] = elsewhere
+            elif placeholder:
                 experts[(layer, slot)] = experts_mod.zero_expert(
                     cfg, dtype=self.dtype, device=self.device
                 )
@@ -351,7 +403,11 @@ class RankWorker:
             self.progress.add(tensors=len(expert_shapes), nbytes=expert_bytes)
         if self.tensor is not None:
             self.tensor.finish_load(following)
-        kv = kv_mod.KVCache(model.local_config, dtype=self.dtype, device=self.device)
+        if self.pipeline is not None:
+            self.pipeline.finish_load(staging)
+        kv = kv_mod.KVCache(
+            model.local_config, dtype=self.dtype, device=self.device, layers=model.layers
+        )
         self.loaded.load(source, cfg, model, kv)
         self.slots.reset(
             placement=placement,
@@ -362,7 +418,7 @@ class RankWorker:
         )
         self.progress.finish()
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
-        nbytes += sum(w.nbytes for w in experts.values())
+        nbytes += sum(w.nbytes for w in {id(w): w for w in experts.values()}.values())
         log.info(
             "loaded %s%s: %d expert slots, %.1f MB in %.2fs (%s)",
             source,
@@ -405,4 +461,6 @@ class RankWorker:
         self.slots.close()
         if self.tensor is not None:
             self.tensor.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
         log.info("shut down (%s)", self.where())

@@ -1,0 +1,101 @@
+"""The stage actors of a DP rank at pipeline-parallel size P > 1 (`rank.pipeline_group`).
+
+- `StageActor`: pipeline stage s (1..P-1) of one DP rank, a `pipeline_group.StageWorker` in
+  its own actor, placed in bundle s of the DP rank's placement group (bundle 0 is the
+  leader's, stage 0: STRICT_PACK, one node). Three lanes: the default one (load, steps, in
+  the order the leader sent them), `CTL_LANE` (joins of stage groups: a join waits for the
+  other DP ranks' stages and must not hold the steps) and `HEALTH_LANE` (pings, aborts).
+- `RayStages`: the leader's `pipeline_group.Stages` over their handles
+  (`ray_tensor.RayFollowers`' waits and pings, naming "pipeline stage s"); a step is a chain
+  of calls, each stage's given the previous one's result by reference (Ray passes the hidden
+  states from actor to actor through its object store; the leader reads only the last).
+
+The executor creates the stage actors with the leader (`ray_actor.start_ranks`) and hands
+their handles to it; removing the DP rank's placement group ends them with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from moe_runtime import logs
+from moe_runtime.executor import niceness, ray_tensor
+from moe_runtime.rank import pipeline_group
+
+CTL_LANE = "ctl"
+HEALTH_LANE = ray_tensor.HEALTH_LANE
+_METHODS = ("join", "load", "step", "shutdown")
+
+
+class StageActor:
+    """Pipeline stage `stage` of `size` of DP rank `label` (module docstring)."""
+
+    def __init__(self, *, label: int, stage: int, size: int, device: str) -> None:
+        logs.configure_rank()
+        import torch
+
+        torch.set_num_threads(1)
+        self.label = label
+        self._serving = False
+        self.worker = pipeline_group.StageWorker(stage=stage, size=size, device=device, label=label)
+
+    def promote(self) -> None:
+        niceness.set_niceness(self.label, 0, why="serves (pipeline stage)")
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in _METHODS:
+            raise AttributeError(f"a pipeline stage has no method {method!r}")
+        if method == "step" and not self._serving:
+            self._serving = True
+            niceness.set_niceness(self.label, 0, why="steps (pipeline stage)")
+        return getattr(self.worker, method)(*args)
+
+    def join(self, *args: Any) -> None:
+        self.worker.join(*args)
+
+    def ping(self) -> dict[str, Any]:
+        return self.worker.ping()
+
+    def abort(self, reason: str) -> None:
+        self.worker.abort(reason)
+
+
+RemoteStage: Any = ray.remote(  # type: ignore[call-overload]
+    num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
+)(StageActor)
+
+
+class RayStages(ray_tensor.RayFollowers):
+    """`pipeline_group.Stages` over stage actor handles (stages 1..P-1, in order)."""
+
+    def __init__(self, actors: Sequence[Any], pids: Sequence[int]) -> None:
+        super().__init__(actors, pids, what="pipeline stage", lost=pipeline_group.StageLost)
+
+    def send(self, method: str, *args: Any) -> list[Any]:
+        if method == "join":
+            ctl = {"concurrency_group": CTL_LANE}
+            return [a.join.options(**ctl).remote(*args) for a in self._actors]
+        return super().send(method, *args)
+
+    def chain(
+        self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any, live: Any
+    ) -> list[Any]:
+        refs: list[Any] = []
+        prev = hidden
+        for actor in self._actors:
+            prev = actor.call.remote("step", epoch, list(frees), batch, prev, live)
+            refs.append(prev)
+        return refs
+
+    def abort(self, reason: str) -> None:
+        health = {"concurrency_group": HEALTH_LANE}
+        refs = [a.abort.options(**health).remote(reason) for a in self._actors]
+        ray.wait(refs, num_returns=len(refs), timeout=5.0)

@@ -1,0 +1,459 @@
+"""Pipeline stages inside a DP rank at serving time (docs/PIPELINE-PARALLEL.md, "Serving"):
+the leader (pipeline stage 0, the DP rank's `RankWorker`, `PipelineLeader`) and its stage
+workers (stages 1..P-1, `StageWorker`).
+
+The DP rank stays one rank for the roster, the step graph and the engine: only its leader is
+seen. The leader holds stage 0's layers and the routed experts of its MoE layers (its expert
+slots of the other stages' layers are one shared zero expert, never called); stage s holds
+its layers, a KV cache of them and the routed experts of its MoE layers, placed over its own
+expert-parallel group: stage s of every DP rank, joined whenever the leaders join a step
+group (same epoch, same group rank; `PipelineLeader.join`). Its placement is the leader's
+restricted to its MoE layers (`stage_placement`): each step carries the leader's live token
+(epoch, origin, rank, size) and, when that changed (an activate, a revert, an EPLB commit),
+the placement; the stage follows it (`StageWorker.follow`: experts it holds or held before
+are kept, the others read from the model source). So resizes and recovery of the leaders
+carry the stages along.
+
+A step with tokens on any DP rank: the leader runs stage 0 (also with no token of its own:
+its stages must join their experts' collectives) and hands its hidden states to stage 1, ...,
+the last stage's logits come back to the leader, which samples (`Stages.chain`: one call per
+stage per step). Each stage returns its expert load; the leader adds it at its MoE layers.
+
+Failures: a stage actor that died or hangs fails its leader (`StageLost`, as a lost TP
+follower: the DP rank is lost); a failed step aborts every stage's group (no peer waits in a
+collective for a stage that will not come).
+
+Nothing here knows about Ray: the leader reaches its stages through `Stages`
+(`executor.ray_pipeline` implements it over stage actors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from moe_runtime.comm import ep
+from moe_runtime.comm import group as group_mod
+from moe_runtime.eplb import policy
+from moe_runtime.model import decoder, pipeline
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import source as source_mod
+from moe_runtime.rank import tensor_group
+
+log = logging.getLogger(__name__)
+
+#: Seconds a stage group's join, and each of its collectives, may take.
+GROUP_TIMEOUT_S = 60.0
+#: Seconds the leader waits for its stages' load.
+LOAD_TIMEOUT_S = 600.0
+#: Seconds the leader waits for its stages' part of one step.
+STEP_TIMEOUT_S = 120.0
+
+
+#: What the leader serves with, sent with each step: ((epoch, origin, rank, num_ranks), the
+#: placement of every MoE layer, or None when the stages were sent this token's already).
+Token = tuple[int, int | None, int, int]
+Live = tuple[Token, policy.Placement | None]
+
+
+class StageLost(tensor_group.FollowerLost):
+    """A pipeline stage actor died or hangs: its DP rank cannot step again."""
+
+
+class Stages(Protocol):
+    """How a leader reaches its stage actors (stages 1..P-1, in order)."""
+
+    def send(self, method: str, *args: Any) -> Any:
+        """Start `StageWorker.<method>(*args)` on every stage; a handle for `wait`."""
+
+    def chain(self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any, live: Live) -> Any:
+        """Start one step through the stages: stage 1 gets `hidden`, stage s + 1 what stage s
+        returns, each `live`; a handle for `wait`, whose last result is the last stage's
+        answer."""
+
+    def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        """The stages' results; StageLost naming a dead one, RuntimeError for a call that
+        raised, TimeoutError for one still running after `timeout` s."""
+
+    def abort(self, reason: str) -> None:
+        """Abort every stage's groups now (their health lane: never queued behind a step)."""
+
+    def alive(self) -> str | None:
+        """None while every stage answers pings, else why not."""
+
+    def pids(self) -> list[int]:
+        """The stage actors' process ids."""
+
+
+def stage_spec(spec: group_mod.GroupSpec, stage: int) -> group_mod.GroupSpec:
+    """The rendezvous of stage `stage`'s expert-parallel group, derived from the leaders' step
+    group `spec` (same members, epoch and group ranks). Only a FileStore rendezvous (every DP
+    rank on one host) can be derived: a TCP one would need a port per stage."""
+    if spec.store_path is None:
+        raise RuntimeError(
+            "--pipeline-parallel-size > 1 needs every DP rank on one host (a FileStore "
+            "rendezvous); pipeline stages across hosts are not built yet"
+        )
+    return dataclasses.replace(spec, store_path=f"{spec.store_path}.pp{stage}")
+
+
+def stage_placement(placement: policy.Placement, stage: pipeline.PipelineStage) -> policy.Placement:
+    """The placement of `stage`'s MoE layers only (local MoE layer i: the model's
+    `stage.moe_layers[0] + i`)."""
+    first, stop = stage.moe_layers
+    return policy.Placement.from_phy2log(
+        placement.phy2log[first:stop].clone(), int(placement.logcnt.shape[1])
+    )
+
+
+class PipelineLeader:
+    """The leader's side of its pipeline: its stages, KV frees still to send."""
+
+    def __init__(self, stages: Stages, *, size: int, device: str) -> None:
+        self.stages = stages
+        self.size = size
+        self.device = device
+        self._frees: list[str] = []
+        self._lost: str | None = None
+        #: The live token every stage has followed (None: send the placement with the next).
+        self._sent: Token | None = None
+
+    def plan(self, cfg: Any) -> pipeline.PipelineStage:
+        """Stage 0 of `cfg` (ValueError naming the field when P does not fit the model)."""
+        return pipeline.plan(cfg, stage=0, size=self.size)
+
+    # -- loading -------------------------------------------------------------------------
+    def start_load(
+        self,
+        source: str,
+        dtype: torch.dtype,
+        *,
+        rank: int,
+        num_ranks: int,
+        placement: policy.Placement | None,
+    ) -> Any:
+        """The stages' load of `source` started (a handle for `finish_load`)."""
+        self._frees = []
+        self._sent = None
+        return self.stages.send(
+            "load", source, str(dtype).removeprefix("torch."), rank, num_ranks, placement
+        )
+
+    def finish_load(self, pending: Any) -> None:
+        self._wait(pending, LOAD_TIMEOUT_S)
+
+    # -- groups --------------------------------------------------------------------------
+    def join(self, spec: group_mod.GroupSpec, rank: int) -> None:
+        """The leader joined the step group of `spec` as `rank`: every stage joins its own
+        stage group of that epoch as `rank` (blocks until all DP ranks' stages joined)."""
+        self._wait(self.stages.send("join", spec, rank), GROUP_TIMEOUT_S + 10.0)
+
+    def abort(self, reason: str) -> None:
+        """Let every stage's groups go now (a stage waiting in a collective stops)."""
+        try:
+            self.stages.abort(reason)
+        except Exception:  # noqa: BLE001 - a dead stage has no group to abort
+            log.debug("aborting the stages' groups failed", exc_info=True)
+
+    # -- steps ---------------------------------------------------------------------------
+    def free(self, seq_ids: Sequence[str]) -> None:
+        """KV frees to send with the next forward pass (each stage frees them then)."""
+        self._frees.extend(seq_ids)
+
+    def forward(
+        self,
+        model: decoder.MoEModel,
+        batch: kv_mod.ForwardBatch,
+        kv: kv_mod.KVCache,
+        experts: experts_mod.ExpertBackend,
+        *,
+        epoch: int,
+        token: Token,
+        placement: policy.Placement,
+        expert_load: torch.Tensor,
+    ) -> torch.Tensor:
+        """Stage 0 here, then the stages in turn; the last stage's logits [seqs, vocab]. Each
+        stage serves `placement` (its MoE layers' rows) as the leader's live `token` says:
+        the placement goes with the first step of a new token (after an activate, a revert or
+        an EPLB commit; a stage then takes the experts it lacks from the model source). Each
+        stage's expert load is added at its MoE layers. On a failure the stages' groups are
+        aborted (their peers must not wait for them) and the error raised."""
+        self.check()
+        try:
+            hidden = model.forward(batch, kv, experts, expert_load=expert_load)
+        except Exception as exc:
+            self.abort(f"the leader's forward pass failed: {type(exc).__name__}")
+            raise
+        frees, self._frees = self._frees, []
+        live: Live = (token, None if token == self._sent else placement)
+        try:
+            pending = self.stages.chain(epoch, frees, batch, hidden, live)
+            answers = self._wait(pending, STEP_TIMEOUT_S)
+        except Exception as exc:
+            self._sent = None  # a stage may not have seen it
+            self.abort(f"a pipeline stage's step failed: {type(exc).__name__}")
+            raise
+        self._sent = token
+        last = answers[-1]
+        for first, stop, load in last["loads"]:
+            if load is not None and stop > first:
+                expert_load[first:stop] += load.to(expert_load.device)
+        logits: torch.Tensor = last["out"].to(model.device)
+        return logits
+
+    # -- health --------------------------------------------------------------------------
+    def check(self) -> None:
+        """StageLost once a stage died or hangs (its DP rank cannot step again)."""
+        if self._lost is None:
+            self._lost = self.stages.alive()
+        if self._lost is not None:
+            raise StageLost(self._lost)
+
+    def _wait(self, pending: Any, timeout: float) -> list[Any]:
+        try:
+            return self.stages.wait(pending, timeout)
+        except StageLost as exc:
+            self._lost = str(exc)
+            raise
+
+    def close(self) -> None:
+        self.abort("the leader shuts down")
+
+
+class StageWorker:
+    """Pipeline stage `stage` of `size` of one DP rank: its layers, its KV cache, its experts
+    over its stage group."""
+
+    def __init__(self, *, stage: int, size: int, device: str, label: int | None = None) -> None:
+        self.stage_index = stage
+        self.size = size
+        self.device = device
+        self.label = label
+        self.model: decoder.MoEModel | None = None
+        self.kv: kv_mod.KVCache | None = None
+        self.stage: pipeline.PipelineStage | None = None
+        self.placement: policy.Placement | None = None
+        self.rank = -1
+        self.experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        self.source: str | None = None
+        self.dtype = torch.float32
+        #: the leader's live token this stage serves (None: as loaded)
+        self.token: Token | None = None
+        #: experts of the state before the live one, by (local MoE layer, logical expert):
+        #: a revert (or a switch back) takes them without reading the source
+        self._before: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        self._stepped: list[int] = []  # the epochs stepped, latest last
+        #: stage groups by epoch (joined with the leaders' step groups) and their backends
+        self.groups: dict[int, group_mod.StatelessGroup] = {}
+        self._backends: dict[int, experts_mod.ExpertBackend] = {}
+        self.steps = 0
+
+    def where(self) -> str:
+        epochs = sorted(self.groups)
+        return f"rank label={self.label} pp={self.stage_index}/{self.size} epochs={epochs}"
+
+    def join(self, spec: group_mod.GroupSpec, rank: int) -> None:
+        """Join stage group of `spec.epoch` (derived from the leaders' step group) as `rank`."""
+        group = group_mod.StatelessGroup(
+            stage_spec(spec, self.stage_index), rank, timeout=GROUP_TIMEOUT_S
+        )
+        old = self.groups.pop(spec.epoch, None)
+        self.groups[spec.epoch] = group
+        self._backends.pop(spec.epoch, None)
+        if old is not None:
+            old.destroy()
+
+    def load(
+        self,
+        source: str,
+        dtype: str,
+        rank: int,
+        num_ranks: int,
+        placement: policy.Placement | None,
+    ) -> int:
+        """Read this stage's tensors and its routed experts of DP rank `rank` of `num_ranks`
+        under `placement`; an empty KV cache of its layers. Returns the bytes held."""
+        started = time.monotonic()
+        src = source_mod.open_source(source)
+        cfg = src.config
+        stage = pipeline.plan(cfg, stage=self.stage_index, size=self.size)
+        torch_dtype = getattr(torch, dtype)
+        model = decoder.MoEModel.from_source(src, dtype=torch_dtype, device=self.device, pp=stage)
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        local = None
+        if placement is not None and stage.num_moe_layers:
+            local = stage_placement(placement, stage)
+            for layer in range(stage.num_moe_layers):
+                for slot in local.slots_of_rank(rank, num_ranks):
+                    experts[(layer, slot)] = experts_mod.load_expert(
+                        src,
+                        stage.moe_layers[0] + layer,
+                        int(local.phy2log[layer, slot]),
+                        dtype=torch_dtype,
+                        device=self.device,
+                    )
+        self.model, self.stage, self.placement = model, stage, local
+        self.rank, self.experts = rank, experts
+        self.source, self.dtype, self.token, self._before = source, torch_dtype, None, {}
+        self.kv = kv_mod.KVCache(
+            model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
+        )
+        self._backends.clear()
+        nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
+        nbytes += sum(w.nbytes for w in experts.values())
+        log.info(
+            "loaded pipeline stage of %s (layers %s, %d expert slots): %.1f MB in %.2fs (%s)",
+            source,
+            stage.layers,
+            len(experts),
+            nbytes / 1e6,
+            time.monotonic() - started,
+            self.where(),
+        )
+        return nbytes
+
+    def _backend(self, epoch: int) -> experts_mod.ExpertBackend:
+        """This stage's experts over its stage group of `epoch` (older epochs' groups go)."""
+        backend = self._backends.get(epoch)
+        if backend is not None:
+            return backend
+        group = self.groups.get(epoch)
+        if group is None:
+            raise RuntimeError(f"no stage group of epoch {epoch} joined ({self.where()})")
+        if epoch not in self._stepped:
+            self._stepped = [*self._stepped[-1:], epoch]
+        # Groups of epochs before the two last stepped go (a revert steps the one before).
+        for old in [e for e in self.groups if e < min(self._stepped)]:
+            self.groups.pop(old).destroy()
+            self._backends.pop(old, None)
+        if self.placement is None:
+            backend = experts_mod.LocalExperts({})  # dense layers only: never called
+        else:
+            if group.rank != self.rank:
+                raise RuntimeError(
+                    f"stage group rank {group.rank} but experts loaded for DP rank {self.rank}: "
+                    f"pipeline stages do not follow a resize yet ({self.where()})"
+                )
+            backend = ep.ExpertParallelBackend(group, self.placement, self.experts)
+        self._backends[epoch] = backend
+        return backend
+
+    def follow(self, token: Token, placement: policy.Placement | None) -> None:
+        """Serve as the leader's live `token` says: its DP rank `token[2]` of `token[3]` under
+        `placement` (this stage's rows of it). Experts held now or before are kept; the rest
+        are read from the model source. A new token without a placement is refused."""
+        stage = self.stage
+        if token == self.token or stage is None:
+            return
+        if placement is None:
+            raise RuntimeError(
+                f"the leader serves {token}, this stage {self.token}, and no placement came "
+                f"({self.where()})"
+            )
+        rank, num_ranks = token[2], token[3]
+        if not stage.num_moe_layers:
+            self.rank, self.token = rank, token
+            return
+        local = stage_placement(placement, stage)
+        held = dict(self._before)
+        if self.placement is not None:
+            held.update(
+                ((layer, int(self.placement.phy2log[layer, slot])), w)
+                for (layer, slot), w in self.experts.items()
+            )
+        src = None
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        read = 0
+        for layer in range(stage.num_moe_layers):
+            for slot in local.slots_of_rank(rank, num_ranks):
+                logical = int(local.phy2log[layer, slot])
+                weights = held.get((layer, logical))
+                if weights is None:
+                    if src is None:
+                        assert self.source is not None
+                        src = source_mod.open_source(self.source)
+                    weights = experts_mod.load_expert(
+                        src,
+                        stage.moe_layers[0] + layer,
+                        logical,
+                        dtype=self.dtype,
+                        device=self.device,
+                    )
+                    held[(layer, logical)] = weights
+                    read += 1
+                experts[(layer, slot)] = weights
+        if self.placement is not None:
+            self._before = {
+                (layer, int(self.placement.phy2log[layer, slot])): w
+                for (layer, slot), w in self.experts.items()
+            }
+        self.placement, self.rank, self.experts, self.token = local, rank, experts, token
+        self._backends.clear()
+        log.info(
+            "pipeline stage serves %s: %d expert slots, %d read from the source (%s)",
+            token,
+            len(experts),
+            read,
+            self.where(),
+        )
+
+    def step(
+        self,
+        epoch: int,
+        frees: Sequence[str],
+        batch: kv_mod.ForwardBatch,
+        prev: Any,
+        live: Live | None = None,
+    ) -> dict[str, Any]:
+        """This stage's forward pass of `batch` given the previous stage's hidden states
+        (`prev`: the tensor, or the previous stage's answer), serving as the leader's `live`
+        says (`follow`). Returns {"out": hidden states, or the logits at the last stage,
+        "loads": every stage's (first, stop, load) so far}."""
+        model, kv, stage = self.model, self.kv, self.stage
+        if model is None or kv is None or stage is None:
+            raise RuntimeError(f"no weights loaded ({self.where()})")
+        if live is not None:
+            self.follow(*live)
+        loads: list[Any] = []
+        hidden = prev
+        if isinstance(prev, dict):
+            hidden, loads = prev["out"], list(prev["loads"])
+        for seq_id in frees:
+            kv.free(seq_id)
+        load = torch.zeros(
+            stage.num_moe_layers, model.config.num_experts, dtype=torch.int64, device=model.device
+        )
+        try:
+            backend = self._backend(epoch)
+            out = model.forward(
+                batch, kv, backend, hidden=hidden.to(model.device), expert_load=load
+            )
+        except Exception:
+            tensor_group.restore_kv(kv, batch)
+            self.abort("a pipeline stage's forward pass failed")
+            log.exception("pipeline stage step failed (%s)", self.where())
+            raise
+        self.steps += 1
+        loads.append((stage.moe_layers[0], stage.moe_layers[1], load.cpu()))
+        return {"out": out.cpu(), "loads": loads}
+
+    def abort(self, reason: str) -> None:
+        """Abort every stage group now (any thread)."""
+        for group in list(self.groups.values()):
+            group.abort(reason)
+
+    def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "pp_stage": self.stage_index, "steps": self.steps}
+
+    def shutdown(self) -> None:
+        for group in list(self.groups.values()):
+            group.destroy()
+        self.groups.clear()
+        self._backends.clear()
