@@ -51,13 +51,6 @@ def text(path: str) -> st.SearchStrategy[str]:
     )
 
 
-def pipeline_sizes() -> st.SearchStrategy[int]:
-    """What the CRD accepts of ``pipelineParallelSize``: its bounds, or only 1 while its CEL
-    rule refuses more (pipeline stages not served yet)."""
-    rules = [r["rule"] for r in node("pipelineParallelSize").get("x-kubernetes-validations", [])]
-    return st.just(1) if rules == ["self == 1"] else integers("pipelineParallelSize")
-
-
 @st.composite
 def specs(draw: st.DrawFn) -> dict[str, Any]:
     """A MoEDeployment spec: every field the head's command line depends on, within the
@@ -86,8 +79,12 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         },
         "ray": {"accelerator": draw(st.sampled_from(node("ray.accelerator")["enum"]))},
         "tensorParallelSize": draw(integers("tensorParallelSize")),
-        "pipelineParallelSize": draw(pipeline_sizes()),
+        "pipelineParallelSize": draw(integers("pipelineParallelSize")),
     }
+    if spec["pipelineParallelSize"] > 1:  # the CRD's rules: not yet with TP, EPLB or spares
+        spec["tensorParallelSize"] = 1
+        spec["expertParallel"]["eplb"]["enabled"] = False
+        spec["elastic"]["warmSpareRanks"] = 0
     if draw(st.booleans()):
         spec["model"]["servedModelName"] = draw(text("model.servedModelName"))
     if draw(st.booleans()):

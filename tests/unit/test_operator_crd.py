@@ -141,6 +141,7 @@ def test_conditions_are_a_list_map() -> None:
 
 
 VALID = {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
+NO_EPLB = {"eplb": {"enabled": False}}
 
 
 @pytest.mark.parametrize(
@@ -151,7 +152,27 @@ VALID = {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
         ({"replicas": 2}, "Extra inputs are not permitted"),
         ({"tensorParallelSize": 0}, "greater than or equal to 1"),
         ({"tensorParallelSize": 9}, "less than or equal to 8"),
-        ({"pipelineParallelSize": 2}, "pipelineParallelSize > 1 is not served yet"),
+        ({"pipelineParallelSize": 2}, "needs expertParallel.eplb.enabled: false"),  # EPLB default
+        (
+            {"pipelineParallelSize": 2, "tensorParallelSize": 2, "expertParallel": NO_EPLB},
+            "not served together with tensorParallelSize > 1",
+        ),
+        (
+            {
+                "pipelineParallelSize": 2,
+                "expertParallel": NO_EPLB,
+                "elastic": {"warmSpareRanks": 1},
+            },
+            "not served together with elastic.warmSpareRanks > 0",
+        ),  # fmt: skip
+        (
+            {
+                "pipelineParallelSize": 2,
+                "expertParallel": NO_EPLB,
+                "ray": {"workerResources": {"requests": {"cpu": "1"}}},
+            },
+            r"cpu must be at least tensorParallelSize x pipelineParallelSize .*want >= 2",
+        ),  # fmt: skip
         ({"pipelineParallelSize": 9}, "less than or equal to 8"),
         (
             {
@@ -191,7 +212,10 @@ VALID = {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2}
         "unknown-field",
         "tp-zero",
         "tp-above-8",
-        "pp-not-served",
+        "pp-with-eplb",
+        "pp-with-tp",
+        "pp-with-spares",
+        "cpu-request-below-pp",
         "pp-above-8",
         "gpu-limit-below-tp",
         "gpu-request-above-tp",
@@ -223,19 +247,23 @@ def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str)
         {"ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
         {"ray": {"accelerator": "nvidia.com/gpu",
                  "workerResources": {"limits": {"nvidia.com/gpu": 2}}}},
+        {"pipelineParallelSize": 2, "expertParallel": NO_EPLB},
+        {"pipelineParallelSize": 3, "expertParallel": NO_EPLB, "ray": {
+            "accelerator": "nvidia.com/gpu", "workerResources": {"limits": {"nvidia.com/gpu": 3}}}},
     ],
     ids=["tp-2-cpu", "tp-8-gpu", "gpu-count-given-right", "cpu-cores-enough", "cpu-gpu-limit",
-         "tp1-half-a-core", "tp1-gpu-count-overwritten"],
+         "tp1-half-a-core", "tp1-gpu-count-overwritten", "pp-2-cpu", "pp-3-gpu-count-given"],
 )  # fmt: skip
 def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> None:
     parsed = spec_.MoEDeploymentSpec.model_validate({**VALID, **patch})
-    assert parsed.devices_per_rank == parsed.tensor_parallel_size
+    assert parsed.devices_per_rank == (parsed.tensor_parallel_size * parsed.pipeline_parallel_size)
 
 
 def test_the_mesh_rules_are_in_the_crd() -> None:
     """The refusals above are the API server's too (tests/integration/operator/
-    test_operator_validation.py applies them): TP is bounded, PP refused above 1 by a rule of
-    its own (dropped once pipeline stages are served), the pod's fit checked at spec level."""
+    test_operator_validation.py applies them): TP and PP are bounded; PP above 1 refused
+    with TP above 1, EPLB or warm spares (what the runtime does not serve together yet) and
+    the pod's fit, all checked at spec level."""
     props = schema()["properties"]["spec"]["properties"]
     assert (props["tensorParallelSize"]["minimum"], props["tensorParallelSize"]["maximum"]) == (
         1,
@@ -244,8 +272,10 @@ def test_the_mesh_rules_are_in_the_crd() -> None:
     assert "x-kubernetes-validations" not in props["tensorParallelSize"]
     pp = props["pipelineParallelSize"]
     assert (pp["default"], pp["minimum"], pp["maximum"]) == (1, 1, 8)
-    assert [r["rule"] for r in pp["x-kubernetes-validations"]] == ["self == 1"]
+    assert "x-kubernetes-validations" not in pp
     messages = [r["message"] for r in schema()["properties"]["spec"]["x-kubernetes-validations"]]
+    for refusal in (mesh.PIPELINE_WITH_TENSOR, mesh.PIPELINE_WITH_EPLB, mesh.PIPELINE_WITH_SPARES):
+        assert refusal in messages
     assert any(m.startswith("ray.workerResources nvidia.com/gpu must equal") for m in messages)
     assert any(m.startswith("ray.workerResources cpu must be at least") for m in messages)
 

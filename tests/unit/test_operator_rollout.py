@@ -347,6 +347,21 @@ def test_a_live_field_starts_no_rollout(
     assert not d.rollout()
 
 
+def test_a_pipeline_size_change_rolls_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipelineParallelSize is a template field (the rank's actors and its pod's devices):
+    changing it (EPLB off first, a live change, as the CRD asks at P > 1) rolls over."""
+    d = Driver(monkeypatch)
+    d.serve()
+    d.change("expertParallel.eplb.enabled", False)
+    for _ in range(2):
+        d.step()
+    assert not d.rollout()
+    d.change("pipelineParallelSize", 2)
+    d.step()
+    d.step()
+    assert d.rollout()["stage"] in ("Starting", "Moving")
+
+
 def test_every_spec_field_is_classified() -> None:
     """A new top-level spec field is a template field unless listed live; this test names
     each one, so adding a field means deciding (and testing) which it is."""
@@ -361,8 +376,7 @@ def test_every_spec_field_is_classified() -> None:
         "pipelineParallelSize",
     }
     assert revision.LIVE_FIELDS <= fields
-    # pipelineParallelSize: refused above 1 for now, so it cannot change yet
-    assert fields - {"pipelineParallelSize"} <= tested | {"minDataParallelSize"}
+    assert fields <= tested | {"minDataParallelSize", "pipelineParallelSize"}
 
 
 def test_an_operator_upgrade_keeps_every_revision() -> None:

@@ -28,14 +28,46 @@ CPU: Final = "cpu"
 _DEVICES: Final = "(self.tensorParallelSize * self.pipelineParallelSize)"
 _RESOURCES: Final = "self.ray.workerResources"
 
-PIPELINE_NOT_SERVED: Final = (
-    "pipelineParallelSize > 1 is not served yet: the runtime has no pipeline stages inside a "
-    "data-parallel rank; use tensorParallelSize (or more data-parallel ranks) instead"
+#: What pipeline stages are not served together with yet (the runtime refuses each at
+#: start-up, docs/PIPELINE-PARALLEL.md): the CRD refuses them first, naming the field.
+PIPELINE_WITH_TENSOR: Final = (
+    "pipelineParallelSize > 1 is not served together with tensorParallelSize > 1 yet "
+    "(docs/PIPELINE-PARALLEL.md)"
 )
-#: ``spec.pipelineParallelSize``'s refusal of > 1, kept apart so that serving pipeline stages
-#: drops this list (and :func:`check_pipeline`) and nothing else.
+PIPELINE_WITH_EPLB: Final = (
+    "pipelineParallelSize > 1 needs expertParallel.eplb.enabled: false (EPLB rebalancing "
+    "per pipeline stage is not served yet, docs/PIPELINE-PARALLEL.md)"
+)
+PIPELINE_WITH_SPARES: Final = (
+    "pipelineParallelSize > 1 is not served together with elastic.warmSpareRanks > 0 yet "
+    "(docs/PIPELINE-PARALLEL.md)"
+)
+_STAGED: Final = "self.pipelineParallelSize > 1"
+_EPLB_ON: Final = (
+    "(!has(self.expertParallel) || !has(self.expertParallel.eplb) || "
+    "!has(self.expertParallel.eplb.enabled) || self.expertParallel.eplb.enabled)"
+)
+#: Spec-level rules of ``pipelineParallelSize`` > 1 (the Python twin: :func:`check_pipeline`).
 PIPELINE_RULES: Final[list[pydantic.JsonValue]] = [
-    {"rule": "self == 1", "message": PIPELINE_NOT_SERVED}
+    {
+        "rule": f"!({_STAGED}) || self.tensorParallelSize == 1",
+        "message": PIPELINE_WITH_TENSOR,
+        "fieldPath": ".pipelineParallelSize",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": f"!({_STAGED}) || !{_EPLB_ON}",
+        "message": PIPELINE_WITH_EPLB,
+        "fieldPath": ".expertParallel.eplb.enabled",
+        "reason": "FieldValueInvalid",
+    },
+    {
+        "rule": f"!({_STAGED}) || !has(self.elastic) || !has(self.elastic.warmSpareRanks) || "
+        "self.elastic.warmSpareRanks == 0",
+        "message": PIPELINE_WITH_SPARES,
+        "fieldPath": ".elastic.warmSpareRanks",
+        "reason": "FieldValueInvalid",
+    },
 ]
 
 GPUS_MUST_MATCH: Final = (
@@ -126,10 +158,18 @@ def parse_quantity(value: Union[int, str]) -> decimal.Decimal | None:
     return number
 
 
-def check_pipeline(pipeline_parallel_size: int) -> None:
-    """:data:`PIPELINE_RULES` in Python (``ValueError``)."""
-    if pipeline_parallel_size != 1:
-        raise ValueError(PIPELINE_NOT_SERVED)
+def check_pipeline(
+    *, pipeline_parallel_size: int, tensor_parallel_size: int, eplb: bool, warm_spare_ranks: int
+) -> None:
+    """:data:`PIPELINE_RULES` in Python (``ValueError`` with the same message)."""
+    if pipeline_parallel_size == 1:
+        return
+    if tensor_parallel_size != 1:
+        raise ValueError(PIPELINE_WITH_TENSOR)
+    if eplb:
+        raise ValueError(PIPELINE_WITH_EPLB)
+    if warm_spare_ranks:
+        raise ValueError(PIPELINE_WITH_SPARES)
 
 
 def check_fit(

@@ -330,6 +330,7 @@ _SPEC_RULES: list[pydantic.JsonValue] = [
         "reason": "FieldValueInvalid",
     },
     *mesh.FIT_RULES,
+    *mesh.PIPELINE_RULES,
 ]
 
 
@@ -361,10 +362,11 @@ class MoEDeploymentSpec(ApiModel):
         ge=1,
         le=mesh.MAX_PIPELINE_PARALLEL_SIZE,
         description=(
-            "Pipeline stages per data-parallel rank (its worker pod holds TP x PP devices). "
-            "Only 1 for now: the runtime serves no pipeline stages yet."
+            "Pipeline stages per data-parallel rank: the decoder layers split into this many "
+            "contiguous stages, one rank actor each, in the rank's one worker pod (it holds "
+            "TP x PP devices). Above 1: not yet with tensorParallelSize > 1, EPLB or warm "
+            "spares. A change rolls the deployment over (docs/ROLLOUTS.md)."
         ),
-        json_schema_extra={"x-kubernetes-validations": mesh.PIPELINE_RULES},
     )
     max_queued_requests: int = pydantic.Field(
         default=1024,
@@ -384,7 +386,12 @@ class MoEDeploymentSpec(ApiModel):
 
     @pydantic.model_validator(mode="after")
     def _sizes_consistent(self) -> MoEDeploymentSpec:
-        mesh.check_pipeline(self.pipeline_parallel_size)
+        mesh.check_pipeline(
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            eplb=self.expert_parallel.eplb.enabled,
+            warm_spare_ranks=self.elastic.warm_spare_ranks,
+        )
         workers = self.ray.worker_resources
         mesh.check_fit(
             devices=self.devices_per_rank,

@@ -71,10 +71,49 @@ CASES = [
     ),
     pytest.param(variant("spec.tensorParallelSize", 9), "spec.tensorParallelSize", id="tp-above-8"),
     pytest.param(
-        variant("spec.pipelineParallelSize", 2),
-        "pipelineParallelSize > 1 is not served yet",
-        id="pp-not-served",
+        variant("spec.pipelineParallelSize", 2),  # EPLB is on by default
+        "pipelineParallelSize > 1 needs expertParallel.eplb.enabled: false",
+        id="pp-with-eplb",
     ),
+    pytest.param(
+        {
+            **VALID,
+            "spec": {
+                **VALID["spec"],
+                "pipelineParallelSize": 2,
+                "tensorParallelSize": 2,
+                "expertParallel": {"eplb": {"enabled": False}},
+            },
+        },
+        "pipelineParallelSize > 1 is not served together with tensorParallelSize > 1",
+        id="pp-with-tp",
+    ),  # fmt: skip
+    pytest.param(
+        {
+            **VALID,
+            "spec": {
+                **VALID["spec"],
+                "pipelineParallelSize": 2,
+                "expertParallel": {"eplb": {"enabled": False}},
+                "elastic": {"warmSpareRanks": 1},
+            },
+        },
+        "pipelineParallelSize > 1 is not served together with elastic.warmSpareRanks",
+        id="pp-with-spares",
+    ),  # fmt: skip
+    pytest.param(
+        {
+            **VALID,
+            "spec": {
+                **VALID["spec"],
+                "pipelineParallelSize": 2,
+                "expertParallel": {"eplb": {"enabled": False}},
+                "ray": {"workerResources": {"requests": {"cpu": "1500m"}}},
+            },
+        },
+        "cpu must be at least tensorParallelSize x pipelineParallelSize",
+        id="cpu-request-below-pp",
+    ),  # fmt: skip
     pytest.param(
         variant("spec.pipelineParallelSize", 9), "spec.pipelineParallelSize", id="pp-above-8"
     ),
@@ -220,9 +259,13 @@ def test_invalid_spec_is_refused(
             "requests": {"cpu": "2000m"}, "limits": {"cpu": 3, "memory": "1Gi"}}}},
         {"tensorParallelSize": 2, "ray": {"workerResources": {"limits": {"memory": "1Gi"}}}},
         {"tensorParallelSize": 1, "ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
+        {"pipelineParallelSize": 2, "expertParallel": {"eplb": {"enabled": False}}},
+        {"pipelineParallelSize": 4, "expertParallel": {"eplb": {"enabled": False}},
+         "ray": {"accelerator": "nvidia.com/gpu", "workerResources": {
+            "limits": {"nvidia.com/gpu": 4}}}},
     ],
     ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given",
-         "tp1-half-a-core"],
+         "tp1-half-a-core", "pp2-cpu", "pp4-gpu-count-given"],
 )  # fmt: skip
 def test_a_mesh_the_worker_pod_holds_is_accepted(
     control_plane: cluster.ControlPlane, spec: dict[str, Any]
@@ -234,8 +277,8 @@ def test_a_mesh_the_worker_pod_holds_is_accepted(
     stored = yaml.safe_load(
         control_plane.kubectl("get", "moed", doc["metadata"]["name"], "-o", "yaml").stdout
     )
-    assert stored["spec"]["tensorParallelSize"] == spec["tensorParallelSize"]
-    assert stored["spec"]["pipelineParallelSize"] == 1
+    mesh = (spec.get("tensorParallelSize", 1), spec.get("pipelineParallelSize", 1))
+    assert (stored["spec"]["tensorParallelSize"], stored["spec"]["pipelineParallelSize"]) == mesh
 
 
 def test_a_pvc_source_is_accepted(control_plane: cluster.ControlPlane) -> None:
