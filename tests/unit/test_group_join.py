@@ -16,6 +16,7 @@ import torch
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, local
 from moe_runtime.rank import groups as groups_mod
+from moe_runtime.rank import pipeline_group
 
 #: Far longer than any test here waits: a test that reaches it has failed.
 LONG = 60.0
@@ -51,6 +52,30 @@ def test_members_that_all_come_form_a_working_group(
         list(pool.map(lambda gt: gt[0].all_reduce(gt[1]), zip(groups, tensors, strict=True)))
     assert all(t.tolist() == [3.0, 3.0] for t in tensors)
     for g in groups:
+        g.destroy()
+
+
+def test_pipeline_stage_groups_meet_beside_their_leaders_group(
+    spec_of: Callable[[int], group_mod.GroupSpec],
+) -> None:
+    """Each pipeline stage's group of an epoch is derived from the leaders' step group
+    (`pipeline_group.stage_spec`): over TCP (DP ranks on several hosts) its own keys in the
+    store the leaders' rank 0 hosts, on one host a FileStore of its own. Two stage groups and
+    the leaders' group work at once, each summing only its own members' tensors."""
+    spec = spec_of(2)
+    leaders = [f.result(timeout=30) for f in _join_all(spec, [0, 1], timeout=LONG)]
+    stages = {
+        s: [f.result(timeout=30) for f in _join_all(pipeline_group.stage_spec(spec, s), [0, 1],
+                                                     timeout=LONG)]
+        for s in (1, 2)
+    }  # fmt: skip
+    members = [(g, 10.0 * s + g.rank) for s, gs in stages.items() for g in gs]
+    members += [(g, 100.0 + g.rank) for g in leaders]
+    tensors = [torch.full((2,), value) for _, value in members]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(members)) as pool:
+        list(pool.map(lambda gt: gt[0].all_reduce(gt[1]), zip([g for g, _ in members], tensors)))
+    assert [t[0].item() for t in tensors] == [21.0, 21.0, 41.0, 41.0, 201.0, 201.0]
+    for g, _ in members:
         g.destroy()
 
 

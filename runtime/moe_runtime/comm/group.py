@@ -96,6 +96,10 @@ class GroupSpec:
     epoch: which group generation this is; keys of different epochs never mix.
     backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
     store_path: FileStore path, used instead of TCP when every member runs on one host.
+    namespace: a prefix of this group's keys in the store, so that several groups of one
+        epoch can meet in one store (a pipeline stage's group in its leaders' store).
+    hosted: whether group rank 0 hosts the TCPStore (False: every member is a client of a
+        store another group's rank 0 hosts on host:port, and that group outlives the join).
     """
 
     host: str
@@ -104,6 +108,8 @@ class GroupSpec:
     epoch: int
     backend: Backend = "gloo"
     store_path: str | None = None
+    namespace: str = ""
+    hosted: bool = True
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -193,7 +199,7 @@ class StatelessGroup:
         self._aborted = aborted or (lambda: False)
         self._check_join(deadline, missing=lambda: list(range(spec.world_size)))  # called off?
         self._store: Any = c10d.PrefixStore(
-            f"elastic-moe/epoch-{spec.epoch}/", self._make_store(deadline)
+            f"elastic-moe/epoch-{spec.epoch}/{spec.namespace}", self._make_store(deadline)
         )
         self.wait_for_members(deadline)
         self._pg: Any = self._make_backend(bind_host, high_priority=high_priority)
@@ -245,7 +251,7 @@ class StatelessGroup:
         spec = self.spec
         if spec.store_path is not None:
             return c10d.FileStore(spec.store_path, spec.world_size)
-        if self.rank == 0:
+        if self.rank == 0 and spec.hosted:
             # Listen on spec.host only: TCPStore alone would bind every interface.
             # The store takes ownership of the listening descriptor (detach).
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listen:

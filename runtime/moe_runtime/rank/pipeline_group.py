@@ -94,14 +94,13 @@ class Stages(Protocol):
 
 def stage_spec(spec: group_mod.GroupSpec, stage: int) -> group_mod.GroupSpec:
     """The rendezvous of stage `stage`'s expert-parallel group, derived from the leaders' step
-    group `spec` (same members, epoch and group ranks). Only a FileStore rendezvous (every DP
-    rank on one host) can be derived: a TCP one would need a port per stage."""
-    if spec.store_path is None:
-        raise RuntimeError(
-            "--pipeline-parallel-size > 1 needs every DP rank on one host (a FileStore "
-            "rendezvous); pipeline stages across hosts are not built yet"
-        )
-    return dataclasses.replace(spec, store_path=f"{spec.store_path}.pp{stage}")
+    group `spec` (same members, epoch and group ranks): a FileStore of its own beside the
+    leaders' (every DP rank on one host), or its own keys in the leaders' TCPStore, which the
+    leader of group rank 0 hosts while its step group of that epoch lives (DP ranks on
+    several hosts: the stages of a DP rank share their leader's host)."""
+    if spec.store_path is not None:
+        return dataclasses.replace(spec, store_path=f"{spec.store_path}.pp{stage}")
+    return dataclasses.replace(spec, namespace=f"pp{stage}/", hosted=False)
 
 
 def stage_placement(placement: policy.Placement, stage: pipeline.PipelineStage) -> policy.Placement:
