@@ -73,7 +73,12 @@ def test_pipeline_stage_groups_meet_beside_their_leaders_group(
     members += [(g, 100.0 + g.rank) for g in leaders]
     tensors = [torch.full((2,), value) for _, value in members]
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(members)) as pool:
-        list(pool.map(lambda gt: gt[0].all_reduce(gt[1]), zip([g for g, _ in members], tensors)))
+        list(
+            pool.map(
+                lambda gt: gt[0].all_reduce(gt[1]),
+                zip([g for g, _ in members], tensors, strict=True),
+            )
+        )
     assert [t[0].item() for t in tensors] == [21.0, 21.0, 41.0, 41.0, 201.0, 201.0]
     for g, _ in members:
         g.destroy()
