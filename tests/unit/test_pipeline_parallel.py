@@ -7,15 +7,19 @@ Spawned processes over gloo, against transformers: tests/integration/test_pipeli
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import pathlib
 
 import pytest
 import safetensors
 import torch
 
+from moe_runtime.comm import group as group_mod
 from moe_runtime.model import decoder, generate, names, pipeline, source, tensor_parallel, tp_shard
 from moe_runtime.model import kv as kv_mod
+from moe_runtime.rank import staging
 from tests.support import hf_families, read_counter, tp_ranks
 
 PROMPTS = [[1, 5, 9, 200, 3], [1, 7], [1, *range(40, 58)]]
@@ -226,3 +230,34 @@ def test_stages_passed_out_of_order_are_refused(sources: dict[str, source.ModelS
     experts = [pipeline.local_experts(src, s) for s in stages]
     with pytest.raises(ValueError, match="every one, in order"):
         generate.generate_greedy(models, PROMPTS, NEW_TOKENS, experts=experts)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_a_new_leader_gets_stage_0s_weights_from_a_peer_over_the_group(
+    sources: dict[str, source.ModelSource], family: str, tmp_path: pathlib.Path
+) -> None:
+    """A grow's new DP rank on another host: its leader (pipeline stage 0) receives a serving
+    leader's non-expert weights over the transfer group (`staging.exchange_non_expert`, the
+    path of DP ranks on several hosts): exactly stage 0's tensors, equal to the sender's."""
+    src = sources[family]
+    stage = pipeline.plan(src.config, stage=0, size=2)
+    sender = decoder.MoEModel.from_source(src, pp=stage)
+    receiver = decoder.MoEModel(src.config, pp=stage)
+    spec = group_mod.GroupSpec.local(2, epoch=1, directory=str(tmp_path))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        groups = list(pool.map(lambda r: group_mod.StatelessGroup(spec, r, timeout=60), [0, 1]))
+        done = list(
+            pool.map(
+                lambda gm: staging.exchange_non_expert(
+                    gm[0], gm[0].rank, gm[1], src_ranks=[0], dst_ranks=[1], tag=7,
+                    dtype=torch.float32,
+                ),
+                zip(groups, [sender, receiver], strict=True),
+            )
+        )  # fmt: skip
+    for g in groups:
+        g.destroy()
+    assert done[0] == ([1], 0) and done[1][1] > 0
+    sent, got = sender.non_expert_state(), receiver.non_expert_state()
+    assert set(got) == set(sent) == set(stage.tensor_names())
+    assert all(torch.equal(sent[n], got[n]) for n in sent)

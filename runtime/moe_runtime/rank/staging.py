@@ -16,7 +16,7 @@ import torch
 from moe_runtime.comm import group as group_mod
 from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import decoder, names
+from moe_runtime.model import decoder
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import source as source_mod
 
@@ -55,9 +55,9 @@ def exchange_non_expert(
     Ranks are ranks of `grp`; each sender sends its whole state as one flat buffer to each of
     its receivers at once (`senders_for`). Returns (receivers this rank sent to, bytes received).
     """
-    cfg = model.config
     sender_of = senders_for(list(src_ranks), list(dst_ranks))
-    tensor_names = names.non_expert_tensor_names(cfg)
+    # a pipeline stage 0's: its layers only (every leader of a deployment is the same stage)
+    tensor_names = model.pp.tensor_names()
     shapes = [model.tensor_shape(n) for n in tensor_names]  # a TP leader's: its part
     numel = sum(_numel(s) for s in shapes)
     mine = sorted(dst for dst, src in sender_of.items() if src == me)
