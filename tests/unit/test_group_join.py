@@ -15,6 +15,7 @@ import torch
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, local
+from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import pipeline_group
 
@@ -107,6 +108,35 @@ def test_a_join_called_off_returns_at_once(
     for f in futures:
         with pytest.raises(group_mod.JoinAborted):
             f.result(timeout=2 * LONG)
+
+
+def test_a_leaders_call_off_reaches_its_pipeline_stages_joins(
+    spec_of: Callable[[int], group_mod.GroupSpec],
+) -> None:
+    """A member died before joining: the executor calls its peers' joins of the epoch off
+    (`RankGroups.abort_join`); a pipeline leader passes that on to its stages, whose joins of
+    the epoch then end at once (JoinAborted), not at their own timeout (60 s)."""
+    spec = spec_of(2)
+    called_off: list[int] = []
+    ctx = context_mod.RankContext(
+        loaded=None,  # type: ignore[arg-type]  # no weights: only the groups are used
+        device="cpu",
+        dtype=torch.float32,
+        check=lambda point: None,
+        where=lambda: "leader",
+    )
+    groups = groups_mod.RankGroups(ctx, on_abort_join=called_off.append)
+    stage = pipeline_group.StageWorker(stage=1, size=2, device="cpu")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        joining = pool.submit(stage.join, spec, 1)  # member 0's stage never comes
+        with pytest.raises(concurrent.futures.TimeoutError):
+            joining.result(timeout=0.5)
+        groups.abort_join(spec.epoch)
+        for epoch in called_off:  # what `PipelineLeader.abort_join` sends each stage
+            stage.abort_join(epoch)
+        with pytest.raises(group_mod.JoinAborted):
+            joining.result(timeout=30)
+    assert called_off == [spec.epoch] and spec.epoch not in stage.groups
 
 
 # ------------------------------------------------------------------- LocalExecutor

@@ -67,6 +67,9 @@ class StageActor:
     def abort(self, reason: str) -> None:
         self.worker.abort(reason)
 
+    def abort_join(self, epoch: int) -> None:
+        self.worker.abort_join(epoch)
+
 
 RemoteStage: Any = ray.remote(  # type: ignore[call-overload]
     num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
@@ -99,3 +102,8 @@ class RayStages(ray_tensor.RayFollowers):
         health = {"concurrency_group": HEALTH_LANE}
         refs = [a.abort.options(**health).remote(reason) for a in self._actors]
         ray.wait(refs, num_returns=len(refs), timeout=5.0)
+
+    def abort_join(self, epoch: int) -> None:
+        health = {"concurrency_group": HEALTH_LANE}
+        for actor in self._actors:  # not awaited: it only marks the epoch
+            actor.abort_join.options(**health).remote(epoch)

@@ -41,11 +41,15 @@ class RankGroups:
         ctx: context_mod.RankContext,
         *,
         on_join: Callable[[group_mod.GroupSpec, int, str], None] | None = None,
+        on_abort_join: Callable[[int], None] | None = None,
     ) -> None:
         self._ctx = ctx
         #: called after each successful join with (spec, rank, role): a pipeline leader's
         #: stages join their own groups of the epoch then (`pipeline_group`)
         self._on_join = on_join
+        #: called with the epoch when its joins are called off: a pipeline leader's stages
+        #: call off theirs (a stage waiting for a member that died ends at once)
+        self._on_abort_join = on_abort_join
         self._lock = threading.Lock()
         self._groups: dict[Key, group_mod.StatelessGroup] = {}
         self._group_ranks: dict[Key, int] = {}
@@ -124,6 +128,8 @@ class RankGroups:
         with self._lock:
             self._aborted_joins.add(epoch)
         log.info("joins of epoch %d called off (%s)", epoch, self._ctx.where())
+        if self._on_abort_join is not None:
+            self._on_abort_join(epoch)
 
     def abort(self, epoch: int | None, reason: str) -> list[Key]:
         """Abort the groups of `epoch` (None: every group) at once, without waiting on any

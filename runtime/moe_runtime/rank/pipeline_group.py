@@ -85,6 +85,9 @@ class Stages(Protocol):
     def abort(self, reason: str) -> None:
         """Abort every stage's groups now (their health lane: never queued behind a step)."""
 
+    def abort_join(self, epoch: int) -> None:
+        """Call off every stage's joins of `epoch` (their health lane; returns at once)."""
+
     def alive(self) -> str | None:
         """None while every stage answers pings, else why not."""
 
@@ -160,6 +163,14 @@ class PipelineLeader:
             self.stages.abort(reason)
         except Exception:  # noqa: BLE001 - a dead stage has no group to abort
             log.debug("aborting the stages' groups failed", exc_info=True)
+
+    def abort_join(self, epoch: int) -> None:
+        """The leader's joins of `epoch` were called off (a member died before joining): so are
+        its stages', which would otherwise wait for that member's stage until their timeout."""
+        try:
+            self.stages.abort_join(epoch)
+        except Exception:  # noqa: BLE001 - a dead stage joins nothing
+            log.debug("calling off the stages' joins of epoch %d failed", epoch, exc_info=True)
 
     # -- steps ---------------------------------------------------------------------------
     def free(self, seq_ids: Sequence[str]) -> None:
@@ -252,6 +263,8 @@ class StageWorker:
         #: stage groups by epoch (joined with the leaders' step groups) and their backends
         self.groups: dict[int, group_mod.StatelessGroup] = {}
         self._backends: dict[int, experts_mod.ExpertBackend] = {}
+        #: epochs whose joins were called off (`abort_join`; epochs are never reused)
+        self._aborted_joins: set[int] = set()
         self.steps = 0
 
     def where(self) -> str:
@@ -261,7 +274,10 @@ class StageWorker:
     def join(self, spec: group_mod.GroupSpec, rank: int) -> None:
         """Join stage group of `spec.epoch` (derived from the leaders' step group) as `rank`."""
         group = group_mod.StatelessGroup(
-            stage_spec(spec, self.stage_index), rank, timeout=GROUP_TIMEOUT_S
+            stage_spec(spec, self.stage_index),
+            rank,
+            timeout=GROUP_TIMEOUT_S,
+            aborted=lambda: spec.epoch in self._aborted_joins,
         )
         old = self.groups.pop(spec.epoch, None)
         self.groups[spec.epoch] = group
@@ -442,6 +458,10 @@ class StageWorker:
         self.steps += 1
         loads.append((stage.moe_layers[0], stage.moe_layers[1], load.cpu()))
         return {"out": out.cpu(), "loads": loads}
+
+    def abort_join(self, epoch: int) -> None:
+        """Call off this stage's join of `epoch`, running or still to come (any thread)."""
+        self._aborted_joins.add(epoch)
 
     def abort(self, reason: str) -> None:
         """Abort every stage group now (any thread)."""

@@ -176,7 +176,9 @@ class RankWorker:
             fail=self.fail,
         )
         self.groups = groups_mod.RankGroups(
-            ctx, on_join=None if self.pipeline is None else self._stages_join
+            ctx,
+            on_join=None if self.pipeline is None else self._stages_join,
+            on_abort_join=None if self.pipeline is None else self.pipeline.abort_join,
         )
         self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups)
         self.stepper = stepper_mod.Stepper(
