@@ -41,3 +41,12 @@ def ray_session() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_address(ray_session: None) -> str:
+    """The tests' Ray instance's address, for a `serve` process to join (`RAY_ADDRESS`)."""
+    import ray
+
+    address: str = ray.get_runtime_context().gcs_address
+    return address

@@ -68,14 +68,6 @@ def _reference(model: transformers.PreTrainedModel) -> Reference:
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_address(ray_session: None) -> str:
-    import ray
-
-    address: str = ray.get_runtime_context().gcs_address
-    return address
-
-
 @pytest.fixture(scope="module", params=hf_families.FAMILIES)
 def served(
     request: pytest.FixtureRequest,

@@ -14,134 +14,35 @@ Ray instance; the resize and failure tests run on Mixtral only (which passes DP 
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import os
-import signal
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from e2e import load as load_mod
-from tests.support import hf_families, runtime_proc
+from tests.support import mesh_serving, runtime_proc
+from tests.support.mesh_serving import AUTH, Served, check_answers
 
 pytestmark = pytest.mark.ray
 
-TOKEN = "test-admin-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 #: (family, data-parallel size)
 CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
-PROMPTS = tuple(range(6))
-LENGTHS = (6, 12)
-Reference = dict[tuple[int, int, int | None], list[int]]
-
-
-@dataclasses.dataclass
-class Served:
-    family: str
-    size: int
-    server: runtime_proc.RuntimeProcess
-    reference: Reference
-
-
-def _reference(model: Any) -> Reference:
-    out: Reference = {}
-    for p in PROMPTS:
-        greedy = hf_families.greedy(model, load_mod.PROMPTS[p], max(LENGTHS))
-        for n in LENGTHS:
-            out[(p, n, None)] = greedy[:n]
-    return out
-
-
-@pytest.fixture(scope="module")
-def ray_address(ray_session: None) -> str:
-    import ray
-
-    address: str = ray.get_runtime_context().gcs_address
-    return address
+MESH = ["--pipeline-parallel-size", "2", "--no-eplb"]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-dp{n}" for f, n in CASES])
 def served(
-    request: pytest.FixtureRequest,
-    tmp_path_factory: pytest.TempPathFactory,
-    ray_address: str,
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ray_address: str
 ) -> Iterator[Served]:
     family, size = request.param
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp(f"{family}-dp{size}")
-    model = hf_families.build(family)
-    path = hf_families.save(model, root / "ckpt")
-    args = ["--model", str(path), "--data-parallel-size", str(size)]
-    args += ["--pipeline-parallel-size", "2", "--no-eplb", "--dtype", "float32"]
-    args += ["--served-model-name", family]
-    server, reference = runtime_proc.start_while(
-        args,
-        lambda: _reference(model),
-        log=root / "serve.log",
-        env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": ray_address},
-    )
-    try:
-        yield Served(family, size, server, reference)
-    finally:
-        server.stop()
-
-
-def _status(s: Served) -> dict[str, Any]:
-    return runtime_proc.status(s.server.url, headers=AUTH)
-
-
-def _serving(s: Served) -> list[dict[str, Any]]:
-    return [r for r in _status(s)["ranks"] if r["rank"] is not None and r["active"]]
-
-
-def _answer(client: httpx.Client, family: str, case: load_mod.Case) -> list[int]:
-    body = dict(case.body(family), stream=False)
-    r = client.post("/v1/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    tokens: list[int] = r.json()["choices"][0]["token_ids"]
-    return tokens
-
-
-def _check_answers(s: Served) -> None:
-    cases = [load_mod.Case(p, n, None) for p in PROMPTS for n in LENGTHS]
-    with (
-        httpx.Client(base_url=s.server.url) as client,
-        concurrent.futures.ThreadPoolExecutor(6) as pool,
-    ):
-        got = list(pool.map(lambda c: _answer(client, s.family, c), cases))
-    wrong = [
-        (c.key, g, s.reference[c.key])
-        for c, g in zip(cases, got, strict=True)
-        if g != s.reference[c.key]
-    ]
-    assert not wrong, f"{s.family}: {len(wrong)} answers differ from transformers: {wrong[:3]}"
+    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=MESH)
 
 
 def test_answers_equal_transformers_at_pp2(served: Served) -> None:
-    ranks = _serving(served)
-    assert len(ranks) == served.size, ranks
-    for r in ranks:  # each DP rank: its leader (stage 0) and one live stage actor of its own
-        assert len(r["pp_pids"]) == 1 and r["pp_pids"][0] != r["pid"], r
-        assert r["tp_pids"] == [], r
-        os.kill(r["pp_pids"][0], 0)
-    _check_answers(served)
-
-
-def _load(s: Served) -> load_mod.Load:
-    return load_mod.Load(
-        lambda: s.server.url,
-        model_name=s.family,
-        reference=s.reference,
-        clients=4,
-        lengths=LENGTHS,
-        seeds=(),
-        prompts=PROMPTS,
-    )
+    # each DP rank: its leader (stage 0) and one live stage actor of its own, no TP follower
+    ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids")
+    assert all(r["tp_pids"] == [] for r in ranks), ranks
+    check_answers(served)
 
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:
@@ -150,16 +51,14 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the resizes")
     for size in (3, 2):
-        traffic = _load(served)
+        traffic = mesh_serving.load(served)
         with traffic:
             done = runtime_proc.scale(served.server.url, size, headers=AUTH)
         assert done["stage"] == "Completed", done
         assert not traffic.failures, traffic.failures[:3]
         assert traffic.ok > 0, traffic.summary()
-        ranks = _serving(served)
-        assert len(ranks) == size, ranks
-        assert all(len(r["pp_pids"]) == 1 for r in ranks), ranks
-        _check_answers(served)
+        mesh_serving.assert_mesh(served, size, "pp_pids")
+        check_answers(served)
 
 
 def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
@@ -170,39 +69,11 @@ def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
     survivor) and auto-recover grows back to the size with a fresh leader and stage."""
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the failure path")
-    size = len(_serving(served))
-    victim = _serving(served)[-1]
-    before = len(_status(served)["history"])
-    traffic = _load(served)
-    with traffic:
-        deadline = time.monotonic() + 60
-        while traffic.ok < 4:
-            assert time.monotonic() < deadline, traffic.summary()
-            time.sleep(0.05)
-        os.kill(victim["pp_pids"][0], signal.SIGKILL)
-        deadline = time.monotonic() + 180
-        while True:
-            st = _status(served)
-            recoveries = [h for h in st["history"][before:] if h.get("recovery")]
-            pids = {r["pid"] for r in _serving(served)}
-            if (
-                recoveries
-                and victim["pid"] not in pids
-                and st["data_parallel_size"] == size
-                and not st["is_scaling"]
-            ):
-                break
-            assert time.monotonic() < deadline, (st, served.server.tail())
-            time.sleep(0.2)
-    assert not traffic.failures, traffic.failures[:3]
-    assert traffic.ok > 0, traffic.summary()
-    lost = [lost for h in recoveries for lost in h["recovery"]["ranks_lost"]]
-    assert [r["pid"] for r in lost] == [victim["pid"]], recoveries
-    ranks = _serving(served)
-    assert all(len(r["pp_pids"]) == 1 for r in ranks), ranks
-    for r in ranks:
-        os.kill(r["pp_pids"][0], 0)
-    _check_answers(served)
+    size = len(mesh_serving.serving(served))
+    victim = mesh_serving.serving(served)[-1]
+    mesh_serving.signal_under_load(served, victim, victim["pp_pids"][0])
+    mesh_serving.assert_mesh(served, size, "pp_pids")
+    check_answers(served)
 
 
 def test_eplb_cannot_be_turned_on_while_serving(served: Served) -> None:
