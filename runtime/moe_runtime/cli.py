@@ -69,28 +69,27 @@ def _kv_budget(
 def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
     """Why this runtime cannot serve the asked mesh of `cfg`, or None
     (docs/TENSOR-PARALLEL.md, docs/PIPELINE-PARALLEL.md): a tensor-parallel size must shard
-    the model (`tp_shard.plan`, which names the field) and needs Ray ranks; pipeline stages
-    (`_unsupported_pipeline`) are served at T = 1 only."""
-    if args.pipeline_parallel_size != 1:
-        return _unsupported_pipeline(args, cfg)
+    the model (`tp_shard.plan`, which names the field) and needs Ray ranks; so do pipeline
+    stages (`_unsupported_pipeline`)."""
     size = args.tensor_parallel_size
-    if size == 1:
-        return None
     if size < 1:
         return f"{flags.TENSOR_PARALLEL_SIZE} {size}: must be >= 1"
-    if args.executor != "ray":
-        return f"{flags.TENSOR_PARALLEL_SIZE} {size} needs the Ray executor (--executor ray)"
-    try:
-        tp_shard.plan(cfg, rank=0, size=size)
-    except ValueError as exc:
-        return f"{flags.TENSOR_PARALLEL_SIZE} {size} does not fit this model: {exc}"
+    if size > 1:
+        if args.executor != "ray":
+            return f"{flags.TENSOR_PARALLEL_SIZE} {size} needs the Ray executor (--executor ray)"
+        try:
+            tp_shard.plan(cfg, rank=0, size=size)
+        except ValueError as exc:
+            return f"{flags.TENSOR_PARALLEL_SIZE} {size} does not fit this model: {exc}"
+    if args.pipeline_parallel_size != 1:
+        return _unsupported_pipeline(args, cfg)
     return None
 
 
 def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
     """Why pipeline stages at `--pipeline-parallel-size` P != 1 cannot serve, or None: P must
     fit the model's layers (`pipeline.plan`) and needs the Ray executor; not yet together
-    with tensor parallelism, warm spares, a rank pool or EPLB rebalancing (each named)."""
+    with warm spares, a rank pool or EPLB rebalancing (each named)."""
     size = args.pipeline_parallel_size
     what = f"{flags.PIPELINE_PARALLEL_SIZE} {size}"
     if size < 1:
@@ -98,10 +97,6 @@ def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig)
     if args.executor != "ray":
         return f"{what} needs the Ray executor (--executor ray)"
     not_yet = [
-        (
-            args.tensor_parallel_size != 1,
-            f"{flags.TENSOR_PARALLEL_SIZE} {args.tensor_parallel_size}",
-        ),
         (args.warm_spare_ranks > 0, f"{flags.WARM_SPARE_RANKS} {args.warm_spare_ranks}"),
         (args.rank_pool > 0, f"--rank-pool {args.rank_pool}"),
         (args.eplb, f"{flags.EPLB} (EPLB rebalancing is on by default: pass --no-eplb)"),
@@ -195,8 +190,7 @@ def _build_into(
         runtime.cluster = cluster_mod
         tp_size = args.tensor_parallel_size
         pp_size = args.pipeline_parallel_size
-        # a DP rank takes T x P rank slots (its leader and its T-1 tensor-parallel followers,
-        # or its P-1 pipeline stages)
+        # a DP rank takes T x P rank slots (T tensor-parallel actors of each of P stages)
         slots = (
             tp_size
             * pp_size

@@ -13,9 +13,10 @@ os.environ.setdefault("RAY_CGRAPH_get_timeout", "60")
 
 @pytest.fixture(scope="package")
 def ray_session() -> Iterator[None]:
-    """A local Ray instance on loopback with room for 8 rank actors; shut down at session end.
+    """A local Ray instance on loopback with room for 12 rank actors (3 DP ranks of TP 2 x PP 2);
+    shut down at session end.
 
-    Rank actors take no CPU (num_cpus=0) and one `moe_rank` each, so 8 ranks fit on 2 cores.
+    Rank actors take no CPU (num_cpus=0) and one `moe_rank` each, so they all fit on 2 cores.
     """
     ray = pytest.importorskip("ray")
     from moe_runtime.executor import cluster
@@ -28,7 +29,7 @@ def ray_session() -> Iterator[None]:
         _node_ip_address="127.0.0.1",
         num_cpus=2,
         num_gpus=0,
-        resources={"moe_rank": 8},
+        resources={"moe_rank": 12},
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,

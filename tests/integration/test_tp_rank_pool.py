@@ -6,7 +6,7 @@ loads its shard), every answer under load equals transformers', and the pool ref
 a pooled rank whose follower is SIGKILLed is removed whole and replaced.
 
 One server (tiny random Mixtral shape, `tests.support.tp_serving`), joining the tests' Ray
-instance (8 rank slots: 3 DP ranks and the pooled one, 2 actors each).
+instance (3 DP ranks and the pooled one, 2 actors each).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ takes its DP rank out and the recovery grows back on the replacement spare: no r
 every answer equals transformers' (greedy and seeded, streamed or not).
 
 One server for the module (tiny random Mixtral shape, `tests.support.tp_serving`), joining the
-tests' Ray instance (8 rank slots: 3 DP ranks and one spare, 2 actors each).
+tests' Ray instance (3 DP ranks and one spare, 2 actors each).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Shared by the integration tests of `serve` with more than one device per DP rank
-(tests/integration/test_tp_serve.py at TP 2, test_pp_serve.py at PP 2): one server per
+(tests/integration/test_tp_serve.py at TP 2, test_pp_serve.py at PP 2, test_mesh_serve.py at
+TP 2 x PP 2): one server per
 family on the tests' Ray instance, transformers' greedy answers, checked answers and load, and
 a process of a DP rank signalled under load until the deployment is back at its size."""
 
@@ -79,14 +80,15 @@ def serving(s: Served) -> list[dict[str, Any]]:
     return [r for r in status(s)["ranks"] if r["rank"] is not None and r["active"]]
 
 
-def assert_mesh(s: Served, size: int, pids: str) -> list[dict[str, Any]]:
-    """`size` DP ranks serve, each a leader and one live process of its own listed in
-    `pids` (`tp_pids`: its TP follower, `pp_pids`: its second pipeline stage)."""
+def assert_mesh(s: Served, size: int, pids: str, count: int = 1) -> list[dict[str, Any]]:
+    """`size` DP ranks serve, each a leader and `count` live processes of its own listed in
+    `pids` (`tp_pids`: its TP followers, `pp_pids`: its pipeline stages after the first)."""
     ranks = serving(s)
     assert len(ranks) == size, ranks
     for r in ranks:
-        assert len(r[pids]) == 1 and r[pids][0] != r["pid"], r
-        os.kill(r[pids][0], 0)  # alive
+        assert len(r[pids]) == count and r["pid"] not in r[pids], r
+        for pid in r[pids]:
+            os.kill(pid, 0)  # alive
     return ranks
 
 

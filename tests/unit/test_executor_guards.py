@@ -229,3 +229,28 @@ def test_serve_on_a_ray_without_compiled_graph_fails_its_start_saying_why(
     assert "CompiledGraphUnavailable" in message and "Ray 2.9.3" in message
     assert "MOE_STEP_MODE=remote" in message
     assert "MOE_STEP_MODE=remote" in capsys.readouterr().err
+
+
+def test_a_grows_rank_takes_the_serving_priority_from_its_first_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks started beside serving ones (a grow, a recovery's grow-back) run the grow hook
+    (`niceness.grow_setup`) in every process of the DP rank: a worker that began at Ray's
+    default niceness 15 beside busy ranks would otherwise import for minutes while the
+    resize waits."""
+    serving = _info("n1", "127.0.0.1")
+    leaders, followers, _ = _fake_ray(monkeypatch, [_info("n1", "127.0.0.1")])
+    _start(count=1, existing=[serving], env={}, tp_size=2)
+    hook = {niceness.SETUP_HOOK_ENV: niceness.GROW_SETUP_HOOK}
+    assert leaders.options_seen[0]["runtime_env"] == {"env_vars": hook}
+    assert followers.options_seen[0]["runtime_env"] == {"env_vars": hook}
+
+
+def test_the_grow_hook_sets_the_serving_niceness(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(niceness.os, "getpriority", lambda which, who: 15)
+    monkeypatch.setattr(niceness.os, "setpriority", lambda *a: seen.append(a))
+    module, name = niceness.GROW_SETUP_HOOK.rsplit(".", 1)
+    assert module == niceness.__name__
+    getattr(niceness, name)()
+    assert seen and {n for _, _, n in seen} == {niceness.SERVING_NICENESS}

@@ -154,10 +154,6 @@ NO_EPLB = {"eplb": {"enabled": False}}
         ({"tensorParallelSize": 9}, "less than or equal to 8"),
         ({"pipelineParallelSize": 2}, "needs expertParallel.eplb.enabled: false"),  # EPLB default
         (
-            {"pipelineParallelSize": 2, "tensorParallelSize": 2, "expertParallel": NO_EPLB},
-            "not served together with tensorParallelSize > 1",
-        ),
-        (
             {
                 "pipelineParallelSize": 2,
                 "expertParallel": NO_EPLB,
@@ -213,7 +209,6 @@ NO_EPLB = {"eplb": {"enabled": False}}
         "tp-zero",
         "tp-above-8",
         "pp-with-eplb",
-        "pp-with-tp",
         "pp-with-spares",
         "cpu-request-below-pp",
         "pp-above-8",
@@ -250,9 +245,12 @@ def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str)
         {"pipelineParallelSize": 2, "expertParallel": NO_EPLB},
         {"pipelineParallelSize": 3, "expertParallel": NO_EPLB, "ray": {
             "accelerator": "nvidia.com/gpu", "workerResources": {"limits": {"nvidia.com/gpu": 3}}}},
+        {"tensorParallelSize": 2, "pipelineParallelSize": 2, "expertParallel": NO_EPLB,
+         "ray": {"workerResources": {"requests": {"cpu": 4}}}},
     ],
     ids=["tp-2-cpu", "tp-8-gpu", "gpu-count-given-right", "cpu-cores-enough", "cpu-gpu-limit",
-         "tp1-half-a-core", "tp1-gpu-count-overwritten", "pp-2-cpu", "pp-3-gpu-count-given"],
+         "tp1-half-a-core", "tp1-gpu-count-overwritten", "pp-2-cpu", "pp-3-gpu-count-given",
+         "tp-2-pp-2-cpu"],
 )  # fmt: skip
 def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> None:
     parsed = spec_.MoEDeploymentSpec.model_validate({**VALID, **patch})
@@ -262,7 +260,7 @@ def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> Non
 def test_the_mesh_rules_are_in_the_crd() -> None:
     """The refusals above are the API server's too (tests/integration/operator/
     test_operator_validation.py applies them): TP and PP are bounded; PP above 1 refused
-    with TP above 1, EPLB or warm spares (what the runtime does not serve together yet) and
+    with EPLB or warm spares (what the runtime does not serve together yet) and
     the pod's fit, all checked at spec level."""
     props = schema()["properties"]["spec"]["properties"]
     assert (props["tensorParallelSize"]["minimum"], props["tensorParallelSize"]["maximum"]) == (
@@ -274,7 +272,7 @@ def test_the_mesh_rules_are_in_the_crd() -> None:
     assert (pp["default"], pp["minimum"], pp["maximum"]) == (1, 1, 8)
     assert "x-kubernetes-validations" not in pp
     messages = [r["message"] for r in schema()["properties"]["spec"]["x-kubernetes-validations"]]
-    for refusal in (mesh.PIPELINE_WITH_TENSOR, mesh.PIPELINE_WITH_EPLB, mesh.PIPELINE_WITH_SPARES):
+    for refusal in (mesh.PIPELINE_WITH_EPLB, mesh.PIPELINE_WITH_SPARES):
         assert refusal in messages
     assert any(m.startswith("ray.workerResources nvidia.com/gpu must equal") for m in messages)
     assert any(m.startswith("ray.workerResources cpu must be at least") for m in messages)

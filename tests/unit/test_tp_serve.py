@@ -139,8 +139,9 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
             "is on by default: pass --no-eplb) yet",
         ),
         (
-            ["--pipeline-parallel-size", "2", "--no-eplb", "--tensor-parallel-size", "2"],
-            "--pipeline-parallel-size 2 is not served together with --tensor-parallel-size 2 yet",
+            # T and P together: each is checked against the model
+            ["--pipeline-parallel-size", "2", "--no-eplb", "--tensor-parallel-size", "3"],
+            "--tensor-parallel-size 3 does not fit this model",
         ),
         (
             ["--pipeline-parallel-size", "2", "--no-eplb", "--warm-spare-ranks", "1"],
@@ -164,7 +165,7 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
         "tp-does-not-shard",
         "tp-local-executor",
         "pp-eplb",
-        "pp-tp",
+        "pp-with-tp-that-does-not-shard",
         "pp-spares",
         "pp-rank-pool",
         "pp-local-executor",

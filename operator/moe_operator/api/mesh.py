@@ -30,10 +30,6 @@ _RESOURCES: Final = "self.ray.workerResources"
 
 #: What pipeline stages are not served together with yet (the runtime refuses each at
 #: start-up, docs/PIPELINE-PARALLEL.md): the CRD refuses them first, naming the field.
-PIPELINE_WITH_TENSOR: Final = (
-    "pipelineParallelSize > 1 is not served together with tensorParallelSize > 1 yet "
-    "(docs/PIPELINE-PARALLEL.md)"
-)
 PIPELINE_WITH_EPLB: Final = (
     "pipelineParallelSize > 1 needs expertParallel.eplb.enabled: false (EPLB rebalancing "
     "per pipeline stage is not served yet, docs/PIPELINE-PARALLEL.md)"
@@ -49,12 +45,6 @@ _EPLB_ON: Final = (
 )
 #: Spec-level rules of ``pipelineParallelSize`` > 1 (the Python twin: :func:`check_pipeline`).
 PIPELINE_RULES: Final[list[pydantic.JsonValue]] = [
-    {
-        "rule": f"!({_STAGED}) || self.tensorParallelSize == 1",
-        "message": PIPELINE_WITH_TENSOR,
-        "fieldPath": ".pipelineParallelSize",
-        "reason": "FieldValueInvalid",
-    },
     {
         "rule": f"!({_STAGED}) || !{_EPLB_ON}",
         "message": PIPELINE_WITH_EPLB,
@@ -158,14 +148,10 @@ def parse_quantity(value: Union[int, str]) -> decimal.Decimal | None:
     return number
 
 
-def check_pipeline(
-    *, pipeline_parallel_size: int, tensor_parallel_size: int, eplb: bool, warm_spare_ranks: int
-) -> None:
+def check_pipeline(*, pipeline_parallel_size: int, eplb: bool, warm_spare_ranks: int) -> None:
     """:data:`PIPELINE_RULES` in Python (``ValueError`` with the same message)."""
     if pipeline_parallel_size == 1:
         return
-    if tensor_parallel_size != 1:
-        raise ValueError(PIPELINE_WITH_TENSOR)
     if eplb:
         raise ValueError(PIPELINE_WITH_EPLB)
     if warm_spare_ranks:

@@ -388,7 +388,6 @@ class MoEDeploymentSpec(ApiModel):
     def _sizes_consistent(self) -> MoEDeploymentSpec:
         mesh.check_pipeline(
             pipeline_parallel_size=self.pipeline_parallel_size,
-            tensor_parallel_size=self.tensor_parallel_size,
             eplb=self.expert_parallel.eplb.enabled,
             warm_spare_ranks=self.elastic.warm_spare_ranks,
         )

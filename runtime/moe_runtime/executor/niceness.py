@@ -32,6 +32,11 @@ BACKGROUND_NICENESS = 10
 SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 #: The hook of a spare's process (`ray_actor.start_ranks(spare=True)`).
 SPARE_SETUP_HOOK = f"{__name__}.spare_setup"
+#: The hook of a process a grow starts beside serving ranks (`ray_actor.start_ranks` with
+#: `existing` ranks, not a spare).
+GROW_SETUP_HOOK = f"{__name__}.grow_setup"
+#: Niceness of a serving rank (and of a grow's new one from its first import on).
+SERVING_NICENESS = 0
 
 
 def spare_setup() -> None:
@@ -39,6 +44,14 @@ def spare_setup() -> None:
     module (Python, torch, the runtime: ~3 s of CPU) is imported, so a process started beside
     serving ranks never takes CPU from their steps at their priority."""
     set_niceness(None, SPARE_NICENESS, why="starts as a spare")
+
+
+def grow_setup() -> None:
+    """Ray's process setup hook of a rank a grow starts: the serving ranks' niceness before
+    the actor's module is imported (the grow waits for this process; at a lower priority
+    beside busy ranks its imports would take the CPU they leave). Without CAP_SYS_NICE a
+    worker that began nicer keeps its niceness."""
+    set_niceness(None, SERVING_NICENESS, why="starts for a grow")
 
 
 def thread_niceness(label: int | None, tid: int, niceness: int, *, only_up: bool = False) -> None:

@@ -49,8 +49,6 @@ RANK_RESOURCE = names.RANK_RESOURCE
 CTL_LANE = "ctl"
 EXPORT_LANE = "export"
 HEALTH_LANE = "health"
-#: Seconds `RankActor.promote` waits for its TP followers' answers.
-PROMOTE_TIMEOUT_S = 30.0
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
 
@@ -81,7 +79,11 @@ class RankActor:
         pipeline = None
         if stages:
             # pipeline stages 1..P-1 of this DP rank (`ray_pipeline`): this actor is stage 0.
-            pipeline = ray_pipeline.RayStages(stages, ray.get([s.pid.remote() for s in stages]))
+            pipeline = ray_pipeline.RayStages(
+                stages,
+                ray.get([s.pid.remote() for s in stages]),
+                [p for s in stages for p in ray.get(s.follower_pids.remote())],
+            )
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
@@ -115,7 +117,7 @@ class RankActor:
         too (a DP rank joins whole)."""
         niceness.set_niceness(self.worker.label, 0, why="joins a grow")
         if self._followers is not None:
-            self._followers.promote(PROMOTE_TIMEOUT_S)
+            self._followers.promote(ray_tensor.PROMOTE_TIMEOUT_S)
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
@@ -251,8 +253,9 @@ class RankHandle:
 
     actor: Any
     pg: Any
-    #: TP ranks 1..T-1 of the DP rank (`ray_tensor.FollowerActor`), or its pipeline stages
-    #: 1..P-1 (`ray_pipeline.StageActor`); the actor leads them.
+    #: Every other actor of the DP rank: stage 0's TP ranks 1..T-1 (`ray_tensor.FollowerActor`),
+    #: pipeline stages 1..P-1 (`ray_pipeline.StageActor`), then their TP followers; the actor
+    #: leads them (directly or through its stages).
     followers: tuple[Any, ...] = ()
 
 
@@ -279,13 +282,12 @@ def start_ranks(
     spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks.
     `tp_size` T > 1: each DP rank's placement group holds T bundles on one node (`bundles`),
     its leader in bundle 0 and its TP followers (`ray_tensor`) in bundles 1..T-1.
-    `pp_size` P > 1 (T = 1): P bundles, the leader (pipeline stage 0) in bundle 0 and its
-    stage actors (`ray_pipeline`) in bundles 1..P-1.
+    `pp_size` P > 1: T x P bundles, bundle s x T + t holding TP rank t of pipeline stage s:
+    the leader (stage 0) in bundle 0 leads stage 0's TP followers and the stage actors
+    (`ray_pipeline`, bundles s x T), each of which leads its own stage's TP followers.
     `existing`: the infos of running ranks (`node_id`, `ip`); ranks on two nodes that report
     one IP are refused (`guards.check_node_ips`). `env`: the head's variables every actor gets
     (`guards.rank_env`)."""
-    if tp_size > 1 and pp_size > 1:
-        raise ValueError("tensor and pipeline parallelism together are not served yet")
     bundle_list = bundles(tp_size * pp_size, use_gpu=use_gpu)
     bundle = bundle_list[0]
     pgs = [ray.util.placement_group(bundle_list, strategy="STRICT_PACK") for _ in range(count)]
@@ -302,43 +304,55 @@ def start_ranks(
                 f"{free_resource(RANK_RESOURCE)} free {RANK_RESOURCE}"
             ) from None
         device = "cuda" if use_gpu else "cpu"
-        # A spare's process lowers its priority before it imports the runtime (~3 s of CPU):
-        # its own runtime_env, so Ray starts a process for it (never a pooled idle worker). The
-        # head's copied variables (`env`) join it; without either, no runtime_env at all.
+        # A spare's process lowers its priority before it imports the runtime (~3 s of CPU);
+        # a grow's (ranks start beside serving ones: `existing`) takes the serving ranks'
+        # priority (the grow waits for it; a no-op where the cluster's workers start there,
+        # `cluster.WORKER_NICENESS`, but a worker at Ray's default niceness 15 beside busy
+        # ranks took ~90 s to import). Either hook is a runtime_env of its own, so Ray starts
+        # a process for it (never a pooled idle worker). The head's copied variables (`env`)
+        # join it; without either, no runtime_env at all.
+        hook = niceness.SPARE_SETUP_HOOK if spare else niceness.GROW_SETUP_HOOK
         leader_options = guards.actor_env_options(
-            env or {},
-            {niceness.SETUP_HOOK_ENV: niceness.SPARE_SETUP_HOOK} if spare else {},
+            env or {}, {niceness.SETUP_HOOK_ENV: hook} if spare or existing else {}
         )
         for i, pg in enumerate(pgs):
-            # The followers take the leader's options: a spare is a whole DP rank.
-            mine = tuple(
-                ray_tensor.RemoteFollower.options(
-                    **_bundle_options(pg, t, use_gpu, leader_options)
-                ).remote(
-                    label=first_label + i,
-                    tp_rank=t,
-                    tp_size=tp_size,
-                    device=device,
-                    spare=spare,
+            # Bundle s x T + t: TP rank t of pipeline stage s. The followers take the leader's
+            # options: a spare is a whole DP rank.
+            label = first_label + i
+            tp = [
+                tuple(
+                    ray_tensor.RemoteFollower.options(
+                        **_bundle_options(pg, s * tp_size + t, use_gpu, leader_options)
+                    ).remote(
+                        label=label,
+                        tp_rank=t,
+                        tp_size=tp_size,
+                        device=device,
+                        spare=spare,
+                        stage=s,
+                        stages=pp_size,
+                    )
+                    for t in range(1, tp_size)
                 )
-                for t in range(1, tp_size)
-            )
-            mine += tuple(
+                for s in range(pp_size)
+            ]
+            stages = tuple(
                 ray_pipeline.RemoteStage.options(
-                    **_bundle_options(pg, s, use_gpu, leader_options)
-                ).remote(label=first_label + i, stage=s, size=pp_size, device=device)
+                    **_bundle_options(pg, s * tp_size, use_gpu, leader_options)
+                ).remote(label=label, stage=s, size=pp_size, device=device, followers=tp[s])
                 for s in range(1, pp_size)
             )
-            followers.append(mine)
+            # every actor of the DP rank besides its leader (killed with it)
+            followers.append(tp[0] + stages + tuple(f for fs in tp[1:] for f in fs))
             actors.append(
                 RemoteRankActor.options(**_bundle_options(pg, 0, use_gpu, leader_options)).remote(
-                    label=first_label + i,
+                    label=label,
                     device=device,
                     dtype=dtype,
                     spare=spare,
                     hooks=hooks,
-                    followers=mine if pp_size == 1 else (),
-                    stages=mine if pp_size > 1 else (),
+                    followers=tp[0],
+                    stages=stages,
                 )
             )
         infos = get_all(

@@ -1,8 +1,9 @@
 """The stage actors of a DP rank at pipeline-parallel size P > 1 (`rank.pipeline_group`).
 
 - `StageActor`: pipeline stage s (1..P-1) of one DP rank, a `pipeline_group.StageWorker` in
-  its own actor, placed in bundle s of the DP rank's placement group (bundle 0 is the
-  leader's, stage 0: STRICT_PACK, one node). Three lanes: the default one (load, steps, in
+  its own actor, placed in bundle s x T of the DP rank's placement group (bundle 0 is the
+  leader's, stage 0: STRICT_PACK, one node); at T > 1 it leads its stage's TP followers
+  (`ray_tensor.FollowerActor`, bundles s x T + 1 .. s x T + T - 1). Three lanes: the default one (load, steps, in
   the order the leader sent them), `CTL_LANE` (joins of stage groups: a join waits for the
   other DP ranks' stages and must not hold the steps) and `HEALTH_LANE` (pings, aborts).
 - `RayStages`: the leader's `pipeline_group.Stages` over their handles
@@ -33,22 +34,43 @@ _METHODS = ("join", "load", "step", "shutdown")
 class StageActor:
     """Pipeline stage `stage` of `size` of DP rank `label` (module docstring)."""
 
-    def __init__(self, *, label: int, stage: int, size: int, device: str) -> None:
+    def __init__(
+        self, *, label: int, stage: int, size: int, device: str, followers: Sequence[Any] = ()
+    ) -> None:
         logs.configure_rank()
         import torch
 
         torch.set_num_threads(1)
         self.label = label
         self._serving = False
-        self.worker = pipeline_group.StageWorker(stage=stage, size=size, device=device, label=label)
+        tensor = None
+        if followers:
+            # TP ranks 1..T-1 of this stage (`ray_tensor`): this actor leads them.
+            pids = ray.get([f.pid.remote() for f in followers])
+            tensor = ray_tensor.RayFollowers(followers, pids)
+        self._followers = tensor
+        self.worker = pipeline_group.StageWorker(
+            stage=stage,
+            size=size,
+            device=device,
+            label=label,
+            followers=tensor,
+            tensor_size=1 + len(followers),
+        )
 
     def promote(self) -> None:
         niceness.set_niceness(self.label, 0, why="serves (pipeline stage)")
+        if self._followers is not None:
+            self._followers.promote(ray_tensor.PROMOTE_TIMEOUT_S)
 
     def pid(self) -> int:
         import os
 
         return os.getpid()
+
+    def follower_pids(self) -> list[int]:
+        """The process ids of this stage's TP followers (none at T = 1)."""
+        return self.worker.pids()
 
     def call(self, method: str, *args: Any) -> Any:
         if method not in _METHODS:
@@ -79,8 +101,14 @@ RemoteStage: Any = ray.remote(  # type: ignore[call-overload]
 class RayStages(ray_tensor.RayFollowers):
     """`pipeline_group.Stages` over stage actor handles (stages 1..P-1, in order)."""
 
-    def __init__(self, actors: Sequence[Any], pids: Sequence[int]) -> None:
+    def __init__(
+        self, actors: Sequence[Any], pids: Sequence[int], follower_pids: Sequence[int] = ()
+    ) -> None:
         super().__init__(actors, pids, what="pipeline stage", lost=pipeline_group.StageLost)
+        self._follower_pids = list(follower_pids)
+
+    def follower_pids(self) -> list[int]:
+        return list(self._follower_pids)
 
     def send(self, method: str, *args: Any) -> list[Any]:
         if method == "join":

@@ -1,8 +1,9 @@
 """The follower actors of a DP rank at tensor-parallel size T > 1 (`rank.tensor_group`).
 
-- `FollowerActor`: TP rank t (1..T-1) of one DP rank, a `tensor_group.TensorFollower` in its
-  own actor, placed in bundle t of the DP rank's placement group (bundle 0 is the leader's:
-  STRICT_PACK, one node, so the TP group runs over loopback). Two lanes: the default one
+- `FollowerActor`: TP rank t (1..T-1) of one DP rank (of its pipeline stage s at P > 1), a
+  `tensor_group.TensorFollower` in its own actor, placed in bundle s x T + t of the DP rank's
+  placement group (bundle s x T is its stage's TP leader: STRICT_PACK, one node, so the TP
+  group runs over loopback). Two lanes: the default one
   (join, load, steps: in the order the leader sent them) and `HEALTH_LANE` (pings).
 - `RayFollowers`: the leader's `tensor_group.Followers` over their handles: a call per
   follower, results read with errors turned into `tensor_group.FollowerLost` for a dead
@@ -31,6 +32,8 @@ from moe_runtime.rank import tensor_group
 log = logging.getLogger(__name__)
 
 HEALTH_LANE = "health"
+#: Seconds a leader's `promote` waits for its TP followers' answers.
+PROMOTE_TIMEOUT_S = 30.0
 
 
 class FollowerActor:
@@ -40,7 +43,15 @@ class FollowerActor:
     and takes 0 again when a grow takes the rank (`promote`) or at its first step."""
 
     def __init__(
-        self, *, label: int, tp_rank: int, tp_size: int, device: str, spare: bool = False
+        self,
+        *,
+        label: int,
+        tp_rank: int,
+        tp_size: int,
+        device: str,
+        spare: bool = False,
+        stage: int = 0,
+        stages: int = 1,
     ) -> None:
         logs.configure_rank()
         if spare:
@@ -51,7 +62,7 @@ class FollowerActor:
         self.label = label
         self._serving = False
         self.follower = tensor_group.TensorFollower(
-            rank=tp_rank, size=tp_size, device=device, label=label
+            rank=tp_rank, size=tp_size, device=device, label=label, stage=stage, stages=stages
         )
 
     def promote(self) -> None:
@@ -118,6 +129,9 @@ class RayFollowers:
                     f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
                 ) from exc
             except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, tensor_group.FollowerLost):
+                    # a pipeline stage whose own TP follower is lost: so is its DP rank
+                    raise self._lost_type(f"{self._what} {tp_rank}: {exc.cause}") from exc
                 raise RuntimeError(f"{self._what} {tp_rank} failed: {exc.cause!r}") from exc
         return out
 
@@ -145,11 +159,14 @@ class RayFollowers:
                     )
                 continue
             try:
-                ray.get(ref)
+                answer = ray.get(ref)
             except ray.exceptions.RayActorError:
                 return f"{self._what} {tp_rank} (pid {self._pids[tp_rank - 1]}) died"
             except ray.exceptions.RayError:
-                pass  # it answered: alive
+                answer = None  # it answered: alive
+            if isinstance(answer, dict) and answer.get("lost"):
+                # a pipeline stage that lost one of its own TP followers
+                return f"{self._what} {tp_rank}: {answer['lost']}"
             actor = self._actors[tp_rank - 1]
             self._pings[tp_rank - 1] = (
                 actor.ping.options(concurrency_group=HEALTH_LANE).remote(),

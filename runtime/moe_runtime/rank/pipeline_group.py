@@ -94,6 +94,9 @@ class Stages(Protocol):
     def pids(self) -> list[int]:
         """The stage actors' process ids."""
 
+    def follower_pids(self) -> list[int]:
+        """The process ids of the stages' TP followers (stage by stage; none at T = 1)."""
+
 
 def stage_spec(spec: group_mod.GroupSpec, stage: int) -> group_mod.GroupSpec:
     """The rendezvous of stage `stage`'s expert-parallel group, derived from the leaders' step
@@ -239,13 +242,30 @@ class PipelineLeader:
 
 class StageWorker:
     """Pipeline stage `stage` of `size` of one DP rank: its layers, its KV cache, its experts
-    over its stage group."""
+    over its stage group. At tensor-parallel size T > 1 it is TP rank 0 of its stage and leads
+    the stage's TP followers (`followers`, `tensor_group.TensorLeader`): they hold their
+    shards of its layers and run each of its forward passes with it; its routed experts stay
+    here (as on stage 0's leader)."""
 
-    def __init__(self, *, stage: int, size: int, device: str, label: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        stage: int,
+        size: int,
+        device: str,
+        label: int | None = None,
+        followers: tensor_group.Followers | None = None,
+        tensor_size: int = 1,
+    ) -> None:
         self.stage_index = stage
         self.size = size
         self.device = device
         self.label = label
+        self.tensor: tensor_group.TensorLeader | None = None
+        if tensor_size > 1:
+            if followers is None:
+                raise ValueError(f"tensor_size {tensor_size} needs the stage's TP followers")
+            self.tensor = tensor_group.TensorLeader(followers, size=tensor_size, device=device)
         self.model: decoder.MoEModel | None = None
         self.kv: kv_mod.KVCache | None = None
         self.stage: pipeline.PipelineStage | None = None
@@ -300,7 +320,13 @@ class StageWorker:
         cfg = src.config
         stage = pipeline.plan(cfg, stage=self.stage_index, size=self.size)
         torch_dtype = getattr(torch, dtype)
-        model = decoder.MoEModel.from_source(src, dtype=torch_dtype, device=self.device, pp=stage)
+        tp, following = None, None
+        if self.tensor is not None:
+            # The stage's followers read their shards of its layers meanwhile.
+            tp, following = self.tensor.start_load(source, cfg, dtype=torch_dtype)
+        model = decoder.MoEModel.from_source(
+            src, dtype=torch_dtype, device=self.device, pp=stage, tp=tp
+        )
         experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         local = None
         if placement is not None and stage.num_moe_layers:
@@ -317,6 +343,8 @@ class StageWorker:
         self.model, self.stage, self.placement = model, stage, local
         self.rank, self.experts = rank, experts
         self.source, self.dtype, self.token, self._before = source, torch_dtype, None, {}
+        if self.tensor is not None:
+            self.tensor.finish_load(following)
         self.kv = kv_mod.KVCache(
             model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
         )
@@ -442,17 +470,32 @@ class StageWorker:
             hidden, loads = prev["out"], list(prev["loads"])
         for seq_id in frees:
             kv.free(seq_id)
+        tensor = self.tensor if batch.seq_ids else None  # no token: no TP collective
+        if self.tensor is not None:
+            self.tensor.free(frees)
         load = torch.zeros(
             stage.num_moe_layers, model.config.num_experts, dtype=torch.int64, device=model.device
         )
+        following = None
         try:
             backend = self._backend(epoch)
+            if tensor is not None:
+                following = tensor.begin(model, batch, hidden)
             out = model.forward(
                 batch, kv, backend, hidden=hidden.to(model.device), expert_load=load
             )
-        except Exception:
+            if tensor is not None:
+                tensor.end(following)
+                following = None
+        except Exception as exc:
             tensor_group.restore_kv(kv, batch)
             self.abort("a pipeline stage's forward pass failed")
+            if tensor is not None and following is not None:
+                try:
+                    tensor.end(following, failed=exc)
+                except tensor_group.FollowerLost as lost:
+                    log.error("pipeline stage lost a TP follower (%s): %s", self.where(), lost)
+                    raise lost from exc
             log.exception("pipeline stage step failed (%s)", self.where())
             raise
         self.steps += 1
@@ -464,14 +507,31 @@ class StageWorker:
         self._aborted_joins.add(epoch)
 
     def abort(self, reason: str) -> None:
-        """Abort every stage group now (any thread)."""
+        """Abort every stage group (and the stage's TP group) now (any thread)."""
         for group in list(self.groups.values()):
             group.abort(reason)
+        if self.tensor is not None:
+            self.tensor.abort(reason)
 
     def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "pp_stage": self.stage_index, "steps": self.steps}
+        """Alive; `lost` says why the stage cannot step again (a TP follower of it died or
+        hangs: `RayFollowers.alive` reports its DP rank lost)."""
+        out: dict[str, Any] = {"pid": os.getpid(), "pp_stage": self.stage_index}
+        out["steps"] = self.steps
+        if self.tensor is not None:
+            try:
+                self.tensor.check()
+            except tensor_group.FollowerLost as exc:
+                out["lost"] = str(exc)
+        return out
+
+    def pids(self) -> list[int]:
+        """The process ids of the stage's TP followers."""
+        return [] if self.tensor is None else self.tensor.followers.pids()
 
     def shutdown(self) -> None:
+        if self.tensor is not None:
+            self.tensor.close()
         for group in list(self.groups.values()):
             group.destroy()
         self.groups.clear()

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from moe_runtime.comm import group as group_mod
-from moe_runtime.model import decoder, tp_shard
+from moe_runtime.model import decoder, pipeline, tp_shard
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tensor_parallel as tp_mod
@@ -130,19 +130,30 @@ class TensorLeader:
             self.group.abort(reason)
 
     # -- loading -----------------------------------------------------------------------
-    def model(
+    def start_load(
         self, source: str, cfg: Any, *, dtype: torch.dtype
-    ) -> tuple[decoder.MoEModel, tp_shard.Shard, Any]:
-        """The leader's (empty) model of TP rank 0 over a fresh group, and its followers'
-        load of `source` started (a handle for `finish_load`)."""
+    ) -> tuple[tp_mod.TensorParallel, Any]:
+        """TP rank 0's part (its shard plan over a fresh group) and its followers' load of
+        `source` started (a handle for `finish_load`)."""
         shard = plan(cfg, rank=0, size=self.size)
         group = self.ensure_group()
         pending = self.followers.send("load", source, str(dtype).removeprefix("torch."))
-        model = decoder.MoEModel(
-            cfg, dtype=dtype, device=self.device, tp=tp_mod.TensorParallel(shard, group)
-        )
         self._frees = []
-        return model, shard, pending
+        return tp_mod.TensorParallel(shard, group), pending
+
+    def model(
+        self,
+        source: str,
+        cfg: Any,
+        *,
+        dtype: torch.dtype,
+        pp: pipeline.PipelineStage | None = None,
+    ) -> tuple[decoder.MoEModel, tp_shard.Shard, Any]:
+        """The leader's (empty) model of TP rank 0 (of pipeline stage `pp`) over a fresh
+        group, and its followers' load of `source` started (a handle for `finish_load`)."""
+        tp, pending = self.start_load(source, cfg, dtype=dtype)
+        model = decoder.MoEModel(cfg, dtype=dtype, device=self.device, tp=tp, pp=pp)
+        return model, tp.shard, pending
 
     def finish_load(self, pending: Any) -> None:
         self._wait(pending, LOAD_TIMEOUT_S)
@@ -152,15 +163,21 @@ class TensorLeader:
         """KV frees to send with the next forward pass (a follower frees them then)."""
         self._frees.extend(seq_ids)
 
-    def begin(self, model: decoder.MoEModel, batch: kv_mod.ForwardBatch) -> Any:
+    def begin(
+        self,
+        model: decoder.MoEModel,
+        batch: kv_mod.ForwardBatch,
+        hidden: torch.Tensor | None = None,
+    ) -> Any:
         """Send the forward pass of `batch` (and the KV frees before it) to the followers,
-        over a live TP group; a handle for `end`."""
+        over a live TP group; a handle for `end`. `hidden`: the previous pipeline stage's
+        hidden states (a stage after the first)."""
         self.check()
         group = self.ensure_group()
         assert model.tp is not None
         model.tp.group = group
         frees, self._frees = self._frees, []
-        return self.followers.send("step", self.epoch, frees, batch)
+        return self.followers.send("step", self.epoch, frees, batch, hidden)
 
     def end(self, pending: Any, *, failed: BaseException | None = None) -> None:
         """Wait for the followers' part of the step. After a failed forward pass of the
@@ -204,13 +221,25 @@ class TensorLeader:
 
 
 class TensorFollower:
-    """TP rank `rank` of `size` of one DP rank: its shard, its KV cache, its TP group."""
+    """TP rank `rank` of `size` of one DP rank (of its pipeline stage `stage` of `stages`): its
+    shard, its KV cache, its TP group."""
 
-    def __init__(self, *, rank: int, size: int, device: str, label: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        size: int,
+        device: str,
+        label: int | None = None,
+        stage: int = 0,
+        stages: int = 1,
+    ) -> None:
         self.rank = rank
         self.size = size
         self.device = device
         self.label = label
+        self.stage = stage
+        self.stages = stages
         self.group: group_mod.StatelessGroup | None = None
         self.epoch = 0
         self.model: decoder.MoEModel | None = None
@@ -218,7 +247,8 @@ class TensorFollower:
         self.steps = 0
 
     def where(self) -> str:
-        return f"rank label={self.label} tp={self.rank}/{self.size} tp_epoch={self.epoch}"
+        pp = f" pp={self.stage}/{self.stages}" if self.stages > 1 else ""
+        return f"rank label={self.label} tp={self.rank}/{self.size}{pp} tp_epoch={self.epoch}"
 
     def join(self, spec: group_mod.GroupSpec) -> None:
         """Join the leader's TP group of `spec.epoch` (the last one replaces any before it)."""
@@ -237,15 +267,21 @@ class TensorFollower:
         started = time.monotonic()
         src = source_mod.open_source(source)
         shard = plan(src.config, rank=self.rank, size=self.size)
+        stage = None
+        if self.stages > 1:
+            stage = pipeline.plan(src.config, stage=self.stage, size=self.stages)
         torch_dtype = getattr(torch, dtype)
         model = decoder.MoEModel.from_source(
             src,
             dtype=torch_dtype,
             device=self.device,
             tp=tp_mod.TensorParallel(shard, self.group),
+            pp=stage,
         )
         self.model = model
-        self.kv = kv_mod.KVCache(model.local_config, dtype=torch_dtype, device=self.device)
+        self.kv = kv_mod.KVCache(
+            model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
+        )
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
         log.info(
             "loaded TP shard of %s: %.1f MB in %.2fs (%s)",
@@ -256,9 +292,16 @@ class TensorFollower:
         )
         return nbytes
 
-    def step(self, epoch: int, frees: Sequence[str], batch: kv_mod.ForwardBatch) -> int:
+    def step(
+        self,
+        epoch: int,
+        frees: Sequence[str],
+        batch: kv_mod.ForwardBatch,
+        hidden: torch.Tensor | None = None,
+    ) -> int:
         """The leader's forward pass of `batch` over TP group `epoch` (this rank's part of
-        every collective; logits are discarded: the leader samples). Returns the steps run."""
+        every collective; logits are discarded: the leader samples), from the previous
+        pipeline stage's `hidden` states on a stage after the first. Returns the steps run."""
         model, kv = self.model, self.kv
         if model is None or kv is None:
             raise RuntimeError(f"no weights loaded ({self.where()})")
@@ -267,7 +310,9 @@ class TensorFollower:
         for seq_id in frees:
             kv.free(seq_id)
         try:
-            model.forward(batch, kv, NoExperts())
+            model.forward(
+                batch, kv, NoExperts(), hidden=None if hidden is None else hidden.to(model.device)
+            )
         except Exception:
             restore_kv(kv, batch)
             if self.group is not None:

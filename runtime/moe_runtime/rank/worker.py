@@ -158,10 +158,8 @@ class RankWorker:
         #: Pipeline stage 0's side of this DP rank's pipeline (P > 1), else None.
         self.pipeline: pipeline_mod.PipelineLeader | None = None
         if pipeline_size > 1:
-            if pipeline is None or self.tensor is not None:
-                raise ValueError(
-                    f"pipeline_size {pipeline_size} needs the rank's stages (and T = 1)"
-                )
+            if pipeline is None:
+                raise ValueError(f"pipeline_size {pipeline_size} needs the rank's stages")
             self.pipeline = pipeline_mod.PipelineLeader(
                 pipeline, size=pipeline_size, device=self.device
             )
@@ -234,7 +232,9 @@ class RankWorker:
             "num_seqs": 0 if kv is None else len(kv),
             "steps": self.stepper.steps,
             "tp_size": 1 if self.tensor is None else self.tensor.size,
-            "tp_pids": [] if self.tensor is None else self.tensor.followers.pids(),
+            # every TP follower of the DP rank: stage 0's, then each later stage's
+            "tp_pids": ([] if self.tensor is None else self.tensor.followers.pids())
+            + ([] if self.pipeline is None else self.pipeline.stages.follower_pids()),
             "pp_size": 1 if self.pipeline is None else self.pipeline.size,
             "pp_pids": [] if self.pipeline is None else self.pipeline.stages.pids(),
             protocol.INFO_KEY: protocol.VERSION,
@@ -343,20 +343,17 @@ class RankWorker:
         if self.pipeline is not None:
             # Pipeline stage 0; stages 1..P-1 read their layers and experts meanwhile.
             stage = self.pipeline.plan(cfg)
-            model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device, pp=stage)
             staging = self.pipeline.start_load(
                 source, self.dtype, rank=rank, num_ranks=num_ranks, placement=placement
             )
-        elif self.tensor is None:
-            model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device)
+        if self.tensor is None:
+            model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device, pp=stage)
         else:
             # The followers read their shards from the source meanwhile (`tensor_group`).
-            model, shard, following = self.tensor.model(source, cfg, dtype=self.dtype)
-        non_expert = (
-            names.non_expert_tensor_names(cfg)
-            if stage is None
-            else list(pipeline.parts(cfg, stage=stage, shard=None))
-        )
+            model, shard, following = self.tensor.model(source, cfg, dtype=self.dtype, pp=stage)
+        # what this rank holds of each non-expert tensor (None: all of it)
+        held = pipeline.parts(cfg, stage=stage, shard=shard)
+        non_expert = list(held)
         mine: list[tuple[int, int, int]] = []  # (MoE layer, local slot, logical expert)
         if placement is not None:
             placement.validate(num_ranks)
@@ -376,7 +373,7 @@ class RankWorker:
         for n in non_expert:
             self._check("load_tensor")
             shape = model.tensor_shape(n)
-            part = None if shard is None else shard.slice_of(n)
+            part = held[n]
             if placeholder:
                 state[n] = torch.zeros(shape, dtype=self.dtype)
             elif part is None:

@@ -81,19 +81,6 @@ CASES = [
             "spec": {
                 **VALID["spec"],
                 "pipelineParallelSize": 2,
-                "tensorParallelSize": 2,
-                "expertParallel": {"eplb": {"enabled": False}},
-            },
-        },
-        "pipelineParallelSize > 1 is not served together with tensorParallelSize > 1",
-        id="pp-with-tp",
-    ),  # fmt: skip
-    pytest.param(
-        {
-            **VALID,
-            "spec": {
-                **VALID["spec"],
-                "pipelineParallelSize": 2,
                 "expertParallel": {"eplb": {"enabled": False}},
                 "elastic": {"warmSpareRanks": 1},
             },
@@ -263,9 +250,13 @@ def test_invalid_spec_is_refused(
         {"pipelineParallelSize": 4, "expertParallel": {"eplb": {"enabled": False}},
          "ray": {"accelerator": "nvidia.com/gpu", "workerResources": {
             "limits": {"nvidia.com/gpu": 4}}}},
+        {"tensorParallelSize": 2, "pipelineParallelSize": 2,
+         "expertParallel": {"eplb": {"enabled": False}},
+         "ray": {"accelerator": "nvidia.com/gpu", "workerResources": {
+            "limits": {"nvidia.com/gpu": 4}}}},
     ],
     ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given",
-         "tp1-half-a-core", "pp2-cpu", "pp4-gpu-count-given"],
+         "tp1-half-a-core", "pp2-cpu", "pp4-gpu-count-given", "tp2-pp2-gpu-count-given"],
 )  # fmt: skip
 def test_a_mesh_the_worker_pod_holds_is_accepted(
     control_plane: cluster.ControlPlane, spec: dict[str, Any]

@@ -1,0 +1,87 @@
+"""Issue 22, the whole mesh in `serve`: `moe-runtime serve --model DIR --tensor-parallel-size 2
+--pipeline-parallel-size 2 --no-eplb --dtype float32` (Ray ranks: each DP rank four actors,
+TP rank t of stage s in bundle 2s + t of its placement group: its leader (stage 0, TP 0)
+leads stage 0's TP follower and stage 1's actor, which leads stage 1's own TP follower)
+answers every greedy request token for token as transformers' `generate`; Mixtral at DP = 2
+also before and after a live resize to DP = 3 under load (every answer checked), and after
+the SIGKILL of stage 1's TP follower under load (a process its leader does not reach
+directly: the stage reports it lost, the DP rank is taken out, no request is lost and the
+deployment grows back).
+
+One server per case (module-scoped: Mixtral and DeepSeek-V3 at DP = 2, Qwen3-MoE at DP = 1;
+tiny random checkpoints saved by `save_pretrained`), joining the tests' Ray instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support import mesh_serving, runtime_proc
+from tests.support.mesh_serving import AUTH, Served, check_answers
+
+pytestmark = pytest.mark.ray
+
+#: (family, data-parallel size)
+CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
+MESH = [
+    "--tensor-parallel-size",
+    "2",
+    "--pipeline-parallel-size",
+    "2",
+    "--no-eplb",
+    "--max-data-parallel-size",
+    "3",
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-dp{n}" for f, n in CASES])
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ray_address: str
+) -> Iterator[Served]:
+    family, size = request.param
+    root = tmp_path_factory.mktemp(f"{family}-dp{size}")
+    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=MESH)
+
+
+def _assert_whole(served: Served, size: int) -> list[dict[str, object]]:
+    """`size` DP ranks, each its leader, one stage actor and a TP follower in each stage."""
+    mesh_serving.assert_mesh(served, size, "pp_pids")
+    ranks = mesh_serving.assert_mesh(served, size, "tp_pids", count=2)
+    for r in ranks:
+        assert not set(r["tp_pids"]) & set(r["pp_pids"]), r
+    return ranks
+
+
+def test_answers_equal_transformers_at_tp2_pp2(served: Served) -> None:
+    _assert_whole(served, served.size)
+    check_answers(served)
+
+
+def test_live_resize_to_three_under_load(served: Served) -> None:
+    """The new DP rank is four actors (its stage 1 leading its own TP follower); every
+    answer during and after the resize equals transformers'."""
+    if served.size != 2 or served.family != CASES[0][0]:
+        pytest.skip("one case is enough for the resize")
+    traffic = mesh_serving.load(served)
+    with traffic:
+        done = runtime_proc.scale(served.server.url, 3, headers=AUTH)
+    assert done["stage"] == "Completed", done
+    assert not traffic.failures, traffic.failures[:3]
+    assert traffic.ok > 0, traffic.summary()
+    _assert_whole(served, 3)
+    check_answers(served)
+
+
+def test_a_killed_follower_of_a_later_stage_takes_its_rank_out(served: Served) -> None:
+    """SIGKILL of stage 1's TP follower: stage 1's step fails and its pings say the follower
+    is lost, so its leader's DP rank is lost; the recovery shrinks around it (no request
+    fails) and auto-recover grows back with four fresh actors."""
+    if served.size != 2 or served.family != CASES[0][0]:
+        pytest.skip("one case is enough for the failure path")
+    size = len(mesh_serving.serving(served))
+    victim = mesh_serving.serving(served)[-1]
+    mesh_serving.signal_under_load(served, victim, victim["tp_pids"][-1])
+    _assert_whole(served, size)
+    check_answers(served)
