@@ -33,6 +33,10 @@ MESH = [
     "--no-eplb",
     "--max-data-parallel-size",
     "3",
+    # 12 rank processes under load on 2 cores: a heartbeat answer can take several seconds
+    # (ranks fenced with no fault); the follower the test kills fails its step at once anyway
+    "--rank-hang-timeout",
+    "20",
 ]
 
 
