@@ -196,9 +196,12 @@ class Spare(Payload):
     pod: str | None = None
     node_id: str | None = None
     pid: int | None = None
-    #: Its tensor-parallel followers' processes (TP ranks 1..T-1, started and loaded with its
-    #: leader ``pid``: a spare is a whole DP rank), empty at tensor-parallel size 1.
+    #: Its tensor-parallel followers' processes (TP ranks 1..T-1 of each pipeline stage,
+    #: started and loaded with its leader ``pid``: a spare is a whole DP rank), empty at
+    #: tensor-parallel size 1.
     tp_pids: list[int] = pydantic.Field(default_factory=list)
+    #: Its pipeline stages 1..P-1's processes, empty at pipeline-parallel size 1.
+    pp_pids: list[int] = pydantic.Field(default_factory=list)
     healthy: bool = True
     ready: bool = False
     prestaged: Prestaged | None = None

@@ -89,7 +89,7 @@ def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> 
 def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
     """Why pipeline stages at `--pipeline-parallel-size` P != 1 cannot serve, or None: P must
     fit the model's layers (`pipeline.plan`) and needs the Ray executor; not yet together
-    with warm spares, a rank pool or EPLB rebalancing (each named)."""
+    with a rank pool or EPLB rebalancing (each named)."""
     size = args.pipeline_parallel_size
     what = f"{flags.PIPELINE_PARALLEL_SIZE} {size}"
     if size < 1:
@@ -97,7 +97,6 @@ def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig)
     if args.executor != "ray":
         return f"{what} needs the Ray executor (--executor ray)"
     not_yet = [
-        (args.warm_spare_ranks > 0, f"{flags.WARM_SPARE_RANKS} {args.warm_spare_ranks}"),
         (args.rank_pool > 0, f"--rank-pool {args.rank_pool}"),
         (args.eplb, f"{flags.EPLB} (EPLB rebalancing is on by default: pass --no-eplb)"),
     ]

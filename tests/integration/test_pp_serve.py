@@ -4,8 +4,8 @@ pipeline stage 0, and one stage actor) answers every greedy request token for to
 transformers' `generate`, at DP = 1 and at DP = 2 (each stage's experts over its own
 expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
 some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
-under load (every answer checked), a SIGKILLed stage actor under load (its DP rank out, no
-request lost, grown back); EPLB cannot be turned on.
+under load on a warm spare (every answer checked), a SIGKILLed stage actor under load (its
+DP rank out, no request lost, grown back); EPLB cannot be turned on.
 
 One server per case (a module-scoped fixture: Mixtral and DeepSeek-V3 shapes at DP = 2,
 Qwen3-MoE at DP = 1; tiny random checkpoints saved by `save_pretrained`), joining the tests'
@@ -14,19 +14,23 @@ Ray instance; the resize and failure tests run on Mixtral only (which passes DP 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.support import mesh_serving, runtime_proc
+from tests.support import mesh_serving, polling, runtime_proc
 from tests.support.mesh_serving import AUTH, Served, check_answers
 
 pytestmark = pytest.mark.ray
 
-#: (family, data-parallel size)
+#: (family, data-parallel size); Mixtral keeps a warm spare (a whole DP rank: a leader and a
+#: stage actor) for its grows and its recovery
 CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
 MESH = ["--pipeline-parallel-size", "2", "--no-eplb"]
+SPARE = ["--warm-spare-ranks", "1", "--rank-hang-timeout", "15"]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-dp{n}" for f, n in CASES])
@@ -35,7 +39,21 @@ def served(
 ) -> Iterator[Served]:
     family, size = request.param
     root = tmp_path_factory.mktemp(f"{family}-dp{size}")
-    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=MESH)
+    mesh = MESH + (SPARE if family == CASES[0][0] else [])
+    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=mesh)
+
+
+def _spare_is_whole(served: Served) -> dict[str, Any]:
+    """The one warm spare: a leader and a live stage actor of its own, not serving."""
+    polling.poll(
+        lambda: [s for s in mesh_serving.status(served)["spares"] if s["ready"]],
+        lambda: mesh_serving.status(served)["spares"],
+        120,
+    )
+    (spare,) = mesh_serving.status(served)["spares"]
+    assert len(spare["pp_pids"]) == 1 and spare["pp_pids"][0] != spare["pid"], spare
+    os.kill(spare["pp_pids"][0], 0)  # alive
+    return dict(spare)
 
 
 def test_answers_equal_transformers_at_pp2(served: Served) -> None:
@@ -46,10 +64,13 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
 
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:
-    """Each stage follows its leader's new placement (the experts it lacks from the source);
-    the new DP rank is a leader and a stage actor; every answer during and after equal."""
+    """The grow takes the warm spare (a whole DP rank: its leader and its stage actor, whose
+    stage reads the experts it lacks from the source at its first step), and a new spare is
+    started; each stage follows its leader's new placement; every answer during and after
+    equal."""
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the resizes")
+    spare = _spare_is_whole(served)
     for size in (3, 2):
         traffic = mesh_serving.load(served)
         with traffic:
@@ -57,8 +78,15 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
         assert done["stage"] == "Completed", done
         assert not traffic.failures, traffic.failures[:3]
         assert traffic.ok > 0, traffic.summary()
-        mesh_serving.assert_mesh(served, size, "pp_pids")
+        ranks = mesh_serving.assert_mesh(served, size, "pp_pids")
+        if size == 3:
+            history = mesh_serving.status(served)["history"]
+            grow = next(h for h in history if h["resize_id"] == done["resize_id"])
+            assert grow["warm_spares"] == 1, grow  # it took the spare: no rank started
+            assert spare["pid"] in {r["pid"] for r in ranks}, (spare, ranks)
+            assert spare["pp_pids"] == [r for r in ranks if r["pid"] == spare["pid"]][0]["pp_pids"]
         check_answers(served)
+    assert _spare_is_whole(served)["pid"] != spare["pid"]  # a new one replaced it
 
 
 def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
@@ -66,7 +94,8 @@ def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
 ) -> None:
     """SIGKILL of a DP rank's stage actor under load: its leader's step fails (the stage is
     lost), the recovery shrinks around the DP rank (no request fails: they re-run on the
-    survivor) and auto-recover grows back to the size with a fresh leader and stage."""
+    survivor) and auto-recover grows back to the size on the warm spare (a leader and its
+    stage)."""
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the failure path")
     size = len(mesh_serving.serving(served))

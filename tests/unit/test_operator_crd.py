@@ -157,14 +157,6 @@ NO_EPLB = {"eplb": {"enabled": False}}
             {
                 "pipelineParallelSize": 2,
                 "expertParallel": NO_EPLB,
-                "elastic": {"warmSpareRanks": 1},
-            },
-            "not served together with elastic.warmSpareRanks > 0",
-        ),  # fmt: skip
-        (
-            {
-                "pipelineParallelSize": 2,
-                "expertParallel": NO_EPLB,
                 "ray": {"workerResources": {"requests": {"cpu": "1"}}},
             },
             r"cpu must be at least tensorParallelSize x pipelineParallelSize .*want >= 2",
@@ -209,7 +201,6 @@ NO_EPLB = {"eplb": {"enabled": False}}
         "tp-zero",
         "tp-above-8",
         "pp-with-eplb",
-        "pp-with-spares",
         "cpu-request-below-pp",
         "pp-above-8",
         "gpu-limit-below-tp",
@@ -247,10 +238,11 @@ def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str)
             "accelerator": "nvidia.com/gpu", "workerResources": {"limits": {"nvidia.com/gpu": 3}}}},
         {"tensorParallelSize": 2, "pipelineParallelSize": 2, "expertParallel": NO_EPLB,
          "ray": {"workerResources": {"requests": {"cpu": 4}}}},
+        {"pipelineParallelSize": 2, "expertParallel": NO_EPLB, "elastic": {"warmSpareRanks": 1}},
     ],
     ids=["tp-2-cpu", "tp-8-gpu", "gpu-count-given-right", "cpu-cores-enough", "cpu-gpu-limit",
          "tp1-half-a-core", "tp1-gpu-count-overwritten", "pp-2-cpu", "pp-3-gpu-count-given",
-         "tp-2-pp-2-cpu"],
+         "tp-2-pp-2-cpu", "pp-2-warm-spare"],
 )  # fmt: skip
 def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> None:
     parsed = spec_.MoEDeploymentSpec.model_validate({**VALID, **patch})
@@ -260,7 +252,7 @@ def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> Non
 def test_the_mesh_rules_are_in_the_crd() -> None:
     """The refusals above are the API server's too (tests/integration/operator/
     test_operator_validation.py applies them): TP and PP are bounded; PP above 1 refused
-    with EPLB or warm spares (what the runtime does not serve together yet) and
+    with EPLB (what the runtime does not serve together yet) and
     the pod's fit, all checked at spec level."""
     props = schema()["properties"]["spec"]["properties"]
     assert (props["tensorParallelSize"]["minimum"], props["tensorParallelSize"]["maximum"]) == (
@@ -272,8 +264,7 @@ def test_the_mesh_rules_are_in_the_crd() -> None:
     assert (pp["default"], pp["minimum"], pp["maximum"]) == (1, 1, 8)
     assert "x-kubernetes-validations" not in pp
     messages = [r["message"] for r in schema()["properties"]["spec"]["x-kubernetes-validations"]]
-    for refusal in (mesh.PIPELINE_WITH_EPLB, mesh.PIPELINE_WITH_SPARES):
-        assert refusal in messages
+    assert mesh.PIPELINE_WITH_EPLB in messages
     assert any(m.startswith("ray.workerResources nvidia.com/gpu must equal") for m in messages)
     assert any(m.startswith("ray.workerResources cpu must be at least") for m in messages)
 

@@ -144,10 +144,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
             "--tensor-parallel-size 3 does not fit this model",
         ),
         (
-            ["--pipeline-parallel-size", "2", "--no-eplb", "--warm-spare-ranks", "1"],
-            "--pipeline-parallel-size 2 is not served together with --warm-spare-ranks 1 yet",
-        ),
-        (
             ["--pipeline-parallel-size", "2", "--no-eplb", "--rank-pool", "1"],
             "--pipeline-parallel-size 2 is not served together with --rank-pool 1 yet",
         ),
@@ -166,7 +162,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
         "tp-local-executor",
         "pp-eplb",
         "pp-with-tp-that-does-not-shard",
-        "pp-spares",
         "pp-rank-pool",
         "pp-local-executor",
         "pp-over-layers",

@@ -28,15 +28,11 @@ CPU: Final = "cpu"
 _DEVICES: Final = "(self.tensorParallelSize * self.pipelineParallelSize)"
 _RESOURCES: Final = "self.ray.workerResources"
 
-#: What pipeline stages are not served together with yet (the runtime refuses each at
-#: start-up, docs/PIPELINE-PARALLEL.md): the CRD refuses them first, naming the field.
+#: What pipeline stages are not served together with yet (the runtime refuses it at
+#: start-up, docs/PIPELINE-PARALLEL.md): the CRD refuses it first, naming the field.
 PIPELINE_WITH_EPLB: Final = (
     "pipelineParallelSize > 1 needs expertParallel.eplb.enabled: false (EPLB rebalancing "
     "per pipeline stage is not served yet, docs/PIPELINE-PARALLEL.md)"
-)
-PIPELINE_WITH_SPARES: Final = (
-    "pipelineParallelSize > 1 is not served together with elastic.warmSpareRanks > 0 yet "
-    "(docs/PIPELINE-PARALLEL.md)"
 )
 _STAGED: Final = "self.pipelineParallelSize > 1"
 _EPLB_ON: Final = (
@@ -49,13 +45,6 @@ PIPELINE_RULES: Final[list[pydantic.JsonValue]] = [
         "rule": f"!({_STAGED}) || !{_EPLB_ON}",
         "message": PIPELINE_WITH_EPLB,
         "fieldPath": ".expertParallel.eplb.enabled",
-        "reason": "FieldValueInvalid",
-    },
-    {
-        "rule": f"!({_STAGED}) || !has(self.elastic) || !has(self.elastic.warmSpareRanks) || "
-        "self.elastic.warmSpareRanks == 0",
-        "message": PIPELINE_WITH_SPARES,
-        "fieldPath": ".elastic.warmSpareRanks",
         "reason": "FieldValueInvalid",
     },
 ]
@@ -148,14 +137,10 @@ def parse_quantity(value: Union[int, str]) -> decimal.Decimal | None:
     return number
 
 
-def check_pipeline(*, pipeline_parallel_size: int, eplb: bool, warm_spare_ranks: int) -> None:
+def check_pipeline(*, pipeline_parallel_size: int, eplb: bool) -> None:
     """:data:`PIPELINE_RULES` in Python (``ValueError`` with the same message)."""
-    if pipeline_parallel_size == 1:
-        return
-    if eplb:
+    if pipeline_parallel_size > 1 and eplb:
         raise ValueError(PIPELINE_WITH_EPLB)
-    if warm_spare_ranks:
-        raise ValueError(PIPELINE_WITH_SPARES)
 
 
 def check_fit(

@@ -389,7 +389,6 @@ class MoEDeploymentSpec(ApiModel):
         mesh.check_pipeline(
             pipeline_parallel_size=self.pipeline_parallel_size,
             eplb=self.expert_parallel.eplb.enabled,
-            warm_spare_ranks=self.elastic.warm_spare_ranks,
         )
         workers = self.ray.worker_resources
         mesh.check_fit(

@@ -166,6 +166,7 @@ class SparePool:
                     "node_id": info.get("node_id"),
                     "pid": info.get("pid"),
                     "tp_pids": list(info.get("tp_pids") or []),
+                    "pp_pids": list(info.get("pp_pids") or []),
                     "healthy": h is not None and h.state == executor_health.HEALTH_OK,
                     "ready": label in ready,
                     "prestaged": self._prestaged_count(label),

@@ -84,6 +84,7 @@ class RankActor:
                 ray.get([s.pid.remote() for s in stages]),
                 [p for s in stages for p in ray.get(s.follower_pids.remote())],
             )
+        self._stages = pipeline
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
@@ -118,6 +119,8 @@ class RankActor:
         niceness.set_niceness(self.worker.label, 0, why="joins a grow")
         if self._followers is not None:
             self._followers.promote(ray_tensor.PROMOTE_TIMEOUT_S)
+        if self._stages is not None:  # each stage promotes its own TP followers
+            self._stages.promote(ray_tensor.PROMOTE_TIMEOUT_S)
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()

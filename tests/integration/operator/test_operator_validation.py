@@ -82,19 +82,6 @@ CASES = [
                 **VALID["spec"],
                 "pipelineParallelSize": 2,
                 "expertParallel": {"eplb": {"enabled": False}},
-                "elastic": {"warmSpareRanks": 1},
-            },
-        },
-        "pipelineParallelSize > 1 is not served together with elastic.warmSpareRanks",
-        id="pp-with-spares",
-    ),  # fmt: skip
-    pytest.param(
-        {
-            **VALID,
-            "spec": {
-                **VALID["spec"],
-                "pipelineParallelSize": 2,
-                "expertParallel": {"eplb": {"enabled": False}},
                 "ray": {"workerResources": {"requests": {"cpu": "1500m"}}},
             },
         },
@@ -254,9 +241,12 @@ def test_invalid_spec_is_refused(
          "expertParallel": {"eplb": {"enabled": False}},
          "ray": {"accelerator": "nvidia.com/gpu", "workerResources": {
             "limits": {"nvidia.com/gpu": 4}}}},
+        {"pipelineParallelSize": 2, "expertParallel": {"eplb": {"enabled": False}},
+         "elastic": {"warmSpareRanks": 1}},
     ],
     ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given",
-         "tp1-half-a-core", "pp2-cpu", "pp4-gpu-count-given", "tp2-pp2-gpu-count-given"],
+         "tp1-half-a-core", "pp2-cpu", "pp4-gpu-count-given", "tp2-pp2-gpu-count-given",
+         "pp2-warm-spare"],
 )  # fmt: skip
 def test_a_mesh_the_worker_pod_holds_is_accepted(
     control_plane: cluster.ControlPlane, spec: dict[str, Any]
