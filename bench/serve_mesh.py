@@ -60,7 +60,7 @@ DEFAULT_MESHES = ("1x1", "2x1", "1x2", "2x2")
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
-    """"TxP" -> (T, P)."""
+    """Parse "TxP" into (T, P)."""
     try:
         tp, pp = (int(part) for part in text.lower().split("x"))
     except ValueError:
