@@ -32,7 +32,7 @@ measurable here. The figures move by tens of percent with the load of other work
 machine (its load average is printed before and after); bench/mesh.py measures the model
 level alone, with the shares of a step in TP collectives and stage transfers.
 
-    .venv/bin/python bench/serve_mesh.py        # ~3-4 min on 2 CPU cores
+    .venv/bin/python bench/serve_mesh.py        # ~2-3 min on 2 CPU cores
     .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2 --requests 16 --max-tokens 32
 """
 
