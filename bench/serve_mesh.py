@@ -12,7 +12,8 @@ and one row:
 - TTFT p50/p99: seconds from a request's submission to its first token;
 - ITL p50/p99: seconds between two consecutive tokens of one request;
 - step: the load's wall time over the engine steps it took (the mean step time);
-- ratio: that step time over the (1, 1) row's (how much the mesh adds to a step);
+- ratio: that step time over the (1, 1) row's (how much the mesh adds to a step; "-"
+  without a (1, 1) row before it);
 - load s: seconds to start the executor and load the model on its actors.
 
 A mesh that fails to start prints "(T, P): not served: <error>" and the run goes on. EPLB
