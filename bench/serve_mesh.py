@@ -30,11 +30,13 @@ stages run one after the other, a Ray call per stage per step) on top of the sam
 arithmetic split over more processes. What a mesh gives on real devices (a model too large
 for one, T devices' memory bandwidth, several batches in the stages at once) is not
 measurable here. The figures move by tens of percent with the load of other work on the
-machine (its load average is printed before and after); bench/mesh.py measures the model
+machine (its load average is printed before and after): `--repeats N` runs every mesh N
+times, the meshes interleaved, and prints each mesh's run of median step time; bench/mesh.py measures the model
 level alone, with the shares of a step in TP collectives and stage transfers.
 
     .venv/bin/python bench/serve_mesh.py        # ~2-3 min on 2 CPU cores
-    .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2 --requests 16 --max-tokens 32
+    .venv/bin/python bench/serve_mesh.py --repeats 3    # ~7 min
+    .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2 --requests 32 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -75,6 +77,37 @@ def _load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def serve_mesh(
+    mesh: tuple[int, int], src: source_mod.ModelSource, args: argparse.Namespace
+) -> tuple[serve_bench.Measured, float] | str:
+    """The load on a fresh executor of one DP rank of T x P actors, and the seconds it took
+    to start; or why the mesh could not be served."""
+    tp, pp = mesh
+    loaded = time.monotonic()
+    try:
+        executor = ray_executor.RayExecutor(1, tp_size=tp, pp_size=pp)
+    except Exception as exc:  # noqa: BLE001 - a mesh that cannot start is a result
+        return str(exc)
+    try:
+        serve_bench.start(executor, args.model, src.config)
+        load_s = time.monotonic() - loaded
+        return serve_bench.measure(executor, src, args), load_s
+    except Exception as exc:  # noqa: BLE001 - report it, go on with the next mesh
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        executor.shutdown()
+
+
+def _row(
+    mesh: tuple[int, int], measured: serve_bench.Measured, load_s: float, base: float | None
+) -> str:
+    ratio = "-" if base is None else f"{measured.step_s / base:.2f}"
+    errors = measured.timings.errors
+    return f"{str(mesh):>7} {measured.columns()} {ratio:>6} {load_s:>7.1f}" + (
+        f"  ({errors} errors)" if errors else ""
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic://small?seed=0")
@@ -89,6 +122,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over every mesh (each on a fresh executor); with more than one, the run "
+        "of median step time of each mesh is printed at the end",
+    )
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -107,37 +147,35 @@ def main() -> None:
         f" tokens, {args.max_tokens} generated each; load average {_load_average()}"
     )
     print(f"{'(T, P)':>7} {serve_bench.COLUMNS} {'ratio':>6} {'load s':>7}", flush=True)
-    base_step: float | None = None
+    runs: dict[tuple[int, int], list[tuple[serve_bench.Measured, float]]] = {
+        m: [] for m in args.meshes
+    }
     try:
-        for tp, pp in args.meshes:
-            mesh = f"({tp}, {pp})"
-            loaded = time.monotonic()
-            try:
-                executor = ray_executor.RayExecutor(1, tp_size=tp, pp_size=pp)
-            except Exception as exc:  # noqa: BLE001 - a mesh that cannot start is a result
-                print(f"{mesh:>7}: not served: {exc}", flush=True)
-                continue
-            try:
-                serve_bench.start(executor, args.model, cfg)
-                load_s = time.monotonic() - loaded
-                measured = serve_bench.measure(executor, src, args)
-            except Exception as exc:  # noqa: BLE001 - report it, go on with the next mesh
-                print(f"{mesh:>7}: not served: {type(exc).__name__}: {exc}", flush=True)
-                continue
-            finally:
-                executor.shutdown()
-            if (tp, pp) == (1, 1):
-                base_step = measured.step_s
-            ratio = "-" if base_step is None else f"{measured.step_s / base_step:.2f}"
-            errors = measured.timings.errors
-            print(
-                f"{mesh:>7} {measured.columns()} {ratio:>6} {load_s:>7.1f}"
-                + (f"  ({errors} errors)" if errors else ""),
-                flush=True,
-            )
+        for round_ in range(args.repeats):
+            if args.repeats > 1:
+                print(f"round {round_ + 1} of {args.repeats}", flush=True)
+            base: float | None = None
+            for mesh in args.meshes:
+                result = serve_mesh(mesh, src, args)
+                if isinstance(result, str):
+                    print(f"{str(mesh):>7}: not served: {result}", flush=True)
+                    continue
+                runs[mesh].append(result)
+                base = result[0].step_s if mesh == (1, 1) else base
+                print(_row(mesh, *result, base), flush=True)
     finally:
         if owns:
             cluster.disconnect()
+    if args.repeats > 1:
+        medians = {
+            mesh: sorted(rs, key=lambda r: r[0].step_s)[len(rs) // 2]
+            for mesh, rs in runs.items()
+            if rs
+        }
+        base = medians[(1, 1)][0].step_s if (1, 1) in medians else None
+        print(f"the run of median step time of each mesh ({args.repeats} rounds, interleaved)")
+        for mesh, result in medians.items():
+            print(_row(mesh, *result, base))
     print(f"load average {_load_average()}; total {time.monotonic() - t0:.0f} s")
 
 
