@@ -22,14 +22,16 @@ P > 1 refuses: `moe-runtime serve --no-eplb`). The model must split over 2 pipel
 (layers) and 2 TP ranks (heads, KV heads, experts' width): the default `synthetic://small`
 has 8 layers, 8 heads over 4 KV heads.
 
-What 2 CPU cores can and cannot show: the T x P actors of a mesh share the same 2 cores with
-the engine, Ray and other work, so neither TP nor PP can make anything faster here; the
-ratios show their overhead (the TP all-reduces and all-gathers between processes, the
-hidden states handed stage to stage through Ray's object store, one batch in flight so the
-stages run one after the other, a Ray call per stage per step) on top of the same
-arithmetic split over more processes. What a mesh gives on real devices (a model too large
-for one, T devices' memory bandwidth, several batches in the stages at once) is not
-measurable here. The figures move by tens of percent with the load of other work on the
+What 2 CPU cores can and cannot show: every actor runs one torch thread, and the T x P
+actors of a mesh share the 2 cores with the engine's process, Ray and other work. P = 2 runs
+its stages one after the other (one batch in flight), so it cannot be faster than P = 1;
+T = 2 could at best spread a step's arithmetic over both cores where (1, 1) uses one, but
+the engine, Ray and other work need them too. So the ratios mostly show what a mesh costs
+on shared cores (the TP all-reduces and all-gathers between processes, the hidden states
+handed stage to stage through Ray's object store, a Ray call per stage per step, the stages'
+turns), and a ratio under 1 says the mesh's processes got more of the cores during its load.
+What a mesh gives on real devices (a model too large for one, T devices' memory bandwidth,
+several batches in the stages at once) is not measurable here. The figures move by tens of percent with the load of other work on the
 machine (its load average is printed before and after): `--repeats N` runs every mesh N
 times, the meshes interleaved, and prints each mesh's run of median step time; bench/mesh.py measures the model
 level alone, with the shares of a step in TP collectives and stage transfers.
