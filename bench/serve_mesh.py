@@ -31,10 +31,11 @@ on shared cores (the TP all-reduces and all-gathers between processes, the hidde
 handed stage to stage through Ray's object store, a Ray call per stage per step, the stages'
 turns), and a ratio under 1 says the mesh's processes got more of the cores during its load.
 What a mesh gives on real devices (a model too large for one, T devices' memory bandwidth,
-several batches in the stages at once) is not measurable here. The figures move by tens of percent with the load of other work on the
-machine (its load average is printed before and after): `--repeats N` runs every mesh N
-times, the meshes interleaved, and prints each mesh's run of median step time; bench/mesh.py measures the model
-level alone, with the shares of a step in TP collectives and stage transfers.
+several batches in the stages at once) is not measurable here. The figures move by a factor
+of 2 or more with the load of other work on the machine (its load average is printed before
+and after): `--repeats N` runs every mesh N times, the meshes interleaved, and prints each
+mesh's run of median step time. bench/mesh.py measures the model level alone, with the
+shares of a step in TP collectives and stage transfers.
 
     .venv/bin/python bench/serve_mesh.py        # ~2-3 min on 2 CPU cores
     .venv/bin/python bench/serve_mesh.py --repeats 3    # ~7 min
