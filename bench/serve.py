@@ -27,6 +27,7 @@ from moe_runtime.engine import core, seam
 from moe_runtime.engine import request as req
 from moe_runtime.eplb import policy
 from moe_runtime.executor import cluster, ray_executor, ray_step
+from moe_runtime.model import config as config_mod
 from moe_runtime.model import source as source_mod
 
 
@@ -96,6 +97,59 @@ def run_load(engine: core.Engine, args: argparse.Namespace, vocab: int) -> tuple
     return timings, time.monotonic() - started
 
 
+@dataclass
+class Measured:
+    """One executor under `run_load`: the clients' timings, the load's wall seconds, the mean
+    step time under it and the engine's step count after it."""
+
+    timings: Timings
+    wall: float
+    step_s: float
+    last_step: int
+
+    def columns(self) -> str:
+        """tok/s, TTFT p50/p99, ITL p50/p99 and step time, as the tables print them."""
+        t = self.timings
+        return (
+            f"{t.tokens / self.wall:>8.1f} {pct(t.ttft, 50) * 1e3:>7.0f}ms"
+            f" {pct(t.ttft, 99) * 1e3:>7.0f}ms {pct(t.itl, 50) * 1e3:>6.0f}ms"
+            f" {pct(t.itl, 99) * 1e3:>6.0f}ms {self.step_s * 1e3:>6.1f}ms"
+        )
+
+
+COLUMNS = f"{'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'step':>8}"
+
+
+def start(executor: ray_executor.RayExecutor, model: str, cfg: config_mod.ModelConfig) -> None:
+    """Load `model` on the executor's ranks, its experts spread evenly (identity placement)."""
+    dp = executor.num_ranks
+    num_physical = -(-cfg.num_experts // dp) * dp
+    executor.start(
+        model,
+        placement=policy.identity(cfg.num_moe_layers, cfg.num_experts, num_physical, dp),
+    )
+
+
+def measure(
+    executor: ray_executor.RayExecutor, src: source_mod.ModelSource, args: argparse.Namespace
+) -> Measured:
+    """An engine over the started executor: one warm-up request, then `run_load`."""
+    cfg = src.config
+    engine = core.Engine(
+        executor, src.tokenizer(), seam.EngineConfig(max_model_len=cfg.max_position_embeddings)
+    )
+    with engine:
+        warm = req.Request(request_id="warm", prompt_token_ids=[1, 2, 3], max_tokens=4)
+        engine.add_request(warm).result(timeout=300)
+        before = engine.stats().step_count
+        clock = time.monotonic()
+        timings, wall = run_load(engine, args, cfg.vocab_size)
+        steps = engine.stats().step_count - before
+        step_s = (time.monotonic() - clock) / max(1, steps)
+        last_step = engine.stats().step_count
+    return Measured(timings, wall, step_s, last_step)
+
+
 def step_overhead(
     executor: ray_executor.RayExecutor, *, steps: int, first_id: int
 ) -> dict[str, float]:
@@ -146,7 +200,7 @@ def main() -> None:
         f"load: {args.requests} requests, {args.concurrency} concurrent, prompt {args.prompt_len}"
         f" tokens, {args.max_tokens} generated each"
     )
-    header = f"{'DP':>3} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'step':>8} {'load s':>7}"
+    header = f"{'DP':>3} {COLUMNS} {'load s':>7}"
     rows: list[str] = []
     overhead: dict[str, float] = {}
     try:
@@ -154,41 +208,20 @@ def main() -> None:
             loaded = time.monotonic()
             executor = ray_executor.RayExecutor(dp)
             try:
-                num_physical = -(-cfg.num_experts // dp) * dp
-                executor.start(
-                    args.model,
-                    placement=policy.identity(
-                        cfg.num_moe_layers, cfg.num_experts, num_physical, dp
-                    ),
-                )
+                start(executor, args.model, cfg)
                 load_s = time.monotonic() - loaded
-                engine = core.Engine(
-                    executor,
-                    src.tokenizer(),
-                    seam.EngineConfig(max_model_len=cfg.max_position_embeddings),
-                )
-                step_times: list[float] = []
-                with engine:
-                    warm = req.Request(request_id="warm", prompt_token_ids=[1, 2, 3], max_tokens=4)
-                    engine.add_request(warm).result(timeout=300)
-                    before = engine.stats().step_count
-                    clock = time.monotonic()
-                    timings, wall = run_load(engine, args, cfg.vocab_size)
-                    steps = engine.stats().step_count - before
-                    step_times.append((time.monotonic() - clock) / max(1, steps))
-                    last_step = engine.stats().step_count
+                measured = measure(executor, src, args)
+                errors = measured.timings.errors
                 rows.append(
-                    f"{dp:>3} {timings.tokens / wall:>8.1f} {pct(timings.ttft, 50) * 1e3:>7.0f}ms"
-                    f" {pct(timings.ttft, 99) * 1e3:>7.0f}ms {pct(timings.itl, 50) * 1e3:>6.0f}ms"
-                    f" {pct(timings.itl, 99) * 1e3:>6.0f}ms {step_times[0] * 1e3:>6.1f}ms {load_s:>7.1f}"
-                    + (f"  ({timings.errors} errors)" if timings.errors else "")
+                    f"{dp:>3} {measured.columns()} {load_s:>7.1f}"
+                    + (f"  ({errors} errors)" if errors else "")
                 )
                 if len(rows) == 1:
                     print(header)
                 print(rows[-1], flush=True)
                 if dp == args.dp[-1]:
                     overhead = step_overhead(
-                        executor, steps=args.overhead_steps, first_id=last_step + 1000
+                        executor, steps=args.overhead_steps, first_id=measured.last_step + 1000
                     )
             finally:
                 executor.shutdown()
