@@ -281,6 +281,46 @@ def test_a_recovery_is_the_current_record_and_joins_the_history() -> None:
     }
 
 
+def test_losing_every_rank_is_recorded_once_not_at_every_retried_step() -> None:
+    """The last rank lost: the recovery finds no survivor and fails, once. The engine retries
+    its step (each retry meets the same lost ranks) until autoRecover's grow-back repairs the
+    deployment: the history keeps one Failed record, not one per retry, and a loss of other
+    ranks later is recorded again."""
+    from types import SimpleNamespace
+
+    from moe_runtime.elastic import recovery
+
+    class Ops:
+        def current_size(self) -> int:
+            return 1
+
+    coord = coordinator.Coordinator(
+        Ops(),  # type: ignore[arg-type]
+        limits=coordinator.Limits(min_size=1, max_size=4, num_experts=8),
+    )
+    dead = SimpleNamespace(lost_at=10.0, last_ok=9.0, reason="died", state="dead")
+    executor = SimpleNamespace(
+        ranks=[0],
+        lost_ranks=lambda: {label: dead for label in executor.ranks},
+        has_step_path=lambda: False,
+        rank_infos=lambda: {0: {"pod": "w-0", "node_id": "n", "pid": 7}},
+    )
+    ctx = SimpleNamespace(
+        executor=executor,
+        engine=SimpleNamespace(active_ranks=lambda: list(executor.ranks)),
+        serving=SimpleNamespace(num_ranks=1),
+    )
+    rec = recovery.Recovery(ctx, coordinator=coord)  # type: ignore[arg-type]
+    for _ in range(5):  # the engine's retries
+        rec.recover_now()
+    (failed,) = coord.history()
+    body = failed.to_json()
+    assert body["stage"] == "Failed" and "no rank survived" in body["message"], body
+    executor.ranks = [3]  # a new rank, lost too: a new record
+    rec.recover_now()
+    assert len(coord.history()) == 2
+
+
 # ------------------------------------------------ a shrink around a fenced in-process rank
 
 

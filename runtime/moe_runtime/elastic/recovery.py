@@ -65,6 +65,9 @@ class Recovery:
         self._stop = threading.Event()
         self._grow_thread: threading.Thread | None = None
         self._retry_at = 0.0
+        #: The lost ranks of a recovery that found no survivor (recorded once: every step
+        #: the engine retries meets them again until a grow repairs the deployment).
+        self._no_survivor: frozenset[int] | None = None
 
     def attach(self) -> None:
         """Register with the engine, start the heartbeat and (autoRecover) the grow-back loop."""
@@ -107,6 +110,12 @@ class Recovery:
         if not gone and self.ctx.executor.has_step_path():
             return
         survivors = [r for r in self.ctx.executor.ranks if r not in lost]
+        if not survivors:
+            if self._no_survivor == frozenset(gone):
+                return  # recorded already: autoRecover's grow-back (or a resize) repairs it
+            self._no_survivor = frozenset(gone)
+        else:
+            self._no_survivor = None
         old_n = self.ctx.serving.num_ranks
         infos = self.ctx.executor.rank_infos()
         seen = [h.lost_at for label, h in lost.items() if label in gone and h.lost_at is not None]
