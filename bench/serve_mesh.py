@@ -17,8 +17,7 @@ and one row:
 - load s: seconds to start the executor and load the model on its actors.
 
 A mesh that fails to start prints "(T, P): not served: <error>" and the run goes on. EPLB
-is off: the bench drives the bare engine (no `ElasticService`, hence no rebalancing, which
-P > 1 refuses: `moe-runtime serve --no-eplb`). The model must split over 2 pipeline stages
+is off: the bench drives the bare engine (no `ElasticService`, hence no rebalancing). The model must split over 2 pipeline stages
 (layers) and 2 TP ranks (heads, KV heads, experts' width): the default `synthetic://small`
 has 8 layers, 8 heads over 4 KV heads.
 

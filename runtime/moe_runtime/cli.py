@@ -89,7 +89,7 @@ def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> 
 def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
     """Why pipeline stages at `--pipeline-parallel-size` P != 1 cannot serve, or None: P must
     fit the model's layers (`pipeline.plan`) and needs the Ray executor; not yet together
-    with a rank pool or EPLB rebalancing (each named)."""
+    with a rank pool (named)."""
     size = args.pipeline_parallel_size
     what = f"{flags.PIPELINE_PARALLEL_SIZE} {size}"
     if size < 1:
@@ -98,7 +98,6 @@ def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig)
         return f"{what} needs the Ray executor (--executor ray)"
     not_yet = [
         (args.rank_pool > 0, f"--rank-pool {args.rank_pool}"),
-        (args.eplb, f"{flags.EPLB} (EPLB rebalancing is on by default: pass --no-eplb)"),
     ]
     for asked, flag in not_yet:
         if asked:
@@ -276,12 +275,6 @@ def _build_into(
             hang_timeout=args.rank_hang_timeout,
             warm_spare_ranks=args.warm_spare_ranks,
             rank_pool=args.rank_pool,
-            eplb_refused=(
-                None
-                if args.pipeline_parallel_size == 1
-                else f"not served with {flags.PIPELINE_PARALLEL_SIZE} "
-                f"{args.pipeline_parallel_size} yet (docs/PIPELINE-PARALLEL.md)"
-            ),
         ),
         limits=elastic_coordinator.Limits(
             min_size=args.min_data_parallel_size,

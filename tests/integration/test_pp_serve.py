@@ -5,7 +5,7 @@ transformers' `generate`, at DP = 1 and at DP = 2 (each stage's experts over its
 expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
 some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
 under load on a warm spare (every answer checked), a SIGKILLed stage actor under load (its
-DP rank out, no request lost, grown back); EPLB cannot be turned on.
+DP rank out, no request lost, grown back); EPLB switched on live rebalances under load.
 
 One server per case (a module-scoped fixture: Mixtral and DeepSeek-V3 shapes at DP = 2,
 Qwen3-MoE at DP = 1; tiny random checkpoints saved by `save_pretrained`), joining the tests'
@@ -105,17 +105,30 @@ def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
     check_answers(served)
 
 
-def test_eplb_cannot_be_turned_on_while_serving(served: Served) -> None:
-    """`--no-eplb` is required at P > 1 (start-up); a PATCH turning it on answers 409."""
-    if served.size != 1:
-        pytest.skip("one case is enough for the refusal")
-    r = httpx.patch(
-        f"{served.server.url}/elastic_ep/config",
-        json={"eplb_enabled": True},
-        headers=AUTH,
-        timeout=30,
-    )
-    assert r.status_code == 409, r.text
-    assert "--pipeline-parallel-size 2" in r.text, r.text
-    r = httpx.get(f"{served.server.url}/elastic_ep/config", headers=AUTH, timeout=30)
-    assert r.status_code == 200 and r.json()["eplb_enabled"] is False, r.text
+def test_eplb_switched_on_live_moves_the_stages_experts_and_answers_stay_equal(
+    served: Served,
+) -> None:
+    """EPLB at P = 2 (DeepSeek-V3, DP = 2): switched on live with a short interval, it
+    rebalances under load (the leaders move their slots; each stage follows the committed
+    placement at its next step, taking the experts it lacks from the source); no request
+    fails and every answer after still equals transformers'."""
+    if served.family != "deepseek_v3":
+        pytest.skip("one case is enough for EPLB")
+    url = f"{served.server.url}/elastic_ep/config"
+    before = mesh_serving.status(served)["eplb"]["rebalances"]
+    live = {"eplb_enabled": True, "eplb_step_interval": 10, "eplb_window_size": 10}
+    r = httpx.patch(url, json=live, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["eplb_enabled"] is True, r.text
+    traffic = mesh_serving.load(served)
+    with traffic:
+        polling.poll(
+            lambda: mesh_serving.status(served)["eplb"]["rebalances"] > before,
+            lambda: mesh_serving.status(served)["eplb"],
+            120,
+            every=0.5,
+        )
+    assert not traffic.failures, traffic.failures[:3]
+    assert traffic.ok > 0, traffic.summary()
+    r = httpx.patch(url, json={"eplb_enabled": False}, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    check_answers(served)

@@ -152,7 +152,6 @@ NO_EPLB = {"eplb": {"enabled": False}}
         ({"replicas": 2}, "Extra inputs are not permitted"),
         ({"tensorParallelSize": 0}, "greater than or equal to 1"),
         ({"tensorParallelSize": 9}, "less than or equal to 8"),
-        ({"pipelineParallelSize": 2}, "needs expertParallel.eplb.enabled: false"),  # EPLB default
         (
             {
                 "pipelineParallelSize": 2,
@@ -200,7 +199,6 @@ NO_EPLB = {"eplb": {"enabled": False}}
         "unknown-field",
         "tp-zero",
         "tp-above-8",
-        "pp-with-eplb",
         "cpu-request-below-pp",
         "pp-above-8",
         "gpu-limit-below-tp",
@@ -233,7 +231,7 @@ def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str)
         {"ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
         {"ray": {"accelerator": "nvidia.com/gpu",
                  "workerResources": {"limits": {"nvidia.com/gpu": 2}}}},
-        {"pipelineParallelSize": 2, "expertParallel": NO_EPLB},
+        {"pipelineParallelSize": 2},  # EPLB on (the default)
         {"pipelineParallelSize": 3, "expertParallel": NO_EPLB, "ray": {
             "accelerator": "nvidia.com/gpu", "workerResources": {"limits": {"nvidia.com/gpu": 3}}}},
         {"tensorParallelSize": 2, "pipelineParallelSize": 2, "expertParallel": NO_EPLB,
@@ -241,7 +239,7 @@ def test_models_refuse_what_the_crd_refuses(patch: dict[str, Any], message: str)
         {"pipelineParallelSize": 2, "expertParallel": NO_EPLB, "elastic": {"warmSpareRanks": 1}},
     ],
     ids=["tp-2-cpu", "tp-8-gpu", "gpu-count-given-right", "cpu-cores-enough", "cpu-gpu-limit",
-         "tp1-half-a-core", "tp1-gpu-count-overwritten", "pp-2-cpu", "pp-3-gpu-count-given",
+         "tp1-half-a-core", "tp1-gpu-count-overwritten", "pp-2-eplb-on", "pp-3-gpu-count-given",
          "tp-2-pp-2-cpu", "pp-2-warm-spare"],
 )  # fmt: skip
 def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> None:
@@ -251,9 +249,8 @@ def test_models_accept_a_mesh_the_worker_pod_holds(patch: dict[str, Any]) -> Non
 
 def test_the_mesh_rules_are_in_the_crd() -> None:
     """The refusals above are the API server's too (tests/integration/operator/
-    test_operator_validation.py applies them): TP and PP are bounded; PP above 1 refused
-    with EPLB (what the runtime does not serve together yet) and
-    the pod's fit, all checked at spec level."""
+    test_operator_validation.py applies them): TP and PP are bounded and the pod's fit is
+    checked at spec level."""
     props = schema()["properties"]["spec"]["properties"]
     assert (props["tensorParallelSize"]["minimum"], props["tensorParallelSize"]["maximum"]) == (
         1,
@@ -264,7 +261,6 @@ def test_the_mesh_rules_are_in_the_crd() -> None:
     assert (pp["default"], pp["minimum"], pp["maximum"]) == (1, 1, 8)
     assert "x-kubernetes-validations" not in pp
     messages = [r["message"] for r in schema()["properties"]["spec"]["x-kubernetes-validations"]]
-    assert mesh.PIPELINE_WITH_EPLB in messages
     assert any(m.startswith("ray.workerResources nvidia.com/gpu must equal") for m in messages)
     assert any(m.startswith("ray.workerResources cpu must be at least") for m in messages)
 

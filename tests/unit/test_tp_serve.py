@@ -134,11 +134,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
             "--tensor-parallel-size 2 needs the Ray executor",
         ),
         (
-            ["--pipeline-parallel-size", "2"],
-            "--pipeline-parallel-size 2 is not served together with --eplb (EPLB rebalancing "
-            "is on by default: pass --no-eplb) yet",
-        ),
-        (
             # T and P together: each is checked against the model
             ["--pipeline-parallel-size", "2", "--no-eplb", "--tensor-parallel-size", "3"],
             "--tensor-parallel-size 3 does not fit this model",
@@ -160,7 +155,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
     ids=[
         "tp-does-not-shard",
         "tp-local-executor",
-        "pp-eplb",
         "pp-with-tp-that-does-not-shard",
         "pp-rank-pool",
         "pp-local-executor",

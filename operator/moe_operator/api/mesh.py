@@ -28,27 +28,6 @@ CPU: Final = "cpu"
 _DEVICES: Final = "(self.tensorParallelSize * self.pipelineParallelSize)"
 _RESOURCES: Final = "self.ray.workerResources"
 
-#: What pipeline stages are not served together with yet (the runtime refuses it at
-#: start-up, docs/PIPELINE-PARALLEL.md): the CRD refuses it first, naming the field.
-PIPELINE_WITH_EPLB: Final = (
-    "pipelineParallelSize > 1 needs expertParallel.eplb.enabled: false (EPLB rebalancing "
-    "per pipeline stage is not served yet, docs/PIPELINE-PARALLEL.md)"
-)
-_STAGED: Final = "self.pipelineParallelSize > 1"
-_EPLB_ON: Final = (
-    "(!has(self.expertParallel) || !has(self.expertParallel.eplb) || "
-    "!has(self.expertParallel.eplb.enabled) || self.expertParallel.eplb.enabled)"
-)
-#: Spec-level rules of ``pipelineParallelSize`` > 1 (the Python twin: :func:`check_pipeline`).
-PIPELINE_RULES: Final[list[pydantic.JsonValue]] = [
-    {
-        "rule": f"!({_STAGED}) || !{_EPLB_ON}",
-        "message": PIPELINE_WITH_EPLB,
-        "fieldPath": ".expertParallel.eplb.enabled",
-        "reason": "FieldValueInvalid",
-    },
-]
-
 GPUS_MUST_MATCH: Final = (
     "ray.workerResources nvidia.com/gpu must equal tensorParallelSize x pipelineParallelSize "
     "(one worker pod per data-parallel rank holds its devices; leave it out and the operator "
@@ -135,12 +114,6 @@ def parse_quantity(value: Union[int, str]) -> decimal.Decimal | None:
     if suffix:
         return number.scaleb(int(suffix[1:]))
     return number
-
-
-def check_pipeline(*, pipeline_parallel_size: int, eplb: bool) -> None:
-    """:data:`PIPELINE_RULES` in Python (``ValueError`` with the same message)."""
-    if pipeline_parallel_size > 1 and eplb:
-        raise ValueError(PIPELINE_WITH_EPLB)
 
 
 def check_fit(

@@ -330,7 +330,6 @@ _SPEC_RULES: list[pydantic.JsonValue] = [
         "reason": "FieldValueInvalid",
     },
     *mesh.FIT_RULES,
-    *mesh.PIPELINE_RULES,
 ]
 
 
@@ -386,10 +385,6 @@ class MoEDeploymentSpec(ApiModel):
 
     @pydantic.model_validator(mode="after")
     def _sizes_consistent(self) -> MoEDeploymentSpec:
-        mesh.check_pipeline(
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            eplb=self.expert_parallel.eplb.enabled,
-        )
         workers = self.ray.worker_resources
         mesh.check_fit(
             devices=self.devices_per_rank,

@@ -49,9 +49,6 @@ class ElasticConfig:
     heartbeat_interval: float = 0.1
     warm_spare_ranks: int = 0
     rank_pool: int = 0
-    #: Why EPLB cannot be turned on in this process (pipeline stages), None when it can: a
-    #: PATCH of `eplb_enabled: true` is then refused (409) naming it.
-    eplb_refused: str | None = None
 
     def __post_init__(self) -> None:
         if self.warm_spare_ranks < 0:

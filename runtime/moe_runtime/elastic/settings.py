@@ -179,12 +179,6 @@ class LiveSettings:
                     "this process keeps no warm spare ranks", param="warm_spare_ranks"
                 )
             config, limits = self.rebalancer.config, self.coordinator.limits
-            if config.eplb_refused is not None and given.get("eplb_enabled"):
-                raise InvalidConfig(
-                    f"eplb_enabled cannot be turned on: EPLB rebalancing is {config.eplb_refused}",
-                    param="eplb_enabled",
-                    status_code=409,
-                )
             new_limits = dataclasses.replace(
                 limits,
                 min_size=given.get("min_data_parallel_size", limits.min_size),

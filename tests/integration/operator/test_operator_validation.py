@@ -71,11 +71,6 @@ CASES = [
     ),
     pytest.param(variant("spec.tensorParallelSize", 9), "spec.tensorParallelSize", id="tp-above-8"),
     pytest.param(
-        variant("spec.pipelineParallelSize", 2),  # EPLB is on by default
-        "pipelineParallelSize > 1 needs expertParallel.eplb.enabled: false",
-        id="pp-with-eplb",
-    ),
-    pytest.param(
         {
             **VALID,
             "spec": {
@@ -233,7 +228,7 @@ def test_invalid_spec_is_refused(
             "requests": {"cpu": "2000m"}, "limits": {"cpu": 3, "memory": "1Gi"}}}},
         {"tensorParallelSize": 2, "ray": {"workerResources": {"limits": {"memory": "1Gi"}}}},
         {"tensorParallelSize": 1, "ray": {"workerResources": {"requests": {"cpu": "500m"}}}},
-        {"pipelineParallelSize": 2, "expertParallel": {"eplb": {"enabled": False}}},
+        {"pipelineParallelSize": 2},  # EPLB on (the default)
         {"pipelineParallelSize": 4, "expertParallel": {"eplb": {"enabled": False}},
          "ray": {"accelerator": "nvidia.com/gpu", "workerResources": {
             "limits": {"nvidia.com/gpu": 4}}}},
@@ -245,7 +240,7 @@ def test_invalid_spec_is_refused(
          "elastic": {"warmSpareRanks": 1}},
     ],
     ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given",
-         "tp1-half-a-core", "pp2-cpu", "pp4-gpu-count-given", "tp2-pp2-gpu-count-given",
+         "tp1-half-a-core", "pp2-eplb-on", "pp4-gpu-count-given", "tp2-pp2-gpu-count-given",
          "pp2-warm-spare"],
 )  # fmt: skip
 def test_a_mesh_the_worker_pod_holds_is_accepted(
