@@ -241,7 +241,9 @@ class StepPath:
             if self._closed:
                 return
             self._jobs = [j for j in self._jobs if j.is_alive()] + [job]
-        job.start()
+            # started under the lock: `wait_idle` (or the next `_start_job`) never sees a job
+            # that is listed but not started (join raises on it; is_alive is False)
+            job.start()
 
     def _current(self, gen: int) -> bool:
         with self._lock:
