@@ -17,7 +17,7 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.executor import base, local
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
-from moe_runtime.rank import pipeline_group
+from moe_runtime.rank import pipeline_group, stage_worker
 
 #: Far longer than any test here waits: a test that reaches it has failed.
 LONG = 60.0
@@ -126,7 +126,7 @@ def test_a_leaders_call_off_reaches_its_pipeline_stages_joins(
         where=lambda: "leader",
     )
     groups = groups_mod.RankGroups(ctx, on_abort_join=called_off.append)
-    stage = pipeline_group.StageWorker(stage=1, size=2, device="cpu")
+    stage = stage_worker.StageWorker(stage=1, size=2, device="cpu")
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         joining = pool.submit(stage.join, spec, 1)  # member 0's stage never comes
         with pytest.raises(concurrent.futures.TimeoutError):

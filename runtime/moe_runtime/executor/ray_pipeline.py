@@ -1,6 +1,6 @@
 """The stage actors of a DP rank at pipeline-parallel size P > 1 (`rank.pipeline_group`).
 
-- `StageActor`: pipeline stage s (1..P-1) of one DP rank, a `pipeline_group.StageWorker` in
+- `StageActor`: pipeline stage s (1..P-1) of one DP rank, a `stage_worker.StageWorker` in
   its own actor, placed in bundle s x T of the DP rank's placement group (bundle 0 is the
   leader's, stage 0: STRICT_PACK, one node); at T > 1 it leads its stage's TP followers
   (`ray_tensor.FollowerActor`, bundles s x T + 1 .. s x T + T - 1). Three lanes: the default one (load, steps, in
@@ -24,7 +24,7 @@ import ray
 
 from moe_runtime import logs
 from moe_runtime.executor import niceness, ray_tensor
-from moe_runtime.rank import pipeline_group
+from moe_runtime.rank import pipeline_group, stage_worker
 
 CTL_LANE = "ctl"
 HEALTH_LANE = ray_tensor.HEALTH_LANE
@@ -49,7 +49,7 @@ class StageActor:
             pids = ray.get([f.pid.remote() for f in followers])
             tensor = ray_tensor.RayFollowers(followers, pids)
         self._followers = tensor
-        self.worker = pipeline_group.StageWorker(
+        self.worker = stage_worker.StageWorker(
             stage=stage,
             size=size,
             device=device,

@@ -1,0 +1,329 @@
+"""A pipeline stage's side of its DP rank at serving time (stages 1..P-1, `StageWorker`):
+its layers, KV cache and experts over its stage group, and, at T > 1, its own TP followers.
+The leader's side, the rendezvous and the live token it follows: `pipeline_group`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from moe_runtime.comm import ep
+from moe_runtime.comm import group as group_mod
+from moe_runtime.eplb import policy
+from moe_runtime.model import decoder, pipeline
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import source as source_mod
+from moe_runtime.rank import tensor_group
+from moe_runtime.rank.pipeline_group import (
+    GROUP_TIMEOUT_S,
+    Live,
+    Token,
+    stage_placement,
+    stage_spec,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StageWorker:
+    """Pipeline stage `stage` of `size` of one DP rank: its layers, its KV cache, its experts
+    over its stage group. At tensor-parallel size T > 1 it is TP rank 0 of its stage and leads
+    the stage's TP followers (`followers`, `tensor_group.TensorLeader`): they hold their
+    shards of its layers and run each of its forward passes with it; its routed experts stay
+    here (as on stage 0's leader)."""
+
+    def __init__(
+        self,
+        *,
+        stage: int,
+        size: int,
+        device: str,
+        label: int | None = None,
+        followers: tensor_group.Followers | None = None,
+        tensor_size: int = 1,
+    ) -> None:
+        self.stage_index = stage
+        self.size = size
+        self.device = device
+        self.label = label
+        self.tensor: tensor_group.TensorLeader | None = None
+        if tensor_size > 1:
+            if followers is None:
+                raise ValueError(f"tensor_size {tensor_size} needs the stage's TP followers")
+            self.tensor = tensor_group.TensorLeader(followers, size=tensor_size, device=device)
+        self.model: decoder.MoEModel | None = None
+        self.kv: kv_mod.KVCache | None = None
+        self.stage: pipeline.PipelineStage | None = None
+        self.placement: policy.Placement | None = None
+        self.rank = -1
+        self.experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        self.source: str | None = None
+        self.dtype = torch.float32
+        #: the leader's live token this stage serves (None: as loaded)
+        self.token: Token | None = None
+        #: experts of the state before the live one, by (local MoE layer, logical expert):
+        #: a revert (or a switch back) takes them without reading the source
+        self._before: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        self._stepped: list[int] = []  # the epochs stepped, latest last
+        #: stage groups by epoch (joined with the leaders' step groups) and their backends
+        self.groups: dict[int, group_mod.StatelessGroup] = {}
+        self._backends: dict[int, experts_mod.ExpertBackend] = {}
+        #: epochs whose joins were called off (`abort_join`; epochs are never reused)
+        self._aborted_joins: set[int] = set()
+        self.steps = 0
+
+    def where(self) -> str:
+        epochs = sorted(self.groups)
+        return f"rank label={self.label} pp={self.stage_index}/{self.size} epochs={epochs}"
+
+    def join(self, spec: group_mod.GroupSpec, rank: int) -> None:
+        """Join stage group of `spec.epoch` (derived from the leaders' step group) as `rank`."""
+        group = group_mod.StatelessGroup(
+            stage_spec(spec, self.stage_index),
+            rank,
+            timeout=GROUP_TIMEOUT_S,
+            aborted=lambda: spec.epoch in self._aborted_joins,
+        )
+        old = self.groups.pop(spec.epoch, None)
+        self.groups[spec.epoch] = group
+        self._backends.pop(spec.epoch, None)
+        if old is not None:
+            old.destroy()
+
+    def load(
+        self,
+        source: str,
+        dtype: str,
+        rank: int,
+        num_ranks: int,
+        placement: policy.Placement | None,
+    ) -> int:
+        """Read this stage's tensors and its routed experts of DP rank `rank` of `num_ranks`
+        under `placement`; an empty KV cache of its layers. Returns the bytes held."""
+        started = time.monotonic()
+        src = source_mod.open_source(source)
+        cfg = src.config
+        stage = pipeline.plan(cfg, stage=self.stage_index, size=self.size)
+        torch_dtype = getattr(torch, dtype)
+        tp, following = None, None
+        if self.tensor is not None:
+            # The stage's followers read their shards of its layers meanwhile.
+            tp, following = self.tensor.start_load(source, cfg, dtype=torch_dtype)
+        model = decoder.MoEModel.from_source(
+            src, dtype=torch_dtype, device=self.device, pp=stage, tp=tp
+        )
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        local = None
+        if placement is not None and stage.num_moe_layers:
+            local = stage_placement(placement, stage)
+            for layer in range(stage.num_moe_layers):
+                for slot in local.slots_of_rank(rank, num_ranks):
+                    experts[(layer, slot)] = experts_mod.load_expert(
+                        src,
+                        stage.moe_layers[0] + layer,
+                        int(local.phy2log[layer, slot]),
+                        dtype=torch_dtype,
+                        device=self.device,
+                    )
+        self.model, self.stage, self.placement = model, stage, local
+        self.rank, self.experts = rank, experts
+        self.source, self.dtype, self.token, self._before = source, torch_dtype, None, {}
+        if self.tensor is not None:
+            self.tensor.finish_load(following)
+        self.kv = kv_mod.KVCache(
+            model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
+        )
+        self._backends.clear()
+        nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
+        nbytes += sum(w.nbytes for w in experts.values())
+        log.info(
+            "loaded pipeline stage of %s (layers %s, %d expert slots): %.1f MB in %.2fs (%s)",
+            source,
+            stage.layers,
+            len(experts),
+            nbytes / 1e6,
+            time.monotonic() - started,
+            self.where(),
+        )
+        return nbytes
+
+    def _backend(self, epoch: int) -> experts_mod.ExpertBackend:
+        """This stage's experts over its stage group of `epoch` (older epochs' groups go)."""
+        backend = self._backends.get(epoch)
+        if backend is not None:
+            return backend
+        group = self.groups.get(epoch)
+        if group is None:
+            raise RuntimeError(f"no stage group of epoch {epoch} joined ({self.where()})")
+        if epoch not in self._stepped:
+            self._stepped = [*self._stepped[-1:], epoch]
+        # Groups of epochs before the two last stepped go (a revert steps the one before).
+        for old in [e for e in self.groups if e < min(self._stepped)]:
+            self.groups.pop(old).destroy()
+            self._backends.pop(old, None)
+        if self.placement is None:
+            backend = experts_mod.LocalExperts({})  # dense layers only: never called
+        else:
+            if group.rank != self.rank:
+                raise RuntimeError(
+                    f"stage group rank {group.rank} but experts loaded for DP rank {self.rank}: "
+                    f"pipeline stages do not follow a resize yet ({self.where()})"
+                )
+            backend = ep.ExpertParallelBackend(group, self.placement, self.experts)
+        self._backends[epoch] = backend
+        return backend
+
+    def follow(self, token: Token, placement: policy.Placement | None) -> None:
+        """Serve as the leader's live `token` says: its DP rank `token[2]` of `token[3]` under
+        `placement` (this stage's rows of it). Experts held now or before are kept; the rest
+        are read from the model source. A new token without a placement is refused."""
+        stage = self.stage
+        if token == self.token or stage is None:
+            return
+        if placement is None:
+            raise RuntimeError(
+                f"the leader serves {token}, this stage {self.token}, and no placement came "
+                f"({self.where()})"
+            )
+        rank, num_ranks = token[2], token[3]
+        if not stage.num_moe_layers:
+            self.rank, self.token = rank, token
+            return
+        local = stage_placement(placement, stage)
+        held = dict(self._before)
+        if self.placement is not None:
+            held.update(
+                ((layer, int(self.placement.phy2log[layer, slot])), w)
+                for (layer, slot), w in self.experts.items()
+            )
+        src = None
+        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        read = 0
+        for layer in range(stage.num_moe_layers):
+            for slot in local.slots_of_rank(rank, num_ranks):
+                logical = int(local.phy2log[layer, slot])
+                weights = held.get((layer, logical))
+                if weights is None:
+                    if src is None:
+                        assert self.source is not None
+                        src = source_mod.open_source(self.source)
+                    weights = experts_mod.load_expert(
+                        src,
+                        stage.moe_layers[0] + layer,
+                        logical,
+                        dtype=self.dtype,
+                        device=self.device,
+                    )
+                    held[(layer, logical)] = weights
+                    read += 1
+                experts[(layer, slot)] = weights
+        if self.placement is not None:
+            self._before = {
+                (layer, int(self.placement.phy2log[layer, slot])): w
+                for (layer, slot), w in self.experts.items()
+            }
+        self.placement, self.rank, self.experts, self.token = local, rank, experts, token
+        self._backends.clear()
+        log.info(
+            "pipeline stage serves %s: %d expert slots, %d read from the source (%s)",
+            token,
+            len(experts),
+            read,
+            self.where(),
+        )
+
+    def step(
+        self,
+        epoch: int,
+        frees: Sequence[str],
+        batch: kv_mod.ForwardBatch,
+        prev: Any,
+        live: Live | None = None,
+    ) -> dict[str, Any]:
+        """This stage's forward pass of `batch` given the previous stage's hidden states
+        (`prev`: the tensor, or the previous stage's answer), serving as the leader's `live`
+        says (`follow`). Returns {"out": hidden states, or the logits at the last stage,
+        "loads": every stage's (first, stop, load) so far}."""
+        model, kv, stage = self.model, self.kv, self.stage
+        if model is None or kv is None or stage is None:
+            raise RuntimeError(f"no weights loaded ({self.where()})")
+        if live is not None:
+            self.follow(*live)
+        loads: list[Any] = []
+        hidden = prev
+        if isinstance(prev, dict):
+            hidden, loads = prev["out"], list(prev["loads"])
+        for seq_id in frees:
+            kv.free(seq_id)
+        tensor = self.tensor if batch.seq_ids else None  # no token: no TP collective
+        if self.tensor is not None:
+            self.tensor.free(frees)
+        load = torch.zeros(
+            stage.num_moe_layers, model.config.num_experts, dtype=torch.int64, device=model.device
+        )
+        following = None
+        try:
+            backend = self._backend(epoch)
+            if tensor is not None:
+                following = tensor.begin(model, batch, hidden)
+            out = model.forward(
+                batch, kv, backend, hidden=hidden.to(model.device), expert_load=load
+            )
+            if tensor is not None:
+                tensor.end(following)
+                following = None
+        except Exception as exc:
+            tensor_group.restore_kv(kv, batch)
+            self.abort("a pipeline stage's forward pass failed")
+            if tensor is not None and following is not None:
+                try:
+                    tensor.end(following, failed=exc)
+                except tensor_group.FollowerLost as lost:
+                    log.error("pipeline stage lost a TP follower (%s): %s", self.where(), lost)
+                    raise lost from exc
+            log.exception("pipeline stage step failed (%s)", self.where())
+            raise
+        self.steps += 1
+        loads.append((stage.moe_layers[0], stage.moe_layers[1], load.cpu()))
+        return {"out": out.cpu(), "loads": loads}
+
+    def abort_join(self, epoch: int) -> None:
+        """Call off this stage's join of `epoch`, running or still to come (any thread)."""
+        self._aborted_joins.add(epoch)
+
+    def abort(self, reason: str) -> None:
+        """Abort every stage group (and the stage's TP group) now (any thread)."""
+        for group in list(self.groups.values()):
+            group.abort(reason)
+        if self.tensor is not None:
+            self.tensor.abort(reason)
+
+    def ping(self) -> dict[str, Any]:
+        """Alive; `lost` says why the stage cannot step again (a TP follower of it died or
+        hangs: `RayFollowers.alive` reports its DP rank lost)."""
+        out: dict[str, Any] = {"pid": os.getpid(), "pp_stage": self.stage_index}
+        out["steps"] = self.steps
+        if self.tensor is not None:
+            try:
+                self.tensor.check()
+            except tensor_group.FollowerLost as exc:
+                out["lost"] = str(exc)
+        return out
+
+    def pids(self) -> list[int]:
+        """The process ids of the stage's TP followers."""
+        return [] if self.tensor is None else self.tensor.followers.pids()
+
+    def shutdown(self) -> None:
+        if self.tensor is not None:
+            self.tensor.close()
+        for group in list(self.groups.values()):
+            group.destroy()
+        self.groups.clear()
+        self._backends.clear()
