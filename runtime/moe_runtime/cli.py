@@ -88,20 +88,14 @@ def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> 
 
 def _unsupported_pipeline(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
     """Why pipeline stages at `--pipeline-parallel-size` P != 1 cannot serve, or None: P must
-    fit the model's layers (`pipeline.plan`) and needs the Ray executor; not yet together
-    with a rank pool (named)."""
+    fit the model's layers (`pipeline.plan`) and needs the Ray executor. Everything elastic
+    serves at any P (warm spares and the rank pool are whole DP ranks of T x P actors)."""
     size = args.pipeline_parallel_size
     what = f"{flags.PIPELINE_PARALLEL_SIZE} {size}"
     if size < 1:
         return f"{what}: must be >= 1"
     if args.executor != "ray":
         return f"{what} needs the Ray executor (--executor ray)"
-    not_yet = [
-        (args.rank_pool > 0, f"--rank-pool {args.rank_pool}"),
-    ]
-    for asked, flag in not_yet:
-        if asked:
-            return f"{what} is not served together with {flag} yet (docs/PIPELINE-PARALLEL.md)"
     try:
         pipeline.plan(cfg, stage=0, size=size)
     except ValueError as exc:

@@ -1,12 +1,14 @@
-"""Issue 22, the rank pool at tensor-parallel size T > 1: `moe-runtime serve --data-parallel-size
-2 --tensor-parallel-size 2 --rank-pool 1` keeps its pooled process as a whole DP rank (a
-leader and its TP follower, no weights, both below the serving ranks' CPU priority); a grow to
-3 takes it whole (no process started: the new DP rank is those two processes, its follower
-loads its shard), every answer under load equals transformers', and the pool refills whole;
-a pooled rank whose follower is SIGKILLed is removed whole and replaced.
+"""Issue 22, the rank pool at tensor-parallel size T > 1 and at pipeline-parallel size P > 1:
+`moe-runtime serve --data-parallel-size 2 --tensor-parallel-size 2 --rank-pool 1` (or
+`--pipeline-parallel-size 2`) keeps its pooled process as a whole DP rank (a leader and its
+TP follower, or a leader and its pipeline stage actor; no weights, both below the serving
+ranks' CPU priority); a grow to 3 takes it whole (no process started: the new DP rank is
+those two processes; its follower loads its shard, or its stage actor its layers and reads
+its experts), every answer under load equals transformers', and the pool refills whole; a
+pooled rank whose other process is SIGKILLed is removed whole and replaced.
 
-One server (tiny random Mixtral shape, `tests.support.tp_serving`), joining the tests' Ray
-instance (3 DP ranks and the pooled one, 2 actors each).
+One server per mesh (tiny random Mixtral shape, `tests.support.tp_serving`), joining the
+tests' Ray instance (3 DP ranks and the pooled one, 2 actors each).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from moe_runtime.executor import niceness
@@ -25,10 +28,15 @@ from tests.support.tp_serving import Served, assert_whole, serving, status
 
 pytestmark = pytest.mark.ray
 
+MESHES = {"tp2": tp_serving.TP2, "pp2": tp_serving.PP2}
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, ray_session: None) -> Iterator[Served]:
-    yield from tp_serving.serve(tmp_path_factory.mktemp("tp_pool"), "--rank-pool", "1")
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ray_session: None
+) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp(f"pool_{request.param}")
+    yield from tp_serving.serve(root, "--rank-pool", "1", mesh=MESHES[request.param])
 
 
 def _pooled(s: Served, timeout: float = 180.0) -> list[dict[str, Any]]:
@@ -45,10 +53,19 @@ def _pooled(s: Served, timeout: float = 180.0) -> list[dict[str, Any]]:
         time.sleep(0.2)
 
 
+def _expert_load(s: Served, rank: int) -> float:
+    """`moe_rank_expert_load` of DP rank `rank`: the tokens its MoE layers (every pipeline
+    stage's) routed over the last steps."""
+    text = httpx.get(f"{s.server.url}/metrics", timeout=30).text
+    key = f'moe_rank_expert_load{{rank="{rank}"}} '
+    return next((float(line[len(key) :]) for line in text.splitlines() if line.startswith(key)), 0)
+
+
 def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served) -> None:
+    mesh = served.mesh
     pooled = _pooled(served)
     assert len(pooled) == 1
-    assert_whole(pooled, nice=niceness.SPARE_NICENESS)
+    assert_whole(pooled, nice=niceness.SPARE_NICENESS, mesh=mesh)
     traffic = tp_serving.load(served)
     with traffic:
         tp_serving.wait_traffic(traffic, 4)
@@ -59,20 +76,29 @@ def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served)
     st = status(served)
     ranks = serving(st)
     assert len(ranks) == 3
-    assert_whole(ranks, nice=0)
-    # the new DP rank is the pooled leader and its follower (no process started)
-    assert (pooled[0]["pid"], pooled[0]["tp_pids"]) in [(r["pid"], r["tp_pids"]) for r in ranks]
+    assert_whole(ranks, nice=0, mesh=mesh)
+    # the new DP rank is the pooled leader and its other process (no process started)
+    took = (pooled[0]["pid"], pooled[0][mesh.pids])
+    assert took in [(r["pid"], r[mesh.pids]) for r in ranks], (pooled, ranks)
     grow = next(h for h in st["history"] if h["resize_id"] == done["resize_id"])
     assert grow["warm_spares"] == 0, grow
+    # it serves (every stage of it routed tokens to its experts), every answer equal
+    traffic = tp_serving.load(served)
+    with traffic:
+        tp_serving.wait_traffic(traffic, 12)
+    assert not traffic.failures, traffic.failures[:3]
+    new = next(r for r in serving(status(served)) if r["pid"] == pooled[0]["pid"])
+    assert _expert_load(served, new["rank"]) > 0, new
     # the pool refills with a whole rank (new processes)
     refilled = _pooled(served)
     assert refilled[0]["pid"] != pooled[0]["pid"]
-    assert_whole(refilled, nice=niceness.SPARE_NICENESS)
-    # a pooled rank whose follower dies is lost whole (its leader's pings fail) and replaced
-    os.kill(refilled[0]["tp_pids"][0], signal.SIGKILL)
+    assert_whole(refilled, nice=niceness.SPARE_NICENESS, mesh=mesh)
+    # a pooled rank whose other process dies is lost whole (its leader's pings fail) and
+    # replaced
+    os.kill(refilled[0][mesh.pids][0], signal.SIGKILL)
     deadline = time.monotonic() + 120
     while (again := _pooled(served))[0]["pid"] == refilled[0]["pid"]:
         assert time.monotonic() < deadline, (again, served.server.tail())
         time.sleep(0.2)
-    assert_whole(again, nice=niceness.SPARE_NICENESS)
+    assert_whole(again, nice=niceness.SPARE_NICENESS, mesh=mesh)
     assert len(serving(status(served))) == 3

@@ -1,7 +1,8 @@
-"""Shared by the integration tests of `serve --tensor-parallel-size 2` with warm spares or a
-rank pool (tests/integration/test_tp_spares.py, test_tp_rank_pool.py): a tiny random Mixtral
-served at DP 2 x TP 2 joining the tests' Ray instance, transformers' reference answers,
-checked mixed load (greedy and seeded, streamed or not) and the status checks."""
+"""Shared by the integration tests of `serve` with two devices per DP rank and warm spares or a
+rank pool (tests/integration/test_tp_spares.py at TP 2, test_tp_rank_pool.py at TP 2 and at
+PP 2): a tiny random Mixtral served at DP 2 x (TP 2 or PP 2) joining the tests' Ray instance,
+transformers' reference answers, checked mixed load (greedy and seeded, streamed or not) and
+the status checks."""
 
 from __future__ import annotations
 
@@ -28,10 +29,24 @@ SEED = 1
 Reference = dict[tuple[int, int, int | None], list[int]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """Two devices per DP rank: the `serve` flags, and the status field that lists the DP
+    rank's other process (`tp_pids`: its TP follower, `pp_pids`: its pipeline stage 1)."""
+
+    flags: tuple[str, ...]
+    pids: str
+
+
+TP2 = Mesh(("--tensor-parallel-size", "2"), "tp_pids")
+PP2 = Mesh(("--pipeline-parallel-size", "2"), "pp_pids")
+
+
 @dataclasses.dataclass
 class Served:
     server: runtime_proc.RuntimeProcess
     reference: Reference
+    mesh: Mesh = TP2
 
 
 def reference(model: transformers.PreTrainedModel) -> Reference:
@@ -48,17 +63,17 @@ def reference(model: transformers.PreTrainedModel) -> Reference:
     return out
 
 
-def serve(root: pathlib.Path, *extra: str) -> Iterator[Served]:
-    """`serve --data-parallel-size 2 --tensor-parallel-size 2 --max-data-parallel-size 3
-    EXTRA` on a fresh tiny Mixtral under `root`, on the tests' Ray instance (a generator for a
-    fixture: stopped after its yield)."""
+def serve(root: pathlib.Path, *extra: str, mesh: Mesh = TP2) -> Iterator[Served]:
+    """`serve --data-parallel-size 2 MESH --max-data-parallel-size 3 EXTRA` on a fresh tiny
+    Mixtral under `root`, on the tests' Ray instance (a generator for a fixture: stopped after
+    its yield)."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
     torch.set_num_threads(1)
     model = hf_families.build(FAMILY)
     path = hf_families.save(model, root / "ckpt")
-    args = ["--model", str(path), "--data-parallel-size", "2", "--tensor-parallel-size", "2"]
+    args = ["--model", str(path), "--data-parallel-size", "2", *mesh.flags]
     args += ["--dtype", "float32", "--max-data-parallel-size", "3", *extra]
     args += ["--served-model-name", FAMILY]
     server, ref = runtime_proc.start_while(
@@ -68,7 +83,7 @@ def serve(root: pathlib.Path, *extra: str) -> Iterator[Served]:
         env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": address},
     )
     try:
-        yield Served(server, ref)
+        yield Served(server, ref, mesh)
     finally:
         server.stop()
 
@@ -103,15 +118,18 @@ def wait_traffic(traffic: load_mod.Load, count: int) -> None:
         time.sleep(0.05)
 
 
-def assert_whole(ranks: list[dict[str, Any]], *, nice: int | None = None) -> None:
-    """Each DP rank a leader and one live follower process of its own (`nice`: both at that
-    CPU niceness)."""
+def assert_whole(ranks: list[dict[str, Any]], *, nice: int | None = None, mesh: Mesh = TP2) -> None:
+    """Each DP rank a leader and one live process of its own listed in `mesh.pids` (a TP
+    follower or a pipeline stage actor; `nice`: both at that CPU niceness)."""
     for r in ranks:
-        assert len(r["tp_pids"]) == 1 and r["tp_pids"][0] != r["pid"], r
-        os.kill(r["tp_pids"][0], 0)  # alive
+        other = r[mesh.pids]
+        assert len(other) == 1 and other[0] != r["pid"], r
+        assert all(r[f] == [] for f in (TP2.pids, PP2.pids) if f != mesh.pids), r
+        os.kill(other[0], 0)  # alive
         if nice is not None:
-            # a follower takes its leader's priority on its own lane (before its next step)
-            pids = [r["pid"], r["tp_pids"][0]]
+            # a follower (or a stage) takes its leader's priority on its own lane (before its
+            # next step)
+            pids = [r["pid"], other[0]]
             deadline = time.monotonic() + 10
             while [os.getpriority(os.PRIO_PROCESS, p) for p in pids] != [nice] * 2:
                 assert time.monotonic() < deadline, (r, nice)

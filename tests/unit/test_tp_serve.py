@@ -139,10 +139,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
             "--tensor-parallel-size 3 does not fit this model",
         ),
         (
-            ["--pipeline-parallel-size", "2", "--no-eplb", "--rank-pool", "1"],
-            "--pipeline-parallel-size 2 is not served together with --rank-pool 1 yet",
-        ),
-        (
             ["--pipeline-parallel-size", "2", "--no-eplb", "--executor", "local"],
             "--pipeline-parallel-size 2 needs the Ray executor",
         ),
@@ -156,7 +152,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
         "tp-does-not-shard",
         "tp-local-executor",
         "pp-with-tp-that-does-not-shard",
-        "pp-rank-pool",
         "pp-local-executor",
         "pp-over-layers",
     ],
@@ -169,3 +164,22 @@ def test_serve_refuses_a_mesh_it_cannot_serve_at_start_up(
     argv = ["serve", "--model", str(path), "--data-parallel-size", "1", "--port", "0", *flags]
     assert cli.serve(cli.build_parser().parse_args(argv)) != 0
     assert message in termination_log.read_text()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--pipeline-parallel-size", "2", "--rank-pool", "1"],
+        ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", "--rank-pool", "2"],
+        ["--pipeline-parallel-size", "3", "--rank-pool", "1", "--warm-spare-ranks", "1"],
+    ],
+    ids=["pp-rank-pool", "tp-pp-rank-pool", "pp-rank-pool-and-spares"],
+)
+def test_serve_accepts_the_rank_pool_at_any_mesh(tmp_path: pathlib.Path, flags: list[str]) -> None:
+    """A pooled rank is a whole DP rank of T x P actors (docs/PIPELINE-PARALLEL.md): the
+    pool is no reason to refuse a mesh (tests/integration/test_tp_rank_pool.py serves it)."""
+    path = tmp_path / "ckpt"
+    checkpoints.build(path)  # 4 heads over 2 KV heads, 3 layers
+    argv = ["serve", "--model", str(path), "--data-parallel-size", "1", *flags]
+    args = cli.build_parser().parse_args(argv)
+    assert cli._unsupported_mesh(args, source.open_source(str(path)).config) is None

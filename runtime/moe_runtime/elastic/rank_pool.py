@@ -8,7 +8,10 @@ rank slots (`moe_rank`), each a `RankWorker` with no weights, no KV cache and no
 cost of a warm spare without the weights (its RSS is the runtime's fixed part, docs/RESIZE.md).
 A grow that warm spares do not cover takes pooled processes (`take`) for the ranks it would
 start, then loads and transfers the weights as for any new rank; the runtime refills the pool
-in the background afterwards.
+in the background afterwards. At tensor-parallel size T or pipeline-parallel size P above 1 a
+pooled process is a whole DP rank (T x P actors in one placement group: its leader, its TP
+followers, its pipeline stage actors and theirs, all weightless: `ray_actor.start_ranks`); the
+grow's `load_weights` on the leader loads every one of them (docs/PIPELINE-PARALLEL.md).
 
 Upkeep (`maintain`, every `MAINTAIN_SECONDS` on the pool's thread): drop pooled processes that
 died, start missing ones on free rank slots. Never while `busy()` (a resize or
