@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import mesh_serving, runtime_proc
-from tests.support.mesh_serving import AUTH, Served, check_answers
+from tests.support import mesh_serving
+from tests.support.mesh_serving import Served, check_answers
 
 pytestmark = pytest.mark.ray
 
@@ -68,12 +68,7 @@ def test_live_resize_to_three_under_load(served: Served) -> None:
     answer during and after the resize equals transformers'."""
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the resize")
-    traffic = mesh_serving.load(served)
-    with traffic:
-        done = runtime_proc.scale(served.server.url, 3, headers=AUTH)
-    assert done["stage"] == "Completed", done
-    assert not traffic.failures, traffic.failures[:3]
-    assert traffic.ok > 0, traffic.summary()
+    mesh_serving.resize_under_load(served, 3)
     _assert_whole(served, 3)
     check_answers(served)
 

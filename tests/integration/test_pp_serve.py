@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import mesh_serving, polling, runtime_proc
+from tests.support import mesh_serving, polling
 from tests.support.mesh_serving import AUTH, Served, check_answers
 
 pytestmark = pytest.mark.ray
@@ -72,12 +72,7 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
         pytest.skip("one case is enough for the resizes")
     spare = _spare_is_whole(served)
     for size in (3, 2):
-        traffic = mesh_serving.load(served)
-        with traffic:
-            done = runtime_proc.scale(served.server.url, size, headers=AUTH)
-        assert done["stage"] == "Completed", done
-        assert not traffic.failures, traffic.failures[:3]
-        assert traffic.ok > 0, traffic.summary()
+        done = mesh_serving.resize_under_load(served, size)
         ranks = mesh_serving.assert_mesh(served, size, "pp_pids")
         if size == 3:
             history = mesh_serving.status(served)["history"]

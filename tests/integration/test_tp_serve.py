@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import mesh_serving, runtime_proc
-from tests.support.mesh_serving import AUTH, Served, check_answers
+from tests.support import mesh_serving
+from tests.support.mesh_serving import Served, check_answers
 
 pytestmark = pytest.mark.ray
 
@@ -40,12 +40,7 @@ def test_answers_equal_transformers_at_dp2_tp2(served: Served) -> None:
 
 
 def test_live_resize_to_three_under_load(served: Served) -> None:
-    traffic = mesh_serving.load(served)
-    with traffic:
-        done = runtime_proc.scale(served.server.url, 3, headers=AUTH)
-    assert done["stage"] == "Completed", done
-    assert not traffic.failures, traffic.failures[:3]
-    assert traffic.ok > 0, traffic.summary()
+    mesh_serving.resize_under_load(served, 3)
     mesh_serving.assert_mesh(served, 3, "tp_pids")
     check_answers(served)
 

@@ -2,7 +2,8 @@
 (tests/integration/test_tp_serve.py at TP 2, test_pp_serve.py at PP 2, test_mesh_serve.py at
 TP 2 x PP 2): one server per
 family on the tests' Ray instance, transformers' greedy answers, checked answers and load, and
-a process of a DP rank signalled under load until the deployment is back at its size."""
+a live resize under load (`resize_under_load`) and a process of a DP rank signalled under load
+until the deployment is back at its size."""
 
 from __future__ import annotations
 
@@ -127,6 +128,18 @@ def load(s: Served) -> load_mod.Load:
         seeds=(),
         prompts=PROMPTS,
     )
+
+
+def resize_under_load(s: Served, size: int) -> dict[str, Any]:
+    """A live resize to `size` under `load`: it completes, no request fails and some are
+    answered during it. Returns the resize's final status."""
+    traffic = load(s)
+    with traffic:
+        done = runtime_proc.scale(s.server.url, size, headers=AUTH)
+    assert done["stage"] == "Completed", done
+    assert not traffic.failures, traffic.failures[:3]
+    assert traffic.ok > 0, traffic.summary()
+    return done
 
 
 @dataclasses.dataclass
