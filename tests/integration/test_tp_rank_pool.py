@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import parser as prometheus_parser
 
 from moe_runtime.executor import niceness
 from tests.support import runtime_proc, tp_serving
@@ -57,8 +58,13 @@ def _expert_load(s: Served, rank: int) -> float:
     """`moe_rank_expert_load` of DP rank `rank`: the tokens its MoE layers (every pipeline
     stage's) routed over the last steps."""
     text = httpx.get(f"{s.server.url}/metrics", timeout=30).text
-    key = f'moe_rank_expert_load{{rank="{rank}"}} '
-    return next((float(line[len(key) :]) for line in text.splitlines() if line.startswith(key)), 0)
+    samples = [
+        sample.value
+        for family in prometheus_parser.text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "moe_rank_expert_load" and sample.labels.get("rank") == str(rank)
+    ]
+    return samples[0] if samples else 0.0
 
 
 def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served) -> None:
