@@ -74,6 +74,12 @@ class RuntimeMetrics:
             registry=r,
         )
         self.steps = prometheus_client.Counter("moe_steps", "Lockstep steps run.", registry=r)
+        self.source_reads = prometheus_client.Counter(
+            "moe_pipeline_source_reads",
+            "Experts pipeline stages read from the model source inside a step (a placement "
+            "change they had not prefetched; it stalls that step).",
+            registry=r,
+        )
         self.ttft = prometheus_client.Histogram(
             "moe_time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -115,6 +121,7 @@ class RuntimeMetrics:
         self.steps.inc()
         self.step_seconds.observe(seconds)
         self.batch_size.observe(num_seqs)
+        self.source_reads.inc(sum(out.source_reads for out in outputs))
         with self._lock:
             seen = set()
             for out in outputs:

@@ -81,6 +81,8 @@ class StepOutput:
     (`CONTROL_EXPERT_EPOCH`); None when the step carried no commit or the vote refused it.
     failure: with `error`, what the error broke (`FAILURE_GROUP`, `FAILURE_RANK`); None when
     the same step may simply be sent again.
+    source_reads: experts the rank's pipeline stages read from the model source inside this
+    step (a placement change they had not prefetched: it stalls the step); 0 at P = 1.
     """
 
     rank: int
@@ -90,6 +92,7 @@ class StepOutput:
     error: str | None = None
     committed: int | None = None
     failure: str | None = None
+    source_reads: int = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # A CPU expert-load tensor travels as raw bytes: pickling a torch tensor costs ~170 us

@@ -30,6 +30,9 @@ pytestmark = pytest.mark.ray
 #: stage actor) for its grows and its recovery
 CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
 MESH = ["--pipeline-parallel-size", "2", "--no-eplb"]
+#: experts a stage read from the source inside a step: none when every placement change was
+#: prefetched while the leaders staged it
+SOURCE_READS = "moe_pipeline_source_reads_total"
 SPARE = ["--warm-spare-ranks", "1", "--rank-hang-timeout", "15"]
 
 
@@ -64,16 +67,17 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
 
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:
-    """The grow takes the warm spare (a whole DP rank: its leader and its stage actor, whose
-    stage reads the experts it lacks from the source at its first step), and a new spare is
-    started; each stage follows its leader's new placement; every answer during and after
-    equal."""
+    """The grow takes the warm spare (a whole DP rank: its leader and its stage actor), and a
+    new spare is started; each stage follows its leader's new placement with the experts it
+    prefetched while its leader staged its slots (no stage reads the source inside a step);
+    every answer during and after equal."""
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the resizes")
     spare = _spare_is_whole(served)
     for size in (3, 2):
         done = mesh_serving.resize_under_load(served, size)
         ranks = mesh_serving.assert_mesh(served, size, "pp_pids")
+        assert mesh_serving.metric(served.server.url, SOURCE_READS) == 0
         if size == 3:
             history = mesh_serving.status(served)["history"]
             grow = next(h for h in history if h["resize_id"] == done["resize_id"])
@@ -104,9 +108,9 @@ def test_eplb_switched_on_live_moves_the_stages_experts_and_answers_stay_equal(
     served: Served,
 ) -> None:
     """EPLB at P = 2 (DeepSeek-V3, DP = 2): switched on live with a short interval, it
-    rebalances under load (the leaders move their slots; each stage follows the committed
-    placement at its next step, taking the experts it lacks from the source); no request
-    fails and every answer after still equals transformers'."""
+    rebalances under load (the leaders move their slots while each stage prefetches the
+    experts it lacks; each stage follows the committed placement at its next step, reading
+    nothing then); no request fails and every answer after still equals transformers'."""
     if served.family != "deepseek_v3":
         pytest.skip("one case is enough for EPLB")
     url = f"{served.server.url}/elastic_ep/config"
@@ -124,6 +128,7 @@ def test_eplb_switched_on_live_moves_the_stages_experts_and_answers_stay_equal(
         )
     assert not traffic.failures, traffic.failures[:3]
     assert traffic.ok > 0, traffic.summary()
+    assert mesh_serving.metric(served.server.url, SOURCE_READS) == 0
     r = httpx.patch(url, json={"eplb_enabled": False}, headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     check_answers(served)

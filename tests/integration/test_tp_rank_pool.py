@@ -19,12 +19,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client import parser as prometheus_parser
 
 from moe_runtime.executor import niceness
-from tests.support import runtime_proc, tp_serving
+from tests.support import mesh_serving, runtime_proc, tp_serving
 from tests.support.tp_serving import Served, assert_whole, serving, status
 
 pytestmark = pytest.mark.ray
@@ -57,14 +55,7 @@ def _pooled(s: Served, timeout: float = 180.0) -> list[dict[str, Any]]:
 def _expert_load(s: Served, rank: int) -> float:
     """`moe_rank_expert_load` of DP rank `rank`: the tokens its MoE layers (every pipeline
     stage's) routed over the last steps."""
-    text = httpx.get(f"{s.server.url}/metrics", timeout=30).text
-    samples = [
-        sample.value
-        for family in prometheus_parser.text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "moe_rank_expert_load" and sample.labels.get("rank") == str(rank)
-    ]
-    return samples[0] if samples else 0.0
+    return mesh_serving.metric(s.server.url, "moe_rank_expert_load", rank=str(rank))
 
 
 def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import torch
 import transformers
+from prometheus_client import parser as prometheus_parser
 
 from e2e import load as load_mod
 from tests.support import hf_families, polling, runtime_proc
@@ -74,6 +75,18 @@ def serve(
 
 def status(s: Served) -> dict[str, Any]:
     return runtime_proc.status(s.server.url, headers=AUTH)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples `name` (with `labels`) the server at `url` exports now (0 when
+    it exports none)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in prometheus_parser.text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def serving(s: Served) -> list[dict[str, Any]]:

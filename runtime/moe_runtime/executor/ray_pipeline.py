@@ -83,6 +83,9 @@ class StageActor:
     def join(self, *args: Any) -> None:
         self.worker.join(*args)
 
+    def prefetch(self, *args: Any) -> int:
+        return self.worker.prefetch(*args)
+
     def ping(self) -> dict[str, Any]:
         return self.worker.ping()
 
@@ -111,9 +114,9 @@ class RayStages(ray_tensor.RayFollowers):
         return list(self._follower_pids)
 
     def send(self, method: str, *args: Any) -> list[Any]:
-        if method == "join":
+        if method in ("join", "prefetch"):  # beside the steps (the control lane)
             ctl = {"concurrency_group": CTL_LANE}
-            return [a.join.options(**ctl).remote(*args) for a in self._actors]
+            return [getattr(a, method).options(**ctl).remote(*args) for a in self._actors]
         return super().send(method, *args)
 
     def chain(

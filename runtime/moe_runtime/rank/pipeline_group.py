@@ -11,8 +11,11 @@ group (same epoch, same group rank; `PipelineLeader.join`). Its placement is the
 restricted to its MoE layers (`stage_placement`): each step carries the leader's live token
 (epoch, origin, rank, size) and, when that changed (an activate, a revert, an EPLB commit),
 the placement; the stage follows it (`StageWorker.follow`: experts it holds or held before
-are kept, the others read from the model source). So resizes and recovery of the leaders
-carry the stages along.
+are kept, the others read from the model source). A placement the leader stages (a resize's
+Transferring, an EPLB rebalance, a recovery: `ExpertSlots.stage_experts`) is prefetched by
+every stage meanwhile (`prefetch`: the experts it lacks, read from the source beside the
+steps), so the step that switches reads nothing. So resizes and recovery of the leaders carry
+the stages along.
 
 A step with tokens on any DP rank: the leader runs stage 0 (also with no token of its own:
 its stages must join their experts' collectives) and hands its hidden states to stage 1, ...,
@@ -125,6 +128,9 @@ class PipelineLeader:
         self._lost: str | None = None
         #: The live token every stage has followed (None: send the placement with the next).
         self._sent: Token | None = None
+        #: Experts the stages read from the model source in the last step (`StageWorker.
+        #: follow`: what no `prefetch` brought), over all stages.
+        self.step_reads = 0
 
     def plan(self, cfg: Any) -> pipeline.PipelineStage:
         """Stage 0 of `cfg` (ValueError naming the field when P does not fit the model)."""
@@ -149,6 +155,16 @@ class PipelineLeader:
 
     def finish_load(self, pending: Any) -> None:
         self._wait(pending, LOAD_TIMEOUT_S)
+
+    def prefetch(self, placement: policy.Placement, *, rank: int, num_ranks: int) -> Any:
+        """Every stage starts reading the experts it lacks for DP rank `rank` of `num_ranks`
+        under `placement` (`StageWorker.prefetch`, beside the steps): the leader stages its own
+        slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_prefetch`."""
+        return self.stages.send("prefetch", placement, rank, num_ranks)
+
+    def finish_prefetch(self, pending: Any) -> int:
+        """Wait for `prefetch`; the experts the stages read."""
+        return sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
 
     # -- groups --------------------------------------------------------------------------
     def join(self, spec: group_mod.GroupSpec, rank: int) -> None:
@@ -195,6 +211,7 @@ class PipelineLeader:
         stage's expert load is added at its MoE layers. On a failure the stages' groups are
         aborted (their peers must not wait for them) and the error raised."""
         self.check()
+        self.step_reads = 0
         try:
             hidden = model.forward(batch, kv, experts, expert_load=expert_load)
         except Exception as exc:
@@ -210,6 +227,7 @@ class PipelineLeader:
             self.abort(f"a pipeline stage's step failed: {type(exc).__name__}")
             raise
         self._sent = token
+        self.step_reads = sum(int(a.get("reads", 0)) for a in answers)
         last = answers[-1]
         for first, stop, load in last["loads"]:
             if load is not None and stop > first:

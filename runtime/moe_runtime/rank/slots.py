@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -43,6 +43,10 @@ from moe_runtime.rank import staging as staging_mod
 log = logging.getLogger(__name__)
 
 
+#: (placement, new rank, new number of ranks) -> a wait for it, returning the experts read.
+Prefetch = Callable[[policy.Placement, int, int], Callable[[], int]]
+
+
 class ExpertSlots:
     """The slot state of one rank and its changes (see the module docstring).
 
@@ -52,9 +56,18 @@ class ExpertSlots:
     the step group).
     """
 
-    def __init__(self, ctx: context_mod.RankContext, *, groups: groups_mod.RankGroups) -> None:
+    def __init__(
+        self,
+        ctx: context_mod.RankContext,
+        *,
+        groups: groups_mod.RankGroups,
+        prefetch: Prefetch | None = None,
+    ) -> None:
         self._ctx = ctx
         self._groups = groups
+        #: At P > 1: starts the pipeline stages' prefetch of a staged placement (their
+        #: experts), returns what waits for it (`pipeline_group.PipelineLeader.prefetch`).
+        self._prefetch = prefetch
         self._lock = threading.RLock()
         self.placement: policy.Placement | None = None
         self.rank: int | None = None
@@ -138,6 +151,9 @@ class ExpertSlots:
         grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
+        prefetching = None
+        if new_rank is not None and self._prefetch is not None:
+            prefetching = self._prefetch(new_placement, new_rank, new_num_ranks)
         held = self._held_experts()
         with self._lock:
             prestaged = dict(self.prestaged)
@@ -178,6 +194,10 @@ class ExpertSlots:
                 f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
                 f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx.where()})"
             )
+        if prefetching is not None:
+            stages_read = prefetching()
+            if stages_read:
+                log.info("the pipeline stages read %d experts (%s)", stages_read, self._ctx.where())
         staging_id = epoch if stage is None else stage
         with self._lock:
             self.staged = live_mod.Staged(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -70,6 +71,15 @@ class StageWorker:
         #: experts of the state before the live one, by (local MoE layer, logical expert):
         #: a revert (or a switch back) takes them without reading the source
         self._before: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        #: experts of a placement the leader is staging (`prefetch`, while it moves its own
+        #: slots), by (local MoE layer, logical expert): `follow` takes them from here
+        self._prefetched: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        #: `prefetch` runs on the control lane while steps run (`follow` reads what it wrote)
+        self._lock = threading.Lock()
+        #: experts read from the model source inside a step (`follow`: none was prefetched)
+        self.reads_in_step = 0
+        #: experts read from the model source ahead of a placement change (`prefetch`)
+        self.prefetched = 0
         self._stepped: list[int] = []  # the epochs stepped, latest last
         #: stage groups by epoch (joined with the leaders' step groups) and their backends
         self.groups: dict[int, group_mod.StatelessGroup] = {}
@@ -134,6 +144,7 @@ class StageWorker:
         self.model, self.stage, self.placement = model, stage, local
         self.rank, self.experts = rank, experts
         self.source, self.dtype, self.token, self._before = source, torch_dtype, None, {}
+        self._prefetched = {}
         if self.tensor is not None:
             self.tensor.finish_load(following)
         self.kv = kv_mod.KVCache(
@@ -196,12 +207,9 @@ class StageWorker:
             self.rank, self.token = rank, token
             return
         local = stage_placement(placement, stage)
-        held = dict(self._before)
-        if self.placement is not None:
-            held.update(
-                ((layer, int(self.placement.phy2log[layer, slot])), w)
-                for (layer, slot), w in self.experts.items()
-            )
+        with self._lock:
+            held = {**self._prefetched, **self._held()}
+            self._prefetched = {}
         src = None
         experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         read = 0
@@ -223,12 +231,14 @@ class StageWorker:
                     held[(layer, logical)] = weights
                     read += 1
                 experts[(layer, slot)] = weights
-        if self.placement is not None:
-            self._before = {
-                (layer, int(self.placement.phy2log[layer, slot])): w
-                for (layer, slot), w in self.experts.items()
-            }
-        self.placement, self.rank, self.experts, self.token = local, rank, experts, token
+        with self._lock:
+            if self.placement is not None:
+                self._before = {
+                    (layer, int(self.placement.phy2log[layer, slot])): w
+                    for (layer, slot), w in self.experts.items()
+                }
+            self.placement, self.rank, self.experts, self.token = local, rank, experts, token
+        self.reads_in_step += read
         self._backends.clear()
         log.info(
             "pipeline stage serves %s: %d expert slots, %d read from the source (%s)",
@@ -237,6 +247,56 @@ class StageWorker:
             read,
             self.where(),
         )
+
+    def _held(self) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
+        """The experts this stage holds, live and before, by (local MoE layer, logical)."""
+        held = dict(self._before)
+        if self.placement is not None:
+            held.update(
+                ((layer, int(self.placement.phy2log[layer, slot])), w)
+                for (layer, slot), w in self.experts.items()
+            )
+        return held
+
+    def prefetch(self, placement: policy.Placement, rank: int, num_ranks: int) -> int:
+        """Read from the model source, ahead of the step that switches to it, the experts this
+        stage lacks for DP rank `rank` of `num_ranks` under `placement` (the leader calls it
+        while it stages its own slots: `ExpertSlots.stage_experts`), so that `follow` finds
+        them and the switch's first step reads nothing. Runs beside steps (the control lane);
+        a later prefetch replaces an earlier one's. Returns the experts read."""
+        stage = self.stage
+        if stage is None or self.source is None or not stage.num_moe_layers:
+            return 0
+        started = time.monotonic()
+        local = stage_placement(placement, stage)
+        with self._lock:
+            held = {**self._prefetched, **self._held()}
+        wanted = {
+            (layer, int(local.phy2log[layer, slot]))
+            for layer in range(stage.num_moe_layers)
+            for slot in local.slots_of_rank(rank, num_ranks)
+        }
+        missing = sorted(wanted - set(held))
+        fetched: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        if missing:
+            src = source_mod.open_source(self.source)
+            for layer, logical in missing:
+                fetched[(layer, logical)] = experts_mod.load_expert(
+                    src, stage.moe_layers[0] + layer, logical, dtype=self.dtype, device=self.device
+                )
+        with self._lock:
+            kept = {k: w for k, w in self._prefetched.items() if k in wanted}
+            self._prefetched = kept | fetched
+        self.prefetched += len(fetched)
+        log.info(
+            "pipeline stage prefetched %d experts for rank %d of %d in %.2fs (%s)",
+            len(fetched),
+            rank,
+            num_ranks,
+            time.monotonic() - started,
+            self.where(),
+        )
+        return len(fetched)
 
     def step(
         self,
@@ -253,6 +313,7 @@ class StageWorker:
         model, kv, stage = self.model, self.kv, self.stage
         if model is None or kv is None or stage is None:
             raise RuntimeError(f"no weights loaded ({self.where()})")
+        reads_before = self.reads_in_step
         if live is not None:
             self.follow(*live)
         loads: list[Any] = []
@@ -291,7 +352,8 @@ class StageWorker:
             raise
         self.steps += 1
         loads.append((stage.moe_layers[0], stage.moe_layers[1], load.cpu()))
-        return {"out": out.cpu(), "loads": loads}
+        reads = self.reads_in_step - reads_before
+        return {"out": out.cpu(), "loads": loads, "reads": reads}
 
     def abort_join(self, epoch: int) -> None:
         """Call off this stage's join of `epoch`, running or still to come (any thread)."""
@@ -309,6 +371,7 @@ class StageWorker:
         hangs: `RayFollowers.alive` reports its DP rank lost)."""
         out: dict[str, Any] = {"pid": os.getpid(), "pp_stage": self.stage_index}
         out["steps"] = self.steps
+        out["reads_in_step"], out["prefetched"] = self.reads_in_step, self.prefetched
         if self.tensor is not None:
             try:
                 self.tensor.check()
