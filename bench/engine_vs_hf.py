@@ -8,8 +8,10 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
   Ray, no HTTP), the streams consumed in one asyncio loop as the HTTP server does; tokens/s, TTFT and inter-token
   latency p50/p99, the mean step, and the engine's share: the engine thread's time outside
   `execute_step` (scheduling, outputs, and with `--outputs sync` detokenising and streaming)
-  over the run's wall time, and `deliv`: the output thread's busy time over it (async output
-  processing, overlapped with the steps); `--outputs async sync` runs both loops; with async
+  over the run's wall time, `deliv`: the output thread's busy time over it (async output
+  processing, overlapped with the steps), and `link`: `execute_step`'s time outside the
+  ranks' own step (`StepOutput.seconds`: the executor's call, the transport both ways, the
+  step thread's wake-up) over it; `--outputs async sync` runs both loops; with async
   scheduling (`--schedule async`, the default) `execute_step` runs on the engine's step thread
   while the engine thread prepares the next step, so `engine` is the time the ranks wait for
   it (applying a step's outputs and launching the next); `--schedule async sync` runs both;
@@ -97,6 +99,8 @@ class Timed:
     def __init__(self, executor: Any) -> None:
         self.executor = executor
         self.seconds = 0.0
+        #: the ranks' own time on the steps (the slowest rank's `StepOutput.seconds` each)
+        self.rank_seconds = 0.0
         self.steps = 0
 
     @property
@@ -106,7 +110,9 @@ class Timed:
     def execute_step(self, step: step_types.StepInput) -> list[step_types.StepOutput]:
         started = time.perf_counter()
         try:
-            return self.executor.execute_step(step)
+            outs: list[step_types.StepOutput] = self.executor.execute_step(step)
+            self.rank_seconds += max((o.seconds for o in outs), default=0.0)
+            return outs
         finally:
             self.seconds += time.perf_counter() - started
             self.steps += 1
@@ -117,7 +123,7 @@ def ours(engine: core.Engine, timed: Timed, batch: list[list[int]], new: int) ->
     each handle in one asyncio event loop."""
     ttft: list[float] = []
     itl: list[float] = []
-    timed.seconds, timed.steps = 0.0, 0
+    timed.seconds, timed.rank_seconds, timed.steps = 0.0, 0.0, 0
     engine.delivery.busy_seconds = 0.0
     started = time.perf_counter()
 
@@ -149,6 +155,7 @@ def ours(engine: core.Engine, timed: Timed, batch: list[list[int]], new: int) ->
         "itl": (pct(itl, 50), pct(itl, 99)),
         "step": wall / max(1, timed.steps),
         "engine": 1 - timed.seconds / wall,
+        "link": (timed.seconds - timed.rank_seconds) / wall,
         "deliv": engine.delivery.busy_seconds / wall,
         "wall": wall,
     }
@@ -215,6 +222,7 @@ def row(name: str, streams: int, r: dict[str, Any]) -> str:
     cells.append(f"{r['engine'] * 100:6.1f}%" if "engine" in r else "      -")
     cells.append(f"{r['floor_share'] * 100:6.1f}%" if "floor_share" in r else "      -")
     cells.append(f"{r['deliv'] * 100:6.1f}%" if "deliv" in r else "      -")
+    cells.append(f"{r['link'] * 100:6.1f}%" if "link" in r else "      -")
     return " ".join(cells)
 
 
@@ -290,11 +298,12 @@ def main() -> None:
     )
     header = (
         f"{'':<28} {'strm':>4} {'tok/s':>8} {'TTFT50':>7} {'TTFT99':>7} {'ITL50':>7} "
-        f"{'ITL99':>7} {'step':>7} {'engine':>7} {'>floor':>7} {'deliv':>7}"
+        f"{'ITL99':>7} {'step':>7} {'engine':>7} {'>floor':>7} {'deliv':>7} {'link':>7}"
     )
     print(
         header + "\n(ms; engine: time no execute_step runs / wall; >floor: 1 - floor / ours; "
-        "deliv: output thread busy / wall)"
+        "deliv: output thread busy / wall; link: execute_step's time outside the ranks' own "
+        "step (the executor's call, transport, waking the step thread) / wall)"
     )
     engines: dict[tuple[int, str, str], tuple[core.Engine, Timed, Any]] = {}
     owns_ray = False

@@ -83,6 +83,8 @@ class StepOutput:
     the same step may simply be sent again.
     source_reads: experts the rank's pipeline stages read from the model source inside this
     step (a placement change they had not prefetched: it stalls the step); 0 at P = 1.
+    seconds: the rank's own time on the step (`Stepper.execute`: control, KV frees, forward
+    pass, sampling), without the executor's call and transport around it.
     """
 
     rank: int
@@ -93,6 +95,7 @@ class StepOutput:
     committed: int | None = None
     failure: str | None = None
     source_reads: int = 0
+    seconds: float = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
         # A CPU expert-load tensor travels as raw bytes: pickling a torch tensor costs ~170 us

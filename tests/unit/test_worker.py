@@ -4,6 +4,7 @@ elastic primitives (add, groups, transfers, staging, switch, commit) work withou
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -61,7 +62,11 @@ def test_expert_load_counts_routed_tokens(executor_factory: Factory) -> None:
     ex.start(lockstep.SOURCE, placement=lockstep.identity(2))
     run = lockstep.Lockstep(ex)
     run.add("a", lockstep.PROMPTS[0], rank=0, max_tokens=1)
+    started = time.monotonic()
     outs = run.step()
+    took = time.monotonic() - started
+    # each rank's own time on the step, within the executor's call (the bench's `link`)
+    assert all(0.0 < o.seconds <= took for o in outs), [o.seconds for o in outs]
     load = outs[0].expert_load
     assert tuple(load.shape) == (cfg.num_moe_layers, cfg.num_experts)
     assert load.sum(dim=1).tolist() == [len(lockstep.PROMPTS[0]) * cfg.top_k] * cfg.num_moe_layers

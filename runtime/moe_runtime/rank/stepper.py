@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -82,7 +83,10 @@ class Stepper:
             torch.set_num_threads(self._threads)
             self._threaded.set = True
         with self._lock:
-            return self._execute(step)
+            started = time.monotonic()
+            out = self._execute(step)
+            out.seconds = time.monotonic() - started
+            return out
 
     def _execute(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         slots = self._slots
