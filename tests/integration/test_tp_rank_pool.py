@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from moe_runtime.executor import niceness
-from tests.support import mesh_serving, runtime_proc, tp_serving
+from tests.support import hf_families, mesh_serving, runtime_proc, tp_serving
 from tests.support.tp_serving import Served, assert_whole, serving, status
 
 pytestmark = pytest.mark.ray
@@ -58,6 +58,12 @@ def _expert_load(s: Served, rank: int) -> float:
     return mesh_serving.metric(s.server.url, "moe_rank_expert_load", rank=str(rank))
 
 
+def _expert_bytes() -> int:
+    """Bytes of one routed expert of the served checkpoint (gate, up, down; float32)."""
+    cfg = hf_families.build(tp_serving.FAMILY).config
+    return 3 * cfg.hidden_size * cfg.intermediate_size * 4
+
+
 def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served) -> None:
     mesh = served.mesh
     pooled = _pooled(served)
@@ -79,6 +85,13 @@ def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served)
     assert took in [(r["pid"], r[mesh.pids]) for r in ranks], (pooled, ranks)
     grow = next(h for h in st["history"] if h["resize_id"] == done["resize_id"])
     assert grow["warm_spares"] == 0, grow
+    # each expert move carries one expert, except at P > 1 the moves of a later pipeline
+    # stage's layers: the leaders hold one zero expert there and move nothing for them
+    carried = grow["expert_moves"] * _expert_bytes()
+    if "--pipeline-parallel-size" in mesh.flags:
+        assert 0 < grow["bytes_moved"]["expert"] < carried, grow
+    else:
+        assert grow["bytes_moved"]["expert"] == carried, grow
     # it serves (every stage of it routed tokens to its experts), every answer equal
     traffic = tp_serving.load(served)
     with traffic:

@@ -177,7 +177,14 @@ class ExpertSlots:
             new_placement,
             rank=new_rank,
             num_ranks=new_num_ranks,
-            available={**retained, **prestaged, **held, **received, **(provided or {})},
+            available={
+                **self._elsewhere(cfg),
+                **retained,
+                **prestaged,
+                **held,
+                **received,
+                **(provided or {}),
+            },
             source=src,
             dtype=self._ctx.dtype,
             device=self._ctx.device,
@@ -229,8 +236,13 @@ class ExpertSlots:
         held: staging_mod.Experts,
         cfg: config_mod.ModelConfig,
     ) -> tuple[transfer_mod.TransferStats, staging_mod.Experts]:
-        """This rank's part of `moves` over `grp`: sends from `held`; returns what it got."""
+        """This rank's part of `moves` over `grp`: sends from `held`; returns what it got.
+        Moves of other pipeline stages' layers are left out (`_later_layers`): every member
+        leaves out the same ones, and the slots take the shared zero expert for them."""
         received: staging_mod.Experts = {}
+        later = self._later_layers(cfg)
+        if later is not None:
+            moves = [m for m in moves if m.layer < later]
 
         def read_expert(layer: int, logical: int) -> experts_mod.ExpertWeights:
             weights = held.get((layer, logical))
@@ -255,6 +267,28 @@ class ExpertSlots:
         )
         return stats, received
 
+    # -- other pipeline stages' layers ---------------------------------------------------
+    def _later_layers(self, cfg: config_mod.ModelConfig) -> int | None:
+        """At pipeline-parallel size P > 1: the first MoE layer of a later stage (the leader,
+        stage 0, never computes those: its slots of them hold one shared zero expert, and the
+        stages hold and move their own); None at P = 1."""
+        _, model = self._ctx.loaded.require(self._ctx.where())
+        stop = model.pp.moe_layers[1]
+        return stop if stop < cfg.num_moe_layers else None
+
+    def _elsewhere(self, cfg: config_mod.ModelConfig) -> staging_mod.Experts:
+        """{(layer, logical): one shared zero expert} for every layer of a later pipeline
+        stage (nothing at P = 1): what a staging fills those slots with, never moved or read."""
+        later = self._later_layers(cfg)
+        if later is None:
+            return {}
+        zero = experts_mod.zero_expert(cfg, dtype=self._ctx.dtype, device=self._ctx.device)
+        return {
+            (layer, logical): zero
+            for layer in range(later, cfg.num_moe_layers)
+            for logical in range(cfg.num_experts)
+        }
+
     # -- pre-staging (ahead of a resize) -------------------------------------------------
     def prestage_experts(
         self,
@@ -268,13 +302,21 @@ class ExpertSlots:
         received. Every member of epoch's transfer group that a move names calls it with the
         same `moves` (as `stage_experts`); a move's dst_slot is not used."""
         cfg, _ = self._ctx.loaded.require(self._ctx.where())
-        grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
+        grp, me = self._groups.group(epoch, groups_mod.TRANSFER)
         stats, received = self._run_moves(grp, moves, self._held_experts(), cfg)
         extra = {
             k: w.to(dtype=self._ctx.dtype, device=self._ctx.device)
             for k, w in (provided or {}).items()
         }
+        # later pipeline stages' layers: not moved (`_run_moves`), held as the zero expert
+        elsewhere = self._elsewhere(cfg)
+        zeros = {
+            (m.layer, m.logical): elsewhere[(m.layer, m.logical)]
+            for m in moves
+            if m.dst_rank == me and (m.layer, m.logical) in elsewhere
+        }
         with self._lock:
+            self.prestaged.update(zeros)
             self.prestaged.update(received)
             self.prestaged.update(extra)
             count = len(self.prestaged)
@@ -307,6 +349,10 @@ class ExpertSlots:
         """{(layer, logical): weights} of the live slots for `keys` (what a peer asked for);
         a key this rank does not hold is an error naming it."""
         held = self._held_experts()
+        cfg, _ = self._ctx.loaded.require(self._ctx.where())
+        later = self._later_layers(cfg)
+        if later is not None:
+            keys = [k for k in keys if k[0] < later]  # zeros of later stages: not sent
         missing = [k for k in keys if k not in held]
         if missing:
             raise RuntimeError(
