@@ -31,7 +31,7 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import config as config_mod
+from moe_runtime.model import decoder
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import source as source_mod
 from moe_runtime.rank import context as context_mod
@@ -147,7 +147,7 @@ class ExpertSlots:
         `StepInput.control["expert_epoch"] == stage` (same ranks) or by `activate` (new group).
         stage (the staging id) defaults to epoch.
         """
-        cfg, _ = self._ctx.loaded.require(self._ctx.where())
+        _, model = self._ctx.loaded.require(self._ctx.where())
         grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
@@ -158,7 +158,7 @@ class ExpertSlots:
         with self._lock:
             prestaged = dict(self.prestaged)
             retained = dict(self.retained.experts)
-        stats, received = self._run_moves(grp, moves, held, cfg)
+        stats, received = self._run_moves(grp, moves, held, model)
         self._ctx.check("stage_experts")
         if new_rank is None:
             log.info(
@@ -178,7 +178,7 @@ class ExpertSlots:
             rank=new_rank,
             num_ranks=new_num_ranks,
             available={
-                **self._elsewhere(cfg),
+                **staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device),
                 **retained,
                 **prestaged,
                 **held,
@@ -234,60 +234,13 @@ class ExpertSlots:
         grp: group_mod.StatelessGroup,
         moves: Sequence[moves_mod.ExpertMove],
         held: staging_mod.Experts,
-        cfg: config_mod.ModelConfig,
+        model: decoder.MoEModel,
     ) -> tuple[transfer_mod.TransferStats, staging_mod.Experts]:
-        """This rank's part of `moves` over `grp`: sends from `held`; returns what it got.
-        Moves of other pipeline stages' layers are left out (`_later_layers`): every member
-        leaves out the same ones, and the slots take the shared zero expert for them."""
-        received: staging_mod.Experts = {}
-        later = self._later_layers(cfg)
-        if later is not None:
-            moves = [m for m in moves if m.layer < later]
-
-        def read_expert(layer: int, logical: int) -> experts_mod.ExpertWeights:
-            weights = held.get((layer, logical))
-            if weights is None:
-                raise RuntimeError(
-                    f"a move names this rank as source of expert {logical} of layer {layer}, "
-                    f"which it does not hold ({self._ctx.where()})"
-                )
-            return weights
-
-        def write_expert(move: moves_mod.ExpertMove, weights: experts_mod.ExpertWeights) -> None:
-            received[(move.layer, move.logical)] = weights.to(
-                dtype=self._ctx.dtype, device=self._ctx.device
-            )
-
-        stats = transfer_mod.execute_moves(
-            grp,
-            list(moves),
-            read_expert=read_expert,
-            write_expert=write_expert,
-            like=experts_mod.zero_expert(cfg, dtype=self._ctx.dtype, device=grp.device),
+        """This rank's part of `moves` over `grp` (`staging.run_moves`)."""
+        ctx = self._ctx
+        return staging_mod.run_moves(
+            grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
         )
-        return stats, received
-
-    # -- other pipeline stages' layers ---------------------------------------------------
-    def _later_layers(self, cfg: config_mod.ModelConfig) -> int | None:
-        """At pipeline-parallel size P > 1: the first MoE layer of a later stage (the leader,
-        stage 0, never computes those: its slots of them hold one shared zero expert, and the
-        stages hold and move their own); None at P = 1."""
-        _, model = self._ctx.loaded.require(self._ctx.where())
-        stop = model.pp.moe_layers[1]
-        return stop if stop < cfg.num_moe_layers else None
-
-    def _elsewhere(self, cfg: config_mod.ModelConfig) -> staging_mod.Experts:
-        """{(layer, logical): one shared zero expert} for every layer of a later pipeline
-        stage (nothing at P = 1): what a staging fills those slots with, never moved or read."""
-        later = self._later_layers(cfg)
-        if later is None:
-            return {}
-        zero = experts_mod.zero_expert(cfg, dtype=self._ctx.dtype, device=self._ctx.device)
-        return {
-            (layer, logical): zero
-            for layer in range(later, cfg.num_moe_layers)
-            for logical in range(cfg.num_experts)
-        }
 
     # -- pre-staging (ahead of a resize) -------------------------------------------------
     def prestage_experts(
@@ -301,15 +254,15 @@ class ExpertSlots:
         another way) beside the live slots, for a later `stage_experts`; returns the bytes
         received. Every member of epoch's transfer group that a move names calls it with the
         same `moves` (as `stage_experts`); a move's dst_slot is not used."""
-        cfg, _ = self._ctx.loaded.require(self._ctx.where())
+        _, model = self._ctx.loaded.require(self._ctx.where())
         grp, me = self._groups.group(epoch, groups_mod.TRANSFER)
-        stats, received = self._run_moves(grp, moves, self._held_experts(), cfg)
+        stats, received = self._run_moves(grp, moves, self._held_experts(), model)
         extra = {
             k: w.to(dtype=self._ctx.dtype, device=self._ctx.device)
             for k, w in (provided or {}).items()
         }
         # later pipeline stages' layers: not moved (`_run_moves`), held as the zero expert
-        elsewhere = self._elsewhere(cfg)
+        elsewhere = staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device)
         zeros = {
             (m.layer, m.logical): elsewhere[(m.layer, m.logical)]
             for m in moves
@@ -349,8 +302,8 @@ class ExpertSlots:
         """{(layer, logical): weights} of the live slots for `keys` (what a peer asked for);
         a key this rank does not hold is an error naming it."""
         held = self._held_experts()
-        cfg, _ = self._ctx.loaded.require(self._ctx.where())
-        later = self._later_layers(cfg)
+        _, model = self._ctx.loaded.require(self._ctx.where())
+        later = staging_mod.later_layers(model)
         if later is not None:
             keys = [k for k in keys if k[0] < later]  # zeros of later stages: not sent
         missing = [k for k in keys if k not in held]

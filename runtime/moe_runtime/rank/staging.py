@@ -15,6 +15,7 @@ import torch
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.comm import transfer as transfer_mod
+from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import decoder
 from moe_runtime.model import experts as experts_mod
@@ -139,6 +140,70 @@ def fill_slots(
             else:
                 slots[(layer, slot)] = weights
     return slots, loaded, missing
+
+
+def later_layers(model: decoder.MoEModel) -> int | None:
+    """At pipeline-parallel size P > 1, on stage 0's leader: the first MoE layer of a later
+    stage (the leader never computes those: its slots of them hold one shared zero expert,
+    and the stages hold and move their own); None at P = 1."""
+    stop = model.pp.moe_layers[1]
+    return stop if stop < model.config.num_moe_layers else None
+
+
+def elsewhere(model: decoder.MoEModel, *, dtype: torch.dtype, device: str) -> Experts:
+    """{(layer, logical): one shared zero expert} for every MoE layer of a later pipeline
+    stage (`later_layers`; nothing at P = 1): what a staging fills a leader's slots of them
+    with, never moved or read."""
+    later, config = later_layers(model), model.config
+    if later is None:
+        return {}
+    zero = experts_mod.zero_expert(config, dtype=dtype, device=device)
+    return {
+        (layer, logical): zero
+        for layer in range(later, config.num_moe_layers)
+        for logical in range(config.num_experts)
+    }
+
+
+def run_moves(
+    grp: group_mod.StatelessGroup,
+    moves: Sequence[moves_mod.ExpertMove],
+    held: Experts,
+    model: decoder.MoEModel,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    where: str,
+) -> tuple[transfer_mod.TransferStats, Experts]:
+    """One member's part of `moves` over `grp`: sends from `held` ((layer, logical) ->
+    weights), returns the stats and what it received (cast to dtype, on device). Moves of
+    later pipeline stages' layers (`later_layers`) are left out: every member leaves out the same
+    ones, and the slots take the shared zero expert for them (`elsewhere`)."""
+    received: Experts = {}
+    later = later_layers(model)
+    if later is not None:
+        moves = [m for m in moves if m.layer < later]
+
+    def read_expert(layer: int, logical: int) -> experts_mod.ExpertWeights:
+        weights = held.get((layer, logical))
+        if weights is None:
+            raise RuntimeError(
+                f"a move names this rank as source of expert {logical} of layer {layer}, "
+                f"which it does not hold ({where})"
+            )
+        return weights
+
+    def write_expert(move: moves_mod.ExpertMove, weights: experts_mod.ExpertWeights) -> None:
+        received[(move.layer, move.logical)] = weights.to(dtype=dtype, device=device)
+
+    stats = transfer_mod.execute_moves(
+        grp,
+        list(moves),
+        read_expert=read_expert,
+        write_expert=write_expert,
+        like=experts_mod.zero_expert(model.config, dtype=dtype, device=grp.device),
+    )
+    return stats, received
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
