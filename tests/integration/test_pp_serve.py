@@ -59,6 +59,11 @@ def _spare_is_whole(served: Served) -> dict[str, Any]:
     return dict(spare)
 
 
+def _spare_prestaged(served: Served) -> dict[str, int] | None:
+    spares = mesh_serving.status(served)["spares"]
+    return spares[0]["prestaged"] if spares else None
+
+
 def test_answers_equal_transformers_at_pp2(served: Served) -> None:
     # each DP rank: its leader (stage 0) and one live stage actor of its own, no TP follower
     ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids")
@@ -67,13 +72,20 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
 
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:
-    """The grow takes the warm spare (a whole DP rank: its leader and its stage actor), and a
+    """The grow takes the warm spare (a whole DP rank: its leader and its stage actor, each
+    holding the experts of its layers that the grow gives it, pre-staged), and a
     new spare is started; each stage follows its leader's new placement with the experts it
     prefetched while its leader staged its slots (no stage reads the source inside a step);
     every answer during and after equal."""
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the resizes")
     spare = _spare_is_whole(served)
+    # pre-staged: the experts of stage 0's layers by its leader, of stage 1's by its stage
+    polling.poll(
+        lambda: (p := _spare_prestaged(served)) is not None and p["held"] == p["wanted"] > 0,
+        lambda: _spare_prestaged(served),
+        120,
+    )
     for size in (3, 2):
         done = mesh_serving.resize_under_load(served, size)
         ranks = mesh_serving.assert_mesh(served, size, "pp_pids")

@@ -6,14 +6,18 @@ reads them itself (what every stage did before)."""
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
 
+from moe_runtime.comm import group as group_mod
+from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import source as source_mod
-from moe_runtime.rank import stage_worker
+from moe_runtime.rank import groups as groups_mod
+from moe_runtime.rank import stage_worker, worker
 from tests.support import checkpoints
 
 EXPERTS = 6
@@ -90,3 +94,90 @@ def test_a_later_prefetch_replaces_an_earlier_one(model_dir: pathlib.Path) -> No
     stage.follow((8, 8, 1, 2), two)
     assert stage.reads_in_step == 0
     _assert_holds_source_experts(stage, model_dir)
+
+
+def test_a_spare_stage_pre_stages_its_layers_and_a_grow_then_reads_nothing(
+    model_dir: pathlib.Path,
+) -> None:
+    """A warm spare's stage (loaded with no placement) pre-stages the experts of its layers
+    among the keys its leader pre-stages (keys of stage 0's layers are not its own); a
+    later prefetch of the grow's placement and the switching step then read nothing, and
+    the stage serves the source's weights; a replan's drop keeps only what it still wants."""
+    stage = stage_worker.StageWorker(stage=1, size=2, device="cpu")
+    layers = source_mod.open_source(str(model_dir)).config.num_moe_layers
+    stage.load(str(model_dir), "float32", 0, 1, None)  # a spare: no slot yet
+    assert stage.stage is not None
+    first, stop = stage.stage.moe_layers
+    assert stop == layers and first >= 1  # stage 0 holds MoE layers too
+    # the grow 2 -> 3 gives the spare (rank 2) experts 4 and 5 of every layer
+    three = policy.identity(layers, EXPERTS, EXPERTS, 3)
+    keys = [(layer, logical) for layer in range(layers) for logical in (4, 5)]
+    mine = 2 * (stop - first)
+    assert stage.prestage(keys) == mine
+    assert stage.prestage(keys) == 0  # held already
+    assert stage.ping()["prestaged"] == mine
+    assert stage.prefetch(three, 2, 3) == 0
+    stage.follow((9, 9, 2, 3), three)
+    assert stage.reads_in_step == 0 and stage.prefetched == 0
+    _assert_holds_source_experts(stage, model_dir)
+    assert stage.ping()["prestaged"] == 0  # it serves them now
+
+    spare = stage_worker.StageWorker(stage=1, size=2, device="cpu")
+    spare.load(str(model_dir), "float32", 0, 1, None)
+    spare.prestage(keys)
+    assert spare.drop_prestaged([(layer, 5) for layer in range(layers)]) == stop - first
+    assert spare.prefetch(three, 2, 3) == stop - first  # expert 4 of each of its layers
+
+
+class _InProcessStages:
+    """`pipeline_group.Stages` over `StageWorker`s in this process (calls run at once)."""
+
+    def __init__(self, workers: list[stage_worker.StageWorker]) -> None:
+        self.workers = workers
+
+    def send(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(w, method)(*args) for w in self.workers]
+
+    def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        return list(pending)
+
+
+def test_a_spare_leader_has_its_stages_pre_stage_the_later_layers_it_pre_stages(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """`prestage_experts` on a warm spare's leader (pipeline stage 0): the moves of later
+    stages' layers are not run (the leader holds zeros for them) and its stage reads those
+    experts itself; `drop_prestaged` reaches the stage too."""
+    stage = stage_worker.StageWorker(stage=1, size=2, device="cpu")
+    leader = worker.RankWorker(
+        device="cpu", dtype="float32", pipeline=_InProcessStages([stage]), pipeline_size=2
+    )
+    leader.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=None)
+    assert stage.stage is not None
+    first, stop = stage.stage.moe_layers
+    spec = group_mod.GroupSpec(
+        host="127.0.0.1", port=0, world_size=1, epoch=3, store_path=str(tmp_path / "store")
+    )
+    leader.groups.join_group(spec, 0, role=groups_mod.TRANSFER)
+    # moves of the later stage's layers only (from a peer, to this spare): none is run
+    moves = [
+        moves_mod.ExpertMove(layer=layer, logical=logical, src_rank=1, dst_rank=0, dst_slot=0)
+        for layer in range(first, stop)
+        for logical in (1, 4)
+    ]
+    assert leader.slots.prestage_experts(3, moves) == 0  # nothing received by the leader
+    zeros = leader.slots.prestaged
+    assert set(zeros) == {(m.layer, m.logical) for m in moves}
+    assert all(not any(t.any() for t in w.tensors().values()) for w in zeros.values())
+    assert stage.ping()["prestaged"] == len(moves) == stage.prestaged_reads
+    src = source_mod.open_source(str(model_dir))
+    for (layer, logical), held in stage._prestaged.items():
+        want = experts_mod.load_expert(src, first + layer, logical, dtype=torch.float32)
+        assert all(torch.equal(held[p], t) for p, t in want.tensors().items())
+    keep = [(layer, 4) for layer in range(first, stop)]
+    assert leader.slots.drop_prestaged(keep) == len(keep)
+    assert stage.ping()["prestaged"] == len(keep)
+    # through shared memory (Ray, one node) the moves came another way: `incoming` names them
+    more = [(layer, 2) for layer in range(first, stop)]
+    assert leader.slots.prestage_experts(3, [], incoming=more) == 0
+    assert stage.ping()["prestaged"] == len(keep) + len(more)

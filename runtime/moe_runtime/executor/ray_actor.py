@@ -188,11 +188,16 @@ class RankActor:
         )
         return int(received) + shared_bytes
 
-    def prestage_experts_shared(self, epoch: int, moves: list[Any], parts: list[Any]) -> int:
-        """`RankWorker.prestage_experts` with what co-located peers exported (refs)."""
+    def prestage_experts_shared(
+        self, epoch: int, moves: list[Any], parts: list[Any], incoming: list[Any]
+    ) -> int:
+        """`RankWorker.prestage_experts` with what co-located peers exported (refs); incoming:
+        the keys of every expert the pre-staging gives this rank, either way."""
         self._in_background()
         provided, shared_bytes = self._receive(parts)
-        received = self.worker.slots.prestage_experts(epoch, moves, provided=provided)
+        received = self.worker.slots.prestage_experts(
+            epoch, moves, provided=provided, incoming=incoming
+        )
         return int(received) + shared_bytes
 
     def _receive(self, parts: list[Any]) -> tuple[dict[Any, Any], int]:

@@ -5,7 +5,8 @@
   leader's, stage 0: STRICT_PACK, one node); at T > 1 it leads its stage's TP followers
   (`ray_tensor.FollowerActor`, bundles s x T + 1 .. s x T + T - 1). Three lanes: the default one (load, steps, in
   the order the leader sent them), `CTL_LANE` (joins of stage groups: a join waits for the
-  other DP ranks' stages and must not hold the steps) and `HEALTH_LANE` (pings, aborts).
+  other DP ranks' stages and must not hold the steps; expert reads ahead of a placement
+  change: prefetch, pre-staging) and `HEALTH_LANE` (pings, aborts).
 - `RayStages`: the leader's `pipeline_group.Stages` over their handles
   (`ray_tensor.RayFollowers`' waits and pings, naming "pipeline stage s"); a step is a chain
   of calls, each stage's given the previous one's result by reference (Ray passes the hidden
@@ -29,6 +30,8 @@ from moe_runtime.rank import pipeline_group, stage_worker
 CTL_LANE = "ctl"
 HEALTH_LANE = ray_tensor.HEALTH_LANE
 _METHODS = ("join", "load", "step", "shutdown")
+#: methods run on `CTL_LANE`, beside the steps
+CTL_METHODS = ("join", "prefetch", "prestage", "drop_prestaged")
 
 
 class StageActor:
@@ -86,6 +89,12 @@ class StageActor:
     def prefetch(self, *args: Any) -> int:
         return self.worker.prefetch(*args)
 
+    def prestage(self, *args: Any) -> int:
+        return self.worker.prestage(*args)
+
+    def drop_prestaged(self, *args: Any) -> int:
+        return self.worker.drop_prestaged(*args)
+
     def ping(self) -> dict[str, Any]:
         return self.worker.ping()
 
@@ -114,7 +123,7 @@ class RayStages(ray_tensor.RayFollowers):
         return list(self._follower_pids)
 
     def send(self, method: str, *args: Any) -> list[Any]:
-        if method in ("join", "prefetch"):  # beside the steps (the control lane)
+        if method in CTL_METHODS:  # beside the steps (the control lane)
             ctl = {"concurrency_group": CTL_LANE}
             return [getattr(a, method).options(**ctl).remote(*args) for a in self._actors]
         return super().send(method, *args)

@@ -73,9 +73,14 @@ class SharedMemory:
         epoch = prestaging.epoch
 
         def call(
-            actor: Any, _i: int, lane: dict[str, Any], rest: list[Any], parts: list[Any]
+            actor: Any, i: int, lane: dict[str, Any], rest: list[Any], parts: list[Any]
         ) -> Any:
-            return actor.prestage_experts_shared.options(**lane).remote(epoch, rest, parts)
+            # every key it receives, also those the exports leave out (a later pipeline
+            # stage's layers, which its stages pre-stage themselves)
+            incoming = [(m.layer, m.logical) for m in prestaging.moves if m.dst_rank == i]
+            return actor.prestage_experts_shared.options(**lane).remote(
+                epoch, rest, parts, incoming
+            )
 
         return self._move_experts(
             "prestage_experts",

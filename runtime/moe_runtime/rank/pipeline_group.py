@@ -14,7 +14,9 @@ the placement; the stage follows it (`StageWorker.follow`: experts it holds or h
 are kept, the others read from the model source). A placement the leader stages (a resize's
 Transferring, an EPLB rebalance, a recovery: `ExpertSlots.stage_experts`) is prefetched by
 every stage meanwhile (`prefetch`: the experts it lacks, read from the source beside the
-steps), so the step that switches reads nothing. So resizes and recovery of the leaders carry
+steps), so the step that switches reads nothing; a warm spare's stages pre-stage the experts
+of their layers that the grows it may serve give it (`prestage`, as its leader pre-stages its
+own), so that prefetch then finds them. So resizes and recovery of the leaders carry
 the stages along.
 
 A step with tokens on any DP rank: the leader runs stage 0 (also with no token of its own:
@@ -159,12 +161,25 @@ class PipelineLeader:
     def prefetch(self, placement: policy.Placement, *, rank: int, num_ranks: int) -> Any:
         """Every stage starts reading the experts it lacks for DP rank `rank` of `num_ranks`
         under `placement` (`StageWorker.prefetch`, beside the steps): the leader stages its own
-        slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_prefetch`."""
+        slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_reads`."""
         return self.stages.send("prefetch", placement, rank, num_ranks)
 
-    def finish_prefetch(self, pending: Any) -> int:
-        """Wait for `prefetch`; the experts the stages read."""
+    def prestage(self, keys: Sequence[tuple[int, int]]) -> Any:
+        """Every stage starts reading the experts `keys` ((MoE layer, logical), the model's
+        numbering) of its layers that it lacks, kept for a later placement change
+        (`StageWorker.prestage`): a warm spare's leader pre-stages the same grows' experts of
+        stage 0's layers meanwhile (`ExpertSlots.prestage_experts`); a handle for
+        `finish_reads`."""
+        return self.stages.send("prestage", [tuple(k) for k in keys])
+
+    def finish_reads(self, pending: Any) -> int:
+        """Wait for `prefetch` or `prestage`; the experts the stages read."""
         return sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
+
+    def drop_prestaged(self, keep: Sequence[tuple[int, int]]) -> None:
+        """Every stage forgets its pre-staged experts not in `keep` (`StageWorker.
+        drop_prestaged`)."""
+        self._wait(self.stages.send("drop_prestaged", [tuple(k) for k in keep]), GROUP_TIMEOUT_S)
 
     # -- groups --------------------------------------------------------------------------
     def join(self, spec: group_mod.GroupSpec, rank: int) -> None:

@@ -23,15 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_runtime.comm import group as group_mod
-from moe_runtime.comm import transfer as transfer_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
-from moe_runtime.model import decoder
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import source as source_mod
 from moe_runtime.rank import context as context_mod
@@ -40,11 +38,10 @@ from moe_runtime.rank import live as live_mod
 from moe_runtime.rank import retention
 from moe_runtime.rank import staging as staging_mod
 
+if TYPE_CHECKING:
+    from moe_runtime.rank import pipeline_group
+
 log = logging.getLogger(__name__)
-
-
-#: (placement, new rank, new number of ranks) -> a wait for it, returning the experts read.
-Prefetch = Callable[[policy.Placement, int, int], Callable[[], int]]
 
 
 class ExpertSlots:
@@ -61,13 +58,13 @@ class ExpertSlots:
         ctx: context_mod.RankContext,
         *,
         groups: groups_mod.RankGroups,
-        prefetch: Prefetch | None = None,
+        stages: pipeline_group.PipelineLeader | None = None,
     ) -> None:
         self._ctx = ctx
         self._groups = groups
-        #: At P > 1: starts the pipeline stages' prefetch of a staged placement (their
-        #: experts), returns what waits for it (`pipeline_group.PipelineLeader.prefetch`).
-        self._prefetch = prefetch
+        #: At P > 1 the pipeline stages, which read the experts of their layers ahead of a
+        #: placement change this rank stages (`prefetch`) or pre-stages (`prestage`).
+        self._stages = stages
         self._lock = threading.RLock()
         self.placement: policy.Placement | None = None
         self.rank: int | None = None
@@ -152,13 +149,18 @@ class ExpertSlots:
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
         prefetching = None
-        if new_rank is not None and self._prefetch is not None:
-            prefetching = self._prefetch(new_placement, new_rank, new_num_ranks)
+        if new_rank is not None and self._stages is not None:
+            prefetching = self._stages.prefetch(
+                new_placement, rank=new_rank, num_ranks=new_num_ranks
+            )
         held = self._held_experts()
         with self._lock:
             prestaged = dict(self.prestaged)
             retained = dict(self.retained.experts)
-        stats, received = self._run_moves(grp, moves, held, model)
+        ctx = self._ctx
+        stats, received = staging_mod.run_moves(
+            grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
+        )
         self._ctx.check("stage_experts")
         if new_rank is None:
             log.info(
@@ -201,8 +203,8 @@ class ExpertSlots:
                 f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
                 f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx.where()})"
             )
-        if prefetching is not None:
-            stages_read = prefetching()
+        if self._stages is not None and prefetching is not None:
+            stages_read = self._stages.finish_reads(prefetching)
             if stages_read:
                 log.info("the pipeline stages read %d experts (%s)", stages_read, self._ctx.where())
         staging_id = epoch if stage is None else stage
@@ -229,19 +231,6 @@ class ExpertSlots:
         )
         return stats.bytes_received
 
-    def _run_moves(
-        self,
-        grp: group_mod.StatelessGroup,
-        moves: Sequence[moves_mod.ExpertMove],
-        held: staging_mod.Experts,
-        model: decoder.MoEModel,
-    ) -> tuple[transfer_mod.TransferStats, staging_mod.Experts]:
-        """This rank's part of `moves` over `grp` (`staging.run_moves`)."""
-        ctx = self._ctx
-        return staging_mod.run_moves(
-            grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
-        )
-
     # -- pre-staging (ahead of a resize) -------------------------------------------------
     def prestage_experts(
         self,
@@ -249,24 +238,32 @@ class ExpertSlots:
         moves: Sequence[moves_mod.ExpertMove],
         *,
         provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
+        incoming: Sequence[tuple[int, int]] | None = None,
     ) -> int:
         """Keep the experts `moves` bring to this rank (and `provided`: brought by the executor
         another way) beside the live slots, for a later `stage_experts`; returns the bytes
         received. Every member of epoch's transfer group that a move names calls it with the
-        same `moves` (as `stage_experts`); a move's dst_slot is not used."""
+        same `moves` (as `stage_experts`); a move's dst_slot is not used. incoming: the keys
+        of every expert this pre-staging gives this rank, by either path (default: `moves`')."""
         _, model = self._ctx.loaded.require(self._ctx.where())
         grp, me = self._groups.group(epoch, groups_mod.TRANSFER)
-        stats, received = self._run_moves(grp, moves, self._held_experts(), model)
+        if incoming is None:
+            incoming = [(m.layer, m.logical) for m in moves if m.dst_rank == me]
+        # later pipeline stages' layers: not moved (`staging.run_moves`), held as the zero expert;
+        # the stages read their layers' meanwhile (`PipelineLeader.prestage`)
+        elsewhere = staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device)
+        zeros = {(a, b): elsewhere[(a, b)] for a, b in incoming if (a, b) in elsewhere}
+        stages = self._stages if zeros else None
+        reading = None if stages is None else stages.prestage(sorted(zeros))
+        ctx, held = self._ctx, self._held_experts()
+        stats, received = staging_mod.run_moves(
+            grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
+        )
+        if stages is not None:
+            stages.finish_reads(reading)
         extra = {
             k: w.to(dtype=self._ctx.dtype, device=self._ctx.device)
             for k, w in (provided or {}).items()
-        }
-        # later pipeline stages' layers: not moved (`_run_moves`), held as the zero expert
-        elsewhere = staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device)
-        zeros = {
-            (m.layer, m.logical): elsewhere[(m.layer, m.logical)]
-            for m in moves
-            if m.dst_rank == me and (m.layer, m.logical) in elsewhere
         }
         with self._lock:
             self.prestaged.update(zeros)
@@ -289,6 +286,8 @@ class ExpertSlots:
     def drop_prestaged(self, keep: Sequence[tuple[int, int]] = ()) -> int:
         """Forget the pre-staged experts not in `keep`; returns how many are left."""
         wanted = {(int(a), int(b)) for a, b in keep}
+        if self._stages is not None:
+            self._stages.drop_prestaged(sorted(wanted))
         with self._lock:
             self.prestaged = {k: w for k, w in self.prestaged.items() if k in wanted}
             return len(self.prestaged)

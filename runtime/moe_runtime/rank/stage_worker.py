@@ -74,12 +74,18 @@ class StageWorker:
         #: experts of a placement the leader is staging (`prefetch`, while it moves its own
         #: slots), by (local MoE layer, logical expert): `follow` takes them from here
         self._prefetched: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        #: experts a future placement will give this stage (a warm spare's: `prestage`, as
+        #: its leader pre-stages its own), by (local MoE layer, logical expert): `prefetch`
+        #: and `follow` take them from here; forgotten once the stage serves (`follow`)
+        self._prestaged: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         #: `prefetch` runs on the control lane while steps run (`follow` reads what it wrote)
         self._lock = threading.Lock()
         #: experts read from the model source inside a step (`follow`: none was prefetched)
         self.reads_in_step = 0
         #: experts read from the model source ahead of a placement change (`prefetch`)
         self.prefetched = 0
+        #: experts read from the model source for a future placement (`prestage`)
+        self.prestaged_reads = 0
         self._stepped: list[int] = []  # the epochs stepped, latest last
         #: stage groups by epoch (joined with the leaders' step groups) and their backends
         self.groups: dict[int, group_mod.StatelessGroup] = {}
@@ -144,7 +150,7 @@ class StageWorker:
         self.model, self.stage, self.placement = model, stage, local
         self.rank, self.experts = rank, experts
         self.source, self.dtype, self.token, self._before = source, torch_dtype, None, {}
-        self._prefetched = {}
+        self._prefetched, self._prestaged = {}, {}
         if self.tensor is not None:
             self.tensor.finish_load(following)
         self.kv = kv_mod.KVCache(
@@ -208,8 +214,8 @@ class StageWorker:
             return
         local = stage_placement(placement, stage)
         with self._lock:
-            held = {**self._prefetched, **self._held()}
-            self._prefetched = {}
+            held = {**self._prestaged, **self._prefetched, **self._held()}
+            self._prefetched, self._prestaged = {}, {}
         src = None
         experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         read = 0
@@ -270,7 +276,7 @@ class StageWorker:
         started = time.monotonic()
         local = stage_placement(placement, stage)
         with self._lock:
-            held = {**self._prefetched, **self._held()}
+            held = {**self._prestaged, **self._prefetched, **self._held()}
         wanted = {
             (layer, int(local.phy2log[layer, slot]))
             for layer in range(stage.num_moe_layers)
@@ -285,7 +291,8 @@ class StageWorker:
                     src, stage.moe_layers[0] + layer, logical, dtype=self.dtype, device=self.device
                 )
         with self._lock:
-            kept = {k: w for k, w in self._prefetched.items() if k in wanted}
+            ahead = {**self._prestaged, **self._prefetched}
+            kept = {k: w for k, w in ahead.items() if k in wanted}
             self._prefetched = kept | fetched
         self.prefetched += len(fetched)
         log.info(
@@ -297,6 +304,49 @@ class StageWorker:
             self.where(),
         )
         return len(fetched)
+
+    def prestage(self, keys: Sequence[tuple[int, int]]) -> int:
+        """Read from the model source the experts `keys` ((MoE layer, logical expert), the
+        model's numbering) of this stage's layers that it does not hold yet, and keep them
+        for a later placement change (a warm spare's: its leader pre-stages the same grows'
+        experts of its own layers meanwhile, `ExpertSlots.prestage_experts`); keys of other
+        stages' layers are not this stage's. Returns the experts read."""
+        stage = self.stage
+        if stage is None or self.source is None or not stage.num_moe_layers:
+            return 0
+        first, stop = stage.moe_layers
+        mine = {(int(layer) - first, int(logical)) for layer, logical in keys}
+        mine = {(layer, logical) for layer, logical in mine if 0 <= layer < stop - first}
+        with self._lock:
+            held = {**self._prestaged, **self._prefetched, **self._held()}
+        missing = sorted(mine - set(held))
+        fetched: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        if missing:
+            src = source_mod.open_source(self.source)
+            for layer, logical in missing:
+                fetched[(layer, logical)] = experts_mod.load_expert(
+                    src, first + layer, logical, dtype=self.dtype, device=self.device
+                )
+        with self._lock:
+            self._prestaged.update(fetched)
+            count = len(self._prestaged)
+        self.prestaged_reads += len(fetched)
+        log.info(
+            "pipeline stage pre-staged %d experts (%d held now) (%s)",
+            len(fetched),
+            count,
+            self.where(),
+        )
+        return len(fetched)
+
+    def drop_prestaged(self, keep: Sequence[tuple[int, int]] = ()) -> int:
+        """Forget the pre-staged experts whose (MoE layer, logical) key, in the model's
+        numbering, is not in `keep`; returns how many are left."""
+        first = 0 if self.stage is None else self.stage.moe_layers[0]
+        wanted = {(int(layer) - first, int(logical)) for layer, logical in keep}
+        with self._lock:
+            self._prestaged = {k: w for k, w in self._prestaged.items() if k in wanted}
+            return len(self._prestaged)
 
     def step(
         self,
@@ -372,6 +422,7 @@ class StageWorker:
         out: dict[str, Any] = {"pid": os.getpid(), "pp_stage": self.stage_index}
         out["steps"] = self.steps
         out["reads_in_step"], out["prefetched"] = self.reads_in_step, self.prefetched
+        out["prestaged"], out["prestaged_reads"] = len(self._prestaged), self.prestaged_reads
         if self.tensor is not None:
             try:
                 self.tensor.check()

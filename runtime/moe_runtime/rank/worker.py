@@ -178,21 +178,10 @@ class RankWorker:
             on_join=None if self.pipeline is None else self._stages_join,
             on_abort_join=None if self.pipeline is None else self.pipeline.abort_join,
         )
-        self.slots = slots_mod.ExpertSlots(
-            ctx, groups=self.groups, prefetch=None if self.pipeline is None else self._prefetch
-        )
+        self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups, stages=self.pipeline)
         self.stepper = stepper_mod.Stepper(
             ctx, slots=self.slots, tensor=self.tensor, pipeline=self.pipeline
         )
-
-    def _prefetch(
-        self, placement: policy.Placement, rank: int, num_ranks: int
-    ) -> Callable[[], int]:
-        """The stages' prefetch of a placement the slots stage (`slots_mod.Prefetch`)."""
-        assert self.pipeline is not None
-        pipeline_leader = self.pipeline
-        pending = pipeline_leader.prefetch(placement, rank=rank, num_ranks=num_ranks)
-        return lambda: pipeline_leader.finish_prefetch(pending)
 
     # -- calls by name -------------------------------------------------------------------
     def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
