@@ -76,8 +76,10 @@ class RuntimeMetrics:
         self.steps = prometheus_client.Counter("moe_steps", "Lockstep steps run.", registry=r)
         self.source_reads = prometheus_client.Counter(
             "moe_pipeline_source_reads",
-            "Experts pipeline stages read from the model source inside a step (a placement "
-            "change they had not prefetched; it stalls that step).",
+            "Experts pipeline stages read from the model source: when=step inside a step (a "
+            "placement change they had not prefetched; it stalls that step), when=prefetch "
+            "ahead of a placement change (what no peer's stage could move to them).",
+            ["when"],
             registry=r,
         )
         self.ttft = prometheus_client.Histogram(
@@ -121,7 +123,8 @@ class RuntimeMetrics:
         self.steps.inc()
         self.step_seconds.observe(seconds)
         self.batch_size.observe(num_seqs)
-        self.source_reads.inc(sum(out.source_reads for out in outputs))
+        self.source_reads.labels(when="step").inc(sum(out.source_reads for out in outputs))
+        self.source_reads.labels(when="prefetch").inc(sum(o.prefetch_reads for o in outputs))
         with self._lock:
             seen = set()
             for out in outputs:

@@ -83,6 +83,9 @@ class StepOutput:
     the same step may simply be sent again.
     source_reads: experts the rank's pipeline stages read from the model source inside this
     step (a placement change they had not prefetched: it stalls the step); 0 at P = 1.
+    prefetch_reads: experts the rank's pipeline stages read from the model source ahead of a
+    placement change since its last step (what no peer's stage moved to them: a lost rank's
+    experts); 0 at P = 1.
     seconds: the rank's own time on the step (`Stepper.execute`: control, KV frees, forward
     pass, sampling), without the executor's call and transport around it.
     """
@@ -95,6 +98,7 @@ class StepOutput:
     committed: int | None = None
     failure: str | None = None
     source_reads: int = 0
+    prefetch_reads: int = 0
     seconds: float = 0.0
 
     def __getstate__(self) -> dict[str, Any]:

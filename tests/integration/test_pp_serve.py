@@ -30,9 +30,17 @@ pytestmark = pytest.mark.ray
 #: stage actor) for its grows and its recovery
 CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
 MESH = ["--pipeline-parallel-size", "2", "--no-eplb"]
-#: experts a stage read from the source inside a step: none when every placement change was
-#: prefetched while the leaders staged it
+#: experts a stage read from the source: inside a step (when="step"), none when every
+#: placement change was prefetched while the leaders staged it; ahead of one
+#: (when="prefetch"), none when peers' stages held every expert it lacked
 SOURCE_READS = "moe_pipeline_source_reads_total"
+
+
+def _source_reads(served: Served) -> dict[str, float]:
+    url = served.server.url
+    return {w: mesh_serving.metric(url, SOURCE_READS, when=w) for w in ("step", "prefetch")}
+
+
 SPARE = ["--warm-spare-ranks", "1", "--rank-hang-timeout", "15"]
 
 
@@ -75,8 +83,9 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
     """The grow takes the warm spare (a whole DP rank: its leader and its stage actor, each
     holding the experts of its layers that the grow gives it, pre-staged), and a
     new spare is started; each stage follows its leader's new placement with the experts it
-    prefetched while its leader staged its slots (no stage reads the source inside a step);
-    every answer during and after equal."""
+    prefetched while its leader staged its slots, moved from the other DP ranks' stages (no
+    stage reads the source, inside a step or ahead of it); every answer during and after
+    equal."""
     if served.size != 2 or served.family != CASES[0][0]:
         pytest.skip("one case is enough for the resizes")
     spare = _spare_is_whole(served)
@@ -89,7 +98,7 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
     for size in (3, 2):
         done = mesh_serving.resize_under_load(served, size)
         ranks = mesh_serving.assert_mesh(served, size, "pp_pids")
-        assert mesh_serving.metric(served.server.url, SOURCE_READS) == 0
+        assert _source_reads(served) == {"step": 0, "prefetch": 0}
         if size == 3:
             history = mesh_serving.status(served)["history"]
             grow = next(h for h in history if h["resize_id"] == done["resize_id"])
@@ -113,6 +122,10 @@ def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
     victim = mesh_serving.serving(served)[-1]
     mesh_serving.signal_under_load(served, victim, victim["pp_pids"][0])
     mesh_serving.assert_mesh(served, size, "pp_pids")
+    # the survivor's stage served alone meanwhile: the lost stage's experts, which no live
+    # peer held, came from the source, ahead of the switch (none inside a step)
+    reads = _source_reads(served)
+    assert reads["step"] == 0 and reads["prefetch"] > 0, reads
     check_answers(served)
 
 
@@ -120,9 +133,10 @@ def test_eplb_switched_on_live_moves_the_stages_experts_and_answers_stay_equal(
     served: Served,
 ) -> None:
     """EPLB at P = 2 (DeepSeek-V3, DP = 2): switched on live with a short interval, it
-    rebalances under load (the leaders move their slots while each stage prefetches the
-    experts it lacks; each stage follows the committed placement at its next step, reading
-    nothing then); no request fails and every answer after still equals transformers'."""
+    rebalances under load (the leaders move their slots while each stage moves the experts
+    of its layers from its peers; each stage follows the committed placement at its next
+    step; nothing read from the source); no request fails and every answer after still
+    equals transformers'."""
     if served.family != "deepseek_v3":
         pytest.skip("one case is enough for EPLB")
     url = f"{served.server.url}/elastic_ep/config"
@@ -140,7 +154,7 @@ def test_eplb_switched_on_live_moves_the_stages_experts_and_answers_stay_equal(
         )
     assert not traffic.failures, traffic.failures[:3]
     assert traffic.ok > 0, traffic.summary()
-    assert mesh_serving.metric(served.server.url, SOURCE_READS) == 0
+    assert _source_reads(served) == {"step": 0, "prefetch": 0}
     r = httpx.patch(url, json={"eplb_enabled": False}, headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     check_answers(served)

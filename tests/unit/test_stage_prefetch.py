@@ -1,10 +1,15 @@
 """A pipeline stage prefetches the experts of a placement its leader stages
 (`StageWorker.prefetch`, beside the steps), so that the step that switches to it
 (`StageWorker.follow`) reads nothing from the model source; without a prefetch, that step
-reads them itself (what every stage did before)."""
+reads them itself (what every stage did before). The prefetch runs the leaders' moves of
+its layers peer to peer with the other DP ranks' stages (a real gloo group) and reads only
+what no move brings; a stage retains what earlier placements served (as its leader), and a
+warm spare's stage pre-stages its layers' experts when its leader pre-stages (wired through
+a `RankWorker`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import pathlib
 from typing import Any
 
@@ -181,3 +186,65 @@ def test_a_spare_leader_has_its_stages_pre_stage_the_later_layers_it_pre_stages(
     more = [(layer, 2) for layer in range(first, stop)]
     assert leader.slots.prestage_experts(3, [], incoming=more) == 0
     assert stage.ping()["prestaged"] == len(keep) + len(more)
+
+
+def test_stages_move_their_layers_experts_peer_to_peer_and_read_only_what_no_move_brings(
+    model_dir: pathlib.Path,
+) -> None:
+    """The shrink 2 -> 1 at P = 2: the leaders' moves (every MoE layer) are run by stage 1 of
+    both DP ranks for its layers over their own transfer group, peer to peer (DP rank 1's
+    stage, leaving, only sends); a key no move brings (a lost rank's) is read from the source;
+    the switch then reads nothing and serves the source's weights."""
+    layers = source_mod.open_source(str(model_dir)).config.num_moe_layers
+    two = policy.identity(layers, EXPERTS, EXPERTS, 2)
+    one = policy.identity(layers, EXPERTS, EXPERTS, 1)
+    stages = [stage_worker.StageWorker(stage=1, size=2, device="cpu") for _ in range(2)]
+    for rank, stage in enumerate(stages):
+        stage.load(str(model_dir), "float32", rank, 2, two)
+    assert stages[0].stage is not None
+    first, stop = stages[0].stage.moe_layers
+    spec = group_mod.GroupSpec.local(2, epoch=4)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda r: stages[r].join(spec, r, "transfer"), range(2)))
+        # expert 5 of every layer is not moved (as if its holder was lost)
+        moves = [
+            moves_mod.ExpertMove(layer=layer, logical=e, src_rank=1, dst_rank=0, dst_slot=e)
+            for layer in range(layers)
+            for e in (3, 4)
+        ]
+        reads = list(
+            pool.map(
+                lambda r: stages[r].prefetch(one, 0 if r == 0 else None, 1, 4, moves), range(2)
+            )
+        )
+    assert reads == [stop - first, 0]  # expert 5 of each of its layers, from the source
+    stages[0].follow((5, 5, 0, 1), one)
+    assert stages[0].reads_in_step == 0
+    assert len(stages[0].experts) == EXPERTS * (stop - first)
+    _assert_holds_source_experts(stages[0], model_dir)
+    for stage in stages:
+        stage.shutdown()
+
+
+def test_a_stage_retains_what_earlier_placements_served_as_its_leader_does(
+    model_dir: pathlib.Path,
+) -> None:
+    """Two placement changes in a row (a grow 2 -> 3, then a reshuffle), then the shrink back:
+    the leaders' planner moves nothing its leader retains, and the stage holds those experts
+    too (retained at each switch, bounded as the leader's), so it reads nothing."""
+    stage = _stage(model_dir)  # DP rank 1 of 2: experts 3..5
+    assert stage.stage is not None
+    layers = source_mod.open_source(str(model_dir)).config.num_moe_layers
+    two = policy.identity(layers, EXPERTS, EXPERTS, 2)
+    three = policy.identity(layers, EXPERTS, EXPERTS, 3)  # rank 1: experts 2, 3
+    shuffled = policy.Placement.from_phy2log(
+        torch.tensor([[1, 0, 2, 3, 5, 4]] * layers), EXPERTS
+    )  # a reshuffle that leaves rank 1 of 3 its experts 2, 3
+    moe_layers = stage.stage.num_moe_layers
+    for token, placement, reads in (((2, 2, 1, 3), three, moe_layers), ((3, 3, 1, 3), shuffled, 0)):
+        assert stage.prefetch(placement, 1, 3) == reads
+        stage.follow(token, placement)
+    assert stage.prefetch(two, 1, 2) == 0  # 4, 5: retained since the grow
+    stage.follow((4, 4, 1, 2), two)
+    assert stage.reads_in_step == 0
+    _assert_holds_source_experts(stage, model_dir)

@@ -52,6 +52,7 @@ class SharedMemory:
                 rest,
                 staging.target,
                 parts,
+                every_move=list(staging.moves),
                 new_rank=staging.new_rank(i),
                 new_num_ranks=staging.new_num_ranks,
                 stage=staging.staging_id,

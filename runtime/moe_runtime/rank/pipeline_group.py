@@ -13,8 +13,10 @@ restricted to its MoE layers (`stage_placement`): each step carries the leader's
 the placement; the stage follows it (`StageWorker.follow`: experts it holds or held before
 are kept, the others read from the model source). A placement the leader stages (a resize's
 Transferring, an EPLB rebalance, a recovery: `ExpertSlots.stage_experts`) is prefetched by
-every stage meanwhile (`prefetch`: the experts it lacks, read from the source beside the
-steps), so the step that switches reads nothing; a warm spare's stages pre-stage the experts
+every stage meanwhile (`prefetch`, beside the steps: the leaders' moves of its layers run
+between the same stage of the DP ranks over a stage transfer group, joined with the leaders'
+transfer group of each epoch; what no move brings is read from the source), so the step that
+switches reads nothing; a warm spare's stages pre-stage the experts
 of their layers that the grows it may serve give it (`prestage`, as its leader pre-stages its
 own), so that prefetch then finds them. So resizes and recovery of the leaders carry
 the stages along.
@@ -133,6 +135,7 @@ class PipelineLeader:
         #: Experts the stages read from the model source in the last step (`StageWorker.
         #: follow`: what no `prefetch` brought), over all stages.
         self.step_reads = 0
+        self._prefetch_reads = 0
 
     def plan(self, cfg: Any) -> pipeline.PipelineStage:
         """Stage 0 of `cfg` (ValueError naming the field when P does not fit the model)."""
@@ -158,11 +161,21 @@ class PipelineLeader:
     def finish_load(self, pending: Any) -> None:
         self._wait(pending, LOAD_TIMEOUT_S)
 
-    def prefetch(self, placement: policy.Placement, *, rank: int, num_ranks: int) -> Any:
-        """Every stage starts reading the experts it lacks for DP rank `rank` of `num_ranks`
-        under `placement` (`StageWorker.prefetch`, beside the steps): the leader stages its own
-        slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_reads`."""
-        return self.stages.send("prefetch", placement, rank, num_ranks)
+    def prefetch(
+        self,
+        placement: policy.Placement,
+        *,
+        rank: int | None,
+        num_ranks: int,
+        epoch: int | None = None,
+        moves: Sequence[Any] = (),
+    ) -> Any:
+        """Every stage starts bringing the experts it lacks for DP rank `rank` of `num_ranks`
+        under `placement` (`StageWorker.prefetch`, beside the steps: the moves of its layers
+        among the leaders' `moves` over its transfer group of `epoch`, the rest from the
+        source; rank None: this DP rank leaves, its stages only send): the leader stages its
+        own slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_reads`."""
+        return self.stages.send("prefetch", placement, rank, num_ranks, epoch, list(moves))
 
     def prestage(self, keys: Sequence[tuple[int, int]]) -> Any:
         """Every stage starts reading the experts `keys` ((MoE layer, logical), the model's
@@ -173,8 +186,19 @@ class PipelineLeader:
         return self.stages.send("prestage", [tuple(k) for k in keys])
 
     def finish_reads(self, pending: Any) -> int:
-        """Wait for `prefetch` or `prestage`; the experts the stages read."""
+        """Wait for `prefetch` or `prestage`; the experts the stages read from the source."""
         return sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
+
+    def finish_prefetch(self, pending: Any) -> int:
+        """`finish_reads` of a `prefetch`, counted for `take_prefetch_reads`."""
+        read = self.finish_reads(pending)
+        self._prefetch_reads += read
+        return read
+
+    def take_prefetch_reads(self) -> int:
+        """The experts the stages' prefetches read from the source since the last call."""
+        read, self._prefetch_reads = self._prefetch_reads, 0
+        return read
 
     def drop_prestaged(self, keep: Sequence[tuple[int, int]]) -> None:
         """Every stage forgets its pre-staged experts not in `keep` (`StageWorker.
@@ -182,10 +206,11 @@ class PipelineLeader:
         self._wait(self.stages.send("drop_prestaged", [tuple(k) for k in keep]), GROUP_TIMEOUT_S)
 
     # -- groups --------------------------------------------------------------------------
-    def join(self, spec: group_mod.GroupSpec, rank: int) -> None:
-        """The leader joined the step group of `spec` as `rank`: every stage joins its own
-        stage group of that epoch as `rank` (blocks until all DP ranks' stages joined)."""
-        self._wait(self.stages.send("join", spec, rank), GROUP_TIMEOUT_S + 10.0)
+    def join(self, spec: group_mod.GroupSpec, rank: int, role: str = "step") -> None:
+        """The leader joined the `role` group of `spec` as `rank`: every stage joins its own
+        stage group of that epoch and role as `rank` (blocks until all DP ranks' stages
+        joined)."""
+        self._wait(self.stages.send("join", spec, rank, role), GROUP_TIMEOUT_S + 10.0)
 
     def abort(self, reason: str) -> None:
         """Let every stage's groups go now (a stage waiting in a collective stops)."""

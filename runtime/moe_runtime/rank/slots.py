@@ -126,13 +126,16 @@ class ExpertSlots:
         stage: int | None = None,
         from_source: bool = False,
         provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
+        every_move: Sequence[moves_mod.ExpertMove] | None = None,
     ) -> int:
         """Prepare this rank's slots of `new_placement` in a staging area; returns bytes received.
 
         from_source: experts that neither this rank holds nor a move brings are read from the
         model source (recovery after a rank died with the only copy); otherwise that is an error.
         provided: experts (layer, logical) -> weights that the executor already brought by
-        another path (co-located peers, through shared memory); `moves` then leaves them out.
+        another path (co-located peers, through shared memory); `moves` then leaves them out,
+        `every_move` does not (default: `moves`): at P > 1 the pipeline stages run those of
+        their layers (`PipelineLeader.prefetch`).
 
         new_rank None: this rank leaves (scale-down); it only sends and stages nothing.
 
@@ -148,11 +151,14 @@ class ExpertSlots:
         grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
-        prefetching = None
-        if new_rank is not None and self._stages is not None:
-            prefetching = self._stages.prefetch(
-                new_placement, rank=new_rank, num_ranks=new_num_ranks
+        stages, every = self._stages, moves if every_move is None else every_move
+        prefetching = (
+            None
+            if stages is None
+            else stages.prefetch(
+                new_placement, rank=new_rank, num_ranks=new_num_ranks, epoch=epoch, moves=every
             )
+        )
         held = self._held_experts()
         with self._lock:
             prestaged = dict(self.prestaged)
@@ -163,6 +169,8 @@ class ExpertSlots:
         )
         self._ctx.check("stage_experts")
         if new_rank is None:
+            if stages is not None:
+                stages.finish_prefetch(prefetching)  # they sent their layers' experts
             log.info(
                 "sent %d experts for a placement without this rank in %.2fs (%s)",
                 stats.sent,
@@ -175,7 +183,7 @@ class ExpertSlots:
             if from_source and self._ctx.loaded.source_name is not None
             else None
         )
-        slots, loaded, missing = staging_mod.fill_slots(
+        slots = staging_mod.fill_slots(
             new_placement,
             rank=new_rank,
             num_ranks=new_num_ranks,
@@ -190,23 +198,11 @@ class ExpertSlots:
             source=src,
             dtype=self._ctx.dtype,
             device=self._ctx.device,
+            where=self._ctx.where(),
         )
-        if loaded:
-            log.info(
-                "read %d experts from %s (%s)",
-                loaded,
-                self._ctx.loaded.source_name,
-                self._ctx.where(),
-            )
-        if missing:
-            raise RuntimeError(
-                f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
-                f"({len(missing)} missing) that new rank {new_rank} needs ({self._ctx.where()})"
-            )
-        if self._stages is not None and prefetching is not None:
-            stages_read = self._stages.finish_reads(prefetching)
-            if stages_read:
-                log.info("the pipeline stages read %d experts (%s)", stages_read, self._ctx.where())
+        stages_read = 0 if stages is None else stages.finish_prefetch(prefetching)
+        if stages_read:
+            log.info("the pipeline stages read %d experts (%s)", stages_read, self._ctx.where())
         staging_id = epoch if stage is None else stage
         with self._lock:
             self.staged = live_mod.Staged(

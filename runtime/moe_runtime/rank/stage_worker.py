@@ -15,12 +15,14 @@ import torch
 
 from moe_runtime.comm import ep
 from moe_runtime.comm import group as group_mod
+from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import decoder, pipeline
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
-from moe_runtime.rank import tensor_group
+from moe_runtime.rank import retention, tensor_group
+from moe_runtime.rank import staging as staging_mod
 from moe_runtime.rank.pipeline_group import (
     GROUP_TIMEOUT_S,
     Live,
@@ -68,9 +70,11 @@ class StageWorker:
         self.dtype = torch.float32
         #: the leader's live token this stage serves (None: as loaded)
         self.token: Token | None = None
-        #: experts of the state before the live one, by (local MoE layer, logical expert):
-        #: a revert (or a switch back) takes them without reading the source
-        self._before: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        #: experts earlier states served and the live one does not, by (local MoE layer,
+        #: logical expert), bounded as a leader's (`retention.Retained`, absorbed at each
+        #: `follow`): a revert, a switch back or a move the leaders' planner left out because
+        #: the leader retains that expert takes them without reading the source
+        self._retained = retention.Retained()
         #: experts of a placement the leader is staging (`prefetch`, while it moves its own
         #: slots), by (local MoE layer, logical expert): `follow` takes them from here
         self._prefetched: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
@@ -89,6 +93,10 @@ class StageWorker:
         self._stepped: list[int] = []  # the epochs stepped, latest last
         #: stage groups by epoch (joined with the leaders' step groups) and their backends
         self.groups: dict[int, group_mod.StatelessGroup] = {}
+        #: stage transfer groups by epoch (joined with the leaders' transfer groups): expert
+        #: moves between the same stage of the DP ranks (`prefetch`), never beside a step's
+        #: collectives on one group
+        self.transfer_groups: dict[int, group_mod.StatelessGroup] = {}
         self._backends: dict[int, experts_mod.ExpertBackend] = {}
         #: epochs whose joins were called off (`abort_join`; epochs are never reused)
         self._aborted_joins: set[int] = set()
@@ -98,16 +106,18 @@ class StageWorker:
         epochs = sorted(self.groups)
         return f"rank label={self.label} pp={self.stage_index}/{self.size} epochs={epochs}"
 
-    def join(self, spec: group_mod.GroupSpec, rank: int) -> None:
-        """Join stage group of `spec.epoch` (derived from the leaders' step group) as `rank`."""
+    def join(self, spec: group_mod.GroupSpec, rank: int, role: str = "step") -> None:
+        """Join the stage group of `spec.epoch` derived from the leaders' `role` group ("step":
+        this stage's expert parallelism; "transfer": its expert moves, `prefetch`) as `rank`."""
         group = group_mod.StatelessGroup(
             stage_spec(spec, self.stage_index),
             rank,
             timeout=GROUP_TIMEOUT_S,
             aborted=lambda: spec.epoch in self._aborted_joins,
         )
-        old = self.groups.pop(spec.epoch, None)
-        self.groups[spec.epoch] = group
+        groups = self.groups if role == "step" else self.transfer_groups
+        old = groups.pop(spec.epoch, None)
+        groups[spec.epoch] = group
         self._backends.pop(spec.epoch, None)
         if old is not None:
             old.destroy()
@@ -149,7 +159,8 @@ class StageWorker:
                     )
         self.model, self.stage, self.placement = model, stage, local
         self.rank, self.experts = rank, experts
-        self.source, self.dtype, self.token, self._before = source, torch_dtype, None, {}
+        self.source, self.dtype, self.token = source, torch_dtype, None
+        self._retained = retention.Retained()
         self._prefetched, self._prestaged = {}, {}
         if self.tensor is not None:
             self.tensor.finish_load(following)
@@ -184,6 +195,8 @@ class StageWorker:
         for old in [e for e in self.groups if e < min(self._stepped)]:
             self.groups.pop(old).destroy()
             self._backends.pop(old, None)
+        for old in [e for e in self.transfer_groups if e < min(self._stepped)]:
+            self.transfer_groups.pop(old).destroy()
         if self.placement is None:
             backend = experts_mod.LocalExperts({})  # dense layers only: never called
         else:
@@ -216,33 +229,22 @@ class StageWorker:
         with self._lock:
             held = {**self._prestaged, **self._prefetched, **self._held()}
             self._prefetched, self._prestaged = {}, {}
-        src = None
-        experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
-        read = 0
-        for layer in range(stage.num_moe_layers):
-            for slot in local.slots_of_rank(rank, num_ranks):
-                logical = int(local.phy2log[layer, slot])
-                weights = held.get((layer, logical))
-                if weights is None:
-                    if src is None:
-                        assert self.source is not None
-                        src = source_mod.open_source(self.source)
-                    weights = experts_mod.load_expert(
-                        src,
-                        stage.moe_layers[0] + layer,
-                        logical,
-                        dtype=self.dtype,
-                        device=self.device,
-                    )
-                    held[(layer, logical)] = weights
-                    read += 1
-                experts[(layer, slot)] = weights
+        slots = {
+            (layer, slot): (layer, int(local.phy2log[layer, slot]))
+            for layer in range(stage.num_moe_layers)
+            for slot in local.slots_of_rank(rank, num_ranks)
+        }
+        fetched = self._read(set(slots.values()) - set(held))
+        held.update(fetched)
+        experts = {slot: held[key] for slot, key in slots.items()}
+        read = len(fetched)
         with self._lock:
             if self.placement is not None:
-                self._before = {
+                before = {
                     (layer, int(self.placement.phy2log[layer, slot])): w
                     for (layer, slot), w in self.experts.items()
                 }
+                self._retained.absorb(before, {key: held[key] for key in slots.values()})
             self.placement, self.rank, self.experts, self.token = local, rank, experts, token
         self.reads_in_step += read
         self._backends.clear()
@@ -254,9 +256,22 @@ class StageWorker:
             self.where(),
         )
 
+    def _read(self, keys: set[tuple[int, int]]) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
+        """The experts `keys` (local MoE layer, logical) read from the model source."""
+        if not keys:
+            return {}
+        assert self.stage is not None and self.source is not None
+        src, first = source_mod.open_source(self.source), self.stage.moe_layers[0]
+        return {
+            (layer, logical): experts_mod.load_expert(
+                src, first + layer, logical, dtype=self.dtype, device=self.device
+            )
+            for layer, logical in sorted(keys)
+        }
+
     def _held(self) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
-        """The experts this stage holds, live and before, by (local MoE layer, logical)."""
-        held = dict(self._before)
+        """The experts this stage holds, live and retained, by (local MoE layer, logical)."""
+        held = dict(self._retained.experts)
         if self.placement is not None:
             held.update(
                 ((layer, int(self.placement.phy2log[layer, slot])), w)
@@ -264,46 +279,85 @@ class StageWorker:
             )
         return held
 
-    def prefetch(self, placement: policy.Placement, rank: int, num_ranks: int) -> int:
-        """Read from the model source, ahead of the step that switches to it, the experts this
-        stage lacks for DP rank `rank` of `num_ranks` under `placement` (the leader calls it
-        while it stages its own slots: `ExpertSlots.stage_experts`), so that `follow` finds
-        them and the switch's first step reads nothing. Runs beside steps (the control lane);
-        a later prefetch replaces an earlier one's. Returns the experts read."""
+    def prefetch(
+        self,
+        placement: policy.Placement,
+        rank: int | None,
+        num_ranks: int,
+        epoch: int | None = None,
+        moves: Sequence[moves_mod.ExpertMove] = (),
+    ) -> int:
+        """Bring, ahead of the step that switches to it, the experts this stage lacks for DP
+        rank `rank` of `num_ranks` under `placement` (the leader calls it while it stages its
+        own slots: `ExpertSlots.stage_experts`), so that `follow` finds them and the switch's
+        first step reads nothing. `moves` (the leaders' staging, every layer, over epoch's
+        transfer group): this stage runs those of its layers over its own transfer group of
+        `epoch`, peer to peer, sending what it holds and receiving what it lacks (every
+        member of the staging calls it with the same moves; rank None: a DP rank that leaves
+        only sends); what no move brings (a lost rank's experts) is read from the model
+        source. Runs beside steps (the control lane); a later prefetch replaces an earlier
+        one's. Returns the experts read from the source."""
         stage = self.stage
         if stage is None or self.source is None or not stage.num_moe_layers:
             return 0
         started = time.monotonic()
-        local = stage_placement(placement, stage)
         with self._lock:
             held = {**self._prestaged, **self._prefetched, **self._held()}
+        moved = self._move(epoch, moves, held)
+        if rank is None:
+            log.info("pipeline stage sent its experts of a staging it leaves (%s)", self.where())
+            return 0
+        local = stage_placement(placement, stage)
         wanted = {
             (layer, int(local.phy2log[layer, slot]))
             for layer in range(stage.num_moe_layers)
             for slot in local.slots_of_rank(rank, num_ranks)
         }
-        missing = sorted(wanted - set(held))
-        fetched: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
-        if missing:
-            src = source_mod.open_source(self.source)
-            for layer, logical in missing:
-                fetched[(layer, logical)] = experts_mod.load_expert(
-                    src, stage.moe_layers[0] + layer, logical, dtype=self.dtype, device=self.device
-                )
+        fetched = self._read(wanted - set(held) - set(moved))
         with self._lock:
             ahead = {**self._prestaged, **self._prefetched}
             kept = {k: w for k, w in ahead.items() if k in wanted}
-            self._prefetched = kept | fetched
+            self._prefetched = kept | {k: w for k, w in moved.items() if k in wanted} | fetched
         self.prefetched += len(fetched)
         log.info(
-            "pipeline stage prefetched %d experts for rank %d of %d in %.2fs (%s)",
-            len(fetched),
+            "pipeline stage prefetched %d experts for rank %d of %d in %.2fs: %d moved from "
+            "peers, %d read from the source (%s)",
+            len(moved) + len(fetched),
             rank,
             num_ranks,
             time.monotonic() - started,
+            len(moved),
+            len(fetched),
             self.where(),
         )
         return len(fetched)
+
+    def _move(
+        self,
+        epoch: int | None,
+        moves: Sequence[moves_mod.ExpertMove],
+        held: dict[tuple[int, int], experts_mod.ExpertWeights],
+    ) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
+        """This stage's part of `moves` (those of its layers) over its transfer group of
+        `epoch`, sending from `held`; what it received, by (local MoE layer, logical)."""
+        assert self.stage is not None and self.model is not None
+        first, stop = self.stage.moe_layers
+        mine = [m for m in moves if first <= m.layer < stop]
+        if not mine or epoch is None:
+            return {}
+        group = self.transfer_groups.get(epoch)
+        if group is None:
+            raise RuntimeError(f"no stage transfer group of epoch {epoch} joined ({self.where()})")
+        _, received = staging_mod.run_moves(
+            group,
+            mine,
+            {(first + layer, logical): w for (layer, logical), w in held.items()},
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            where=self.where(),
+        )
+        return {(layer - first, logical): w for (layer, logical), w in received.items()}
 
     def prestage(self, keys: Sequence[tuple[int, int]]) -> int:
         """Read from the model source the experts `keys` ((MoE layer, logical expert), the
@@ -319,14 +373,7 @@ class StageWorker:
         mine = {(layer, logical) for layer, logical in mine if 0 <= layer < stop - first}
         with self._lock:
             held = {**self._prestaged, **self._prefetched, **self._held()}
-        missing = sorted(mine - set(held))
-        fetched: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
-        if missing:
-            src = source_mod.open_source(self.source)
-            for layer, logical in missing:
-                fetched[(layer, logical)] = experts_mod.load_expert(
-                    src, first + layer, logical, dtype=self.dtype, device=self.device
-                )
+        fetched = self._read(mine - set(held))
         with self._lock:
             self._prestaged.update(fetched)
             count = len(self._prestaged)
@@ -411,7 +458,7 @@ class StageWorker:
 
     def abort(self, reason: str) -> None:
         """Abort every stage group (and the stage's TP group) now (any thread)."""
-        for group in list(self.groups.values()):
+        for group in [*self.groups.values(), *self.transfer_groups.values()]:
             group.abort(reason)
         if self.tensor is not None:
             self.tensor.abort(reason)
@@ -437,7 +484,8 @@ class StageWorker:
     def shutdown(self) -> None:
         if self.tensor is not None:
             self.tensor.close()
-        for group in list(self.groups.values()):
+        for group in [*self.groups.values(), *self.transfer_groups.values()]:
             group.destroy()
         self.groups.clear()
+        self.transfer_groups.clear()
         self._backends.clear()

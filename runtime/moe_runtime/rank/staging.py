@@ -115,13 +115,11 @@ def fill_slots(
     source: source_mod.ModelSource | None,
     dtype: torch.dtype,
     device: str,
-) -> tuple[Experts, int, list[tuple[int, int]]]:
-    """The slots of `rank` under `placement` from `available` ((layer, logical) -> weights),
-    reading what is missing from `source` when given.
-
-    Returns (slots (layer, local slot) -> weights, experts read from the source, (layer,
-    logical) pairs still missing). A logical expert needed twice is read once.
-    """
+    where: str,
+) -> Experts:
+    """The slots (layer, local slot) -> weights of `rank` under `placement` from `available`
+    ((layer, logical) -> weights), reading what is missing from `source` when given (a logical
+    expert needed twice is read once); RuntimeError naming what is still missing."""
     slots: Experts = {}
     missing: list[tuple[int, int]] = []
     loaded = 0
@@ -139,7 +137,14 @@ def fill_slots(
                 missing.append((layer, logical))
             else:
                 slots[(layer, slot)] = weights
-    return slots, loaded, missing
+    if loaded:
+        log.info("read %d experts from the model source (%s)", loaded, where)
+    if missing:
+        raise RuntimeError(
+            f"stage_experts: the moves bring no weights for (layer, expert) {missing[:5]} "
+            f"({len(missing)} missing) that new rank {rank} needs ({where})"
+        )
+    return slots
 
 
 def later_layers(model: decoder.MoEModel) -> int | None:

@@ -195,6 +195,7 @@ class Stepper:
                 out.tokens = {s.seq_id: token for s, token in zip(seqs, tokens, strict=True)}
                 if self._pipeline is not None:
                     out.source_reads = self._pipeline.step_reads
+                    out.prefetch_reads = self._pipeline.take_prefetch_reads()
                 out.expert_load = load.cpu()
                 if self._ctx.loaded.total_load is not None:
                     self._ctx.loaded.total_load += out.expert_load

@@ -313,10 +313,11 @@ class RankWorker:
         return [] if epoch is None else self.groups.abort(epoch, reason)
 
     def _stages_join(self, spec: Any, rank: int, role: str) -> None:
-        """The leader joined `role`'s group of `spec.epoch`: for the step group its pipeline
-        stages join theirs (`PipelineLeader.join`)."""
-        if role == groups_mod.STEP and self.pipeline is not None:
-            self.pipeline.join(spec, rank)
+        """The leader joined `role`'s group of `spec.epoch`: its pipeline stages join theirs
+        (`PipelineLeader.join`: the step group's for their experts, the transfer group's for
+        their expert moves)."""
+        if self.pipeline is not None:
+            self.pipeline.join(spec, rank, role)
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(
