@@ -147,45 +147,64 @@ class _InProcessStages:
         return list(pending)
 
 
-def test_a_spare_leader_has_its_stages_pre_stage_the_later_layers_it_pre_stages(
-    model_dir: pathlib.Path, tmp_path: pathlib.Path
+def test_a_spare_and_a_serving_leader_have_their_stages_move_the_later_layers_experts(
+    model_dir: pathlib.Path,
 ) -> None:
-    """`prestage_experts` on a warm spare's leader (pipeline stage 0): the moves of later
-    stages' layers are not run (the leader holds zeros for them) and its stage reads those
-    experts itself; `drop_prestaged` reaches the stage too."""
-    stage = stage_worker.StageWorker(stage=1, size=2, device="cpu")
-    leader = worker.RankWorker(
-        device="cpu", dtype="float32", pipeline=_InProcessStages([stage]), pipeline_size=2
-    )
-    leader.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=None)
-    assert stage.stage is not None
-    first, stop = stage.stage.moe_layers
-    spec = group_mod.GroupSpec(
-        host="127.0.0.1", port=0, world_size=1, epoch=3, store_path=str(tmp_path / "store")
-    )
-    leader.groups.join_group(spec, 0, role=groups_mod.TRANSFER)
-    # moves of the later stage's layers only (from a peer, to this spare): none is run
-    moves = [
-        moves_mod.ExpertMove(layer=layer, logical=logical, src_rank=1, dst_rank=0, dst_slot=0)
-        for layer in range(first, stop)
-        for logical in (1, 4)
+    """`prestage_experts` on a serving DP rank's leader (every expert) and on a warm spare's
+    (none), at P = 2: the leaders move stage 0's layers and leave the later stage's out (the
+    spare's leader holds zeros for them), their stages move those between themselves over
+    their transfer group (the spare's stage reads nothing from the source); through shared
+    memory the leaders get no move (`every_move` names them all); `drop_prestaged` reaches
+    the spare's stage too."""
+    layers = source_mod.open_source(str(model_dir)).config.num_moe_layers
+    stages = [stage_worker.StageWorker(stage=1, size=2, device="cpu") for _ in range(2)]
+    leaders = [
+        worker.RankWorker(
+            device="cpu", dtype="float32", pipeline=_InProcessStages([st]), pipeline_size=2
+        )
+        for st in stages
     ]
-    assert leader.slots.prestage_experts(3, moves) == 0  # nothing received by the leader
-    zeros = leader.slots.prestaged
-    assert set(zeros) == {(m.layer, m.logical) for m in moves}
-    assert all(not any(t.any() for t in w.tensors().values()) for w in zeros.values())
-    assert stage.ping()["prestaged"] == len(moves) == stage.prestaged_reads
+    one = policy.identity(layers, EXPERTS, EXPERTS, 1)
+    leaders[0].load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
+    leaders[1].load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=None)
+    assert stages[1].stage is not None
+    first, stop = stages[1].stage.moe_layers
+    spec = group_mod.GroupSpec.local(2, epoch=3)
+
+    def moves(logicals: tuple[int, ...]) -> list[moves_mod.ExpertMove]:
+        return [
+            moves_mod.ExpertMove(layer=layer, logical=e, src_rank=0, dst_rank=1, dst_slot=0)
+            for layer in range(layers)
+            for e in logicals
+        ]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        joins = [
+            pool.submit(lead.groups.join_group, spec, r, role=groups_mod.TRANSFER)
+            for r, lead in enumerate(leaders)
+        ]
+        [j.result() for j in joins]
+        first_batch = moves((1, 4))
+        list(pool.map(lambda lead: lead.slots.prestage_experts(3, first_batch), leaders))
+        # through shared memory: the leaders' own moves came another way, the stages' not
+        second = moves((2,))
+        list(pool.map(lambda lead: lead.slots.prestage_experts(3, [], every_move=second), leaders))
+    spare, spare_stage = leaders[1].slots, stages[1]
+    later = {(m.layer, m.logical) for m in first_batch if m.layer >= first}
+    assert later <= set(spare.prestaged)
+    assert all(not any(t.any() for t in spare.prestaged[k].tensors().values()) for k in later)
+    assert any(t.any() for t in spare.prestaged[(0, 1)].tensors().values())  # moved by leaders
+    assert spare_stage.ping()["prestaged"] == 3 * (stop - first)
+    assert spare_stage.prestaged_reads == 0  # all moved from the serving rank's stage
     src = source_mod.open_source(str(model_dir))
-    for (layer, logical), held in stage._prestaged.items():
+    for (layer, logical), held in spare_stage._prestaged.items():
         want = experts_mod.load_expert(src, first + layer, logical, dtype=torch.float32)
         assert all(torch.equal(held[p], t) for p, t in want.tensors().items())
     keep = [(layer, 4) for layer in range(first, stop)]
-    assert leader.slots.drop_prestaged(keep) == len(keep)
-    assert stage.ping()["prestaged"] == len(keep)
-    # through shared memory (Ray, one node) the moves came another way: `incoming` names them
-    more = [(layer, 2) for layer in range(first, stop)]
-    assert leader.slots.prestage_experts(3, [], incoming=more) == 0
-    assert stage.ping()["prestaged"] == len(keep) + len(more)
+    assert spare.drop_prestaged(keep) == len(keep)
+    assert spare_stage.ping()["prestaged"] == len(keep)
+    for st in stages:
+        st.shutdown()
 
 
 def test_stages_move_their_layers_experts_peer_to_peer_and_read_only_what_no_move_brings(

@@ -189,14 +189,14 @@ class RankActor:
         return int(received) + shared_bytes
 
     def prestage_experts_shared(
-        self, epoch: int, moves: list[Any], parts: list[Any], incoming: list[Any]
+        self, epoch: int, moves: list[Any], parts: list[Any], every_move: list[Any]
     ) -> int:
-        """`RankWorker.prestage_experts` with what co-located peers exported (refs); incoming:
-        the keys of every expert the pre-staging gives this rank, either way."""
+        """`RankWorker.prestage_experts` with what co-located peers exported (refs);
+        every_move: the pre-staging's moves, either way."""
         self._in_background()
         provided, shared_bytes = self._receive(parts)
         received = self.worker.slots.prestage_experts(
-            epoch, moves, provided=provided, incoming=incoming
+            epoch, moves, provided=provided, every_move=every_move
         )
         return int(received) + shared_bytes
 

@@ -172,7 +172,9 @@ class RayExecutor(base.Executor):
                 rendezvous=rendezvous,
                 group_dir=group_dir or tempfile.gettempdir(),
             ),
-            shared=ray_weights.SharedMemory(members=members, enabled=not use_gpu),
+            shared=ray_weights.SharedMemory(
+                members=members, enabled=not use_gpu, pipelined=self.pp_size > 1
+            ),
             switch_timeout=switch_timeout,
         )
         self._closed = False

@@ -27,12 +27,21 @@ class SharedMemory:
     """Weight moves through shared memory where ranks share a node (see the module docstring).
 
     members: the executor's roster; enabled: whether co-located ranks use the object store at
-    all (not on GPUs: NCCL); the experts still go through each member's one call then.
+    all (not on GPUs: NCCL); the experts still go through each member's one call then;
+    pipelined: DP ranks have pipeline stages (P > 1), which move their layers' experts
+    between themselves in every member's call (so every member is called).
     """
 
-    def __init__(self, *, members: roster.Roster[ray_actor.RankHandle], enabled: bool) -> None:
+    def __init__(
+        self,
+        *,
+        members: roster.Roster[ray_actor.RankHandle],
+        enabled: bool,
+        pipelined: bool = False,
+    ) -> None:
         self._members = members
         self.enabled = enabled
+        self.pipelined = pipelined
 
     # -- weight moves ----------------------------------------------------------------------
     def _actors_and_nodes(self, labels: Sequence[int]) -> tuple[dict[int, Any], dict[int, str]]:
@@ -74,13 +83,12 @@ class SharedMemory:
         epoch = prestaging.epoch
 
         def call(
-            actor: Any, i: int, lane: dict[str, Any], rest: list[Any], parts: list[Any]
+            actor: Any, _i: int, lane: dict[str, Any], rest: list[Any], parts: list[Any]
         ) -> Any:
-            # every key it receives, also those the exports leave out (a later pipeline
-            # stage's layers, which its stages pre-stage themselves)
-            incoming = [(m.layer, m.logical) for m in prestaging.moves if m.dst_rank == i]
+            # every move, also those the exports leave out (a later pipeline stage's layers,
+            # which the members' stages move between themselves)
             return actor.prestage_experts_shared.options(**lane).remote(
-                epoch, rest, parts, incoming
+                epoch, rest, parts, list(prestaging.moves)
             )
 
         return self._move_experts(
@@ -88,7 +96,7 @@ class SharedMemory:
             epoch,
             prestaging.moves,
             members=list(prestaging.members),
-            call_all=False,
+            call_all=self.pipelined,  # the senders' stages send too
             timeout=timeout,
             background=True,
             call=call,

@@ -177,13 +177,17 @@ class PipelineLeader:
         own slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_reads`."""
         return self.stages.send("prefetch", placement, rank, num_ranks, epoch, list(moves))
 
-    def prestage(self, keys: Sequence[tuple[int, int]]) -> Any:
-        """Every stage starts reading the experts `keys` ((MoE layer, logical), the model's
+    def prestage(
+        self, keys: Sequence[tuple[int, int]], epoch: int | None = None, moves: Sequence[Any] = ()
+    ) -> Any:
+        """Every stage starts bringing the experts `keys` ((MoE layer, logical), the model's
         numbering) of its layers that it lacks, kept for a later placement change
-        (`StageWorker.prestage`): a warm spare's leader pre-stages the same grows' experts of
-        stage 0's layers meanwhile (`ExpertSlots.prestage_experts`); a handle for
+        (`StageWorker.prestage`: the pre-staging's `moves` of its layers over its transfer
+        group of `epoch`, peer to peer, the rest from the source): a warm spare's leader
+        pre-stages the same grows' experts of stage 0's layers meanwhile, and a serving
+        leader's stages send theirs (`ExpertSlots.prestage_experts`); a handle for
         `finish_reads`."""
-        return self.stages.send("prestage", [tuple(k) for k in keys])
+        return self.stages.send("prestage", [tuple(k) for k in keys], epoch, list(moves))
 
     def finish_reads(self, pending: Any) -> int:
         """Wait for `prefetch` or `prestage`; the experts the stages read from the source."""

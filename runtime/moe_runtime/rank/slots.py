@@ -234,23 +234,28 @@ class ExpertSlots:
         moves: Sequence[moves_mod.ExpertMove],
         *,
         provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
-        incoming: Sequence[tuple[int, int]] | None = None,
+        every_move: Sequence[moves_mod.ExpertMove] | None = None,
     ) -> int:
         """Keep the experts `moves` bring to this rank (and `provided`: brought by the executor
         another way) beside the live slots, for a later `stage_experts`; returns the bytes
         received. Every member of epoch's transfer group that a move names calls it with the
-        same `moves` (as `stage_experts`); a move's dst_slot is not used. incoming: the keys
-        of every expert this pre-staging gives this rank, by either path (default: `moves`')."""
+        same `moves` (as `stage_experts`); a move's dst_slot is not used. every_move: the
+        pre-staging's moves, also those `provided` brought (default: `moves`): at P > 1 the
+        pipeline stages of every member run those of their layers (`PipelineLeader.prestage`)."""
         _, model = self._ctx.loaded.require(self._ctx.where())
         grp, me = self._groups.group(epoch, groups_mod.TRANSFER)
-        if incoming is None:
-            incoming = [(m.layer, m.logical) for m in moves if m.dst_rank == me]
+        every = moves if every_move is None else every_move
         # later pipeline stages' layers: not moved (`staging.run_moves`), held as the zero expert;
-        # the stages read their layers' meanwhile (`PipelineLeader.prestage`)
+        # the stages move (or read) their layers' meanwhile (`PipelineLeader.prestage`)
         elsewhere = staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device)
-        zeros = {(a, b): elsewhere[(a, b)] for a, b in incoming if (a, b) in elsewhere}
-        stages = self._stages if zeros else None
-        reading = None if stages is None else stages.prestage(sorted(zeros))
+        zeros = {
+            (m.layer, m.logical): elsewhere[(m.layer, m.logical)]
+            for m in every
+            if m.dst_rank == me and (m.layer, m.logical) in elsewhere
+        }
+        later = any((m.layer, m.logical) in elsewhere for m in every)
+        stages = self._stages if later else None
+        reading = None if stages is None else stages.prestage(sorted(zeros), epoch, every)
         ctx, held = self._ctx, self._held_experts()
         stats, received = staging_mod.run_moves(
             grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()

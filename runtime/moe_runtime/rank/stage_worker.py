@@ -359,31 +359,37 @@ class StageWorker:
         )
         return {(layer - first, logical): w for (layer, logical), w in received.items()}
 
-    def prestage(self, keys: Sequence[tuple[int, int]]) -> int:
-        """Read from the model source the experts `keys` ((MoE layer, logical expert), the
-        model's numbering) of this stage's layers that it does not hold yet, and keep them
-        for a later placement change (a warm spare's: its leader pre-stages the same grows'
-        experts of its own layers meanwhile, `ExpertSlots.prestage_experts`); keys of other
-        stages' layers are not this stage's. Returns the experts read."""
+    def prestage(
+        self,
+        keys: Sequence[tuple[int, int]],
+        epoch: int | None = None,
+        moves: Sequence[moves_mod.ExpertMove] = (),
+    ) -> int:
+        """Bring the experts `keys` ((MoE layer, logical expert), the model's numbering) of
+        this stage's layers that it lacks and keep them for a later placement change (a warm
+        spare's: its leader pre-stages stage 0's layers meanwhile, `ExpertSlots.
+        prestage_experts`): the pre-staging's `moves` of its layers run over its transfer
+        group of `epoch` (a serving DP rank's stage sends, a spare's receives); what no move
+        brings is read from the model source. Returns the experts read from the source."""
         stage = self.stage
         if stage is None or self.source is None or not stage.num_moe_layers:
             return 0
         first, stop = stage.moe_layers
-        mine = {(int(layer) - first, int(logical)) for layer, logical in keys}
-        mine = {(layer, logical) for layer, logical in mine if 0 <= layer < stop - first}
+        mine = {(int(a) - first, int(b)) for a, b in keys if first <= int(a) < stop}
         with self._lock:
             held = {**self._prestaged, **self._prefetched, **self._held()}
-        fetched = self._read(mine - set(held))
+        moved = self._move(epoch, moves, held)
+        fetched = self._read(mine - set(held) - set(moved))
         with self._lock:
+            self._prestaged.update({k: w for k, w in moved.items() if k in mine})
             self._prestaged.update(fetched)
             count = len(self._prestaged)
         self.prestaged_reads += len(fetched)
-        log.info(
-            "pipeline stage pre-staged %d experts (%d held now) (%s)",
-            len(fetched),
-            count,
-            self.where(),
-        )
+        if mine:  # a spare's stage (a serving one only sent)
+            got = (len(moved) + len(fetched), len(fetched), count, self.where())
+            log.info(
+                "pipeline stage pre-staged %d experts (%d from the source; %d held) (%s)", *got
+            )
         return len(fetched)
 
     def drop_prestaged(self, keep: Sequence[tuple[int, int]] = ()) -> int:
