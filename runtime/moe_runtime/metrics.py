@@ -78,7 +78,8 @@ class RuntimeMetrics:
             "moe_pipeline_source_reads",
             "Experts pipeline stages read from the model source: when=step inside a step (a "
             "placement change they had not prefetched; it stalls that step), when=prefetch "
-            "ahead of a placement change (what no peer's stage could move to them).",
+            "ahead of a placement change, a warm spare's pre-staging included (what no peer's "
+            "stage could move to them).",
             ["when"],
             registry=r,
         )

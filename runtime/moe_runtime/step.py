@@ -84,8 +84,9 @@ class StepOutput:
     source_reads: experts the rank's pipeline stages read from the model source inside this
     step (a placement change they had not prefetched: it stalls the step); 0 at P = 1.
     prefetch_reads: experts the rank's pipeline stages read from the model source ahead of a
-    placement change since its last step (what no peer's stage moved to them: a lost rank's
-    experts); 0 at P = 1.
+    placement change (a prefetch, or a warm spare's pre-staging, reported at its first step)
+    since its last step (what no peer's stage moved to them: a lost rank's experts); 0 at
+    P = 1.
     seconds: the rank's own time on the step (`Stepper.execute`: control, KV frees, forward
     pass, sampling), without the executor's call and transport around it.
     """

@@ -81,7 +81,8 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:
     """The grow takes the warm spare (a whole DP rank: its leader and its stage actor, each
-    holding the experts of its layers that the grow gives it, pre-staged), and a
+    holding the experts of its layers that the grow gives it, pre-staged from the serving
+    ranks: its stage's reads from the source, reported from its first step, are 0), and a
     new spare is started; each stage follows its leader's new placement with the experts it
     prefetched while its leader staged its slots, moved from the other DP ranks' stages (no
     stage reads the source, inside a step or ahead of it); every answer during and after

@@ -194,13 +194,14 @@ class PipelineLeader:
         return sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
 
     def finish_prefetch(self, pending: Any) -> int:
-        """`finish_reads` of a `prefetch`, counted for `take_prefetch_reads`."""
+        """`finish_reads` of a `prefetch` or a `prestage`, counted for `take_prefetch_reads`."""
         read = self.finish_reads(pending)
         self._prefetch_reads += read
         return read
 
     def take_prefetch_reads(self) -> int:
-        """The experts the stages' prefetches read from the source since the last call."""
+        """The experts the stages read from the source ahead of a switch (prefetches and
+        pre-staging) since the last call."""
         read, self._prefetch_reads = self._prefetch_reads, 0
         return read
 

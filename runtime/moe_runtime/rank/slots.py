@@ -261,7 +261,7 @@ class ExpertSlots:
             grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
         )
         if stages is not None:
-            stages.finish_reads(reading)
+            stages.finish_prefetch(reading)  # reads ahead of a switch, as a prefetch's
         extra = {
             k: w.to(dtype=self._ctx.dtype, device=self._ctx.device)
             for k, w in (provided or {}).items()
