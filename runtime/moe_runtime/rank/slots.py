@@ -271,12 +271,14 @@ class ExpertSlots:
             self.prestaged.update(received)
             self.prestaged.update(extra)
             count = len(self.prestaged)
-        log.info(
+        got = len(received) + len(extra) + len(zeros)
+        log.log(
+            logging.INFO if got else logging.DEBUG,
             "pre-staged %d experts (%d held now) (%s)",
-            len(received) + len(extra),
+            got,
             count,
             self._ctx.where(),
-        )
+        )  # none: a sender (its stages' moves)
         return stats.bytes_received
 
     def prestaged_keys(self) -> list[tuple[int, int]]:
