@@ -515,3 +515,55 @@ def test_a_worker_that_joins_the_step_graph_gets_hang_timeout_from_then() -> Non
     now[0] = 5.7
     assert beat.round(hang_timeout=0.5) == {1: health_mod.HEALTH_UNRESPONSIVE}
     assert "5.7s" in members[1].reason
+
+
+def test_the_step_grace_grows_on_a_host_that_answers_every_ping_slowly() -> None:
+    """Once a step is past its deadline, a stepped rank whose ping is late is fenced after
+    `step_grace` (1 s) where pings come back at once, but on a host where every answer took
+    a while lately (more busy processes than cores) only after GRACE_FACTOR x the slowest
+    recent answer: a rank starved for a moment is not taken for a hung one (rounds every
+    0.1 s, as the heartbeat runs; a slow host answers in 0.8 s)."""
+
+    def fenced_after(answer_s: float) -> float:
+        members = {label: health_mod.RankHealth() for label in (0, 1)}
+        pings = Pings(hung=set())
+        now = [0.0]
+        beat = _beat(members, pings, [0, 1], now)
+        beat.clock.begin()
+        beat.clock.started = -100.0  # a step past its deadline
+        sent: dict[int, float] = {}
+        poll = pings.poll
+
+        def slow_poll(ref: Any) -> str | None:  # an answer comes answer_s after its send
+            label = ref
+            if label not in pings.hung and now[0] - sent.get(label, now[0]) < answer_s - 1e-9:
+                return None
+            return poll(ref)
+
+        def send(label: int) -> Any:
+            sent[label] = now[0]
+            return pings.send(label)
+
+        beat._poll_ping, beat._send_ping = slow_poll, send
+        for tick in range(1, 40):  # 4 s of answered pings
+            now[0] = tick / 10
+            assert beat.round(hang_timeout=30.0) == {}
+        pings.hung = {0}
+        start = now[0]
+        for tick in range(41, 200):
+            now[0] = tick / 10
+            if beat.round(hang_timeout=30.0) == {0: health_mod.HEALTH_UNRESPONSIVE}:
+                return now[0] - start
+        raise AssertionError("never fenced")
+
+    assert 1.0 < fenced_after(0.1) <= 1.0 + 2 * 0.1 + 0.1  # its last ping was sent 0.1 s before
+    assert beat_grace_for(0.8) == pytest.approx(health_mod.GRACE_FACTOR * 0.8)
+    # its outstanding ping went out up to 0.8 s before the hang began: fenced 4 s after it
+    assert 4.0 - 0.8 < fenced_after(0.8) <= 4.0 + 0.2
+
+
+def beat_grace_for(answer_s: float) -> float:
+    """The grace of a heartbeat whose recent pings took `answer_s`."""
+    beat = _beat({0: health_mod.RankHealth()}, Pings(hung=set()), [0], [0.0])
+    beat._answers.append((0.0, answer_s))
+    return beat.grace(1.0)

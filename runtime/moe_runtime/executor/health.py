@@ -3,9 +3,9 @@
 
 Heartbeat (`Heartbeat.start`): every worker is pinged every `interval` on a lane that no step
 or transfer blocks. A ping that fails because the worker is gone makes it "dead"; one that
-stays unanswered for `hang_timeout` (or for `step_grace` once a step is past its deadline)
-makes it "unresponsive", and the worker is fenced (killed) at once, so no collective waits on
-it. A pending worker (starting, loading, a warm spare: in no step) gets `pending_hang_timeout`
+stays unanswered for `hang_timeout` (or for `grace` once a step is past its deadline: one
+second, or five times the slowest recent ping answer on a loaded host) makes it
+"unresponsive", and the worker is fenced (killed) at once, so no collective waits on it. A pending worker (starting, loading, a warm spare: in no step) gets `pending_hang_timeout`
 (30 s) instead: it blocks no step, and on a loaded node its first imports and weight loads
 can hold its interpreter for seconds; a worker that joins the step graph gets the shorter
 limit from then on, not from a ping it was sent while pending. The stepped workers are never
@@ -45,6 +45,13 @@ HEALTH_UNRESPONSIVE = "unresponsive"
 #: step otherwise. Past it, a rank whose ping is older than `step_grace` counts as hung.
 MIN_STEP_DEADLINE = 2.0
 DEADLINE_FACTOR = 5.0
+#: Once a step is past its deadline, a stepped worker's ping counts as late after `step_grace`
+#: or GRACE_FACTOR x the slowest ping answered in the last RECENT_PING_SECONDS, whichever is
+#: longer: a host with more busy processes than cores answers every ping slowly, and a rank
+#: starved there for a moment is not hung (a hung rank's peers, waiting in a collective for
+#: it, keep answering at once, so the grace stays short where it matters).
+GRACE_FACTOR = 5.0
+RECENT_PING_SECONDS = 10.0
 RECENT_STEPS = 100
 #: Limits of a step group's op timeout (seconds): at least MIN, GROUP_TIMEOUT_FACTOR x the
 #: slowest recent step otherwise (a collective waits at most for its slowest peer's step; the
@@ -166,8 +173,11 @@ class Heartbeat:
         self._now = now
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
-        #: Seconds a ping may stay unanswered once a step is past its deadline.
+        #: Seconds a ping may stay unanswered once a step is past its deadline (at least:
+        #: `grace`).
         self.step_grace = 1.0
+        #: (answered at, seconds it took) of recent pings (`grace`)
+        self._answers: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         #: Seconds a pending worker's ping may stay unanswered (it is in no step).
         self.pending_hang_timeout = 30.0
         self._waiting_logged = float("-inf")
@@ -229,6 +239,13 @@ class Heartbeat:
             self._thread.join(timeout=1.0)  # one round is short (non-blocking polls)
         self._thread = self._stop = None
 
+    def grace(self, now: float) -> float:
+        """Seconds a stepped worker's ping may stay unanswered once a step is past its
+        deadline: `step_grace`, longer on a host that answers every ping slowly (see
+        GRACE_FACTOR)."""
+        recent = [took for at, took in self._answers if now - at <= RECENT_PING_SECONDS]
+        return max(self.step_grace, GRACE_FACTOR * max(recent, default=0.0))
+
     def round(self, *, hang_timeout: float) -> dict[int, str]:
         """One round: collect answered pings, send new ones, judge; fence hung workers.
 
@@ -254,6 +271,7 @@ class Heartbeat:
                     h.ping = None
                     if h.state == HEALTH_OK:
                         h.last_ok = now
+                        self._answers.append((now, now - h.ping_sent))
                 elif result == HEALTH_DEAD:
                     why = self._ping_error(h.ping) or "its process died"
                     h.ping = None
@@ -265,7 +283,7 @@ class Heartbeat:
                         if waited > max(hang_timeout, self.pending_hang_timeout):
                             self._hung(h, label, waited, now, newly, hung)
                     else:
-                        limit = min(hang_timeout, self.step_grace) if overdue else hang_timeout
+                        limit = min(hang_timeout, self.grace(now)) if overdue else hang_timeout
                         since = max(h.ping_sent, h.stepping_since or h.ping_sent)
                         if now - since > limit:
                             late[label] = waited
