@@ -5,7 +5,8 @@ Heartbeat (`Heartbeat.start`): every worker is pinged every `interval` on a lane
 or transfer blocks. A ping that fails because the worker is gone makes it "dead"; one that
 stays unanswered for `hang_timeout` (or for `grace` once a step is past its deadline: one
 second, or five times the slowest recent ping answer on a loaded host) makes it
-"unresponsive", and the worker is fenced (killed) at once, so no collective waits on it. A pending worker (starting, loading, a warm spare: in no step) gets `pending_hang_timeout`
+"unresponsive", and the worker is fenced (killed) at once, so no collective waits on it. A
+pending worker (starting, loading, a warm spare: in no step) gets `pending_hang_timeout`
 (30 s) instead: it blocks no step, and on a loaded node its first imports and weight loads
 can hold its interpreter for seconds; a worker that joins the step graph gets the shorter
 limit from then on, not from a ping it was sent while pending. The stepped workers are never

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -136,6 +137,7 @@ class PipelineLeader:
         #: follow`: what no `prefetch` brought), over all stages.
         self.step_reads = 0
         self._prefetch_reads = 0
+        self._reads_lock = threading.Lock()
 
     def plan(self, cfg: Any) -> pipeline.PipelineStage:
         """Stage 0 of `cfg` (ValueError naming the field when P does not fit the model)."""
@@ -174,7 +176,7 @@ class PipelineLeader:
         under `placement` (`StageWorker.prefetch`, beside the steps: the moves of its layers
         among the leaders' `moves` over its transfer group of `epoch`, the rest from the
         source; rank None: this DP rank leaves, its stages only send): the leader stages its
-        own slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_reads`."""
+        own slots meanwhile (`ExpertSlots.stage_experts`); a handle for `finish_prefetch`."""
         return self.stages.send("prefetch", placement, rank, num_ranks, epoch, list(moves))
 
     def prestage(
@@ -186,23 +188,22 @@ class PipelineLeader:
         group of `epoch`, peer to peer, the rest from the source): a warm spare's leader
         pre-stages the same grows' experts of stage 0's layers meanwhile, and a serving
         leader's stages send theirs (`ExpertSlots.prestage_experts`); a handle for
-        `finish_reads`."""
+        `finish_prefetch`."""
         return self.stages.send("prestage", [tuple(k) for k in keys], epoch, list(moves))
 
-    def finish_reads(self, pending: Any) -> int:
-        """Wait for `prefetch` or `prestage`; the experts the stages read from the source."""
-        return sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
-
     def finish_prefetch(self, pending: Any) -> int:
-        """`finish_reads` of a `prefetch` or a `prestage`, counted for `take_prefetch_reads`."""
-        read = self.finish_reads(pending)
-        self._prefetch_reads += read
+        """Wait for `prefetch` or `prestage`; the experts the stages read from the source
+        (counted for `take_prefetch_reads`)."""
+        read = sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
+        with self._reads_lock:  # a staging's lane adds, the step thread takes
+            self._prefetch_reads += read
         return read
 
     def take_prefetch_reads(self) -> int:
         """The experts the stages read from the source ahead of a switch (prefetches and
         pre-staging) since the last call."""
-        read, self._prefetch_reads = self._prefetch_reads, 0
+        with self._reads_lock:
+            read, self._prefetch_reads = self._prefetch_reads, 0
         return read
 
     def drop_prestaged(self, keep: Sequence[tuple[int, int]]) -> None:
