@@ -45,6 +45,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import logging  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
@@ -116,6 +117,39 @@ class Timed:
         finally:
             self.seconds += time.perf_counter() - started
             self.steps += 1
+
+
+class TimedAhead(Timed):
+    """`Timed` for an executor that takes two steps in flight (`submit_step`/`collect_step`):
+    `seconds` counts the time at least one step is in flight."""
+
+    def __init__(self, executor: Any) -> None:
+        super().__init__(executor)
+        self._lock = threading.Lock()
+        self._flying = 0
+        self._since = 0.0
+
+    def submit_step(self, step: step_types.StepInput) -> Any:
+        with self._lock:
+            if not self._flying:
+                self._since = time.perf_counter()
+            self._flying += 1
+        return self.executor.submit_step(step)
+
+    def collect_step(self, sent: Any) -> list[step_types.StepOutput]:
+        try:
+            outs: list[step_types.StepOutput] = self.executor.collect_step(sent)
+            self.rank_seconds += max((o.seconds for o in outs), default=0.0)
+            return outs
+        finally:
+            with self._lock:
+                self._flying -= 1
+                if not self._flying:
+                    self.seconds += time.perf_counter() - self._since
+                self.steps += 1
+
+    def execute_step(self, step: step_types.StepInput) -> list[step_types.StepOutput]:
+        return self.collect_step(self.submit_step(step))
 
 
 def ours(engine: core.Engine, timed: Timed, batch: list[list[int]], new: int) -> dict[str, Any]:
@@ -264,11 +298,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--schedule",
-        choices=("async", "sync"),
+        choices=("ahead", "async", "sync"),
         nargs="+",
-        default=["async"],
-        help="async: the next step prepared while the ranks run this one, the step on a "
-        "thread of its own (EngineConfig.async_scheduling); sync: schedule, step, apply in turn",
+        default=["ahead"],
+        help="ahead: async, and the next step launched before this one lands, its "
+        "placeholders filled by the ranks (EngineConfig.overlap_steps; needs --executor ray: "
+        "the LocalExecutor takes one step at a time); async: the next step prepared while "
+        "the ranks run this one, the step on a thread of its own "
+        "(EngineConfig.async_scheduling); sync: schedule, step, apply in turn",
     )
     parser.add_argument(
         "--switch-interval",
@@ -324,7 +361,8 @@ def main() -> None:
             str(path),
             placement=policy.identity(cfg.num_moe_layers, cfg.num_experts, num_physical, dp),
         )
-        timed = Timed(executor)
+        ahead = sched == "ahead" and hasattr(executor, "submit_step")
+        timed = TimedAhead(executor) if ahead else Timed(executor)
         engine = core.Engine(
             timed,
             tokenizer.ByteTokenizer(),
@@ -333,7 +371,8 @@ def main() -> None:
                 max_num_seqs_per_rank=max(args.streams),
                 max_tokens_per_step=max(2048, max(args.streams) * args.prompt_len),
                 async_outputs=mode == "async",
-                async_scheduling=sched == "async",
+                async_scheduling=sched != "sync",
+                overlap_steps=sched == "ahead",
             ),
         )
         engine.start()

@@ -74,6 +74,12 @@ class RuntimeMetrics:
             registry=r,
         )
         self.steps = prometheus_client.Counter("moe_steps", "Lockstep steps run.", registry=r)
+        self.steps_ahead = prometheus_client.Counter(
+            "moe_steps_ahead",
+            "Steps launched before the step ahead of them landed (two steps in flight: the "
+            "ranks filled their placeholders).",
+            registry=r,
+        )
         self.source_reads = prometheus_client.Counter(
             "moe_pipeline_source_reads",
             "Experts pipeline stages read from the model source: when=step inside a step (a "
@@ -120,8 +126,11 @@ class RuntimeMetrics:
         num_seqs: int,
         num_tokens: int,
         outputs: list[step_types.StepOutput],
+        ahead: bool = False,
     ) -> None:
         self.steps.inc()
+        if ahead:
+            self.steps_ahead.inc()
         self.step_seconds.observe(seconds)
         self.batch_size.observe(num_seqs)
         self.source_reads.labels(when="step").inc(sum(out.source_reads for out in outputs))

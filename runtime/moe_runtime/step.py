@@ -23,6 +23,11 @@ FAILURE_GROUP = "group"
 #: executor reports it lost (the recovery shrinks around it), as if its process had died.
 FAILURE_RANK = "rank"
 
+#: A token id in `SeqWork.token_ids` that the rank replaces with the token it sampled for that
+#: sequence in its previous step: the engine launched this step before that one's outputs came
+#: back (docs/ENGINE.md, "Two steps in flight"). Only ever the last id of a one-token decode.
+PLACEHOLDER = -1
+
 
 @dataclass(frozen=True)
 class SamplingParams:

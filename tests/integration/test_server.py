@@ -223,6 +223,15 @@ def test_concurrent_greedy_completions_equal_dp1(server: Server) -> None:
         assert got[i] == want[i][:n], f"prompt {i}: {got[i]} != DP=1 {want[i][:n]}"
     usage = responses[0].json()["usage"]
     assert usage["prompt_tokens"] == len(ids[0])
+    # Two steps in flight over Ray (docs/ENGINE.md): most steps were launched before the one
+    # ahead of them landed, their placeholders filled on the ranks, and the answers held.
+    metrics = {
+        line.split()[0]: float(line.split()[1])
+        for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+        if line.startswith(("moe_steps_total", "moe_steps_ahead_total"))
+    }
+    print("steps", metrics)
+    assert metrics["moe_steps_ahead_total"] >= metrics["moe_steps_total"] / 2, metrics
 
 
 def test_openai_client_completion_and_stream(server: Server) -> None:

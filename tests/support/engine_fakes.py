@@ -132,6 +132,74 @@ def req(
     )
 
 
+def inject(executor: FakeExecutor, failure: str, step_id: int) -> None:
+    """Make step `step_id` fail: "raises" (execute_step raises) or "rank-error" (rank 1
+    reports an error)."""
+    if failure == "raises":
+        executor.raise_at = {step_id}
+    else:
+        executor.fail_rank = lambda sid, rank: "boom" if (sid, rank) == (step_id, 1) else None
+
+
+def run_four(engine: core.Engine, *, max_tokens: int) -> dict[str, list[int]]:
+    """Requests "a", "ab", "abc", "abc" served to the end: their token ids."""
+    with engine:
+        hs = [
+            engine.add_request(req(f"r{i}", "abc"[: i + 1], max_tokens=max_tokens))
+            for i in range(4)
+        ]
+        return {h.request_id: h.result(10.0).token_ids for h in hs}
+
+
+def serve_all(
+    engine: core.Engine, requests: list[request.Request]
+) -> dict[str, request.RequestOutput]:
+    """Serve `requests` at once to the end; every stream ends with one finished output, last,
+    and streams the answer's tokens in order."""
+    with engine:
+        handles = [engine.add_request(r) for r in requests]
+        results = {h.request_id: h.result(10.0) for h in handles}
+        for h in handles:
+            outs = list(h.iter_outputs(10.0))
+            assert sum(o.finished for o in outs) == 1 and outs[-1].finished
+            assert [t for o in outs for t in o.new_token_ids] == results[h.request_id].token_ids
+    return results
+
+
+def run_endless(engine: core.Engine, *, n: int = 3, max_tokens: int = 12) -> list[int]:
+    """`n` requests "ab" that ignore EOS, served to `max_tokens`: their answers' lengths."""
+    with engine:
+        hs = [
+            engine.add_request(req(f"r{i}", "ab", max_tokens=max_tokens, ignore_eos=True))
+            for i in range(n)
+        ]
+        return [len(h.result(10.0).token_ids) for h in hs]
+
+
+def assert_same_answers(
+    got: dict[str, request.RequestOutput],
+    want: dict[str, request.RequestOutput],
+    aborted: list[str],
+) -> None:
+    """Two runs of the same requests answered alike: equal tokens, texts and finish reasons
+    (an aborted request: one answer a prefix of the other, as where an abort lands depends on
+    when it was admitted); stops, lengths and aborts all happened."""
+    for rid, done in got.items():
+        other = want[rid]
+        if rid in aborted:
+            short, long = sorted((done.token_ids, other.token_ids), key=len)
+            assert long[: len(short)] == short, rid
+            continue
+        assert (done.token_ids, done.text, done.finish_reason) == (
+            other.token_ids,
+            other.text,
+            other.finish_reason,
+        ), rid
+    reasons = {r.finish_reason for r in got.values()}
+    assert {request.FinishReason.STOP, request.FinishReason.LENGTH} <= reasons
+    assert request.FinishReason.ABORT in {got[rid].finish_reason for rid in aborted}
+
+
 #: The served model name of the letters app.
 MODEL = "letters"
 

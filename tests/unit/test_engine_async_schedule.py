@@ -115,13 +115,7 @@ def _serve(async_scheduling: bool) -> tuple[dict[str, request.RequestOutput], li
     executor = JitteryExecutor(5, abort_at=4, abort_ids=aborted)
     engine = _engine(executor, async_scheduling, max_num_seqs_per_rank=6, max_tokens_per_step=8)
     executor.engine = engine
-    with engine:
-        handles = [engine.add_request(r) for r in requests]
-        results = {h.request_id: h.result(DEADLINE) for h in handles}
-        for h in handles:  # every stream ends with one finished output, in order
-            outs = list(h.iter_outputs(DEADLINE))
-            assert sum(o.finished for o in outs) == 1 and outs[-1].finished
-            assert [t for o in outs for t in o.new_token_ids] == results[h.request_id].token_ids
+    results = fakes.serve_all(engine, requests)
     assert executor.violations == []
     return results, aborted
 
@@ -129,37 +123,16 @@ def _serve(async_scheduling: bool) -> tuple[dict[str, request.RequestOutput], li
 def test_mixed_streams_are_the_same_with_and_without_async_scheduling() -> None:
     ahead, aborted = _serve(True)
     inline, _ = _serve(False)
-    for rid, done in ahead.items():
-        other = inline[rid]
-        if rid in aborted:  # where an abort lands depends on when the request was admitted
-            short, long = sorted((done.token_ids, other.token_ids), key=len)
-            assert long[: len(short)] == short, rid
-            continue
-        assert (done.token_ids, done.text, done.finish_reason) == (
-            other.token_ids,
-            other.text,
-            other.finish_reason,
-        ), rid
-    reasons = {r.finish_reason for r in ahead.values()}
-    assert {request.FinishReason.STOP, request.FinishReason.LENGTH} <= reasons
-    assert request.FinishReason.ABORT in {ahead[rid].finish_reason for rid in aborted}
+    fakes.assert_same_answers(ahead, inline, aborted)
 
 
 @pytest.mark.parametrize("failure", ["raises", "rank-error"])
 def test_a_failed_step_drops_the_prepared_step_and_retries(failure: str) -> None:
     def run(fail: bool) -> tuple[dict[str, list[int]], fakes.FakeExecutor]:
         executor = fakes.FakeExecutor(2)
-        if fail and failure == "raises":
-            executor.raise_at = {3}
-        elif fail:
-            executor.fail_rank = lambda step_id, rank: "boom" if (step_id, rank) == (3, 1) else None
-        engine = _engine(executor, True)
-        with engine:
-            hs = [
-                engine.add_request(fakes.req(f"r{i}", "abc"[: i + 1], max_tokens=6))
-                for i in range(4)
-            ]
-            return {h.request_id: h.result(DEADLINE).token_ids for h in hs}, executor
+        if fail:
+            fakes.inject(executor, failure, 3)
+        return fakes.run_four(_engine(executor, True), max_tokens=6), executor
 
     reference, _ = run(False)
     results, executor = run(True)
@@ -187,14 +160,11 @@ def test_a_boundary_call_made_while_a_step_runs_waits_for_no_step_in_flight() ->
             engine.set_active_ranks([0, 1])
 
     executor.hook = hook
-    endless = {"max_tokens": 12, "ignore_eos": True}
-    with engine:
-        hs = [engine.add_request(fakes.req(f"r{i}", "ab", **endless)) for i in range(3)]  # type: ignore[arg-type]
-        results = [h.result(DEADLINE) for h in hs]
+    lengths = fakes.run_endless(engine)
     assert in_flight == [False]
     assert [set(s.batches) for s in executor.steps[:3]] == [{0, 1, 2}] * 3
     assert all(set(s.batches) == {0, 1} for s in executor.steps[3:])  # the very next step
     moved = executor.steps[3].batches
     assert any(w.start_pos == 0 and len(w.token_ids) > 2 for b in moved.values() for w in b.seqs)
-    assert [len(r.token_ids) for r in results] == [12] * 3
+    assert lengths == [12] * 3
     assert executor.violations == []

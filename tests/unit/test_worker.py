@@ -382,3 +382,29 @@ def test_a_batch_is_sampled_as_each_row_alone() -> None:
     alone = [sampling.sample_token(logits[i], params[i], counts[i]) for i in range(6)]
     assert batch == alone
     assert batch[0] == int(torch.argmax(logits[0])) and batch[3] == int(torch.argmax(logits[3]))
+
+
+def test_a_placeholder_takes_the_token_the_rank_sampled_in_its_last_step(
+    reference: list[list[int]], executor_factory: Factory
+) -> None:
+    # Two steps in flight (docs/ENGINE.md): the engine sends a decode before the last step's
+    # token came back; the rank fills it. A step that failed leaves nothing to fill.
+    ex = executor_factory(1)
+    ex.start(lockstep.SOURCE, placement=lockstep.identity(1))
+    prompt = lockstep.PROMPTS[0]
+
+    def step(step_id: int, work: step_mod.SeqWork) -> step_mod.StepOutput:
+        return ex.execute_step(step_mod.StepInput(step_id, {0: step_mod.RankBatch(seqs=[work])}))[0]
+
+    tokens = [step(1, step_mod.SeqWork("s", prompt, 0, lockstep.GREEDY)).tokens["s"]]
+    for i in range(1, 8):
+        work = step_mod.SeqWork(
+            "s", [step_mod.PLACEHOLDER], len(prompt) + i - 1, lockstep.GREEDY, i
+        )
+        tokens.append(step(i + 1, work).tokens["s"])
+    assert tokens == reference[0]
+    ex.collective_rpc("fail_next", "execute_step")
+    pos = len(prompt) + 7
+    assert step(9, step_mod.SeqWork("s", [step_mod.PLACEHOLDER], pos, lockstep.GREEDY, 8)).error
+    out = step(10, step_mod.SeqWork("s", [step_mod.PLACEHOLDER], pos, lockstep.GREEDY, 8))
+    assert out.error is not None and "placeholder" in out.error and not out.tokens

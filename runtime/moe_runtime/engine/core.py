@@ -16,19 +16,15 @@ Glossary
   (`max_queued_requests`) refuses arrivals with `queue.QueueFull` under overload, never while
   its `exempt()` says a resize runs.
 
-One step: admit waiting requests (up to `max_num_seqs_per_rank` per rank, and while the
-rank's KV budget holds the request's prompt + max_tokens: `kv_tokens_per_rank`), schedule every
-running sequence's next slice of tokens (`scheduler.Scheduler`), run `execute_step`, and apply
-the outputs (`outputs.Outputs`: the sampled token of each sequence whose uncomputed tokens are
-now all in its KV cache; retries after a failed step). What the consumers see of it (text
-deltas, finished outputs) is made and streamed by `delivery.Delivery`'s thread while the ranks
-run the next step (async output processing; `EngineConfig.async_outputs`). With async
-scheduling (`EngineConfig.async_scheduling`) the step runs on the step thread
-(`flight.StepThread`) while the engine thread takes arrivals and aborts, admits, and prepares
-the next step (`prepare`); once the outputs are applied, the prepared step is launched at once,
-or, when it might be wrong or a boundary call, a step control or a stop waits, the loop goes
-to a boundary with no step in flight and schedules afresh. The `Engine` holds those parts and
-the boundary's (`boundary.Boundary`); it owns the loop, the request intake and the callbacks.
+One step: admit waiting requests (per-rank sequence and KV bounds), schedule every running
+sequence's next slice (`scheduler.Scheduler`), run it on the ranks, apply the outputs
+(`outputs.Outputs`); `delivery.Delivery`'s thread makes and streams what consumers see while
+the ranks run the next step. With async scheduling the step runs on the step thread
+(`flight.StepThread`) while the engine thread admits and prepares the next step (`prepare`),
+and with overlapping steps launches it before the one in flight lands (two in flight, the
+ranks fill the placeholders); whatever might make the prepared step wrong (a failure, a
+boundary call, a step control, a stop) sends the loop to a boundary with no step in flight.
+The `Engine` holds those parts and the boundary's (`boundary.Boundary`). docs/ENGINE.md.
 """
 
 from __future__ import annotations
@@ -100,17 +96,7 @@ class Engine:
         #: another RayCluster; ``PATCH /elastic_ep/config`` sets it): the HTTP server answers
         #: with ``Connection: close``, so kept-alive clients reconnect through the Service.
         self.draining = False
-        self._stats = seam.EngineStats(
-            alive=False,
-            num_waiting=0,
-            num_running=0,
-            active_ranks=(),
-            draining_ranks=(),
-            seqs_per_rank={},
-            step_count=0,
-            last_step_seconds=0.0,
-            last_token_time=None,
-        )
+        self._stats = seam.EngineStats(alive=False)
         # Owned by the engine thread.
         self.scheduler = scheduler_mod.Scheduler(
             ranks=range(executor.num_ranks) if active_ranks is None else active_ranks,
@@ -132,12 +118,17 @@ class Engine:
         )
         #: Runs the steps (async scheduling: on its own thread); the step launched and not
         #: yet landed.
+        submit = getattr(executor, "submit_step", None) if config.overlap_steps else None
         self._steps = flight_mod.StepThread(
             lambda step: self.executor.execute_step(step),
             threaded=config.async_scheduling,
             wake=self._wake,
+            submit=submit,
+            collect=getattr(executor, "collect_step", None) if submit is not None else None,
         )
         self._flying: flight_mod.Flight | None = None
+        #: The step launched ahead of `_flying` (two steps in flight), not yet landed.
+        self._ahead: flight_mod.Flight | None = None
         self._step_id = 0
         self._last_step_seconds = 0.0
         self._last_token_time: float | None = None
@@ -324,8 +315,9 @@ class Engine:
         except Exception:
             log.exception("engine: step loop died at step %d", self._step_id)
         finally:
-            if self._flying is not None:  # the loop died with a step running: let it end
-                concurrent.futures.wait([self._flying.future], timeout=30.0)
+            flying = [f.future for f in (self._flying, self._ahead) if f is not None]
+            if flying:  # the loop died with a step running: let it end
+                concurrent.futures.wait(flying, timeout=30.0)
             self._steps.close()
             with self._cond:
                 self._alive = False
@@ -373,7 +365,9 @@ class Engine:
                 batches, work, controls, control_futures
             )
             while flight is not None:
+                self._flying = flight
                 flight = self._fly(flight)
+            self._flying = None
             self.delivery.send()  # the outputs of a failed step (retries exhausted)
             self._publish_stats()
 
@@ -386,16 +380,18 @@ class Engine:
         work: list[scheduler_mod.Work],
         controls: dict[str, Any],
         control_futures: list[boundary_mod.ControlFuture],
+        assumed: dict[str, tuple[int, int, int]] | None = None,
     ) -> flight_mod.Flight:
         self._step_id += 1
         step = step_types.StepInput(step_id=self._step_id, batches=batches, control=controls)
-        self._flying = self._steps.launch(step, work, control_futures)
-        return self._flying
+        flight = self._steps.launch(step, work, control_futures)
+        flight.assumed = assumed
+        return flight
 
     def _fly(self, flight: flight_mod.Flight) -> flight_mod.Flight | None:
-        """While `flight` runs (async scheduling): take arrivals and aborts, admit, prepare the
-        next step. Then land it, and launch the prepared step when it still holds and nothing
-        waits for a boundary; returns that step (None: the loop goes to a boundary)."""
+        """While `flight` runs: take arrivals and aborts, admit, prepare the next step (and
+        launch it: `_launch_ahead`). Land `flight`; return the next step in flight (None: the
+        loop goes to a boundary)."""
         prepared: prepare.Prepared | None = None
         later: set[str] = set()  # aborts: running sequences end once the step is applied
         seen = -1
@@ -408,35 +404,49 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
             self.outputs.abort_queued(aborts, self.queue)
             later |= aborts
-            if self._admit() or prepared is None:
+            if (self._admit() or prepared is None) and self._ahead is None:
                 prepared = prepare.prepare_or_none(self.scheduler, flight.work, self._step_id + 1)
+                if prepared is not None and self._steps.overlaps:
+                    self._launch_ahead(prepared, flight)
             self.delivery.send()
             self._publish_stats()
             if flight.done():
                 break
-        self._flying = None
+        self._flying, self._ahead = self._ahead, None  # boundary calls wait for a boundary
+        ahead = self._flying
         landed = self.outputs.land(flight)
         self.outputs.abort(later, self.queue)
         ran = self.boundary.ran_at_once
         failure = self._answer(flight, landed)  # step callbacks: at this boundary
         launched = None
-        if failure is None and prepared is not None and self.boundary.ran_at_once == ran:
-            with self._cond:
-                hold = self._stopping or self.boundary.waiting() or self.boundary.has_controls()
-            committed = None if hold else prepare.commit(prepared, self.scheduler)
+        if ahead is not None and failure is None:
+            launched = ahead
+        elif ahead is not None:
+            self.outputs.drop(ahead)  # what `flight` failed, the retries re-run
+            self._flying = None
+        elif failure is None and prepared is not None and self.boundary.ran_at_once == ran:
+            committed = None if self._held() else prepare.commit(prepared, self.scheduler)
             if committed is not None:
                 launched = self._launch(*committed, {}, [])
-        observer = self.listeners.observer
-        if observer is not None and landed.exception is None:
-            observer.observe_step(
-                seconds=landed.elapsed,
-                num_seqs=len(flight.work),
-                num_tokens=sum(w.num_tokens for w in flight.work),
-                outputs=landed.outputs,
-            )
+        if landed.exception is None:
+            tokens, ahead_of = [w.num_tokens for w in flight.work], flight.assumed is not None
+            self.listeners.observe(tokens, landed.outputs, landed.elapsed, ahead=ahead_of)
         if failure is not None:
             self._failed(failure)  # no step in flight: the next one is scheduled afresh
         return launched
+
+    def _launch_ahead(self, prepared: prepare.Prepared, flight: flight_mod.Flight) -> None:
+        """Launch the prepared step before `flight` lands, unless a control or boundary waits."""
+        if flight.step.control or self._held():
+            return
+        limit = self.config.max_model_len
+        ahead = prepare.launch_ahead(prepared, self.scheduler, max_model_len=limit)
+        if ahead is not None:
+            self._ahead = self._launch(ahead.batches, ahead.work, {}, [], assumed=ahead.assumed)
+
+    def _held(self) -> bool:
+        with self._cond:  # a stop, a boundary call or a step control waits
+            return self._stopping or self.boundary.waiting() or self.boundary.has_controls()
 
     def _answer(
         self, flight: flight_mod.Flight, landed: flight_mod.Landed

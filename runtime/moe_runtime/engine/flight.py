@@ -3,8 +3,12 @@
 thread, so the engine thread takes arrivals, admits and prepares the next step meanwhile
 (`prepare`); without it, the step runs on the caller's thread (the synchronous loop).
 
-The executor API stays one blocking `execute_step(step)` per step; one step is in flight at a
-time.
+An executor that can take a step before the last one's outputs came back
+(`seam.OverlappingStepRunner`: `submit_step` sends, `collect_step` waits) is called that way:
+the engine thread sends (`launch`, so the steps reach the ranks in launch order) and the step
+thread collects, in the same order; the engine may then have two steps in flight
+(`EngineConfig.overlap_steps`, docs/ENGINE.md "Two steps in flight"). Otherwise the step
+thread runs the blocking `execute_step(step)`, one step in flight at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
@@ -32,6 +37,10 @@ class Flight:
     work: list[scheduler_mod.Work]
     control_futures: list[boundary_mod.ControlFuture]
     future: concurrent.futures.Future[Result]
+    #: Launched before the step ahead of it landed: {seq_id: (rank, computed tokens, token
+    #: count)} each of its sequences must have once that step is applied, else its slice is
+    #: not applied (the sequence finished, was aborted or re-prefilled meanwhile).
+    assumed: dict[str, tuple[int, int, int]] | None = None
 
     def done(self) -> bool:
         return self.future.done()
@@ -73,7 +82,8 @@ class Landed:
 class StepThread:
     """Runs steps: on its own thread (`threaded`), calling `wake()` when one ends, or inline.
 
-    execute(step): the executor's `execute_step`.
+    execute(step): the executor's `execute_step`; submit, collect: its `submit_step` and
+    `collect_step` when it has them (`overlaps`: two steps may be in flight; threaded only).
     """
 
     def __init__(
@@ -82,9 +92,15 @@ class StepThread:
         *,
         threaded: bool,
         wake: Callable[[], None],
+        submit: Callable[[step_types.StepInput], object] | None = None,
+        collect: Callable[[Any], list[step_types.StepOutput]] | None = None,
     ) -> None:
         self._execute = execute
         self._wake = wake
+        self._submit = submit if threaded and collect is not None else None
+        self._collect = collect
+        #: Steps may be launched before the last one landed.
+        self.overlaps = self._submit is not None
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moe-engine-step")
             if threaded
@@ -98,7 +114,16 @@ class StepThread:
         control_futures: list[boundary_mod.ControlFuture],
     ) -> Flight:
         """Starts `step` (threaded: returns at once; inline: returns it done)."""
-        if self._pool is not None:
+        if self._pool is not None and self._submit is not None:
+            try:
+                sent = self._submit(step)  # here: the ranks get the steps in launch order
+            except Exception as exc:  # noqa: BLE001 - handed to the engine thread
+                future = concurrent.futures.Future[Result]()
+                future.set_exception(exc)
+            else:
+                future = self._pool.submit(self._collected, sent)
+            future.add_done_callback(lambda _: self._wake())
+        elif self._pool is not None:
             future = self._pool.submit(self._timed, step)
             future.add_done_callback(lambda _: self._wake())
         else:
@@ -113,6 +138,12 @@ class StepThread:
         """No more steps (a step still running ends on its own)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+    def _collected(self, sent: object) -> Result:
+        assert self._collect is not None
+        started = time.monotonic()
+        outputs = self._collect(sent)
+        return outputs, time.monotonic() - started
 
     def _timed(self, step: step_types.StepInput) -> Result:
         started = time.monotonic()

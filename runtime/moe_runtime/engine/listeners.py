@@ -43,6 +43,26 @@ class Listeners:
             except Exception:
                 log.exception("engine: step callback %r failed at step %d", cb, step_id)
 
+    def observe(
+        self,
+        work_tokens: list[int],
+        landed_outputs: list[step_types.StepOutput],
+        seconds: float,
+        *,
+        ahead: bool,
+    ) -> None:
+        """The observer (if any) of a step that ran: its seconds, sequences (one count of
+        tokens each), outputs, and whether it was launched ahead of the step before it."""
+        observer = self.observer
+        if observer is not None:
+            observer.observe_step(
+                seconds=seconds,
+                num_seqs=len(work_tokens),
+                num_tokens=sum(work_tokens),
+                outputs=landed_outputs,
+                ahead=ahead,
+            )
+
     def failed(self, failure: seam.StepFailure) -> None:
         """Every step-failure callback with the failure."""
         with self._lock:

@@ -50,6 +50,8 @@ class Outputs:
         """A step has ended: its outputs applied (`apply`), or, when `execute_step` raised,
         its KV frees owed again, its step controls failed and its sequences re-prefilled."""
         step, work = flight.step, flight.work
+        if flight.assumed is not None:  # launched ahead: only what still holds is applied
+            work = [w for w in work if self._holds(w.seq, flight.assumed)]
         try:
             outputs, elapsed = flight.future.result()
         except Exception as exc:
@@ -71,6 +73,33 @@ class Outputs:
         by_rank = {out.rank: out for out in outputs}
         produced, errors = self.apply(step.step_id, work, by_rank, step.batches)
         return flight_mod.Landed(outputs=outputs, elapsed=elapsed, produced=produced, errors=errors)
+
+    def _holds(self, seq: scheduler_mod.Seq, assumed: dict[str, tuple[int, int, int]]) -> bool:
+        """`seq` is running in the state a step launched ahead assumed for it."""
+        if self._scheduler.running.get(seq.seq_id) is not seq:
+            return False  # finished (a stop token), aborted, failed
+        return (seq.rank, seq.num_computed, len(seq.tokens)) == assumed.get(seq.seq_id)
+
+    def drop(self, flight: flight_mod.Flight) -> None:
+        """A step launched ahead of one that failed: its outputs are not applied (its
+        sequences are re-prefilled or go on from what the engine holds: the next step's start
+        positions cut what it added to their KV); the KV frees it carried are owed again."""
+        try:
+            flight.future.result()
+        except Exception as exc:  # noqa: BLE001 - dropped either way
+            log.info("engine: step %d, launched ahead, dropped: %s", flight.step.step_id, exc)
+        else:
+            log.info(
+                "engine: step %d, launched ahead of a failed step, dropped", flight.step.step_id
+            )
+        for rank, batch in flight.step.batches.items():
+            self._scheduler.free_later(rank, batch.free)
+        for w in flight.work:
+            seq = w.seq
+            if seq.dirty and not self._holds(seq, flight.assumed or {}):
+                self._scheduler.free_later(seq.rank, [seq.seq_id])
+                seq.num_computed = 0
+                seq.dirty = False
 
     def apply(
         self,

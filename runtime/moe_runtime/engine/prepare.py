@@ -16,6 +16,14 @@ async_scheduling`), so that the ranks wait only for N's outputs to be applied an
   length: a retry, a migration, a relabel) it returns None and changes nothing: the caller
   falls back to `Scheduler.schedule`. So a committed step is what `schedule` would send for
   each sequence it holds; only the split of the token budget may differ.
+- `launch_ahead(prepared, scheduler, max_model_len=)` (two steps in flight,
+  `EngineConfig.overlap_steps`) makes the prepared step the real one *before* the step in
+  flight lands: its placeholders stay for the ranks to fill with the tokens they sample, a
+  sequence the step in flight ends by length is left out, and each slice carries the state
+  its sequence must have once the step in flight is applied (`Ahead.assumed`): where it has
+  not (it finished on a stop token, was aborted or re-prefilled), its slice's output is not
+  applied (`outputs.Outputs.land`) and its KV past that state is cut by the next step's
+  start position.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from moe_runtime.engine import scheduler as scheduler_mod
 log = logging.getLogger(__name__)
 
 #: The id of a token sampled by the step in flight, in a prepared `SeqWork.token_ids`.
-PLACEHOLDER = -1
+PLACEHOLDER = step_types.PLACEHOLDER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,30 +110,76 @@ def commit(
 ) -> tuple[dict[int, step_types.RankBatch], list[scheduler_mod.Work]] | None:
     """The prepared step as the real one (the step in flight applied), or None, changing
     nothing, when it might be wrong or holds no sequence (then `schedule`)."""
-    if tuple(scheduler.active) != prepared.active:
+    keep = _running(prepared, scheduler)
+    if not keep:
         return None
-    running = scheduler.running
-    keep: list[Entry] = []
-    for entry in prepared.entries:
+    for entry in keep:
         seq = entry.seq
-        if running.get(seq.seq_id) is not seq:
-            continue  # finished or aborted: its KV free is owed (`Outputs.finish`)
         if (seq.rank, seq.num_computed, len(seq.tokens)) != (
             entry.rank,
             entry.start,
             entry.length,
         ):
             return None  # retried, migrated, relabelled: not the state it was planned for
-        keep.append(entry)
-    if not keep:
-        return None
-    batches = scheduler.take_frees()
-    work: list[scheduler_mod.Work] = []
     for entry in keep:
         ids = entry.work.token_ids
         if ids[-1] == PLACEHOLDER:
             ids[-1] = entry.seq.tokens[entry.start + len(ids) - 1]
+    return _made(keep, scheduler)
+
+
+def _running(prepared: Prepared, scheduler: scheduler_mod.Scheduler) -> list[Entry] | None:
+    """The prepared slices whose sequence still runs (one that finished or was aborted has its
+    KV free owed: `Outputs.finish`); None when the active ranks changed."""
+    if tuple(scheduler.active) != prepared.active:
+        return None
+    running = scheduler.running
+    return [e for e in prepared.entries if running.get(e.seq.seq_id) is e.seq]
+
+
+def _made(
+    keep: list[Entry], scheduler: scheduler_mod.Scheduler
+) -> tuple[dict[int, step_types.RankBatch], list[scheduler_mod.Work]]:
+    """The step of `keep`'s slices, with the KV frees owed (taken)."""
+    batches = scheduler.take_frees()
+    work: list[scheduler_mod.Work] = []
+    for entry in keep:
         batches[entry.rank].seqs.append(entry.work)
         entry.seq.dirty = True
-        work.append(scheduler_mod.Work(seq=entry.seq, rank=entry.rank, num_tokens=len(ids)))
+        work.append(
+            scheduler_mod.Work(seq=entry.seq, rank=entry.rank, num_tokens=len(entry.work.token_ids))
+        )
     return batches, work
+
+
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """A prepared step made real before the step in flight lands (`launch_ahead`)."""
+
+    batches: dict[int, step_types.RankBatch]
+    work: list[scheduler_mod.Work]
+    #: {seq_id: (rank, computed tokens, token count)} once the step in flight is applied.
+    assumed: dict[str, tuple[int, int, int]]
+
+
+def launch_ahead(
+    prepared: Prepared, scheduler: scheduler_mod.Scheduler, *, max_model_len: int
+) -> Ahead | None:
+    """The prepared step as the real one while the step it follows is still in flight, or
+    None, changing nothing, when it holds no sequence or the ranks changed (see the module
+    docstring)."""
+    keep: list[Entry] = []
+    for entry in _running(prepared, scheduler) or []:
+        seq = entry.seq
+        if entry.work.token_ids[-1] == PLACEHOLDER:
+            request = seq.handle.request
+            if entry.length - seq.prompt_len >= request.max_tokens:
+                continue  # the step in flight samples its last token
+            if entry.length >= max_model_len:
+                continue  # ... or fills its context
+        keep.append(entry)
+    if not keep:
+        return None
+    batches, work = _made(keep, scheduler)
+    assumed = {e.seq.seq_id: (e.rank, e.start, e.length) for e in keep}
+    return Ahead(batches=batches, work=work, assumed=assumed)

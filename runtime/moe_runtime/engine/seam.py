@@ -23,6 +23,16 @@ class StepRunner(Protocol):
     def execute_step(self, step: step_types.StepInput) -> list[step_types.StepOutput]: ...
 
 
+class OverlappingStepRunner(StepRunner, Protocol):
+    """An executor that takes a step before the last one's outputs came back: `submit_step`
+    sends it (the ranks run steps in the order they were sent) and returns what
+    `collect_step` waits on (moe_runtime.executor.RayExecutor satisfies it)."""
+
+    def submit_step(self, step: step_types.StepInput) -> object: ...
+
+    def collect_step(self, sent: object) -> list[step_types.StepOutput]: ...
+
+
 class Tokenizer(Protocol):
     """What the engine needs of a tokenizer (moe_runtime.model.tokenizer.Tokenizer)."""
 
@@ -44,6 +54,7 @@ class StepObserver(Protocol):
         num_seqs: int,
         num_tokens: int,
         outputs: list[step_types.StepOutput],
+        ahead: bool = False,
     ) -> None: ...
 
     def observe_finished(
@@ -69,6 +80,10 @@ class EngineConfig:
     ranks run the next step (`delivery`); False: on the step loop's thread, between steps.
     async_scheduling: run each step on a thread of its own while the engine thread admits and
     prepares the next one (`prepare`); False: schedule, step and apply in turn on one thread.
+    overlap_steps: with async scheduling and an executor that can take it
+    (`OverlappingStepRunner`), launch the prepared step before the one in flight lands: the
+    ranks fill each placeholder with the token they sampled, so they never wait for the engine
+    to apply a step (docs/ENGINE.md, "Two steps in flight").
     """
 
     max_model_len: int
@@ -80,6 +95,7 @@ class EngineConfig:
     kv_budget: Callable[[Sequence[int], Mapping[int, int] | None], dict[int, int]] | None = None
     async_outputs: bool = True
     async_scheduling: bool = True
+    overlap_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.max_num_seqs_per_rank < 1:
@@ -97,14 +113,14 @@ class EngineStats:
     """A snapshot of the engine's progress (monotonic clock times)."""
 
     alive: bool
-    num_waiting: int
-    num_running: int
-    active_ranks: tuple[int, ...]
-    draining_ranks: tuple[int, ...]
-    seqs_per_rank: dict[int, int]
-    step_count: int
-    last_step_seconds: float
-    last_token_time: float | None
+    num_waiting: int = 0
+    num_running: int = 0
+    active_ranks: tuple[int, ...] = ()
+    draining_ranks: tuple[int, ...] = ()
+    seqs_per_rank: dict[int, int] = dataclasses.field(default_factory=dict)
+    step_count: int = 0
+    last_step_seconds: float = 0.0
+    last_token_time: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

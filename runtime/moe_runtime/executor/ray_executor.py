@@ -31,12 +31,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 import ray.util
@@ -62,6 +64,14 @@ STEP_COMPILED = "compiled"
 STEP_REMOTE = "remote"
 #: Seconds `load_progress` waits for the ranks' answers (a `GET /ready` waits on it).
 LOAD_POLL_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """A step `RayExecutor.submit_step` sent; `collect_step` takes it."""
+
+    step: step_mod.StepInput
+    submitted: ray_step.Submitted
 
 
 class RayExecutor(base.Executor):
@@ -162,6 +172,10 @@ class RayExecutor(base.Executor):
             park_after=ray_step.park_after_from_env() if park_after is None else park_after,
         )
         self._warm = ray_graph.WarmUp(timeout=ready_timeout)
+        #: Steps sent and not yet collected (the engine sends a second one ahead of the
+        #: first's outputs: `submit_step`); guards the heartbeat clock's begin/end.
+        self._sent = 0
+        self._sent_lock = threading.Lock()
         super().__init__(
             roster=members,
             groups=ray_groups.RayGroups(
@@ -209,6 +223,12 @@ class RayExecutor(base.Executor):
         return ray_actor.get_all(refs, calls.labels, what=calls.method, timeout=calls.timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
+        return self.collect_step(self.submit_step(step))
+
+    def submit_step(self, step: step_mod.StepInput) -> Sent:
+        """Send `step` to the stepped ranks and return at once; `collect_step` takes its
+        outputs. A second step may be sent before the first is collected (the engine's two
+        steps in flight): the ranks run them in the order they were sent."""
         ranks = self.path.ranks
         if ranks is None:
             lost = sorted(self.lost_ranks())
@@ -217,18 +237,47 @@ class RayExecutor(base.Executor):
             self._set_path()  # after a failure: plain calls now, the graph in the background
             ranks = self.path.ranks
             assert ranks is not None
-        clock = self.heartbeat.clock
-        clock.begin()
+        with self._sent_lock:
+            if not self._sent:
+                self.heartbeat.clock.begin()
+            self._sent += 1
         try:
-            outs = self.path.execute(step, timeout=self.step_timeout)
+            return Sent(step=step, submitted=self.path.submit(step))
+        except Exception as exc:  # noqa: BLE001 - the same two states as a failed step
+            self._sent_landed(ok=False)
+            self._step_failed(step, ranks, exc)
+
+    def collect_step(self, sent: Sent) -> list[step_mod.StepOutput]:
+        """The outputs of a step `submit_step` sent (in the order they were sent). A step
+        sent before an earlier one failed (the path was cleared or rebuilt since) fails
+        with `ExecutorError` and no second failure handling."""
+        step, ranks = sent.step, sent.submitted.ranks
+        try:
+            outs = self.path.collect(sent.submitted, timeout=self.step_timeout)
         except Exception as exc:  # noqa: BLE001 - every step failure ends in one of two states
-            clock.end(ok=False)
+            self._sent_landed(ok=False)
+            if not self.path.current(sent.submitted.gen):
+                raise base.ExecutorError(
+                    f"step {step.step_id} was sent before an earlier step failed: {exc}"
+                ) from exc
             self._step_failed(step, ranks, exc)  # always raises
-        clock.end(ok=True)
+        self._sent_landed(ok=True)
+        if not self.path.current(sent.submitted.gen):
+            raise base.ExecutorError(f"step {step.step_id} was sent before an earlier step failed")
         self.after_step(step, ranks, outs)
         return outs
 
-    def _step_failed(self, step: step_mod.StepInput, ranks: list[int], exc: Exception) -> None:
+    def _sent_landed(self, *, ok: bool) -> None:
+        """A sent step ended: the heartbeat's clock times the next one sent, if any, from now
+        (it starts on the ranks when this one ends)."""
+        clock = self.heartbeat.clock
+        with self._sent_lock:
+            self._sent -= 1
+            clock.end(ok=ok)
+            if self._sent:
+                clock.begin()
+
+    def _step_failed(self, step: step_mod.StepInput, ranks: list[int], exc: Exception) -> NoReturn:
         """Known state after a failed step, then raise: with every stepped rank healthy the step
         path is rebuilt on the same ranks (ExecutorError: retry); otherwise no step path until
         a switch (RankDied naming the lost ranks)."""

@@ -4,8 +4,10 @@ handover that keeps a graph compile out of the switch pause.
 A step goes either through plain actor calls (``actor.execute_step.remote``, on each actor's
 default lane) or through a Ray compiled graph over the same actors (whose execution loop runs
 on the actors' ``_ray_system`` lane, so plain calls still run while a graph is live). Both
-reach the same `RankWorker.execute_step`; the engine runs one step at a time, so a worker never
-runs two steps at once whichever path carries them.
+reach the same `RankWorker.execute_step` (its stepper runs one step at a time). The engine
+may send a second step before the first is collected (`submit`, then `collect`: two steps in
+flight, docs/ENGINE.md); it takes the path the first one took, so each actor runs them in the
+order they were sent (one default-lane thread for plain calls, one loop for a graph).
 
 Handover (`StepPath.set`): a new step path over new actors serves at once through plain calls.
 In compiled mode a background job then tears down the graphs that were retired (two compiled
@@ -37,6 +39,7 @@ no step path (a rank was lost); its graph is retired and torn down by the next j
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -105,6 +108,8 @@ class StepPath:
         self._closed = False
         #: Steps running now; the monotonic time the last one ended (or a graph was installed).
         self._in_flight = 0
+        #: The graph the steps in flight were sent through (None: plain calls).
+        self._flying_graph: Any = None
         self._last_step = time.monotonic()
         #: The graph was torn down for idleness: the next step starts its recompile.
         self._parked = False
@@ -162,11 +167,23 @@ class StepPath:
     # -- one step --------------------------------------------------------------------------
     def execute(self, step: step_mod.StepInput, *, timeout: float) -> list[step_mod.StepOutput]:
         """Run `step` on every stepped actor within `timeout` s; raises what the call raised."""
+        return self.collect(self.submit(step), timeout=timeout)
+
+    def submit(self, step: step_mod.StepInput) -> Submitted:
+        """Send `step` to every stepped actor and return at once (`collect` waits for it).
+
+        A step sent while another is in flight takes the same path as that one (the actors
+        run them in the order they were sent: plain calls on their default lane, a graph's
+        executions in turn; a graph installed meanwhile takes over once none is in flight)."""
         with self._lock:
-            ranks, actors, graph, gen = self._ranks, list(self._actors), self._graph, self._gen
+            ranks, actors, gen = self._ranks, list(self._actors), self._gen
+            graph = self._graph
+            if self._in_flight and self._flying_graph is not graph:
+                graph = None  # plain calls in flight (or a retired graph's step): plain calls
             retry = (
                 self.compiled
                 and graph is None
+                and self._graph is None
                 and self._retry_at is not None
                 and time.monotonic() >= self._retry_at
             )
@@ -178,22 +195,44 @@ class StepPath:
                 self.resumes += 1
             if ranks is not None:
                 self._in_flight += 1
+                self._flying_graph = graph
         if ranks is None:
             raise RuntimeError("no step path")
         if retry or resume:
             self._start_job(gen)
         try:
             if graph is not None:
-                return list(ray.get(graph.execute(step), timeout=timeout))
+                return Submitted(ranks=list(ranks), gen=gen, graph_ref=graph.execute(step))
             refs = [a.execute_step.remote(step) for a in actors]
+        except BaseException:
+            self._landed()
+            raise
+        return Submitted(ranks=list(ranks), gen=gen, refs=refs)
+
+    def collect(self, sent: Submitted, *, timeout: float) -> list[step_mod.StepOutput]:
+        """The outputs of a step `submit` sent, within `timeout` s; raises what the call
+        raised."""
+        try:
+            if sent.graph_ref is not None:
+                return list(ray.get(sent.graph_ref, timeout=timeout))
             outs: list[step_mod.StepOutput] = ray_actor.get_all(
-                refs, list(ranks), what="execute_step", timeout=timeout
+                sent.refs, sent.ranks, what="execute_step", timeout=timeout
             )
             return outs
         finally:
-            with self._lock:
-                self._in_flight -= 1
-                self._last_step = time.monotonic()
+            self._landed()
+
+    def current(self, gen: int) -> bool:
+        """The step path is still the one of generation `gen` (no `set` or `clear` since)."""
+        with self._lock:
+            return gen == self._gen
+
+    def _landed(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._last_step = time.monotonic()
+            if not self._in_flight:
+                self._flying_graph = None
 
     # -- parking ---------------------------------------------------------------------------
     def _park_wait_locked(self) -> float | None:
@@ -348,6 +387,17 @@ class StepPath:
         self.wait_idle(timeout)
         with self._compile_lock:
             self._teardown_retired()
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    """A step sent (`StepPath.submit`): the labels stepped, the path's generation, and what
+    to wait for (the graph's execution, or one plain call per actor)."""
+
+    ranks: list[int]
+    gen: int
+    graph_ref: Any = None
+    refs: list[Any] = dataclasses.field(default_factory=list)
 
 
 def _probe() -> step_mod.StepInput:

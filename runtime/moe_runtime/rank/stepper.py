@@ -10,6 +10,7 @@ failure; the rank leaves every group at once (`RankContext.fail`), so no peer wa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -59,6 +60,10 @@ class Stepper:
         self._lock = threading.Lock()
         #: Steps run since the rank started.
         self.steps = 0
+        #: The token each sequence of the last step sampled: a `step.PLACEHOLDER` of the next
+        #: step takes it (the engine sent that step before the last one's outputs came back).
+        #: A step takes the entries of its sequences, so a failed step leaves none to take.
+        self._sampled: dict[str, int] = {}
         #: torch's intra-op threads as set where the rank was built (Ray: the actor's CPUs).
         #: A step may run on another thread (a compiled graph's loop, an executor's pool),
         #: whose OpenMP team would otherwise take every core: on a busy machine each small
@@ -95,6 +100,7 @@ class Stepper:
         batch = step.batches.get(rank) or step_mod.RankBatch()
         errors: list[str] = []
         run_batch = True
+        filled = self._filled(batch.seqs)
         try:
             self._ctx.check("execute_step")
         except Exception as exc:  # noqa: BLE001 - reported; the rank still joins the step
@@ -119,11 +125,12 @@ class Stepper:
                 raise RuntimeError(f"rank not activated ({self._ctx.where()})")
             for seq_id in batch.free:
                 kv.free(seq_id)
+                self._sampled.pop(seq_id, None)
             if self._tensor is not None:
                 self._tensor.free(batch.free)
             if self._pipeline is not None:
                 self._pipeline.free(batch.free)
-            seqs = list(batch.seqs) if run_batch else []
+            seqs = filled if run_batch else []
             bad = _invalid(seqs, cfg, kv)
             if bad:
                 errors.append(f"invalid sequences, step ran empty: {bad}")
@@ -193,6 +200,7 @@ class Stepper:
                         raise raised from exc
                     raise
                 out.tokens = {s.seq_id: token for s, token in zip(seqs, tokens, strict=True)}
+                self._sampled.update(out.tokens)
                 if self._pipeline is not None:
                     out.source_reads = self._pipeline.step_reads
                     out.prefetch_reads = self._pipeline.take_prefetch_reads()
@@ -207,6 +215,18 @@ class Stepper:
             self.steps += 1
         if errors:
             out.error = "; ".join(errors)
+        return out
+
+    def _filled(self, seqs: Sequence[step_mod.SeqWork]) -> list[step_mod.SeqWork]:
+        """The batch with each `step.PLACEHOLDER` replaced by the token this rank sampled for
+        that sequence in its last step; every sequence's entry is taken (a step that fails
+        records none, so the step sent after it finds none: `_invalid` names it)."""
+        out = []
+        for s in seqs:
+            sampled = self._sampled.pop(s.seq_id, None)
+            if s.token_ids and s.token_ids[-1] == step_mod.PLACEHOLDER and sampled is not None:
+                s = dataclasses.replace(s, token_ids=[*s.token_ids[:-1], sampled])
+            out.append(s)
         return out
 
     def _failure(self, exc: BaseException) -> str | None:
@@ -253,6 +273,8 @@ def _invalid(
             problem = "duplicate"
         elif not s.token_ids:
             problem = "no tokens"
+        elif s.token_ids[-1] == step_mod.PLACEHOLDER:
+            problem = "no token sampled in the last step to fill its placeholder"
         elif min(s.token_ids) < 0 or max(s.token_ids) >= cfg.vocab_size:
             problem = f"token ids outside [0, {cfg.vocab_size})"
         elif s.start_pos < 0 or s.start_pos > kv.num_tokens(s.seq_id):
