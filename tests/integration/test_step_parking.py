@@ -5,6 +5,7 @@ coming never park it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import time
@@ -18,6 +19,8 @@ from moe_runtime import step as step_mod
 pytestmark = pytest.mark.ray
 
 PARK_AFTER = 0.5
+#: A step that lasts 50 ms (`Echo.execute_step`): the next one is always sent before it ends.
+LASTS = {"seconds": 0.05}
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -26,12 +29,19 @@ class Echo:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self.seen: list[int] = []
 
     def pid(self) -> int:
         return os.getpid()
 
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        if step.step_id > 0:  # not a graph's probe
+            self.seen.append(step.step_id)
+        time.sleep(step.control.get("seconds", 0.0))  # the step's duration, if it has one
         return step_mod.StepOutput(rank=self.rank, step_id=step.step_id)
+
+    def history(self) -> list[int]:
+        return list(self.seen)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -121,6 +131,41 @@ def test_steps_that_keep_coming_never_park_the_graph(actors: list[Any]) -> None:
         assert p.parks == 0 and p.graph_live()
     finally:
         p.close()
+
+
+def test_with_two_steps_always_in_flight_the_graph_takes_over_and_the_order_holds(
+    path: Any, actors: list[Any]
+) -> None:
+    # The engine's two steps in flight (docs/ENGINE.md): the next step is sent before the
+    # last one is collected, so the path is never empty; a graph compiled meanwhile must still
+    # take over from the plain calls, and every actor runs the steps in the order sent.
+    import ray
+
+    wait_for(path.parked, "the graph parked")
+    start = len(ray.get(actors[0].history.remote()))
+    collector = concurrent.futures.ThreadPoolExecutor(1)  # as the engine's step thread
+    collected = [
+        collector.submit(
+            path.collect, path.submit(step_mod.StepInput(100, {}, LASTS)), timeout=60.0
+        )
+    ]
+    by_graph, step_id, handover = 0, 100, []
+    deadline = time.monotonic() + 60.0
+    while by_graph < 5:
+        assert time.monotonic() < deadline, "the graph never took over from the plain calls"
+        step_id += 1
+        live = path.graph_live()
+        sent = path.submit(step_mod.StepInput(step_id, {}, LASTS))  # the last one in flight
+        by_graph += sent.graph_ref is not None
+        if live and not handover:  # the first step sent once the graph was installed takes it
+            handover.append(sent.graph_ref is not None)
+        collected.append(collector.submit(path.collect, sent, timeout=60.0))
+        assert [o.step_id for o in collected[-2].result()] == [step_id - 1] * 2
+    collected[-1].result()
+    collector.shutdown()
+    assert handover == [True]
+    for history in ray.get([a.history.remote() for a in actors]):
+        assert history[start:] == list(range(100, step_id + 1))
 
 
 def test_a_path_closed_while_parked_stops_its_threads(actors: list[Any]) -> None:

@@ -63,6 +63,9 @@ RETRY_SECONDS = 5.0
 #: default of `StepPath`'s park_after, env MOE_STEP_GRAPH_PARK_SECONDS (0: never park).
 PARK_AFTER_SECONDS = 2.0
 PARK_ENV = "MOE_STEP_GRAPH_PARK_SECONDS"
+#: Seconds a step waits for the plain calls in flight to land before a newly installed graph
+#: carries it (`StepPath.submit`); past it the step goes through plain calls too.
+HANDOVER_WAIT_SECONDS = 5.0
 
 
 def park_after_from_env() -> float:
@@ -174,8 +177,16 @@ class StepPath:
 
         A step sent while another is in flight takes the same path as that one (the actors
         run them in the order they were sent: plain calls on their default lane, a graph's
-        executions in turn; a graph installed meanwhile takes over once none is in flight)."""
+        executions in turn). A graph installed while plain calls are in flight takes over
+        once they landed: this waits for them (at most `HANDOVER_WAIT_SECONDS`, then plain
+        calls again): with two steps in flight under steady load none would otherwise ever
+        find the path empty."""
         with self._lock:
+            if self._graph is not None and self._in_flight and self._flying_graph is None:
+                self._wake.wait_for(
+                    lambda: not self._in_flight or self._graph is None or self._closed,
+                    timeout=HANDOVER_WAIT_SECONDS,
+                )
             ranks, actors, gen = self._ranks, list(self._actors), self._gen
             graph = self._graph
             if self._in_flight and self._flying_graph is not graph:
@@ -233,6 +244,7 @@ class StepPath:
             self._last_step = time.monotonic()
             if not self._in_flight:
                 self._flying_graph = None
+                self._wake.notify_all()  # a graph waiting to take over (`submit`)
 
     # -- parking ---------------------------------------------------------------------------
     def _park_wait_locked(self) -> float | None:
