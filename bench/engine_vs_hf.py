@@ -28,6 +28,8 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
     .venv/bin/python bench/engine_vs_hf.py --executor ray    # rank processes, as served
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --outputs async sync  # before/after
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --schedule async sync
+    .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --executor ray --schedule ahead async
+                                            # two steps in flight against one (Ray only)
 """
 
 from __future__ import annotations
