@@ -54,7 +54,9 @@ class Boundary:
         """Runs `fn` on the engine thread between two steps; no step runs while it runs.
 
         Called from the engine thread itself (inside another boundary call or a step
-        callback), `fn` runs at once. Requests added meanwhile wait in the queue.
+        callback), `fn` runs at once, unless a step is still in flight (a step callback while
+        the step launched ahead runs: it then waits for the next boundary). Requests added
+        meanwhile wait in the queue.
         """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._on_engine_thread():

@@ -452,7 +452,7 @@ class Engine:
         self, flight: flight_mod.Flight, landed: flight_mod.Landed
     ) -> seam.StepFailure | None:
         """A landed step's outputs sent, its step controls answered, the step callbacks run
-        (a boundary call they make runs at once: no step is in flight); the failure, if any."""
+        (their boundary calls run at once, or next boundary with a step ahead); the failure."""
         step = flight.step
         if landed.exception is not None:
             return landed.failure(step)
