@@ -31,7 +31,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import tempfile
@@ -64,14 +63,6 @@ STEP_COMPILED = "compiled"
 STEP_REMOTE = "remote"
 #: Seconds `load_progress` waits for the ranks' answers (a `GET /ready` waits on it).
 LOAD_POLL_S = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Sent:
-    """A step `RayExecutor.submit_step` sent; `collect_step` takes it."""
-
-    step: step_mod.StepInput
-    submitted: ray_step.Submitted
 
 
 class RayExecutor(base.Executor):
@@ -225,7 +216,7 @@ class RayExecutor(base.Executor):
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         return self.collect_step(self.submit_step(step))
 
-    def submit_step(self, step: step_mod.StepInput) -> Sent:
+    def submit_step(self, step: step_mod.StepInput) -> ray_step.Submitted:
         """Send `step` to the stepped ranks and return at once; `collect_step` takes its
         outputs. A second step may be sent before the first is collected (the engine's two
         steps in flight): the ranks run them in the order they were sent."""
@@ -242,28 +233,27 @@ class RayExecutor(base.Executor):
                 self.heartbeat.clock.begin()
             self._sent += 1
         try:
-            return Sent(step=step, submitted=self.path.submit(step))
+            return self.path.submit(step)
         except Exception as exc:  # noqa: BLE001 - the same two states as a failed step
             self._sent_landed(ok=False)
             self._step_failed(step, ranks, exc)
 
-    def collect_step(self, sent: Sent) -> list[step_mod.StepOutput]:
+    def collect_step(self, sent: ray_step.Submitted) -> list[step_mod.StepOutput]:
         """The outputs of a step `submit_step` sent (in the order they were sent). A step
         sent before an earlier one failed (the path was cleared or rebuilt since) fails
         with `ExecutorError` and no second failure handling."""
-        step, ranks = sent.step, sent.submitted.ranks
+        step, ranks = sent.step, sent.ranks
+        stale = f"step {step.step_id} was sent before an earlier step failed"
         try:
-            outs = self.path.collect(sent.submitted, timeout=self.step_timeout)
+            outs = self.path.collect(sent, timeout=self.step_timeout)
         except Exception as exc:  # noqa: BLE001 - every step failure ends in one of two states
             self._sent_landed(ok=False)
-            if not self.path.current(sent.submitted.gen):
-                raise base.ExecutorError(
-                    f"step {step.step_id} was sent before an earlier step failed: {exc}"
-                ) from exc
+            if not self.path.current(sent.gen):
+                raise base.ExecutorError(f"{stale}: {exc}") from exc
             self._step_failed(step, ranks, exc)  # always raises
         self._sent_landed(ok=True)
-        if not self.path.current(sent.submitted.gen):
-            raise base.ExecutorError(f"step {step.step_id} was sent before an earlier step failed")
+        if not self.path.current(sent.gen):
+            raise base.ExecutorError(stale)
         self.after_step(step, ranks, outs)
         return outs
 

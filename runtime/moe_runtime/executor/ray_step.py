@@ -213,12 +213,12 @@ class StepPath:
             self._start_job(gen)
         try:
             if graph is not None:
-                return Submitted(ranks=list(ranks), gen=gen, graph_ref=graph.execute(step))
+                return Submitted(step, list(ranks), gen, graph_ref=graph.execute(step))
             refs = [a.execute_step.remote(step) for a in actors]
         except BaseException:
             self._landed()
             raise
-        return Submitted(ranks=list(ranks), gen=gen, refs=refs)
+        return Submitted(step, list(ranks), gen, refs=refs)
 
     def collect(self, sent: Submitted, *, timeout: float) -> list[step_mod.StepOutput]:
         """The outputs of a step `submit` sent, within `timeout` s; raises what the call
@@ -403,9 +403,10 @@ class StepPath:
 
 @dataclasses.dataclass(frozen=True)
 class Submitted:
-    """A step sent (`StepPath.submit`): the labels stepped, the path's generation, and what
-    to wait for (the graph's execution, or one plain call per actor)."""
+    """A step sent (`StepPath.submit`): the step, the labels stepped, the path's generation,
+    and what to wait for (the graph's execution, or one plain call per actor)."""
 
+    step: step_mod.StepInput
     ranks: list[int]
     gen: int
     graph_ref: Any = None
