@@ -64,15 +64,29 @@ from moe_runtime.model import source as source_mod  # noqa: E402
 DEFAULT_MESHES = ("1x1", "2x1", "1x2", "2x2")
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-    """Parse "TxP" into (T, P)."""
+#: (T, P, the leader's micro-batch threshold: None for its default)
+Mesh = tuple[int, int, int | None]
+
+
+def parse_mesh(text: str) -> Mesh:
+    """Parse "TxP" into (T, P, None), "TxPmN" into (T, P, N): `--pipeline-micro-batch-tokens
+    N` (0: every step whole through the stages)."""
     try:
-        tp, pp = (int(part) for part in text.lower().split("x"))
+        shape, _, micro = text.lower().partition("m")
+        tp, pp = (int(part) for part in shape.split("x"))
+        tokens = int(micro) if micro else None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"mesh {text!r}: expected TxP, e.g. 2x1") from None
-    if tp < 1 or pp < 1:
-        raise argparse.ArgumentTypeError(f"mesh {text!r}: T and P must be >= 1")
-    return tp, pp
+        raise argparse.ArgumentTypeError(
+            f"mesh {text!r}: expected TxP or TxPmN, e.g. 2x1 or 1x2m0"
+        ) from None
+    if tp < 1 or pp < 1 or (tokens is not None and tokens < 0):
+        raise argparse.ArgumentTypeError(f"mesh {text!r}: T and P must be >= 1, N >= 0")
+    return tp, pp, tokens
+
+
+def _label(mesh: Mesh) -> str:
+    tp, pp, tokens = mesh
+    return f"({tp}, {pp})" if tokens is None else f"({tp}, {pp}) m{tokens}"
 
 
 def _load_average() -> str:
@@ -80,14 +94,14 @@ def _load_average() -> str:
 
 
 def serve_mesh(
-    mesh: tuple[int, int], src: source_mod.ModelSource, args: argparse.Namespace
+    mesh: Mesh, src: source_mod.ModelSource, args: argparse.Namespace
 ) -> tuple[serve_bench.Measured, float] | str:
     """The load on a fresh executor of one DP rank of T x P actors, and the seconds it took
     to start; or why the mesh could not be served."""
-    tp, pp = mesh
+    tp, pp, tokens = mesh
     loaded = time.monotonic()
     try:
-        executor = ray_executor.RayExecutor(1, tp_size=tp, pp_size=pp)
+        executor = ray_executor.RayExecutor(1, tp_size=tp, pp_size=pp, pp_micro_batch_tokens=tokens)
     except Exception as exc:  # noqa: BLE001 - a mesh that cannot start is a result
         return str(exc)
     try:
@@ -100,12 +114,10 @@ def serve_mesh(
         executor.shutdown()
 
 
-def _row(
-    mesh: tuple[int, int], measured: serve_bench.Measured, load_s: float, base: float | None
-) -> str:
+def _row(mesh: Mesh, measured: serve_bench.Measured, load_s: float, base: float | None) -> str:
     ratio = "-" if base is None else f"{measured.step_s / base:.2f}"
     errors = measured.timings.errors
-    return f"{str(mesh):>7} {measured.columns()} {ratio:>6} {load_s:>7.1f}" + (
+    return f"{_label(mesh):>12} {measured.columns()} {ratio:>6} {load_s:>7.1f}" + (
         f"  ({errors} errors)" if errors else ""
     )
 
@@ -118,7 +130,8 @@ def main() -> None:
         type=parse_mesh,
         nargs="+",
         default=[parse_mesh(m) for m in DEFAULT_MESHES],
-        help="executor meshes TxP at DP=1 (default: %(default)s)",
+        help="executor meshes TxP at DP=1, TxPmN with --pipeline-micro-batch-tokens N "
+        "(1x2m0: every step whole through the stages; default: %(default)s)",
     )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -139,7 +152,7 @@ def main() -> None:
     src = source_mod.open_source(args.model)
     cfg = src.config
     t0 = time.monotonic()
-    owns = cluster.connect(num_rank_slots=max(8, *(tp * pp for tp, pp in args.meshes)))
+    owns = cluster.connect(num_rank_slots=max(8, *(tp * pp for tp, pp, _ in args.meshes)))
     print(
         f"model {args.model}: {cfg.num_layers} layers, {cfg.num_heads} heads over "
         f"{cfg.num_kv_heads} KV heads, {cfg.num_experts} experts, top-{cfg.top_k}; DP = 1"
@@ -148,10 +161,8 @@ def main() -> None:
         f"load: {args.requests} requests, {args.concurrency} concurrent, prompt {args.prompt_len}"
         f" tokens, {args.max_tokens} generated each; load average {_load_average()}"
     )
-    print(f"{'(T, P)':>7} {serve_bench.COLUMNS} {'ratio':>6} {'load s':>7}", flush=True)
-    runs: dict[tuple[int, int], list[tuple[serve_bench.Measured, float]]] = {
-        m: [] for m in args.meshes
-    }
+    print(f"{'(T, P)':>12} {serve_bench.COLUMNS} {'ratio':>6} {'load s':>7}", flush=True)
+    runs: dict[Mesh, list[tuple[serve_bench.Measured, float]]] = {m: [] for m in args.meshes}
     try:
         for round_ in range(args.repeats):
             if args.repeats > 1:
@@ -160,10 +171,10 @@ def main() -> None:
             for mesh in args.meshes:
                 result = serve_mesh(mesh, src, args)
                 if isinstance(result, str):
-                    print(f"{str(mesh):>7}: not served: {result}", flush=True)
+                    print(f"{_label(mesh):>12}: not served: {result}", flush=True)
                     continue
                 runs[mesh].append(result)
-                base = result[0].step_s if mesh == (1, 1) else base
+                base = result[0].step_s if mesh == (1, 1, None) else base
                 print(_row(mesh, *result, base), flush=True)
     finally:
         if owns:
@@ -174,7 +185,7 @@ def main() -> None:
             for mesh, rs in runs.items()
             if rs
         }
-        base = medians[(1, 1)][0].step_s if (1, 1) in medians else None
+        base = medians[(1, 1, None)][0].step_s if (1, 1, None) in medians else None
         print(f"the run of median step time of each mesh ({args.repeats} rounds, interleaved)")
         for mesh, result in medians.items():
             print(_row(mesh, *result, base))

@@ -203,6 +203,7 @@ def _build_into(
             rank_hooks=rank_hooks,
             tp_size=tp_size,
             pp_size=pp_size,
+            pp_micro_batch_tokens=args.pipeline_micro_batch_tokens,
         )
     else:
         from moe_runtime.executor import local

@@ -89,6 +89,13 @@ class RuntimeMetrics:
             ["when"],
             registry=r,
         )
+        self.micro_batched = prometheus_client.Counter(
+            "moe_pipeline_micro_batched_steps",
+            "Steps that went through the pipeline stages as micro-batches, the stages working "
+            "at once (prefills at --pipeline-parallel-size > 1: "
+            "--pipeline-micro-batch-tokens).",
+            registry=r,
+        )
         self.ttft = prometheus_client.Histogram(
             "moe_time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -135,6 +142,8 @@ class RuntimeMetrics:
         self.batch_size.observe(num_seqs)
         self.source_reads.labels(when="step").inc(sum(out.source_reads for out in outputs))
         self.source_reads.labels(when="prefetch").inc(sum(o.prefetch_reads for o in outputs))
+        if any(o.micro_batches > 1 for o in outputs):
+            self.micro_batched.inc()
         with self._lock:
             seen = set()
             for out in outputs:

@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="contiguous stages of the decoder layers per DP rank",
     )
     serve.add_argument(
+        "--pipeline-micro-batch-tokens",
+        type=_non_negative,
+        default=None,
+        help="at P > 1, a step whose busiest DP rank has at least this many new tokens (a "
+        "prefill) goes through the stages as P micro-batches, the stages working at once "
+        "(default 256); 0: every step goes whole (docs/PIPELINE-PARALLEL.md)",
+    )
+    serve.add_argument(
         flags.NUM_REDUNDANT_EXPERTS,
         type=_non_negative,
         default=0,

@@ -92,6 +92,8 @@ class StepOutput:
     placement change (a prefetch, or a warm spare's pre-staging, reported at its first step)
     since its last step (what no peer's stage moved to them: a lost rank's experts); 0 at
     P = 1.
+    micro_batches: how many micro-batches the step went through the rank's pipeline stages
+    as (`pipeline_group.micro_batches`: a prefill at P > 1); 1 when it went whole.
     seconds: the rank's own time on the step (`Stepper.execute`: control, KV frees, forward
     pass, sampling), without the executor's call and transport around it.
     """
@@ -105,6 +107,7 @@ class StepOutput:
     failure: str | None = None
     source_reads: int = 0
     prefetch_reads: int = 0
+    micro_batches: int = 1
     seconds: float = 0.0
 
     def __getstate__(self) -> dict[str, Any]:

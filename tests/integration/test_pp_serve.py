@@ -1,7 +1,8 @@
 """Issue 22 item 2, pipeline stages in `serve`: `moe-runtime serve --model DIR
 --pipeline-parallel-size 2 --no-eplb --dtype float32` (Ray ranks: each DP rank its leader,
 pipeline stage 0, and one stage actor) answers every greedy request token for token as
-transformers' `generate`, at DP = 1 and at DP = 2 (each stage's experts over its own
+transformers' `generate` (prefills going through the stages as micro-batches), at DP = 1
+and at DP = 2 (each stage's experts over its own
 expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
 some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
 under load on a warm spare (every answer checked), a SIGKILLed stage actor under load (its
@@ -29,7 +30,10 @@ pytestmark = pytest.mark.ray
 #: (family, data-parallel size); Mixtral keeps a warm spare (a whole DP rank: a leader and a
 #: stage actor) for its grows and its recovery
 CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
-MESH = ["--pipeline-parallel-size", "2", "--no-eplb"]
+#: a step whose busiest DP rank has 8 new tokens goes through the stages as micro-batches (a
+#: prefill beside decodes): every answer below is also one of micro-batched steps
+MESH = ["--pipeline-parallel-size", "2", "--no-eplb", "--pipeline-micro-batch-tokens", "8"]
+MICRO_BATCHED = "moe_pipeline_micro_batched_steps_total"
 #: experts a stage read from the source: inside a step (when="step"), none when every
 #: placement change was prefetched while the leaders staged it; ahead of one
 #: (when="prefetch"), none when peers' stages held every expert it lacked
@@ -77,6 +81,8 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
     ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids")
     assert all(r["tp_pids"] == [] for r in ranks), ranks
     check_answers(served)
+    # prefills went through the stages as two micro-batches, the stages working at once
+    assert mesh_serving.metric(served.server.url, MICRO_BATCHED) > 0
 
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:

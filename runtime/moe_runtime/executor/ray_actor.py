@@ -66,6 +66,7 @@ class RankActor:
         hooks: hooks_mod.HooksFactory | None = None,
         followers: Sequence[Any] = (),
         stages: Sequence[Any] = (),
+        micro_batch_tokens: int | None = None,
     ) -> None:
         logs.configure_rank()
         if spare:  # its process began at SPARE_NICENESS already (`niceness.spare_setup`)
@@ -95,6 +96,7 @@ class RankActor:
             tensor_size=1 + len(followers),
             pipeline=pipeline,
             pipeline_size=1 + len(stages),
+            pipeline_micro_batch_tokens=micro_batch_tokens,
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -283,6 +285,7 @@ def start_ranks(
     hooks: hooks_mod.HooksFactory | None = None,
     tp_size: int = 1,
     pp_size: int = 1,
+    micro_batch_tokens: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
@@ -292,7 +295,8 @@ def start_ranks(
     its leader in bundle 0 and its TP followers (`ray_tensor`) in bundles 1..T-1.
     `pp_size` P > 1: T x P bundles, bundle s x T + t holding TP rank t of pipeline stage s:
     the leader (stage 0) in bundle 0 leads stage 0's TP followers and the stage actors
-    (`ray_pipeline`, bundles s x T), each of which leads its own stage's TP followers.
+    (`ray_pipeline`, bundles s x T), each of which leads its own stage's TP followers;
+    `micro_batch_tokens`: the leader's micro-batch threshold (`pipeline_group.micro_batches`).
     `existing`: the infos of running ranks (`node_id`, `ip`); ranks on two nodes that report
     one IP are refused (`guards.check_node_ips`). `env`: the head's variables every actor gets
     (`guards.rank_env`)."""
@@ -361,6 +365,7 @@ def start_ranks(
                     hooks=hooks,
                     followers=tp[0],
                     stages=stages,
+                    micro_batch_tokens=micro_batch_tokens,
                 )
             )
         infos = get_all(

@@ -113,6 +113,7 @@ class RayExecutor(base.Executor):
         rank_hooks: hooks_mod.HooksFactory | None = None,
         tp_size: int = 1,
         pp_size: int = 1,
+        pp_micro_batch_tokens: int | None = None,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -123,6 +124,9 @@ class RayExecutor(base.Executor):
         #: Pipeline stages per DP rank: its leader (stage 0) and P-1 stage actors
         #: (`ray_pipeline`).
         self.pp_size = pp_size
+        #: The stage leaders' micro-batch threshold (`pipeline_group.micro_batches`; None:
+        #: its default).
+        self.pp_micro_batch_tokens = pp_micro_batch_tokens
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
         if mode not in (STEP_COMPILED, STEP_REMOTE):
             raise ValueError(
@@ -200,6 +204,7 @@ class RayExecutor(base.Executor):
             hooks=self._rank_hooks,
             tp_size=self.tp_size,
             pp_size=self.pp_size,
+            micro_batch_tokens=self.pp_micro_batch_tokens,
             env=self._rank_env,
         )
 

@@ -37,6 +37,7 @@ Nothing here knows about Ray: the leader reaches its stages through `Stages`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -59,6 +60,9 @@ GROUP_TIMEOUT_S = 60.0
 LOAD_TIMEOUT_S = 600.0
 #: Seconds the leader waits for its stages' part of one step.
 STEP_TIMEOUT_S = 120.0
+#: New tokens on the busiest DP rank from which a step goes through the stages as micro-batches
+#: (`micro_batches`; `--pipeline-micro-batch-tokens`): prefills, not decodes.
+MICRO_BATCH_TOKENS = 256
 
 
 #: What the leader serves with, sent with each step: ((epoch, origin, rank, num_ranks), the
@@ -102,6 +106,48 @@ class Stages(Protocol):
         """The process ids of the stages' TP followers (stage by stage; none at T = 1)."""
 
 
+def micro_batches(size: int, batches: Sequence[Sequence[int]], min_tokens: int) -> int:
+    """How many micro-batches a step goes through the P = `size` stages as, the same on every
+    DP rank: `batches` is each DP rank's new tokens per sequence (all of the step's, which
+    every rank sees). A step whose largest DP rank batch has at least `min_tokens` new
+    tokens (a prefill: compute-bound, where two stages working at once pay) goes as up to P
+    micro-batches, no more than that batch has sequences; a smaller one (decodes: reading
+    the weights dominates, and each micro-batch reads them again) goes whole. `min_tokens`
+    0: always whole."""
+    if size <= 1 or min_tokens <= 0 or not batches:
+        return 1
+    most = max(batches, key=sum)
+    if sum(most) < min_tokens:
+        return 1
+    return max(1, min(size, max(len(b) for b in batches)))
+
+
+def split(batch: kv_mod.ForwardBatch, parts: int) -> list[kv_mod.ForwardBatch]:
+    """`batch` as `parts` micro-batches of whole sequences, in order, each about 1/`parts`
+    of its new tokens (some may be empty: a DP rank with fewer sequences than `parts` still
+    runs every round of its stages' collectives)."""
+    if parts <= 1:
+        return [batch]
+    cum = [0]
+    for tokens in batch.token_ids:
+        cum.append(cum[-1] + len(tokens))
+    # cut k after the sequence whose running token count is nearest k / parts of the total
+    # (the later one on a tie: the first micro-batch starts the stages with work)
+    bounds = [0]
+    for k in range(1, parts):
+        target = k * cum[-1] / parts
+        bounds.append(min(range(bounds[-1], len(cum)), key=lambda i: (abs(cum[i] - target), -i)))
+    bounds.append(len(cum) - 1)
+    return [
+        kv_mod.ForwardBatch(
+            seq_ids=batch.seq_ids[a:b],
+            token_ids=batch.token_ids[a:b],
+            start_pos=batch.start_pos[a:b],
+        )
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
 def stage_spec(spec: group_mod.GroupSpec, stage: int) -> group_mod.GroupSpec:
     """The rendezvous of stage `stage`'s expert-parallel group, derived from the leaders' step
     group `spec` (same members, epoch and group ranks): a FileStore of its own beside the
@@ -125,10 +171,19 @@ def stage_placement(placement: policy.Placement, stage: pipeline.PipelineStage) 
 class PipelineLeader:
     """The leader's side of its pipeline: its stages, KV frees still to send."""
 
-    def __init__(self, stages: Stages, *, size: int, device: str) -> None:
+    def __init__(
+        self,
+        stages: Stages,
+        *,
+        size: int,
+        device: str,
+        micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+    ) -> None:
         self.stages = stages
         self.size = size
         self.device = device
+        #: `micro_batches`' threshold (0: every step goes whole)
+        self.micro_batch_tokens = micro_batch_tokens
         self._frees: list[str] = []
         self._lost: str | None = None
         #: The live token every stage has followed (None: send the placement with the next).
@@ -249,36 +304,52 @@ class PipelineLeader:
         token: Token,
         placement: policy.Placement,
         expert_load: torch.Tensor,
+        parts: int = 1,
     ) -> torch.Tensor:
         """Stage 0 here, then the stages in turn; the last stage's logits [seqs, vocab]. Each
         stage serves `placement` (its MoE layers' rows) as the leader's live `token` says:
         the placement goes with the first step of a new token (after an activate, a revert or
         an EPLB commit; a stage then takes the experts it lacks from the model source). Each
         stage's expert load is added at its MoE layers. On a failure the stages' groups are
-        aborted (their peers must not wait for them) and the error raised."""
+        aborted (their peers must not wait for them) and the error raised.
+
+        `parts` > 1: the batch goes through as that many micro-batches (`split`: whole
+        sequences, about as many tokens each), stage 0 running micro-batch i + 1 while stage 1
+        runs micro-batch i, so the stages work at once. Every DP rank must pass the same
+        `parts` (each micro-batch is one round of every stage's expert collectives: an empty
+        one still joins them); `micro_batches` derives it from what all of them see."""
         self.check()
         self.step_reads = 0
-        try:
-            hidden = model.forward(batch, kv, experts, expert_load=expert_load)
-        except Exception as exc:
-            self.abort(f"the leader's forward pass failed: {type(exc).__name__}")
-            raise
         frees, self._frees = self._frees, []
         live: Live = (token, None if token == self._sent else placement)
+        pieces = split(batch, parts)
+        pending: list[Any] = []
         try:
-            pending = self.stages.chain(epoch, frees, batch, hidden, live)
-            answers = self._wait(pending, STEP_TIMEOUT_S)
+            for piece in pieces:
+                hidden = model.forward(piece, kv, experts, expert_load=expert_load)
+                # frees with the first micro-batch: each stage frees before its first forward
+                pending.append(
+                    self.stages.chain(epoch, [] if pending else frees, piece, hidden, live)
+                )
+        except Exception as exc:
+            if pending:
+                self._sent = None  # a stage may have seen it
+            self.abort(f"the leader's forward pass failed: {type(exc).__name__}")
+            raise
+        try:
+            answers = [self._wait(p, STEP_TIMEOUT_S) for p in pending]
         except Exception as exc:
             self._sent = None  # a stage may not have seen it
             self.abort(f"a pipeline stage's step failed: {type(exc).__name__}")
             raise
         self._sent = token
-        self.step_reads = sum(int(a.get("reads", 0)) for a in answers)
-        last = answers[-1]
-        for first, stop, load in last["loads"]:
-            if load is not None and stop > first:
-                expert_load[first:stop] += load.to(expert_load.device)
-        logits: torch.Tensor = last["out"].to(model.device)
+        self.step_reads = sum(int(a.get("reads", 0)) for each in answers for a in each)
+        for each in answers:
+            for first, stop, load in each[-1]["loads"]:
+                if load is not None and stop > first:
+                    expert_load[first:stop] += load.to(expert_load.device)
+        outs = [each[-1]["out"] for each in answers]
+        logits: torch.Tensor = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(model.device)
         return logits
 
     # -- health --------------------------------------------------------------------------

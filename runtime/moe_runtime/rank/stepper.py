@@ -157,6 +157,10 @@ class Stepper:
                     if tensor is not None:
                         following = tensor.begin(model, fwd)
                     if self._pipeline is not None:
+                        # whole where stage 0 has TP followers (every DP rank alike):
+                        # they run one forward per step
+                        if self._tensor is None:
+                            out.micro_batches = self._micro_batches(step)
                         epoch, placement = slots.epoch, slots.placement
                         assert epoch is not None and placement is not None
                         logits = self._pipeline.forward(
@@ -168,6 +172,7 @@ class Stepper:
                             token=(epoch, slots.origin, rank, slots.num_ranks or 0),
                             placement=placement,
                             expert_load=load,
+                            parts=out.micro_batches,
                         )
                     else:
                         logits = model.forward(fwd, kv, backend, expert_load=load)
@@ -228,6 +233,16 @@ class Stepper:
                 s = dataclasses.replace(s, token_ids=[*s.token_ids[:-1], sampled])
             out.append(s)
         return out
+
+    def _micro_batches(self, step: step_mod.StepInput) -> int:
+        """The micro-batches of this step through the stages (`pipeline_group.
+        micro_batches`), from every DP rank's batch: the same on all of them."""
+        assert self._pipeline is not None
+        return pipeline_mod.micro_batches(
+            self._pipeline.size,
+            [[len(s.token_ids) for s in b.seqs] for b in step.batches.values()],
+            self._pipeline.micro_batch_tokens,
+        )
 
     def _failure(self, exc: BaseException) -> str | None:
         """What a step's exception broke (`StepOutput.failure`); out of memory fails the rank

@@ -135,6 +135,7 @@ class RankWorker:
         tensor_size: int = 1,
         pipeline: pipeline_mod.Stages | None = None,
         pipeline_size: int = 1,
+        pipeline_micro_batch_tokens: int | None = None,
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -161,7 +162,14 @@ class RankWorker:
             if pipeline is None:
                 raise ValueError(f"pipeline_size {pipeline_size} needs the rank's stages")
             self.pipeline = pipeline_mod.PipelineLeader(
-                pipeline, size=pipeline_size, device=self.device
+                pipeline,
+                size=pipeline_size,
+                device=self.device,
+                micro_batch_tokens=(
+                    pipeline_mod.MICRO_BATCH_TOKENS
+                    if pipeline_micro_batch_tokens is None
+                    else pipeline_micro_batch_tokens
+                ),
             )
         #: What `load_weights` has read so far (`load_progress`).
         self.progress = progress_mod.LoadCounter()

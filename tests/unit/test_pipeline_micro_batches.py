@@ -1,0 +1,141 @@
+"""A prefill step goes through a DP rank's pipeline stages as micro-batches
+(`pipeline_group.micro_batches`, `split`; docs/PIPELINE-PARALLEL.md, "Micro-batches"): the
+leader (stage 0, a `RankWorker`) sends micro-batch i to stage 1 and runs micro-batch i + 1
+meanwhile. Over a real stage worker (in this process): the answers are transformers' and
+those of the same steps sent whole, the prefill went as P micro-batches and the decodes whole;
+the split is the same on every DP rank (each micro-batch is one round of the stages' expert
+collectives)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from moe_runtime import step as step_mod
+from moe_runtime.comm import group as group_mod
+from moe_runtime.eplb import policy
+from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import source as source_mod
+from moe_runtime.rank import groups as groups_mod
+from moe_runtime.rank import pipeline_group, stage_worker, worker
+from tests.support import checkpoints
+
+PROMPTS = [[1, 5, 9, 200, 3, 7, 11, 13], [1, 7, 2], [1, *range(40, 58)], [3, 4, 250, 6, 8]]
+NEW_TOKENS = 6
+GREEDY = step_mod.SamplingParams(temperature=0.0)
+
+
+class _ChainedStages:
+    """`pipeline_group.Stages` over `StageWorker`s in this process, recording each chain's
+    sequences (calls run at once, in order)."""
+
+    def __init__(self, workers: list[stage_worker.StageWorker]) -> None:
+        self.workers = workers
+        self.chains: list[list[str]] = []
+
+    def send(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(w, method)(*args) for w in self.workers]
+
+    def chain(self, epoch: int, frees: Any, batch: Any, hidden: Any, live: Any) -> list[Any]:
+        self.chains.append(list(batch.seq_ids))
+        answers, prev = [], hidden
+        for w in self.workers:
+            prev = w.step(epoch, frees, batch, prev, live)
+            answers.append(prev)
+        return answers
+
+    def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        return list(pending)
+
+    def alive(self) -> str | None:
+        return None
+
+    def abort(self, reason: str) -> None:
+        for w in self.workers:
+            w.abort(reason)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("mixtral")
+    checkpoints.build(path)
+    return path
+
+
+def _serve(model_dir: pathlib.Path, micro_batch_tokens: int) -> tuple[list[list[int]], Any]:
+    """Greedy answers of `PROMPTS` from one DP rank at P = 2 (all prompts in one prefill step,
+    then one decode step per token, each decode's token a placeholder the rank fills), and the
+    stages' record of chains."""
+    stages = _ChainedStages([stage_worker.StageWorker(stage=1, size=2, device="cpu")])
+    lead = worker.RankWorker(
+        device="cpu",
+        dtype="float32",
+        pipeline=stages,
+        pipeline_size=2,
+        pipeline_micro_batch_tokens=micro_batch_tokens,
+    )
+    cfg = source_mod.open_source(str(model_dir)).config
+    one = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 1)
+    lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
+    lead.groups.join_group(group_mod.GroupSpec.local(1, epoch=1), 0, role=groups_mod.STEP)
+    lead.slots.activate(1, rank=0, num_ranks=1, placement=one)
+    ids = [f"s{i}" for i in range(len(PROMPTS))]
+    works = [step_mod.SeqWork(s, p, 0, GREEDY) for s, p in zip(ids, PROMPTS, strict=True)]
+    answers: list[list[int]] = [[] for _ in PROMPTS]
+    for n in range(NEW_TOKENS):
+        out = lead.execute_step(step_mod.StepInput(n + 1, {0: step_mod.RankBatch(seqs=works)}))
+        assert out.error is None, out.error
+        for i, s in enumerate(ids):
+            answers[i].append(out.tokens[s])
+        works = [
+            step_mod.SeqWork(s, [step_mod.PLACEHOLDER], len(p) + n, GREEDY, n + 1)
+            for s, p in zip(ids, PROMPTS, strict=True)
+        ]
+    lead.shutdown()
+    return answers, stages
+
+
+def test_a_prefill_goes_as_micro_batches_and_the_answers_stay_transformers(
+    model_dir: pathlib.Path,
+) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    want = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
+        )
+        want.append(out[0, len(prompt) :].tolist())
+    prefill = sum(len(p) for p in PROMPTS)  # 34 new tokens in the first step
+
+    split, split_stages = _serve(model_dir, micro_batch_tokens=prefill)
+    whole, whole_stages = _serve(model_dir, micro_batch_tokens=0)
+    assert split == whole == want
+    # the prefill as two micro-batches of whole sequences, about half the tokens each; the
+    # decodes (4 new tokens each) whole
+    assert split_stages.chains[:2] == [["s0", "s1"], ["s2", "s3"]]
+    assert split_stages.chains[2:] == [["s0", "s1", "s2", "s3"]] * (NEW_TOKENS - 1)
+    assert whole_stages.chains == [["s0", "s1", "s2", "s3"]] * NEW_TOKENS
+
+
+def test_every_dp_rank_splits_a_step_into_as_many_micro_batches() -> None:
+    # from every DP rank's batch (each rank sees all of them): P micro-batches once the
+    # busiest rank has the threshold's tokens, never more than its most sequences
+    assert pipeline_group.micro_batches(2, [[40, 30], []], 64) == 2
+    assert pipeline_group.micro_batches(2, [[1, 1], [30]], 64) == 1  # decodes: whole
+    assert pipeline_group.micro_batches(4, [[300], [1, 1]], 64) == 2  # no more than 2 seqs
+    assert pipeline_group.micro_batches(2, [[400]], 0) == 1  # switched off
+    assert pipeline_group.micro_batches(1, [[400, 400]], 64) == 1  # no stages
+    # a rank with fewer sequences than micro-batches runs empty ones (its stages' rounds)
+    batch = kv_mod.ForwardBatch(seq_ids=["a"], token_ids=[[1, 2]], start_pos=[0])
+    parts = pipeline_group.split(batch, 2)
+    assert [p.seq_ids for p in parts] == [["a"], []]
+    assert [p.seq_ids for p in pipeline_group.split(kv_mod.ForwardBatch.empty(), 3)] == [[]] * 3
+    many = kv_mod.ForwardBatch(
+        seq_ids=list("abcde"), token_ids=[[1] * n for n in (10, 10, 10, 5, 5)], start_pos=[0] * 5
+    )
+    assert [p.seq_ids for p in pipeline_group.split(many, 2)] == [["a", "b"], ["c", "d", "e"]]
