@@ -23,7 +23,9 @@ has 8 layers, 8 heads over 4 KV heads.
 
 What 2 CPU cores can and cannot show: every actor runs one torch thread, and the T x P
 actors of a mesh share the 2 cores with the engine's process, Ray and other work. P = 2 runs
-its stages one after the other (one batch in flight), so it cannot be faster than P = 1;
+a decode step's stages one after the other, so it cannot be faster than P = 1 there; a
+prefill goes through them as micro-batches, the stages at work at once (`1x2` against
+`1x2m0`, every step whole: docs/PIPELINE-PARALLEL.md, "Micro-batches");
 T = 2 could at best spread a step's arithmetic over both cores where (1, 1) uses one, but
 the engine, Ray and other work need them too. So the ratios mostly show what a mesh costs
 on shared cores (the TP all-reduces and all-gathers between processes, the hidden states
@@ -39,6 +41,8 @@ shares of a step in TP collectives and stage transfers.
     .venv/bin/python bench/serve_mesh.py        # ~2-3 min on 2 CPU cores
     .venv/bin/python bench/serve_mesh.py --repeats 3    # ~7 min
     .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2 --requests 32 --max-tokens 64
+    .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2m0 1x2 --requests 32 --concurrency 16 \
+        --prompt-len 128 --max-tokens 4 --repeats 2    # prefills: micro-batches against whole
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 --pipeline-parallel-size 2 --no-eplb --dtype float32` (Ray ranks: each DP rank four actors,
 TP rank t of stage s in bundle 2s + t of its placement group: its leader (stage 0, TP 0)
 leads stage 0's TP follower and stage 1's actor, which leads stage 1's own TP follower)
-answers every greedy request token for token as transformers' `generate`; Mixtral at DP = 2
+answers every greedy request token for token as transformers' `generate` (prefills going
+through the stages as micro-batches, stage 0's TP follower sent each); Mixtral at DP = 2
 also before and after a live resize to DP = 3 under load (every answer checked), and after
 the SIGKILL of stage 1's TP follower under load (a process its leader does not reach
 directly: the stage reports it lost, the DP rank is taken out, no request is lost and the
@@ -37,6 +38,10 @@ MESH = [
     # (ranks fenced with no fault); the follower the test kills fails its step at once anyway
     "--rank-hang-timeout",
     "20",
+    # prefills beside decodes go through the stages as micro-batches, each sent to stage 0's
+    # TP follower too
+    "--pipeline-micro-batch-tokens",
+    "8",
 ]
 
 
@@ -61,6 +66,8 @@ def _assert_whole(served: Served, size: int) -> list[dict[str, object]]:
 def test_answers_equal_transformers_at_tp2_pp2(served: Served) -> None:
     _assert_whole(served, served.size)
     check_answers(served)
+    micro_batched = "moe_pipeline_micro_batched_steps_total"
+    assert mesh_serving.metric(served.server.url, micro_batched) > 0
 
 
 def test_live_resize_to_three_under_load(served: Served) -> None:

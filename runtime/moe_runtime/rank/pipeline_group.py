@@ -305,6 +305,7 @@ class PipelineLeader:
         placement: policy.Placement,
         expert_load: torch.Tensor,
         parts: int = 1,
+        tensor: tensor_group.TensorLeader | None = None,
     ) -> torch.Tensor:
         """Stage 0 here, then the stages in turn; the last stage's logits [seqs, vocab]. Each
         stage serves `placement` (its MoE layers' rows) as the leader's live `token` says:
@@ -317,7 +318,9 @@ class PipelineLeader:
         sequences, about as many tokens each), stage 0 running micro-batch i + 1 while stage 1
         runs micro-batch i, so the stages work at once. Every DP rank must pass the same
         `parts` (each micro-batch is one round of every stage's expert collectives: an empty
-        one still joins them); `micro_batches` derives it from what all of them see."""
+        one still joins them); `micro_batches` derives it from what all of them see.
+        `tensor`: stage 0's TP group (T > 1), its followers sent each micro-batch that has
+        tokens (`TensorLeader.begin`/`end` around the leader's forward pass of it)."""
         self.check()
         self.step_reads = 0
         frees, self._frees = self._frees, []
@@ -326,11 +329,20 @@ class PipelineLeader:
         pending: list[Any] = []
         try:
             for piece in pieces:
-                hidden = model.forward(piece, kv, experts, expert_load=expert_load)
+                leading = tensor if piece.seq_ids else None  # no token: no TP collective
+                following = None if leading is None else leading.begin(model, piece)
+                try:
+                    hidden = model.forward(piece, kv, experts, expert_load=expert_load)
+                except Exception as exc:
+                    if leading is not None:
+                        leading.end(following, failed=exc)  # FollowerLost: the rank is lost
+                    raise
                 # frees with the first micro-batch: each stage frees before its first forward
                 pending.append(
                     self.stages.chain(epoch, [] if pending else frees, piece, hidden, live)
                 )
+                if leading is not None:
+                    leading.end(following)
         except Exception as exc:
             if pending:
                 self._sent = None  # a stage may have seen it

@@ -154,13 +154,10 @@ class Stepper:
                 tensor = self._tensor if seqs else None  # no token: no TP collective
                 try:
                     self._ctx.check("forward")
-                    if tensor is not None:
+                    if tensor is not None and self._pipeline is None:
                         following = tensor.begin(model, fwd)
                     if self._pipeline is not None:
-                        # whole where stage 0 has TP followers (every DP rank alike):
-                        # they run one forward per step
-                        if self._tensor is None:
-                            out.micro_batches = self._micro_batches(step)
+                        out.micro_batches = self._micro_batches(step)
                         epoch, placement = slots.epoch, slots.placement
                         assert epoch is not None and placement is not None
                         logits = self._pipeline.forward(
@@ -173,10 +170,11 @@ class Stepper:
                             placement=placement,
                             expert_load=load,
                             parts=out.micro_batches,
+                            tensor=tensor,  # stage 0's TP followers, per micro-batch
                         )
                     else:
                         logits = model.forward(fwd, kv, backend, expert_load=load)
-                    if tensor is not None:
+                    if tensor is not None and following is not None:
                         tensor.end(following)
                         following = None
                     # One host read: the tokens (it waits for the step's collectives).
