@@ -139,3 +139,51 @@ def test_every_dp_rank_splits_a_step_into_as_many_micro_batches() -> None:
         seq_ids=list("abcde"), token_ids=[[1] * n for n in (10, 10, 10, 5, 5)], start_pos=[0] * 5
     )
     assert [p.seq_ids for p in pipeline_group.split(many, 2)] == [["a", "b"], ["c", "d", "e"]]
+
+
+class _Recorded:
+    """Stages that record each chain's (frees, sequences) and answer zero logits."""
+
+    def __init__(self) -> None:
+        self.chains: list[tuple[list[str], list[str]]] = []
+
+    def chain(self, epoch: int, frees: Any, batch: Any, hidden: Any, live: Any) -> list[Any]:
+        self.chains.append((list(frees), list(batch.seq_ids)))
+        return [{"out": torch.zeros(len(batch.seq_ids), 4), "loads": []}]
+
+    def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        return list(pending)
+
+    def alive(self) -> str | None:
+        return None
+
+    def abort(self, reason: str) -> None:
+        pass
+
+
+class _Model:
+    device = torch.device("cpu")
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def forward(self, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("stage 0 failed")
+        return torch.zeros(sum(len(t) for t in batch.token_ids), 4)
+
+
+def test_kv_frees_go_with_the_first_micro_batch_and_wait_when_stage_0_fails() -> None:
+    stages = _Recorded()
+    lead = pipeline_group.PipelineLeader(stages, size=2, device="cpu")
+    batch = kv_mod.ForwardBatch(
+        seq_ids=["a", "b"], token_ids=[[1] * 300, [2] * 300], start_pos=[0, 0]
+    )
+    step = dict(epoch=1, token=(1, 1, 0, 1), placement=None, expert_load=torch.zeros(1, 1))
+    lead.free(["gone"])
+    with pytest.raises(RuntimeError, match="stage 0 failed"):
+        lead.forward(_Model(fail=True), batch, None, None, parts=2, **step)
+    assert stages.chains == []  # nothing sent: the frees wait for the next forward pass
+    logits = lead.forward(_Model(fail=False), batch, None, None, parts=2, **step)
+    assert stages.chains == [(["gone"], ["a"]), ([], ["b"])]
+    assert logits.shape == (2, 4)

@@ -346,6 +346,8 @@ class PipelineLeader:
         except Exception as exc:
             if pending:
                 self._sent = None  # a stage may have seen it
+            else:
+                self._frees[:0] = frees  # none sent: they go with the next forward pass
             self.abort(f"the leader's forward pass failed: {type(exc).__name__}")
             raise
         try:
