@@ -30,6 +30,8 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --schedule async sync
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --executor ray --schedule ahead async
                                             # two steps in flight against one (Ray only)
+    .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --executor ray --pin
+                                            # this process on CPU 0, the ranks on the others
 """
 
 from __future__ import annotations
@@ -262,6 +264,27 @@ def row(name: str, streams: int, r: dict[str, Any]) -> str:
     return " ".join(cells)
 
 
+def pin(executor: Any) -> None:
+    """This process on CPU 0, each rank process of `executor` on one of the other CPUs (every
+    thread of them: a process's affinity is its threads')."""
+    import os
+
+    def pin_all(pid: int | str, cpu: int) -> None:
+        for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), {cpu})
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+    cpus = sorted(os.sched_getaffinity(0))
+    pin_all("self", cpus[0])
+    others = cpus[1:] or cpus
+    infos = executor.collective_rpc("info")
+    for i, info in enumerate(infos):
+        pin_all(int(info["pid"]), others[i % len(others)])
+    print(f"pinned: this process to CPU {cpus[0]}, ranks {[i['pid'] for i in infos]} to {others}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[16, 32, 64])
@@ -308,6 +331,13 @@ def main() -> None:
         "the LocalExecutor takes one step at a time); async: the next step prepared while "
         "the ranks run this one, the step on a thread of its own "
         "(EngineConfig.async_scheduling); sync: schedule, step, apply in turn",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin this process (the engine, transformers, the floor) to CPU 0 and each Ray "
+        "rank process to one of the others, round robin (os.sched_setaffinity): no side "
+        "migrates between cores mid-step",
     )
     parser.add_argument(
         "--switch-interval",
@@ -379,6 +409,8 @@ def main() -> None:
         )
         engine.start()
         engines[dp, mode, sched] = (engine, timed, executor)
+        if args.pin and args.executor == "ray":
+            pin(executor)
         ours(engine, timed, prompts(4, args.prompt_len, cfg.vocab_size), 4)  # warm-up
     floor(model, experts, prompts(4, args.prompt_len, cfg.vocab_size), 4)
     hf_generate(hf, prompts(4, args.prompt_len, cfg.vocab_size), 4)
