@@ -21,6 +21,8 @@ DATA_PARALLEL_SIZE: Final = "--data-parallel-size"
 TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
 #: Contiguous stages the decoder layers are split into, per data-parallel rank.
 PIPELINE_PARALLEL_SIZE: Final = "--pipeline-parallel-size"
+#: New tokens on the busiest DP rank from which a step goes through the stages as micro-batches.
+PIPELINE_MICRO_BATCH_TOKENS: Final = "--pipeline-micro-batch-tokens"
 SERVED_MODEL_NAME: Final = "--served-model-name"
 HOST: Final = "--host"
 PORT: Final = "--port"
@@ -102,6 +104,8 @@ class ServeArgs:
     tensor_parallel_size: int = 1
     #: 1 (the runtime's default) is left out.
     pipeline_parallel_size: int = 1
+    #: ``None``: the runtime's default (left out).
+    pipeline_micro_batch_tokens: int | None = None
 
     def argv(self) -> list[str]:
         """``moe-runtime serve ...``, in a fixed order (the head's command in the RayCluster)."""
@@ -112,6 +116,8 @@ class ServeArgs:
             out += _option(TENSOR_PARALLEL_SIZE, self.tensor_parallel_size)
         if self.pipeline_parallel_size != 1:
             out += _option(PIPELINE_PARALLEL_SIZE, self.pipeline_parallel_size)
+        if self.pipeline_micro_batch_tokens is not None:
+            out += _option(PIPELINE_MICRO_BATCH_TOKENS, self.pipeline_micro_batch_tokens)
         out += _option(SERVED_MODEL_NAME, self.served_model_name)
         out += _option(HOST, self.host)
         out += _option(PORT, self.port)

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="contiguous stages of the decoder layers per DP rank",
     )
     serve.add_argument(
-        "--pipeline-micro-batch-tokens",
+        flags.PIPELINE_MICRO_BATCH_TOKENS,
         type=_non_negative,
         default=None,
         help="at P > 1, a step whose busiest DP rank has at least this many new tokens (a "

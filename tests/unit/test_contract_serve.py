@@ -92,6 +92,8 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         spec["model"]["source"] = "synthetic://" + spec["model"]["source"]
     if draw(st.booleans()):
+        spec["pipelineMicroBatchTokens"] = draw(integers("pipelineMicroBatchTokens"))
+    if draw(st.booleans()):
         spec["expertParallel"]["maxExpertsPerRank"] = draw(
             integers("expertParallel.maxExpertsPerRank")
         )
@@ -159,6 +161,7 @@ def test_a_flag_renamed_on_one_side_only_is_caught(flag: str) -> None:
         warm_spare_ranks=1,
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
+        pipeline_micro_batch_tokens=64,
     )
     renamed = [
         a.replace(flag, flag + "-renamed", 1) if a == flag or a.startswith(flag + "=") else a

@@ -292,6 +292,7 @@ TEMPLATE_CHANGES = {
     "shm": ("ray.sharedMemorySize", "2Gi"),
     "accelerator": ("ray.accelerator", "nvidia.com/gpu"),
     "tensor-parallel": ("tensorParallelSize", 2),
+    "pipeline-micro-batch": ("pipelineMicroBatchTokens", 64),
 }
 LIVE_CHANGES = {
     "size": ("dataParallelSize", 3),
@@ -374,20 +375,22 @@ def test_every_spec_field_is_classified() -> None:
         "ray",
         "tensorParallelSize",
         "pipelineParallelSize",
+        "pipelineMicroBatchTokens",
     }
     assert revision.LIVE_FIELDS <= fields
     assert fields <= tested | {"minDataParallelSize", "pipelineParallelSize"}
 
 
 def test_an_operator_upgrade_keeps_every_revision() -> None:
-    """A template field added later (pipelineParallelSize) leaves the hash of a spec that
-    does not use it as it was: the revision below is what the operator computed before the
+    """A template field added later (pipelineParallelSize, pipelineMicroBatchTokens) leaves the
+    hash of a spec that does not use it as it was: the revision below is what the operator computed before the
     field existed, so upgrading the operator rolls no deployment over."""
     spec = spec_.MoEDeploymentSpec.model_validate(
         {"model": {"source": "synthetic://tiny"}, "dataParallelSize": 2, "ray": {"image": "x:1"}}
     )
     assert revision.revision(spec) == "41fcdfb6eb"
     assert "pipelineParallelSize" not in revision.template_fields(spec)
+    assert "pipelineMicroBatchTokens" not in revision.template_fields(spec)
     assert revision.revision(spec.model_copy(update={"tensor_parallel_size": 2})) != "41fcdfb6eb"
 
 

@@ -363,8 +363,18 @@ class MoEDeploymentSpec(ApiModel):
         description=(
             "Pipeline stages per data-parallel rank: the decoder layers split into this many "
             "contiguous stages, one rank actor each, in the rank's one worker pod (it holds "
-            "TP x PP devices). Above 1: not yet with tensorParallelSize > 1, EPLB or warm "
-            "spares. A change rolls the deployment over (docs/ROLLOUTS.md)."
+            "TP x PP devices). A change rolls the deployment over (docs/ROLLOUTS.md)."
+        ),
+    )
+    pipeline_micro_batch_tokens: int | None = pydantic.Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "At pipelineParallelSize > 1: a step whose busiest data-parallel rank has at least "
+            "this many new tokens (a prefill) goes through the stages as micro-batches, the "
+            "stages working at once; 0: every step whole. Unset: the runtime's default (256). "
+            "A change rolls the deployment over (docs/ROLLOUTS.md)."
         ),
     )
     max_queued_requests: int = pydantic.Field(

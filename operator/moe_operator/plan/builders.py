@@ -139,6 +139,7 @@ def serve_args(
         max_experts_per_rank=experts.max_experts_per_rank,
         tensor_parallel_size=spec.tensor_parallel_size,
         pipeline_parallel_size=spec.pipeline_parallel_size,
+        pipeline_micro_batch_tokens=spec.pipeline_micro_batch_tokens,
         # Said, not guessed: at start the head may not see the GPU workers yet.
         device=flags.DEVICE_CUDA if spec.wants_gpus else flags.DEVICE_CPU,
         dtype=serve_dtype(spec),
