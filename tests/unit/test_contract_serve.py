@@ -81,10 +81,6 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
         "tensorParallelSize": draw(integers("tensorParallelSize")),
         "pipelineParallelSize": draw(integers("pipelineParallelSize")),
     }
-    if spec["pipelineParallelSize"] > 1:  # the CRD's rules: not yet with TP, EPLB or spares
-        spec["tensorParallelSize"] = 1
-        spec["expertParallel"]["eplb"]["enabled"] = False
-        spec["elastic"]["warmSpareRanks"] = 0
     if draw(st.booleans()):
         spec["model"]["servedModelName"] = draw(text("model.servedModelName"))
     if draw(st.booleans()):
