@@ -114,12 +114,9 @@ def micro_batches(size: int, batches: Sequence[Sequence[int]], min_tokens: int) 
     micro-batches, no more than that batch has sequences; a smaller one (decodes: reading
     the weights dominates, and each micro-batch reads them again) goes whole. `min_tokens`
     0: always whole."""
-    if size <= 1 or min_tokens <= 0 or not batches:
+    if size <= 1 or min_tokens <= 0 or not batches or max(map(sum, batches)) < min_tokens:
         return 1
-    most = max(batches, key=sum)
-    if sum(most) < min_tokens:
-        return 1
-    return max(1, min(size, max(len(b) for b in batches)))
+    return min(size, max(map(len, batches)))
 
 
 def split(batch: kv_mod.ForwardBatch, parts: int) -> list[kv_mod.ForwardBatch]:
@@ -177,13 +174,15 @@ class PipelineLeader:
         *,
         size: int,
         device: str,
-        micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+        micro_batch_tokens: int | None = None,
     ) -> None:
         self.stages = stages
         self.size = size
         self.device = device
-        #: `micro_batches`' threshold (0: every step goes whole)
-        self.micro_batch_tokens = micro_batch_tokens
+        #: `micro_batches`' threshold (0: every step goes whole; None given: the default)
+        self.micro_batch_tokens = (
+            MICRO_BATCH_TOKENS if micro_batch_tokens is None else micro_batch_tokens
+        )
         self._frees: list[str] = []
         self._lost: str | None = None
         #: The live token every stage has followed (None: send the placement with the next).

@@ -165,11 +165,7 @@ class RankWorker:
                 pipeline,
                 size=pipeline_size,
                 device=self.device,
-                micro_batch_tokens=(
-                    pipeline_mod.MICRO_BATCH_TOKENS
-                    if pipeline_micro_batch_tokens is None
-                    else pipeline_micro_batch_tokens
-                ),
+                micro_batch_tokens=pipeline_micro_batch_tokens,
             )
         #: What `load_weights` has read so far (`load_progress`).
         self.progress = progress_mod.LoadCounter()
