@@ -32,6 +32,9 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
                                             # two steps in flight against one (Ray only)
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --executor ray --pin
                                             # this process on CPU 0, the ranks on the others
+    .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --executor ray --step-mode compiled \
+        --schedule ahead --env - MOE_MALLOC_TUNING=0 MOE_STEP_GRAPH_WAIT_FRACTION=0
+                                            # as served, and without each of two settings
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ sys.path.insert(0, str(BENCH.parent))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -163,6 +168,7 @@ def ours(engine: core.Engine, timed: Timed, batch: list[list[int]], new: int) ->
     itl: list[float] = []
     timed.seconds, timed.rank_seconds, timed.steps = 0.0, 0.0, 0
     engine.delivery.busy_seconds = 0.0
+    cpu = time.process_time()
     started = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> int:
@@ -195,6 +201,7 @@ def ours(engine: core.Engine, timed: Timed, batch: list[list[int]], new: int) ->
         "engine": 1 - timed.seconds / wall,
         "link": (timed.seconds - timed.rank_seconds) / wall,
         "deliv": engine.delivery.busy_seconds / wall,
+        "cpu": (time.process_time() - cpu) / wall,
         "wall": wall,
     }
 
@@ -261,13 +268,34 @@ def row(name: str, streams: int, r: dict[str, Any]) -> str:
     cells.append(f"{r['floor_share'] * 100:6.1f}%" if "floor_share" in r else "      -")
     cells.append(f"{r['deliv'] * 100:6.1f}%" if "deliv" in r else "      -")
     cells.append(f"{r['link'] * 100:6.1f}%" if "link" in r else "      -")
+    cells.append(f"{r['cpu']:6.2f}" if "cpu" in r else "      -")
     return " ".join(cells)
+
+
+def name_of(dp: int, mode: str, sched: str, env: str) -> str:
+    name = f"ours DP={dp} out:{mode} sch:{sched}"
+    return name if env == "-" else f"{name} {env}"
+
+
+@contextlib.contextmanager
+def variant(env: str) -> Iterator[None]:
+    """`--env`'s NAME=VALUE pairs set in os.environ for the block, then restored."""
+    pairs = [] if env == "-" else [kv.split("=", 1) for kv in env.split(",")]
+    saved = {name: os.environ.get(name) for name, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def pin(executor: Any) -> None:
     """This process on CPU 0, each rank process of `executor` on one of the other CPUs (every
     thread of them: a process's affinity is its threads')."""
-    import os
 
     def pin_all(pid: int | str, cpu: int) -> None:
         for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
@@ -333,6 +361,14 @@ def main() -> None:
         "(EngineConfig.async_scheduling); sync: schedule, step, apply in turn",
     )
     parser.add_argument(
+        "--env",
+        nargs="+",
+        default=["-"],
+        help="variants of our side, each NAME=VALUE[,NAME=VALUE] set in this process's "
+        "environment while its executor starts (the ranks get the MOE_* ones: "
+        "`executor.guards.rank_env`; the step path reads MOE_STEP_GRAPH_*); '-': as is",
+    )
+    parser.add_argument(
         "--pin",
         action="store_true",
         help="pin this process (the engine, transformers, the floor) to CPU 0 and each Ray "
@@ -367,27 +403,36 @@ def main() -> None:
     )
     header = (
         f"{'':<28} {'strm':>4} {'tok/s':>8} {'TTFT50':>7} {'TTFT99':>7} {'ITL50':>7} "
-        f"{'ITL99':>7} {'step':>7} {'engine':>7} {'>floor':>7} {'deliv':>7} {'link':>7}"
+        f"{'ITL99':>7} {'step':>7} {'engine':>7} {'>floor':>7} {'deliv':>7} {'link':>7} "
+        f"{'cpu':>6}"
     )
     print(
         header + "\n(ms; engine: time no execute_step runs / wall; >floor: 1 - floor / ours; "
         "deliv: output thread busy / wall; link: execute_step's time outside the ranks' own "
-        "step (the executor's call, transport, waking the step thread) / wall)"
+        "step (the executor's call, transport, waking the step thread) / wall; cpu: this "
+        "process's CPU seconds / wall, cores: the engine, and the step thread's wait)"
     )
-    engines: dict[tuple[int, str, str], tuple[core.Engine, Timed, Any]] = {}
+    engines: dict[tuple[int, str, str, str], tuple[core.Engine, Timed, Any]] = {}
     owns_ray = False
     if args.executor == "ray":
         from moe_runtime.executor import cluster, ray_executor
 
-        loops = len(args.outputs) * len(args.schedule)
+        loops = len(args.outputs) * len(args.schedule) * len(args.env)
         owns_ray = cluster.connect(num_rank_slots=max(8, sum(args.dp) * loops))
-    runs = [(dp, o, s) for dp in args.dp for o in args.outputs for s in args.schedule]
-    for dp, mode, sched in runs:
+    runs = [
+        (dp, o, s, e)
+        for dp in args.dp
+        for o in args.outputs
+        for s in args.schedule
+        for e in args.env
+    ]
+    for dp, mode, sched, env in runs:
         executor: Any
-        if args.executor == "ray":
-            executor = ray_executor.RayExecutor(dp, dtype="float32", step_mode=args.step_mode)
-        else:
-            executor = local.LocalExecutor(dp)
+        with variant(env):
+            if args.executor == "ray":
+                executor = ray_executor.RayExecutor(dp, dtype="float32", step_mode=args.step_mode)
+            else:
+                executor = local.LocalExecutor(dp)
         num_physical = -(-cfg.num_experts // dp) * dp
         executor.start(
             str(path),
@@ -408,7 +453,7 @@ def main() -> None:
             ),
         )
         engine.start()
-        engines[dp, mode, sched] = (engine, timed, executor)
+        engines[dp, mode, sched, env] = (engine, timed, executor)
         if args.pin and args.executor == "ray":
             pin(executor)
         ours(engine, timed, prompts(4, args.prompt_len, cfg.vocab_size), 4)  # warm-up
@@ -426,8 +471,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 bases.append(floor(model, experts, batch, new))
                 runs = [
-                    (f"ours DP={dp} out:{mode} sch:{sched}", ours(engine, timed, batch, new))
-                    for (dp, mode, sched), (engine, timed, _) in engines.items()
+                    (name_of(dp, mode, sched, env), ours(engine, timed, batch, new))
+                    for (dp, mode, sched, env), (engine, timed, _) in engines.items()
                 ]
                 runs.append(("hf generate", hf_generate(hf, batch, new)))
                 for name, r in runs:

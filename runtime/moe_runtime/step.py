@@ -76,6 +76,12 @@ class StepInput:
     batches: dict[int, RankBatch] = field(default_factory=dict)
     control: dict[str, Any] = field(default_factory=dict)
 
+    def most_tokens(self) -> int:
+        """New tokens of the busiest rank (what the step's duration follows)."""
+        return max(
+            (sum(len(s.token_ids) for s in b.seqs) for b in self.batches.values()), default=0
+        )
+
 
 @dataclass
 class StepOutput:

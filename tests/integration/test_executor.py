@@ -22,6 +22,7 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.executor import base
 from moe_runtime.model import generate
+from moe_runtime.rank import allocator
 from moe_runtime.rank import groups as groups_mod
 from tests.support import lockstep
 
@@ -88,7 +89,11 @@ def test_two_ranks_generate_like_single_process(
         run.add(f"g{i}", prompt, rank=i % 2, max_tokens=MAX_TOKENS)
     got = run.run()
     assert [got[f"g{i}"] for i in range(len(PROMPTS))] == reference
-    assert sorted(two_ranks.rank_infos()) == [0, 1]
+    infos = two_ranks.rank_infos()
+    assert sorted(infos) == [0, 1]
+    # every rank process set glibc's malloc for step-sized activations (`rank.allocator`)
+    tuned = {name: value for name, (_, value) in allocator.SETTINGS.items()}
+    assert [infos[r]["malloc"] for r in (0, 1)] == [tuned, tuned]
 
 
 def test_every_rank_says_what_its_load_read_on_its_health_lane(

@@ -1,7 +1,9 @@
 """The step path parks an idle compiled graph (`ray_step`, "Parking"): over two actors that do
-no work, a graph idle for `park_after` s is torn down and its actors stop spending CPU, a step
-while parked is answered through plain calls and brings the graph back, and steps that keep
-coming never park it."""
+no work, a graph idle for `park_after` s is held (its actors' loops wait in a hold) and neither
+they nor the driver spend CPU, a step while parked releases the hold and goes through the same
+graph at once (no compile), a graph retired or closed while held is released and torn down,
+and steps that keep coming never park it. While a step runs, the thread that collects it sleeps through most of it
+instead of spinning on the graph's output (`step_wait`)."""
 
 from __future__ import annotations
 
@@ -28,20 +30,32 @@ class Echo:
     """A rank that does nothing: answers every step with its step id."""
 
     def __init__(self, rank: int) -> None:
+        import threading
+
         self.rank = rank
         self.seen: list[int] = []
+        self.hold = threading.Event()
 
     def pid(self) -> int:
         return os.getpid()
 
     def execute_step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
-        if step.step_id > 0:  # not a graph's probe
+        from moe_runtime.executor import ray_actor
+
+        if step.step_id == ray_actor.HOLD_STEP_ID:  # as `RankActor.execute_step` does
+            self.hold.wait()
+            self.hold.clear()
+        if step.step_id > 0:  # not a graph's probe or hold
             self.seen.append(step.step_id)
-        time.sleep(step.control.get("seconds", 0.0))  # the step's duration, if it has one
-        return step_mod.StepOutput(rank=self.rank, step_id=step.step_id)
+        lasts = step.control.get("seconds", 0.0)
+        time.sleep(lasts)  # the step's duration, if it has one
+        return step_mod.StepOutput(rank=self.rank, step_id=step.step_id, seconds=lasts)
 
     def history(self) -> list[int]:
         return list(self.seen)
+
+    def release_hold(self) -> None:
+        self.hold.set()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -60,7 +74,9 @@ def wait_for(condition: Any, what: str, timeout: float = 60.0) -> None:
 def actors(ray_session: None) -> Iterator[list[Any]]:
     import ray
 
-    remote = ray.remote(num_cpus=0)(Echo)
+    from moe_runtime.executor import ray_actor
+
+    remote = ray.remote(num_cpus=0, concurrency_groups={ray_actor.HEALTH_LANE: 1})(Echo)
     handles = [remote.remote(rank) for rank in range(2)]  # type: ignore[attr-defined]
     ray.get([h.pid.remote() for h in handles])
     yield handles
@@ -92,26 +108,43 @@ def test_an_idle_graph_is_parked_and_its_actors_stop_spending_cpu(
 
     assert step(path, 1) == [1, 1]
     wait_for(path.parked, f"the graph parked after {PARK_AFTER}s without a step")
-    assert not path.graph_live() and path.parks == 1
-    assert path.wait_idle(60)  # the teardown job is over
-    pids = ray.get([a.pid.remote() for a in actors])
+    assert path.graph_live() and path.parks == 1  # held, not torn down
+    assert path.wait_idle(60)  # no job runs
+    pids = ray.get([a.pid.remote() for a in actors]) + [os.getpid()]
     before = [cpu_seconds(pid) for pid in pids]
     started = time.monotonic()
     time.sleep(2.0)  # the measurement window itself
     seconds = time.monotonic() - started
     used = [(cpu_seconds(pid) - b) / seconds for pid, b in zip(pids, before, strict=True)]
-    # A live graph's actors busy-wait (most of a core each); parked ones only idle.
-    assert max(used) < 0.15, f"parked actors used {used} of a core"
+    # A live graph's actors busy-wait (most of a core each); held ones, and the driver with
+    # the hold's output unread, only idle.
+    assert max(used) < 0.15, f"the actors and the driver used {used} of a core"
 
 
-def test_a_step_while_parked_is_served_and_brings_the_graph_back(path: Any) -> None:
+def test_a_step_while_parked_is_served_by_the_same_graph_at_once(path: Any) -> None:
     wait_for(path.parked, "the graph parked")
-    assert step(path, 2) == [2, 2]  # plain calls, at once
-    assert path.resumes == 1 and not path.parked()
-    wait_for(path.graph_live, "the graph compiled again after the step")
+    compiles = dict(path.last_compile)
+    sent = path.submit(step_mod.StepInput(step_id=2))
+    assert sent.graph_ref is not None  # the held graph, released: no plain calls, no compile
+    assert [o.step_id for o in path.collect(sent, timeout=60.0)] == [2, 2]
+    assert path.resumes == 1 and not path.parked() and path.graph_live()
     assert step(path, 3) == [3, 3]
     wait_for(path.parked, "parked again once idle")
-    assert path.parks == 2
+    assert path.parks == 2 and path.last_compile == compiles
+
+
+def test_a_graph_retired_while_held_is_released_and_a_new_one_serves(
+    path: Any, actors: list[Any]
+) -> None:
+    import ray
+
+    wait_for(path.parked, "the graph parked")
+    path.set([0, 1], actors)  # a switch onto the same actors: the held graph is retired
+    wait_for(path.graph_live, "a new graph compiled over the actors (the held one torn down)")
+    assert path.wait_idle(60)
+    assert step(path, 4) == [4, 4]
+    for history in ray.get([a.history.remote() for a in actors]):
+        assert history[-1] == 4
 
 
 def test_steps_that_keep_coming_never_park_the_graph(actors: list[Any]) -> None:
@@ -166,6 +199,39 @@ def test_with_two_steps_always_in_flight_the_graph_takes_over_and_the_order_hold
     assert handover == [True]
     for history in ray.get([a.history.remote() for a in actors]):
         assert history[start:] == list(range(100, step_id + 1))
+
+
+def test_the_collecting_thread_sleeps_through_most_of_a_step_instead_of_spinning(
+    actors: list[Any],
+) -> None:
+    from moe_runtime.executor import ray_step, step_wait
+
+    sampling = step_mod.SamplingParams()
+    decode = {0: step_mod.RankBatch([step_mod.SeqWork("s", [1], 5, sampling)])}  # one token
+    lasts = {"seconds": 0.2}
+    used: dict[float, float] = {}
+    step_id = 300
+    for fraction in (0.0, step_wait.WAIT_FRACTION):  # spinning as before, then waiting
+        p = ray_step.StepPath(
+            compiled=True, compile_timeout=60.0, park_after=0, wait=step_wait.StepWait(fraction)
+        )
+        p.set([0, 1], actors)
+        try:
+            wait_for(p.graph_live, "the step graph took over")
+            for timed in (False, True):  # two steps to estimate from, then four measured
+                cpu, wall = time.thread_time(), time.monotonic()
+                for _ in range(4 if timed else 2):
+                    step_id += 1
+                    outs = p.execute(step_mod.StepInput(step_id, decode, lasts), timeout=60.0)
+                    assert [o.step_id for o in outs] == [step_id] * 2
+            used[fraction] = (time.thread_time() - cpu) / (time.monotonic() - wall)
+        finally:
+            p.close()
+    # Reading a graph's output spins (a sched_yield loop in Ray 2.60): most of a core for the
+    # whole step; the wait spins only through the step's last 15 %.
+    spin, waiting = used[0.0], used[step_wait.WAIT_FRACTION]
+    assert spin > 0.3, f"spinning read used only {spin:.2f} of a core"
+    assert waiting < spin / 2, f"waiting used {waiting:.2f} of a core against {spin:.2f}"
 
 
 def test_a_path_closed_while_parked_stops_its_threads(actors: list[Any]) -> None:

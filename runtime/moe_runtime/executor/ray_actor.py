@@ -39,6 +39,7 @@ from moe_runtime.executor import (
     ray_transfer,
     roster,
 )
+from moe_runtime.rank import allocator
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import worker as worker_mod
 
@@ -51,6 +52,9 @@ EXPORT_LANE = "export"
 HEALTH_LANE = "health"
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
+#: StepInput.step_id of a hold (`ray_step`, "Parking"): the actor's graph loop waits in it,
+#: idle, until `RankActor.release_hold`.
+HOLD_STEP_ID = -2
 
 
 class RankActor:
@@ -69,6 +73,7 @@ class RankActor:
         micro_batch_tokens: int | None = None,
     ) -> None:
         logs.configure_rank()
+        self._malloc = allocator.tune()
         if spare:  # its process began at SPARE_NICENESS already (`niceness.spare_setup`)
             niceness.set_niceness(label, niceness.SPARE_NICENESS, why="waits as a spare")
         tensor = None
@@ -101,6 +106,8 @@ class RankActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._serving = False
+        #: Set by `release_hold`: the step graph's loop, parked in a hold, goes on.
+        self._hold = threading.Event()
         #: native id of the thread that runs this rank's steps (the default lane), once it has
         self._step_thread: int | None = None
 
@@ -126,7 +133,7 @@ class RankActor:
 
     def ready(self) -> dict[str, Any]:
         info = self.worker.info()
-        info.update(node_id=self.node_id, ip=self.node_ip)
+        info.update(node_id=self.node_id, ip=self.node_ip, malloc=self._malloc)
         return info
 
     def free_port(self) -> tuple[str, int]:
@@ -140,6 +147,12 @@ class RankActor:
         if step.step_id == PROBE_STEP_ID:
             # The first execution of a fresh step graph (`ray_step`): it may run while a plain
             # call steps the worker, so it must not touch the worker.
+            return step_mod.StepOutput(rank=-1, step_id=step.step_id)
+        if step.step_id == HOLD_STEP_ID:
+            # A parked step graph (`ray_step`): its loop waits here, idle, instead of spinning
+            # on its input channel, until the next step (or a teardown) releases it.
+            self._hold.wait()
+            self._hold.clear()
             return step_mod.StepOutput(rank=-1, step_id=step.step_id)
         if not self._serving:
             self._serving = True
@@ -246,6 +259,10 @@ class RankActor:
 
     def _model(self) -> Any:
         return self.worker.loaded.require(self.worker.where())[1]
+
+    def release_hold(self) -> None:
+        """End the hold the step graph's loop waits in (`execute_step`); on the health lane."""
+        self._hold.set()
 
     def echo(self, value: Any) -> Any:
         """Does nothing: the method of the throwaway graph that warms a new actor up."""

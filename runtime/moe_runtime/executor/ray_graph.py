@@ -1,6 +1,7 @@
 """The step graph of `RayExecutor`: a Ray compiled graph ``InputNode -> [rank.execute_step]
--> MultiOutputNode``, and the warm-up that pays an actor's first compile while it is not
-stepped yet (`WarmUp`, a part of the executor: warm spare ranks, a grow's new ranks).
+-> MultiOutputNode``, its hold while parked (`hold`, `release`: `ray_step`, "Parking"), and
+the warm-up that pays an actor's first compile while it is not stepped yet (`WarmUp`, a part
+of the executor: warm spare ranks, a grow's new ranks).
 
 Two compiled graphs must never be live on the same actors (docs/INTERNALS.md, "Ray 2.60 rules"): `ray_step` tears the
 old graph down before it compiles a new one, and warm-ups run over unstepped actors only.
@@ -8,6 +9,7 @@ old graph down before it compiles a new one, and warm-ups run over unstepped act
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -17,7 +19,13 @@ from typing import Any
 import ray
 import ray.dag
 
+from moe_runtime import step as step_mod
+from moe_runtime.executor import ray_actor
+
 log = logging.getLogger(__name__)
+
+#: Seconds a release of a held graph may take (the actors' calls, then the hold's output).
+RELEASE_TIMEOUT_SECONDS = 10.0
 
 
 def compile_graph(actors: Sequence[Any]) -> Any:
@@ -27,6 +35,42 @@ def compile_graph(actors: Sequence[Any]) -> Any:
     with ray.dag.InputNode() as inp:
         dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
     return dag.experimental_compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A parked graph's hold in flight: the graph, the hold's output, the actors it waits on."""
+
+    graph: Any
+    ref: Any
+    actors: list[Any]
+
+
+def hold(graph: Any, actors: Sequence[Any]) -> Held:
+    """Send a hold through `graph` (`ray_actor.HOLD_STEP_ID`): each actor's graph loop waits
+    in it, idle, until `release`. Its output is left unread (that costs the driver nothing)."""
+    ref = graph.execute(step_mod.StepInput(step_id=ray_actor.HOLD_STEP_ID, batches={}))
+    return Held(graph, ref, list(actors))
+
+
+def release(held: Held) -> bool:
+    """End a hold: each actor's `release_hold` on its health lane, then the hold's output;
+    False (logged) when that fails (an actor lost meanwhile)."""
+    lane = {"concurrency_group": ray_actor.HEALTH_LANE}
+    try:
+        ray.get(
+            [a.release_hold.options(**lane).remote() for a in held.actors],
+            timeout=RELEASE_TIMEOUT_SECONDS,
+        )
+        ray.get(held.ref, timeout=RELEASE_TIMEOUT_SECONDS)
+    except Exception as exc:  # noqa: BLE001 - the graph is dropped instead
+        log.warning(
+            "releasing the parked step graph failed (%s: %s); it is torn down and compiled again",
+            type(exc).__name__,
+            exc,
+        )
+        return False
+    return True
 
 
 def warm_up(actors: Sequence[Any], *, timeout: float) -> None:

@@ -25,7 +25,7 @@ import ray
 
 from moe_runtime import logs
 from moe_runtime.executor import niceness, ray_tensor
-from moe_runtime.rank import pipeline_group, stage_worker
+from moe_runtime.rank import allocator, pipeline_group, stage_worker
 
 CTL_LANE = "ctl"
 HEALTH_LANE = ray_tensor.HEALTH_LANE
@@ -41,6 +41,7 @@ class StageActor:
         self, *, label: int, stage: int, size: int, device: str, followers: Sequence[Any] = ()
     ) -> None:
         logs.configure_rank()
+        allocator.tune()
         import torch
 
         torch.set_num_threads(1)

@@ -22,13 +22,21 @@ over actors that were in a graph before, ~2.5 s over fresh ones).
 Parking (`park_after`): Ray 2.60's compiled-graph actors busy-wait for their next input (the
 shared-memory channel's read is a ``sched_yield`` loop in ``PlasmaObjectHeader::ReadAcquire``,
 with no setting that makes it block), so a live graph costs each stepped actor most of a core
-while no step runs (measured: 0.9 of a core per serving rank). A thread of the step path tears
-the graph down once no step has run for `park_after` s (none in flight): the path is parked.
-The next step goes through plain calls at once and restarts the background job, which compiles
-the graph again (~0.1-0.2 s over actors that were in one before) and installs it as after a
-switch. A busy server never parks; an idle one costs its ranks nothing while it waits. A park
-and resume cost ~1 CPU-second in all (each compile starts a new `DAGDriverProxyActor` process
-in Ray 2.60), less than `park_after` s of the spinning it stops (docs/BENCHMARKS.md).
+while no step runs (measured: 0.9 of a core per serving rank). A thread of the step path parks
+the graph once no step has run for `park_after` s (none in flight): it sends a hold through it
+(`HOLD_STEP_ID`), which each actor's graph loop answers by waiting on an event, idle, and
+nobody reads its output yet (an execution in flight and unread costs the driver nothing
+either: measured, no process above 0.03 of a core). The next step releases the hold (one call
+per actor on its health lane, `RankActor.release_hold`), reads the hold's output and goes
+through the same graph: ~3 ms, no compile. Before, a park tore the graph down and the next
+step compiled it again (~1 CPU-second, a new `DAGDriverProxyActor` process in Ray 2.60, with
+plain calls serving meanwhile); that stays the fallback where a hold cannot be sent or
+released. A graph retired while held (a switch, `clear`, `close`) is released before its
+teardown, which could not otherwise stop the waiting loop. A busy server never parks; an idle
+one costs its ranks nothing while it waits.
+
+The collecting thread sleeps through most of each step before it reads the graph's output,
+which spins too (`step_wait`).
 
 Failures: a compile or a probe that fails leaves the plain-call path serving (no request
 notices) and is tried again `RETRY_SECONDS` later, at the next step. A compile that hangs holds
@@ -50,7 +58,7 @@ from typing import Any
 import ray
 
 from moe_runtime import step as step_mod
-from moe_runtime.executor import guards, ray_actor, ray_graph
+from moe_runtime.executor import guards, ray_actor, ray_graph, step_wait
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +95,22 @@ class StepPath:
 
     compiled: whether graphs are built at all ("compiled" step mode). compile_timeout bounds
     the probe step of a new graph. park_after: seconds without a step before a live graph is
-    torn down (parked) until the next step; 0 never parks.
+    torn down (parked) until the next step; 0 never parks. wait: how long `collect` sleeps
+    before it reads a graph's output (`step_wait`; default from the env).
     """
 
     def __init__(
-        self, *, compiled: bool, compile_timeout: float, park_after: float = PARK_AFTER_SECONDS
+        self,
+        *,
+        compiled: bool,
+        compile_timeout: float,
+        park_after: float = PARK_AFTER_SECONDS,
+        wait: step_wait.StepWait | None = None,
     ) -> None:
         self.compiled = compiled
         self.compile_timeout = compile_timeout
         self.park_after = park_after
+        self.wait = wait or step_wait.StepWait(step_wait.fraction_from_env())
         self._lock = threading.Lock()
         #: Wakes the parking thread: a graph was installed, or the path closed.
         self._wake = threading.Condition(self._lock)
@@ -114,8 +129,15 @@ class StepPath:
         #: The graph the steps in flight were sent through (None: plain calls).
         self._flying_graph: Any = None
         self._last_step = time.monotonic()
-        #: The graph was torn down for idleness: the next step starts its recompile.
+        #: The graph was parked for idleness: held (`_held`), or torn down where a hold failed
+        #: (the next step then starts its recompile).
         self._parked = False
+        #: The parked graph's hold in flight: (graph, its output, its actors).
+        self._held: ray_graph.Held | None = None
+        #: A step is releasing the hold (`_resume_held`): no new hold meanwhile.
+        self._releasing = False
+        #: Holds of graphs retired while held, by id(graph): released before their teardown.
+        self._retired_holds: dict[int, ray_graph.Held] = {}
         #: How often the graph was parked and how often a step resumed it (benchmarks, tests).
         self.parks = 0
         self.resumes = 0
@@ -165,6 +187,9 @@ class StepPath:
     def _retire_locked(self) -> None:
         if self._graph is not None:
             self._retired.append(self._graph)
+            if self._held is not None and self._held.graph is self._graph:
+                self._retired_holds[id(self._graph)] = self._held
+            self._held = None
             self._graph = None
 
     # -- one step --------------------------------------------------------------------------
@@ -180,7 +205,8 @@ class StepPath:
         executions in turn). A graph installed while plain calls are in flight takes over
         once they landed: this waits for them (at most `HANDOVER_WAIT_SECONDS`, then plain
         calls again): with two steps in flight under steady load none would otherwise ever
-        find the path empty."""
+        find the path empty. A parked graph's hold is released first (module docstring)."""
+        self._resume_held()
         with self._lock:
             if self._graph is not None and self._in_flight and self._flying_graph is None:
                 self._wake.wait_for(
@@ -213,7 +239,10 @@ class StepPath:
             self._start_job(gen)
         try:
             if graph is not None:
-                return Submitted(step, list(ranks), gen, graph_ref=graph.execute(step))
+                sent_at = time.monotonic()
+                return Submitted(
+                    step, list(ranks), gen, graph_ref=graph.execute(step), sent_at=sent_at
+                )
             refs = [a.execute_step.remote(step) for a in actors]
         except BaseException:
             self._landed()
@@ -222,16 +251,43 @@ class StepPath:
 
     def collect(self, sent: Submitted, *, timeout: float) -> list[step_mod.StepOutput]:
         """The outputs of a step `submit` sent, within `timeout` s; raises what the call
-        raised."""
+        raised. A graph's output is read after a sleep through most of the step
+        (`step_wait`: the read spins)."""
         try:
             if sent.graph_ref is not None:
-                return list(ray.get(sent.graph_ref, timeout=timeout))
-            outs: list[step_mod.StepOutput] = ray_actor.get_all(
+                tokens = sent.step.most_tokens()
+                slept = self.wait.wait(tokens, sent.sent_at)
+                outs: list[step_mod.StepOutput] = list(
+                    ray.get(sent.graph_ref, timeout=max(0.0, timeout - slept))
+                )
+                self.wait.landed(tokens, max((o.seconds for o in outs), default=0.0))
+                return outs
+            plain: list[step_mod.StepOutput] = ray_actor.get_all(
                 sent.refs, sent.ranks, what="execute_step", timeout=timeout
             )
-            return outs
+            return plain
         finally:
             self._landed()
+
+    def _resume_held(self) -> None:
+        """Release the parked graph's hold (if any) so that this step takes the graph; a hold
+        that cannot be released retires the graph: the step goes through plain calls and
+        resumes the old way (`submit`: a compile job)."""
+        with self._lock:
+            held, self._held = self._held, None
+            self._releasing = held is not None  # the parker holds off meanwhile
+        if held is None:
+            return
+        released = ray_graph.release(held)
+        with self._lock:
+            self._releasing = False
+            self._last_step = time.monotonic()  # a whole park_after before the next park
+            if released:
+                self._parked = False
+                self.resumes += 1
+            elif self._graph is held.graph:
+                self._retired.append(self._graph)  # torn down by the compile job
+                self._graph = None
 
     def current(self, gen: int) -> bool:
         """The step path is still the one of generation `gen` (no `set` or `clear` since)."""
@@ -252,13 +308,16 @@ class StepPath:
         park (no graph, or never parking)."""
         if self._graph is None or self._closed or self.park_after <= 0:
             return None
+        if self._held is not None or self._releasing:
+            return None
         if self._in_flight:
             return self.park_after
         return self._last_step + self.park_after - time.monotonic()
 
     def _run_parker(self) -> None:
-        """The parking thread: tears the graph down once no step has run for `park_after` s.
-        Under load it wakes about once per `park_after` s and finds a recent step."""
+        """The parking thread: holds the graph once no step has run for `park_after` s (tears
+        it down where the hold cannot be sent). Under load it wakes about once per
+        `park_after` s and finds a recent step."""
         while True:
             with self._lock:
                 if self._closed:
@@ -267,11 +326,19 @@ class StepPath:
                 if wait is None or wait > 0:
                     self._wake.wait(wait)  # re-checked on wake-up
                     continue
-                self._retire_locked()
+                graph = self._graph
                 self._parked = True
                 self.parks += 1
-                gen = self._gen
-            log.info("no step for %.1fs: parking the step graph", self.park_after)
+                try:
+                    # under the lock: no step is sent behind the hold before it is recorded
+                    self._held = ray_graph.hold(graph, self._actors)
+                except Exception:  # noqa: BLE001 - parked the old way instead
+                    log.exception("holding the idle step graph failed; tearing it down")
+                    self._retire_locked()
+                    gen = self._gen
+                else:
+                    log.info("no step for %.1fs: step graph parked (held)", self.park_after)
+                    continue
             self._start_job(gen, compile=False)
 
     def _start_parker_locked(self) -> None:
@@ -368,8 +435,11 @@ class StepPath:
         for graph in retired:
             self._teardown(graph)
 
-    @staticmethod
-    def _teardown(graph: Any) -> None:
+    def _teardown(self, graph: Any) -> None:
+        with self._lock:
+            held = self._retired_holds.pop(id(graph), None)
+        if held is not None:
+            ray_graph.release(held)  # the held loops would never see the teardown
         try:
             graph.teardown()
         except Exception:  # noqa: BLE001 - a broken graph is dropped anyway
@@ -411,6 +481,8 @@ class Submitted:
     gen: int
     graph_ref: Any = None
     refs: list[Any] = dataclasses.field(default_factory=list)
+    #: Monotonic time a graph's execution was sent (`step_wait`).
+    sent_at: float = 0.0
 
 
 def _probe() -> step_mod.StepInput:

@@ -27,7 +27,7 @@ import ray.exceptions
 
 from moe_runtime import logs
 from moe_runtime.executor import niceness
-from moe_runtime.rank import tensor_group
+from moe_runtime.rank import allocator, tensor_group
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class FollowerActor:
         stages: int = 1,
     ) -> None:
         logs.configure_rank()
+        allocator.tune()
         if spare:
             niceness.set_niceness(label, niceness.SPARE_NICENESS, why="waits as a spare")
         import torch
