@@ -1,9 +1,10 @@
 """What an idle serving rank costs with the compiled step graph: parked graph vs always live.
 
 Ray 2.60's compiled-graph actors busy-wait for their next input, so a live step graph keeps
-each serving rank near a core while no request is served; the step path parks (tears down) a
-graph idle for `MOE_STEP_GRAPH_PARK_SECONDS` and compiles it again at the next step
-(`moe_runtime.executor.ray_step`, "Parking"). For each `--park-seconds` value (0: never park,
+each serving rank near a core while no request is served; the step path parks a graph idle
+for `MOE_STEP_GRAPH_PARK_SECONDS`: each actor's graph loop waits, idle, in a hold step that the
+next step releases (`moe_runtime.executor.ray_step`, "Parking"; before, the graph was torn
+down and compiled again at the next step). For each `--park-seconds` value (0: never park,
 the behaviour before parking) one `moe-runtime serve` at DP=2 (compiled step mode; "remote": plain actor calls, no graph) is
 started,
 a few requests compile its graph, then, from /proc and from the clients:
@@ -13,7 +14,8 @@ a few requests compile its graph, then, from /proc and from the clients:
    over the next `--seconds` (steady idle);
 2. the first request after an idle time (that one, then `--repeats` - 1 more after
    `--gap` s idle each; medians): time to first token and the mean inter-token gap (a parked
-   graph: plain actor calls while the graph compiles again in the background);
+   graph: the hold released, ~3 ms; where that fails, plain actor calls while the graph
+   compiles again in the background);
 3. under `--clients` streaming clients for `--seconds`: CPU per rank, tokens/s, inter-token
    gap p50/p99 over every client, and how often the graph was parked/resumed (server log).
 

@@ -234,6 +234,41 @@ def test_the_collecting_thread_sleeps_through_most_of_a_step_instead_of_spinning
     assert waiting < spin / 2, f"waiting used {waiting:.2f} of a core against {spin:.2f}"
 
 
+def test_an_actor_lost_while_held_fails_the_next_step_and_the_survivor_serves_again(
+    ray_session: None,
+) -> None:
+    import signal
+
+    import ray
+
+    from moe_runtime.executor import base, ray_actor, ray_step
+
+    remote = ray.remote(num_cpus=0, concurrency_groups={ray_actor.HEALTH_LANE: 1})(Echo)
+    pair = [remote.remote(rank) for rank in range(2)]  # type: ignore[attr-defined]
+    pids = ray.get([a.pid.remote() for a in pair])
+    p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=PARK_AFTER)
+    p.set([0, 1], pair)
+    try:
+        wait_for(p.graph_live, "the step graph took over")
+        assert step(p, 1) == [1, 1]
+        wait_for(p.parked, "the graph parked")
+        os.kill(pids[1], signal.SIGKILL)
+        # The hold cannot be released on a lost actor: the graph is dropped and the step goes
+        # through plain calls, which report the loss as any step to a dead rank does (the
+        # executor's failure path) instead of hanging in the held graph.
+        with pytest.raises(base.RankDied) as died:
+            p.execute(step_mod.StepInput(step_id=2), timeout=60.0)
+        assert died.value.ranks == [1]
+        p.set([0], pair[:1])  # the recovery: the survivor alone
+        wait_for(p.graph_live, "a graph over the survivor")
+        outs = p.execute(step_mod.StepInput(step_id=3), timeout=60.0)
+        assert [o.step_id for o in outs] == [3]
+    finally:
+        p.close()
+        assert p.wait_idle(30)
+        ray.kill(pair[0])
+
+
 def test_a_path_closed_while_parked_stops_its_threads(actors: list[Any]) -> None:
     from moe_runtime.executor import ray_step
 
