@@ -337,7 +337,7 @@ class StepPath:
                     self._retire_locked()
                     gen = self._gen
                 else:
-                    log.info("no step for %.1fs: step graph parked (held)", self.park_after)
+                    log.info("no step for %.1fs: parking the step graph (held)", self.park_after)
                     continue
             self._start_job(gen, compile=False)
 
