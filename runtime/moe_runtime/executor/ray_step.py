@@ -95,7 +95,7 @@ class StepPath:
 
     compiled: whether graphs are built at all ("compiled" step mode). compile_timeout bounds
     the probe step of a new graph. park_after: seconds without a step before a live graph is
-    torn down (parked) until the next step; 0 never parks. wait: how long `collect` sleeps
+    parked (held in a wait) until the next step; 0 never parks. wait: how long `collect` sleeps
     before it reads a graph's output (`step_wait`; default from the env).
     """
 
