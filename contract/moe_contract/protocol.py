@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-#: The rank protocol this installation speaks.
-VERSION: Final = 1
+#: The rank protocol this installation speaks. 2: the step graph's hold (a reserved step id the
+#: actor waits in, `release_hold` on its health lane).
+VERSION: Final = 2
 #: The key of a rank's ``ready()`` / ``info()`` answer that carries it.
 INFO_KEY: Final = "protocol"
 
