@@ -7,12 +7,15 @@
 - `check_compiled_graph`: the "compiled" step mode needs Ray's compiled graph; a Ray that lacks
   it is refused at start-up, naming its version and `MOE_STEP_MODE=remote`.
 - `rank_env`: the head's environment that every rank actor gets (`runtime_env["env_vars"]`).
+- `float_from_env`: a numeric setting of the environment, refused at start-up when bad.
 
-Pure functions (data in, data out) but `check_compiled_graph`'s default probe.
+Pure functions (data in, data out) but `check_compiled_graph`'s default probe and
+`float_from_env` (reads os.environ).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -113,6 +116,24 @@ def check_compiled_graph(probe: Callable[[], tuple[str, str | None]] = _ray_prob
             f"({missing}): install ray>={'.'.join(map(str, MIN_COMPILED_RAY))} or set "
             f"{REMOTE_MODE_HINT} (plain actor calls)"
         )
+
+
+def float_from_env(
+    name: str, default: float, *, valid: Callable[[float], bool], wanted: str
+) -> float:
+    """The environment's `name` as a float, `default` when unset or empty; ValueError naming
+    the variable and `wanted` (e.g. "a number of seconds >= 0") when not a number or not
+    `valid`."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {wanted}, got {raw!r}") from None
+    if not valid(value):
+        raise ValueError(f"{name} must be {wanted}, got {raw!r}")
+    return value
 
 
 def rank_env(environ: Mapping[str, str]) -> dict[str, str]:

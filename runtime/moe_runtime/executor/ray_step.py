@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -67,7 +66,7 @@ log = logging.getLogger(__name__)
 PROBE_STEP_ID = ray_actor.PROBE_STEP_ID
 #: Seconds after a failed background compile before the next step starts another one.
 RETRY_SECONDS = 5.0
-#: Seconds without a step after which a live graph is torn down (parked; module docstring):
+#: Seconds without a step after which a live graph is parked (held; module docstring):
 #: default of `StepPath`'s park_after, env MOE_STEP_GRAPH_PARK_SECONDS (0: never park).
 PARK_AFTER_SECONDS = 2.0
 PARK_ENV = "MOE_STEP_GRAPH_PARK_SECONDS"
@@ -78,16 +77,9 @@ HANDOVER_WAIT_SECONDS = 5.0
 
 def park_after_from_env() -> float:
     """`PARK_AFTER_SECONDS`, or the env's MOE_STEP_GRAPH_PARK_SECONDS (0: never park)."""
-    raw = os.environ.get(PARK_ENV, "").strip()
-    if not raw:
-        return PARK_AFTER_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{PARK_ENV} must be a number of seconds >= 0, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{PARK_ENV} must be a number of seconds >= 0, got {raw!r}")
-    return value
+    return guards.float_from_env(
+        PARK_ENV, PARK_AFTER_SECONDS, valid=lambda v: v >= 0, wanted="a number of seconds >= 0"
+    )
 
 
 class StepPath:

@@ -22,9 +22,10 @@ the start, as before (env `MOE_STEP_GRAPH_WAIT_FRACTION`).
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
+
+from moe_runtime.executor import guards
 
 #: The part of a step's estimated duration the driver sleeps through (default; env
 #: `WAIT_FRACTION_ENV`; 0: spin from the start).
@@ -40,16 +41,9 @@ MIN_SLEEP_SECONDS = 0.001
 
 def fraction_from_env() -> float:
     """`WAIT_FRACTION`, or the env's MOE_STEP_GRAPH_WAIT_FRACTION (0 <= f < 1)."""
-    raw = os.environ.get(WAIT_FRACTION_ENV, "").strip()
-    if not raw:
-        return WAIT_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise ValueError(f"{WAIT_FRACTION_ENV} must be a number in [0, 1), got {raw!r}")
-    return value
+    return guards.float_from_env(
+        WAIT_FRACTION_ENV, WAIT_FRACTION, valid=lambda v: 0 <= v < 1, wanted="a number in [0, 1)"
+    )
 
 
 class StepWait:
