@@ -1,9 +1,10 @@
 """Tensor parallelism at T = 2 over a real gloo group in two spawned processes gives the
 greedy tokens of transformers' `generate` and of one process (T = 1), for the Mixtral,
 Qwen3-MoE and DeepSeek-V3 (MLA) shapes; each TP rank reads and holds only its shard of the
-non-expert weights. Then DP = 2 x TP = 2 in four processes: expert parallelism over the DP
-ranks (one EP group per TP index, the experts replicated over each TP group), each DP rank
-serving other requests, staggered: the tokens of one process. One pool of four processes for
+non-expert weights. Then DP = 2 x TP = 2 in four processes, each DP rank serving other
+requests, staggered, in both expert layouts: over the DP leaders (what `serve` runs) and over
+all DP x T processes (`tensor_parallel.MESH`, each TP rank dispatching its half of the rows):
+the tokens of one process. One pool of four processes for
 the module; every family in one task per case.
 """
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from moe_runtime.comm import group
-from moe_runtime.model import generate, names, source
+from moe_runtime.eplb import policy
+from moe_runtime.model import generate, names, source, tensor_parallel
 from tests.support import ep_ranks, hf_families
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
@@ -92,14 +94,23 @@ def test_each_tp_rank_reads_and_holds_only_its_shard(
     assert sum(per_rank[r][family]["held"] for r in range(TP)) < 2 * whole
 
 
+@pytest.mark.parametrize("layout", tensor_parallel.EXPERT_LAYOUTS)
 def test_dp_by_tp_with_expert_parallelism_gives_the_tokens_of_one_process(
+    layout: str,
     pool: ep_ranks.RankPool,
     checkpoints: dict[str, dict[str, Any]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    store = str(tmp_path_factory.mktemp("dp-tp"))
+    """`leader`: experts over the DP leaders (what `serve` runs). `mesh`: one expert-parallel
+    group of all four processes, the experts placed over all of them, each TP rank
+    dispatching its half of its DP rank's rows (vLLM's layout)."""
+    mesh = layout == tensor_parallel.MESH
+    store = str(tmp_path_factory.mktemp(f"dp-tp-{layout}"))
     tp_specs = [group.GroupSpec.local(TP, epoch=10 + d, directory=store) for d in range(DP)]
-    ep_specs = [group.GroupSpec.local(DP, epoch=20 + t, directory=store) for t in range(TP)]
+    if mesh:
+        ep_specs = [group.GroupSpec.local(DP * TP, epoch=30, directory=store)] * TP
+    else:
+        ep_specs = [group.GroupSpec.local(DP, epoch=20 + t, directory=store) for t in range(TP)]
     paths = {family: c["path"] for family, c in checkpoints.items()}
     processes = [(d, t) for d in range(DP) for t in range(TP)]
     results = pool.run(
@@ -112,6 +123,7 @@ def test_dp_by_tp_with_expert_parallelism_gives_the_tokens_of_one_process(
                 tp_rank=t,
                 checkpoints=paths,
                 requests=REQUESTS,
+                layout=layout,
             )
             for d, t in processes
         ],
@@ -121,6 +133,13 @@ def test_dp_by_tp_with_expert_parallelism_gives_the_tokens_of_one_process(
         longest = max(r["max_new"] for r in REQUESTS)
         alone = generate.generate_greedy(c["path"], [r["prompt"] for r in REQUESTS], longest)
         expected = {r["seq_id"]: t[: r["max_new"]] for r, t in zip(REQUESTS, alone, strict=True)}
+        cfg = source.open_source(c["path"]).config
+        quarter = cfg.num_moe_layers * policy.num_physical_for(cfg.num_experts, DP * TP) // 4
         for (d, t), got in zip(processes, results, strict=True):
             mine = {r["seq_id"] for r in REQUESTS if r["rank"] == d}
-            assert got[family] == {s: expected[s] for s in mine}, (family, d, t)
+            assert got[family]["tokens"] == {s: expected[s] for s in mine}, (family, d, t)
+            if mesh:  # every process holds its quarter of the slots and runs its rows
+                assert got[family]["slots"] == quarter, (family, d, t)
+                assert got[family]["rows"] > 0, (family, d, t)
+            elif t:
+                assert got[family]["slots"] == got[family]["rows"] == 0, (family, d, t)

@@ -2,9 +2,11 @@
 (`ThreadGroup`, `run_threads`), and the task spawned rank processes run over a real gloo group
 (`TASKS`, for `ep_ranks.RankPool(..., tasks_module=__name__)`).
 
-Every TP rank generates greedily with its shard of the non-expert weights; only TP rank 0 (the
-leader) holds routed experts (`LocalExperts`), the followers' backend raises if it is ever
-called (`tensor_group.NoExperts`: they add zeros to the MoE reduce, docs/TENSOR-PARALLEL.md).
+Every TP rank generates greedily with its shard of the non-expert weights; in the layout
+`serve` runs only TP rank 0 (the leader) holds routed experts (`LocalExperts`), the followers'
+backend raises if it is ever called (`tensor_group.NoExperts`: they add zeros to the MoE
+reduce, docs/TENSOR-PARALLEL.md); `task_dp_tp_generate` also runs the `MESH` layout (experts
+over DP x T).
 """
 
 from __future__ import annotations
@@ -90,11 +92,18 @@ def run_threads(size: int, fn: Callable[[ThreadGroup], T]) -> list[T]:
 
 
 def tp_model(
-    src: source.ModelSource, tp_group: tensor_parallel.Collective, rank: int, size: int
+    src: source.ModelSource,
+    tp_group: tensor_parallel.Collective,
+    rank: int,
+    size: int,
+    *,
+    layout: str = tensor_parallel.LEADER,
 ) -> decoder.MoEModel:
-    """TP rank `rank` of `size`'s model: its shard read from `src`."""
+    """TP rank `rank` of `size`'s model: its shard read from `src`; routed experts run as
+    `layout` says (`tensor_parallel.LEADER` or `MESH`)."""
     shard = tp_shard.plan(src.config, rank=rank, size=size)
-    return decoder.MoEModel.from_source(src, tp=tensor_parallel.TensorParallel(shard, tp_group))
+    tp = tensor_parallel.TensorParallel(shard, tp_group, expert_layout=layout)
+    return decoder.MoEModel.from_source(src, tp=tp)
 
 
 def tp_generate(
@@ -155,6 +164,18 @@ def task_tp_generate(
         grp.destroy()
 
 
+class _Counted:
+    """An expert backend that counts the rows sent to it."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.rows = 0
+
+    def __call__(self, layer: int, hidden: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        self.rows += hidden.shape[0]
+        return self.backend(layer, hidden, *rest)  # type: ignore[no-any-return]
+
+
 def task_dp_tp_generate(
     *,
     tp_spec: group.GroupSpec,
@@ -163,34 +184,49 @@ def task_dp_tp_generate(
     tp_rank: int,
     checkpoints: dict[str, str],
     requests: list[dict[str, Any]],
-) -> dict[str, dict[str, list[int]]]:
+    layout: str = tensor_parallel.LEADER,
+) -> dict[str, dict[str, Any]]:
     """DP x TP in miniature: this process is TP rank `tp_rank` of DP rank `dp_rank`. Its TP
-    group holds the TP ranks of its DP rank; its expert-parallel group holds TP rank
-    `tp_rank` of every DP rank; only the leaders' (TP rank 0) runs experts, the followers'
-    one only counts what is left to do (the serving layout: EP over the DP leaders).
-    Requests carry their DP rank (`rank`); returns this process's tokens per checkpoint."""
+    group holds the TP ranks of its DP rank. `layout` `LEADER` (what `serve` runs): its
+    expert-parallel group holds TP rank `tp_rank` of every DP rank and only the leaders' (TP
+    rank 0) runs experts. `MESH`: one expert-parallel group of all DP x T processes (this one
+    is member dp_rank * T + tp_rank), the experts placed over all of them, every process
+    dispatching its 1/T of its DP rank's rows. Requests carry their DP rank (`rank`). Returns
+    per checkpoint this process's tokens, the expert slots it held and the rows it sent to
+    its experts' backend."""
+    size = tp_spec.world_size
+    mesh = layout == tensor_parallel.MESH
     tp_grp = group.StatelessGroup(tp_spec, tp_rank, timeout=GROUP_TIMEOUT_S)
-    ep_grp = group.StatelessGroup(ep_spec, dp_rank, timeout=GROUP_TIMEOUT_S)
-    out: dict[str, dict[str, list[int]]] = {}
+    ep_rank = dp_rank * size + tp_rank if mesh else dp_rank
+    ep_grp = group.StatelessGroup(ep_spec, ep_rank, timeout=GROUP_TIMEOUT_S)
+    out: dict[str, dict[str, Any]] = {}
     try:
         for family, path in checkpoints.items():
             src = source.open_source(path)
             cfg = src.config
-            num_dp = ep_spec.world_size
-            physical = policy.num_physical_for(cfg.num_experts, num_dp)
-            placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, num_dp)
+            num_ep = ep_spec.world_size
+            physical = policy.num_physical_for(cfg.num_experts, num_ep)
+            placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, num_ep)
             slots = {
                 (layer, slot): experts_mod.load_expert(
                     src, layer, int(placement.phy2log[layer, slot])
                 )
                 for layer in range(cfg.num_moe_layers)
-                for slot in placement.slots_of_rank(dp_rank, num_dp)
+                for slot in placement.slots_of_rank(ep_rank, num_ep)
             }
             backend: Any = ep.ExpertParallelBackend(ep_grp, placement, slots)
-            if tp_rank:
-                backend = tensor_group.NoExperts()
-            model = tp_model(src, tp_grp, tp_rank, tp_spec.world_size)
-            out[family] = ep_ranks.lockstep_generate(ep_grp, model, backend, requests)
+            if tp_rank and not mesh:
+                backend, slots = tensor_group.NoExperts(), {}
+            counted = _Counted(backend)
+            shard = tp_shard.plan(cfg, rank=tp_rank, size=size)
+            tp = tensor_parallel.TensorParallel(shard, tp_grp, expert_layout=layout)
+            model = decoder.MoEModel.from_source(src, tp=tp)
+            tokens = ep_ranks.lockstep_generate(ep_grp, model, counted, requests, rank=dp_rank)
+            out[family] = {
+                "tokens": tokens,
+                "slots": len(slots),
+                "rows": counted.rows,
+            }
         return out
     finally:
         ep_grp.destroy()

@@ -12,7 +12,8 @@ import torch
 
 from moe_runtime import cli
 from moe_runtime.executor import ray_actor
-from moe_runtime.model import kv, source
+from moe_runtime.model import experts as experts_mod
+from moe_runtime.model import kv, source, tensor_parallel
 from moe_runtime.rank import tensor_group, worker
 from tests.support import checkpoints, hf_families, tp_ranks
 
@@ -64,16 +65,56 @@ def test_followers_add_zeros_to_the_moe_reduce_and_logits_equal_one_process(
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_in_the_mesh_layout_each_tp_rank_runs_its_rows_and_logits_equal_one_process(
+    sources: dict[str, source.ModelSource], family: str
+) -> None:
+    """`tensor_parallel.MESH`: each TP rank sends only rows rank, rank + T, ... to its experts
+    (here all of them, local) and the routed output is summed apart from the shared experts'
+    partials (Qwen2-MoE's gated, DeepSeek-V3's plain): the logits of a prefill of three
+    prompts (an odd row count) and a decode step equal T = 1's, on every TP rank."""
+    src = sources[family]
+    prompts = [[1, 5, 9, 200, 3], [1, 7], [4, 4, 8]]
+    whole = decoder_logits(src, None, 0, 1, prompts)
+    rows: list[list[int]] = [[], []]
+
+    def rank(g: tp_ranks.ThreadGroup) -> list[torch.Tensor]:
+        local = experts_mod.LocalExperts.from_source(src)
+
+        def experts(layer: int, hidden: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+            rows[g.rank].append(hidden.shape[0])
+            return local(layer, hidden, *rest)
+
+        return decoder_logits(
+            src, g, g.rank, 2, prompts, layout=tensor_parallel.MESH, experts=experts
+        )
+
+    for logits in tp_ranks.run_threads(2, rank):
+        for got, want in zip(logits, whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    layers = src.config.num_moe_layers
+    # the prefill's 10 rows split 5 / 5, the decode step's 3 rows 2 / 1, in every MoE layer
+    assert rows == [[5] * layers + [2] * layers, [5] * layers + [1] * layers]
+
+
 def decoder_logits(
-    src: source.ModelSource, g: Any, rank: int, size: int, prompts: list[list[int]]
+    src: source.ModelSource,
+    g: Any,
+    rank: int,
+    size: int,
+    prompts: list[list[int]],
+    *,
+    layout: str = tensor_parallel.LEADER,
+    experts: Any = None,
 ) -> list[torch.Tensor]:
     if g is None:
         from moe_runtime.model import decoder
 
         model = decoder.MoEModel.from_source(src)
     else:
-        model = tp_ranks.tp_model(src, g, rank, size)
-    experts = tp_ranks.experts_for(src, rank)
+        model = tp_ranks.tp_model(src, g, rank, size, layout=layout)
+    if experts is None:
+        experts = tp_ranks.experts_for(src, rank)
     cache = kv.KVCache(model.local_config)
     ids = [f"s{i}" for i in range(len(prompts))]
     first = model.forward(kv.ForwardBatch(ids, prompts, [0] * len(prompts)), cache, experts)

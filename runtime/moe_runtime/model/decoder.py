@@ -289,13 +289,16 @@ class MoEModel:
                         mlp = tp.reduce(mlp, index, "mlp_down_bias")
                     hidden = hidden + mlp
                 continue
-            if tp is None or tp.leads:
+            if tp is None or tp.runs_experts:
                 topk_ids, topk_weights = routing.route(cfg, w, x)
-                if expert_load is not None and num_tokens:
+                if expert_load is not None and num_tokens and (tp is None or tp.leads):
                     expert_load[moe] += torch.bincount(
                         topk_ids.reshape(-1), minlength=cfg.num_experts
                     ).to(expert_load.device, expert_load.dtype)
-                out = experts(moe, x, topk_ids, topk_weights).to(hidden.dtype)
+                if tp is not None and tp.expert_layout == tp_mod.MESH:
+                    out = tp.routed(experts, moe, x, topk_ids, topk_weights)
+                else:
+                    out = experts(moe, x, topk_ids, topk_weights).to(hidden.dtype)
             else:
                 out = torch.zeros_like(hidden)  # a TP follower holds no routed expert
             if tp is not None:
@@ -329,16 +332,22 @@ class MoEModel:
         """A TP rank's MoE block output: the routed experts' output (the leader's; zeros on a
         follower) plus this rank's partial of the shared experts (gated: the gate is the same
         on every TP rank, so it scales each partial), summed by one all-reduce; then the
-        shared down bias once (gated too)."""
+        shared down bias once (gated too). In the `MESH` layout `routed` is already whole
+        (`TensorParallel.routed`): the shared partials are reduced alone and added to it."""
         cfg = self.config
+        whole = tp.expert_layout == tp_mod.MESH
         if not cfg.shared_intermediate_size:
-            return tp.reduce(routed, index, "")
+            return routed if whole else tp.reduce(routed, index, "")
         shared = _swiglu(x, w, "shared")
         gate = None
         if cfg.shared_expert_gate:
             gate = torch.sigmoid(F.linear(x, w["shared_expert_gate"]))
             shared = gate * shared
-        out = tp.reduce(routed + shared, index, "")
+        out = (
+            routed + tp.reduce(shared, index, "")
+            if whole
+            else tp.reduce(routed + shared, index, "")
+        )
         bias = tp.bias(index, "shared_down_bias")
         if bias is not None:
             out = out + (bias if gate is None else gate * bias)

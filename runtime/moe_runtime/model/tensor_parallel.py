@@ -5,9 +5,17 @@ Per decoder layer: one all-reduce after attention (o_proj is row-parallel), one 
 MLP or the MoE block; per forward pass one all-gather of the logits (lm_head holds a slice of
 the vocabulary). The biases of the row-parallel projections are added after the reduction,
 once. Every TP rank of a group runs the same batch, so the hidden states stay identical on
-all of them (an all-reduce gives every rank the same sum). Routed experts run on TP rank 0
-only (`leads`): the MoE block's all-reduce sums its expert output (zeros on the other TP
-ranks) with every rank's partial of the shared experts (`decoder.MoEModel._moe_reduce`).
+all of them (an all-reduce gives every rank the same sum). Routed experts, by `expert_layout`:
+
+- `LEADER` (what `serve` runs): on TP rank 0 only (`leads`); the MoE block's all-reduce sums
+  its expert output (zeros on the other TP ranks) with every rank's partial of the shared
+  experts (`decoder.MoEModel._moe_reduce`).
+- `MESH` (vLLM's layout, expert parallelism over DP x T): every TP rank is a member of the
+  expert-parallel group and dispatches the rows i with i mod T = its TP rank (`routed`),
+  leaving the other rows' routed output at zero; one all-reduce then gives every TP rank the
+  whole routed output exactly (each row has one non-zero term), and the shared experts'
+  partials are reduced on their own and added after, so a row's arithmetic does not depend
+  on which TP rank computed it (batch invariance).
 
 The group is any object with `all_reduce` and `all_gather_into` (`Collective`):
 `comm.group.StatelessGroup` in a rank, a fake in tests. The model package does not import
@@ -16,13 +24,23 @@ The group is any object with `all_reduce` and `all_gather_into` (`Collective`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Final, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from moe_runtime.model import names, source, tp_shard
+
+#: Routed experts on TP rank 0 only (expert parallelism over the DP leaders).
+LEADER: Final = "leader"
+#: Routed experts over every TP rank (expert parallelism over DP x T, vLLM's layout).
+MESH: Final = "mesh"
+EXPERT_LAYOUTS = (LEADER, MESH)
+
+#: An expert backend: (MoE layer, hidden [N, H], topk_ids [N, k], topk_weights [N, k]) ->
+#: routed output [N, H] (`experts.ExpertBackend`, which this package's callers pass).
+Experts = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Collective(Protocol):
@@ -37,9 +55,14 @@ class TensorParallel:
     """A TP rank's part of the forward pass: its shard plan, its group, the row-parallel
     biases of each layer and its rows of lm_head."""
 
-    def __init__(self, shard: tp_shard.Shard, group: Collective) -> None:
+    def __init__(
+        self, shard: tp_shard.Shard, group: Collective, *, expert_layout: str = LEADER
+    ) -> None:
+        if expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert_layout {expert_layout!r}: one of {EXPERT_LAYOUTS}")
         self.shard = shard
         self.group = group
+        self.expert_layout = expert_layout
         #: per decoder layer: {reduced bias role: tensor}, set by `take_biases`
         self._biases: list[dict[str, torch.Tensor]] = []
         self._lm_head: torch.Tensor | None = None
@@ -50,8 +73,40 @@ class TensorParallel:
 
     @property
     def leads(self) -> bool:
-        """TP rank 0, the DP rank's leader: the only one that runs the routed experts."""
+        """TP rank 0, the DP rank's leader (it samples; it counts the expert load)."""
         return self.shard.rank == 0
+
+    @property
+    def runs_experts(self) -> bool:
+        """Whether this TP rank calls the routed experts' backend: the leader alone, or every
+        TP rank in the `MESH` layout."""
+        return self.leads or self.expert_layout == MESH
+
+    def routed(
+        self,
+        experts: Experts,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """The `MESH` layout's routed output [N, H] of MoE layer `layer`, whole on every TP
+        rank: this rank dispatches rows rank, rank + T, ... (every TP rank calls `experts`,
+        with no row too: the expert-parallel group's collectives need every member), the
+        other rows stay zero, and one all-reduce sums the T disjoint parts."""
+        n = x.shape[0]
+        rows = torch.arange(min(self.shard.rank, n), n, self.size, device=x.device)
+        mine = experts(
+            layer,
+            x.index_select(0, rows),
+            topk_ids.index_select(0, rows),
+            topk_weights.index_select(0, rows),
+        )
+        out = torch.zeros_like(x)
+        out.index_copy_(0, rows, mine.to(out.dtype))
+        if out.shape[0]:
+            self.group.all_reduce(out)
+        return out
 
     def bias(self, layer: int, role: str) -> torch.Tensor | None:
         """The reduced bias `role` of decoder layer `layer`, if the model has one."""
