@@ -2,12 +2,14 @@
 one random Mixtral-shaped checkpoint, and the share of the step spent in the TP collectives.
 
 T = 2 runs two spawned processes over a gloo group on loopback (`model.tensor_parallel`), each
-with one torch thread; T = 1 runs one process without a TP part. Only TP rank 0 runs the
-routed experts (the others add zeros to the MoE reduce, docs/TENSOR-PARALLEL.md), so the
-expert GEMMs cost the same at every T: TP divides only attention, the dense/shared MLPs and
-lm_head. On a 2-core machine shared with other work the T = 2 figures are an upper bound of
-what the collectives cost, not a speed-up to expect; on GPUs with NVLink the all-reduces
-are microseconds.
+with one torch thread; T = 1 runs one process without a TP part. Two expert layouts at T = 2
+(docs/TENSOR-PARALLEL.md): `leader` (what `serve` runs): only TP rank 0 runs the routed
+experts, the other adds zeros to the MoE reduce, so the expert GEMMs cost the same at every
+T and TP divides only attention, the dense/shared MLPs and lm_head; `mesh` (vLLM's): the
+experts are split over both TP ranks, one expert-parallel group of the two, each TP rank
+dispatching half of the rows (`collectives` then counts the all-to-alls too). On a 2-core
+machine shared with other work the T = 2 figures are an upper bound of what the collectives
+cost; on GPUs with NVLink the all-reduces are microseconds.
 
     .venv/bin/python bench/tensor_parallel.py [--hidden 256] [--streams 1 8] [--steps 16]
 """
@@ -31,7 +33,8 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from moe_runtime.comm import group  # noqa: E402
+from moe_runtime.comm import ep, group  # noqa: E402
+from moe_runtime.eplb import policy  # noqa: E402
 from moe_runtime.model import decoder, source, tensor_parallel, tp_shard  # noqa: E402
 from moe_runtime.model import experts as experts_mod  # noqa: E402
 from moe_runtime.model import kv as kv_mod  # noqa: E402
@@ -58,21 +61,58 @@ class TimedGroup:
         self.seconds += time.perf_counter() - started
 
 
+class TimedExperts:
+    """An expert-parallel backend whose all-to-alls add their seconds to `timed.seconds`."""
+
+    def __init__(self, grp: group.StatelessGroup, timed: TimedGroup, src: Any) -> None:
+        cfg, size = src.config, grp.world_size
+        physical = policy.num_physical_for(cfg.num_experts, size)
+        placement = policy.identity(cfg.num_moe_layers, cfg.num_experts, physical, size)
+        slots = {
+            (layer, slot): experts_mod.load_expert(src, layer, int(placement.phy2log[layer, slot]))
+            for layer in range(cfg.num_moe_layers)
+            for slot in placement.slots_of_rank(grp.rank, size)
+        }
+        self.backend = ep.ExpertParallelBackend(grp, placement, slots)
+        real, self.timed = grp.all_to_all_single, timed
+
+        def all_to_all_single(*args: Any, **kwargs: Any) -> None:
+            started = time.perf_counter()
+            real(*args, **kwargs)
+            timed.seconds += time.perf_counter() - started
+
+        grp.all_to_all_single = all_to_all_single  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return self.backend(*args)
+
+
 def task_decode(
-    *, spec: group.GroupSpec | None, rank: int, path: str, streams: int, steps: int
+    *,
+    spec: group.GroupSpec | None,
+    ep_spec: group.GroupSpec | None = None,
+    rank: int,
+    path: str,
+    streams: int,
+    steps: int,
 ) -> dict[str, float]:
     """Prefill `streams` prompts, then `steps` decode steps; seconds per decode step and in
-    the collectives (T from spec; None: T = 1, no TP part)."""
+    the collectives (T from spec; None: T = 1, no TP part). `ep_spec`: the `mesh` layout, the
+    experts over an expert-parallel group of the TP ranks; None: `leader`."""
     src = source.open_source(path)
     grp = None if spec is None else group.StatelessGroup(spec, rank, timeout=60)
+    ep_grp = None if ep_spec is None else group.StatelessGroup(ep_spec, rank, timeout=60)
     timed = None if grp is None else TimedGroup(grp)
     try:
         tp = None
         if timed is not None and spec is not None:
             shard = tp_shard.plan(src.config, rank=rank, size=spec.world_size)
-            tp = tensor_parallel.TensorParallel(shard, timed)
+            layout = tensor_parallel.LEADER if ep_grp is None else tensor_parallel.MESH
+            tp = tensor_parallel.TensorParallel(shard, timed, expert_layout=layout)
         model = decoder.MoEModel.from_source(src, tp=tp)
-        local = experts_mod.LocalExperts.from_source(src)
+        local: Any = experts_mod.LocalExperts.from_source(src)
+        if ep_grp is not None and timed is not None:
+            local = TimedExperts(ep_grp, timed, src)
         kv = kv_mod.KVCache(model.local_config)
         ids = [f"s{i}" for i in range(streams)]
         gen = torch.Generator().manual_seed(0)
@@ -96,6 +136,8 @@ def task_decode(
     finally:
         if grp is not None:
             grp.destroy()
+        if ep_grp is not None:
+            ep_grp.destroy()
 
 
 TASKS: dict[str, Callable[..., Any]] = {"decode": task_decode}
@@ -130,23 +172,30 @@ def main() -> None:
         pool = ep_ranks.RankPool(2, tasks_module="bench.tensor_parallel")
         try:
             print(f"Mixtral shape, hidden {args.hidden}, 4 layers, 8 experts top-2, fp32, CPU")
-            print(f"{'T':>2} {'streams':>7} {'step ms':>8} {'tok/s':>8} {'collectives':>11}")
+            print(
+                f"{'T':>2} {'experts':>7} {'streams':>7} {'step ms':>8} {'tok/s':>8} "
+                f"{'collectives':>11}"
+            )
+            epoch = 0
             for streams in args.streams:
-                for size in (1, 2):
-                    spec = (
-                        None
-                        if size == 1
-                        else group.GroupSpec.local(size, epoch=streams, directory=tmp)
+                for size, layout in ((1, "-"), (2, "leader"), (2, "mesh")):
+                    epoch += 2
+                    spec = ep_spec = None
+                    if size > 1:
+                        spec = group.GroupSpec.local(size, epoch=epoch, directory=tmp)
+                    if layout == "mesh":
+                        ep_spec = group.GroupSpec.local(size, epoch=epoch + 1, directory=tmp)
+                    kw = dict(
+                        spec=spec, ep_spec=ep_spec, path=path, streams=streams, steps=args.steps
                     )
-                    kw = dict(spec=spec, path=path, streams=streams, steps=args.steps)
                     results = pool.run(
                         "decode", [dict(kw, rank=r) for r in range(size)], timeout=600
                     )
                     step = max(r["step_s"] for r in results)
                     share = max(r["collective_s"] for r in results) / step
                     print(
-                        f"{size:>2} {streams:>7} {step * 1e3:>8.2f} {streams / step:>8.1f} "
-                        f"{share:>10.0%}"
+                        f"{size:>2} {layout:>7} {streams:>7} {step * 1e3:>8.2f} "
+                        f"{streams / step:>8.1f} {share:>10.0%}"
                     )
         finally:
             pool.close()
