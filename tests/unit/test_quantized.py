@@ -10,13 +10,14 @@ import pathlib
 import shutil
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 import transformers
 from transformers.integrations import finegrained_fp8, mxfp4
 
 from moe_runtime.model import errors, generate, quant, source
-from tests.support import hf_families
+from tests.support import hf_families, read_counter, tp_ranks
 
 PROMPTS = [[1, 5, 9, 200, 3], [1, *range(40, 58)]]
 BLOCK = (8, 8)
@@ -222,3 +223,61 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(
         errors.CheckpointError, match="weight_scale_inv.*no fp8 quantization_config"
     ):
         source.open_source(str(path))
+
+
+@pytest.mark.parametrize(
+    ("name", "dim", "start", "stop"),
+    [
+        ("model.layers.0.mlp.gate_proj.weight", 0, 0, 12),  # a block and a half of rows
+        ("model.layers.0.mlp.gate_proj.weight", 0, 12, 24),  # from mid-block
+        ("model.layers.0.mlp.down_proj.weight", 1, 4, 20),  # columns, mid-block both ends
+        ("model.layers.0.mlp.down_proj.weight", 1, 8, 16),  # one whole block
+    ],
+)
+def test_an_fp8_slice_reads_its_blocks_only_and_equals_the_whole_cut(
+    fp8: tuple[pathlib.Path, transformers.PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    dim: int,
+    start: int,
+    stop: int,
+) -> None:
+    """A TP rank's slice of a block-FP8 weight (`ModelSource.tensor_slice`) reads the blocks
+    it touches and their scales, not the whole tensor, and its values are those of the whole
+    tensor dequantised, then cut."""
+    path, _ = fp8
+    src = source.open_source(str(path))
+    whole = src.tensor(name)
+    counter = read_counter.ReadCounter()
+    monkeypatch.setattr(safetensors, "safe_open", counter.safe_open)
+    got = src.tensor_slice(name, dim=dim, start=start, stop=stop)
+    assert torch.equal(got, whole.narrow(dim, start, stop - start))
+    weight = [r for r in counter.reads if r.stored == name]
+    covered = -(-stop // BLOCK[dim]) * BLOCK[dim] - start // BLOCK[dim] * BLOCK[dim]
+    assert sum(r.nbytes for r in weight) == covered * whole.shape[1 - dim]  # one byte each
+    assert covered < whole.shape[dim]
+
+
+def test_tp_ranks_of_an_fp8_checkpoint_give_transformers_tokens(
+    fp8: tuple[pathlib.Path, transformers.PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """T = 2 over the FP8 DeepSeek-V3 checkpoint: each TP rank reads only its blocks of the
+    sliced FP8 weights, and both give transformers' greedy tokens."""
+    path, hf = fp8
+    want = [hf_families.greedy(hf, p, 8) for p in PROMPTS]
+    counter = read_counter.ReadCounter()
+    monkeypatch.setattr(safetensors, "safe_open", counter.safe_open)
+    src = source.open_source(str(path))
+    got = tp_ranks.run_threads(2, lambda g: tp_ranks.tp_generate(src, g, g.rank, 2, PROMPTS, 8))
+    assert got == [want, want]
+    stored = safetensors.torch.load_file(str(path / "model.safetensors"))
+    fp8_read = [r for r in counter.reads if stored[r.stored].dtype == torch.float8_e4m3fn]
+    sliced = [r for r in fp8_read if r.nbytes < stored[r.stored].numel()]  # one byte each
+    # the dense layer's MLP (split at 28 of 56: mid-block, 8-row blocks) and the shared
+    # experts, read in parts
+    assert {r.stored for r in sliced} >= {
+        f"model.layers.{layer}.mlp.{mlp}{p}_proj.weight"
+        for layer, mlp in ((0, ""), (1, "shared_experts."))
+        for p in ("gate", "up", "down")
+    }

@@ -242,37 +242,68 @@ class CheckpointSource:
 
     def tensor_slice(self, name: str, *, dim: int, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of dimension `dim` of tensor `name`: only those bytes are
-        read where the tensor is stored as it is served (not quantised, not fused); else the
-        whole tensor is read and cut."""
+        read where the tensor is stored whole (not fused); a block-FP8 weight reads the
+        blocks the slice touches and their scales (`_fp8_slice`); a fused or MXFP4 tensor is
+        read whole and cut."""
         expected = names.tensor_shape(self._config, name)
         if not 0 <= dim < len(expected) or not 0 <= start <= stop <= expected[dim]:
             raise ValueError(
                 f"{name!r} {list(expected)}: no slice [{start}, {stop}) of dimension {dim}"
             )
         loc = self._locations[name]
-        if loc.part is not None or loc.scale is not None or loc.mxfp4:
+        fused = loc.part is not None or loc.mxfp4 or loc.expert is not None
+        if fused or (loc.scale is not None and len(expected) != 2):
             return self.tensor(name).narrow(dim, start, stop - start).clone()
-        file = self._where[loc.stored]
+        if loc.scale is not None:
+            return self._fp8_slice(loc, expected, dim, start, stop)
+        value = self._slice_stored(loc.stored, expected, dim, start, stop)
+        if value.dtype in _QUANTISED_DTYPES:
+            raise errors.CheckpointError(
+                self._where[loc.stored],
+                f"tensor {loc.stored!r} is stored as {value.dtype} with no scale to "
+                f"dequantise it by",
+            )
+        return value
+
+    def _fp8_slice(
+        self, loc: _Location, expected: tuple[int, ...], dim: int, start: int, stop: int
+    ) -> torch.Tensor:
+        """Elements [start, stop) of dimension `dim` of a block-FP8 weight: the whole blocks
+        the slice touches are read with their rows (or columns) of scales, dequantised, and
+        cut, so the values are those of the whole tensor dequantised (same products)."""
+        assert loc.scale is not None
+        scale = self._get(loc.scale)
+        if scale.dim() < 2:  # one scale for the whole tensor
+            value = self._slice_stored(loc.stored, expected, dim, start, stop)
+            return quant.dequantize_fp8(value, scale, self._quant.block_size)
+        block = quant.block_of(expected, tuple(scale.shape), self._quant.block_size)
+        size = block[dim]
+        first, last = start // size, -(-stop // size)
+        lo, hi = first * size, min(last * size, expected[dim])
+        value = self._slice_stored(loc.stored, expected, dim, lo, hi)
+        part = quant.dequantize_fp8(value, scale.narrow(dim, first, last - first), block)
+        return part.narrow(dim, start - lo, stop - start).clone()
+
+    def _slice_stored(
+        self, stored: str, expected: tuple[int, ...], dim: int, start: int, stop: int
+    ) -> torch.Tensor:
+        """Elements [start, stop) of dimension `dim` of stored tensor `stored` (only those
+        bytes read), checked to be stored with the `expected` shape."""
+        file = self._where[stored]
         index = (slice(None),) * dim + (slice(start, stop),)
         try:
             with safetensors.safe_open(str(file), framework="pt") as handle:
-                view = handle.get_slice(loc.stored)
+                view = handle.get_slice(stored)
                 shape = tuple(view.get_shape())
                 if shape != expected:
                     raise errors.CheckpointError(
                         file,
-                        f"tensor {loc.stored!r} has shape {list(shape)}, but config.json "
+                        f"tensor {stored!r} has shape {list(shape)}, but config.json "
                         f"implies {list(expected)}",
                     )
                 value: torch.Tensor = view[index]
         except _SafetensorsErrors as exc:
-            raise errors.CheckpointError(file, f"cannot read tensor {loc.stored!r}: {exc}") from exc
-        if value.dtype in _QUANTISED_DTYPES:
-            raise errors.CheckpointError(
-                file,
-                f"tensor {loc.stored!r} is stored as {value.dtype} with no scale to "
-                f"dequantise it by",
-            )
+            raise errors.CheckpointError(file, f"cannot read tensor {stored!r}: {exc}") from exc
         return value
 
     def _get(self, stored: str, index: int | None = None) -> torch.Tensor:

@@ -99,6 +99,21 @@ def scales_to_float(scales: torch.Tensor) -> torch.Tensor:
     return scales.to(torch.float32)
 
 
+def block_of(
+    shape: tuple[int, ...], scale_shape: tuple[int, ...], block_size: tuple[int, int] | None
+) -> tuple[int, int]:
+    """The (rows, cols) of one scale's block of a weight `shape` [..., N, K] with scales
+    `scale_shape` [..., ceil(N/bn), ceil(K/bk)]: `block_size` when the checkpoint gives one,
+    else the grid's (N / scale rows by K / scale cols, which must divide)."""
+    if block_size is not None:
+        return block_size
+    rows, cols = shape[-2:]
+    srows, scols = scale_shape[-2:]
+    if rows % srows or cols % scols:
+        raise ValueError(f"weight {list(shape)} is not a grid of scales {list(scale_shape)}")
+    return rows // srows, cols // scols
+
+
 def dequantize_fp8(
     weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] | None
 ) -> torch.Tensor:
@@ -110,12 +125,7 @@ def dequantize_fp8(
     rows, cols = w.shape[-2:]
     if s.dim() < 2:
         return w * s.reshape(())
-    if block_size is None:
-        srows, scols = s.shape[-2:]
-        if rows % srows or cols % scols:
-            raise ValueError(f"weight {list(w.shape)} is not a grid of scales {list(s.shape)}")
-        block_size = (rows // srows, cols // scols)
-    bn, bk = block_size
+    bn, bk = block_of(tuple(w.shape), tuple(s.shape), block_size)
     need = (-(-rows // bn), -(-cols // bk))
     if tuple(s.shape[-2:]) != need:
         raise ValueError(
