@@ -42,6 +42,11 @@ ADMIN_TOKEN_FILE: Final = "--admin-token-file"
 WARM_SPARE_RANKS: Final = "--warm-spare-ranks"
 #: A boolean flag: ``--auto-recover`` / ``--no-auto-recover``.
 AUTO_RECOVER: Final = "--auto-recover"
+#: Seconds a stop signal leaves requests in flight to finish before they are ended.
+SHUTDOWN_TIMEOUT: Final = "--shutdown-timeout"
+#: Its default: the head pod's termination grace period is this plus the time the runtime
+#: takes to stop its ranks afterwards (the operator's ``HEAD_GRACE_SECONDS``).
+DEFAULT_SHUTDOWN_TIMEOUT_S: Final = 20
 
 #: Values of ``--device``.
 DEVICE_AUTO: Final = "auto"
@@ -106,6 +111,9 @@ class ServeArgs:
     pipeline_parallel_size: int = 1
     #: ``None``: the runtime's default (left out).
     pipeline_micro_batch_tokens: int | None = None
+    #: Seconds; the runtime's default (``DEFAULT_SHUTDOWN_TIMEOUT_S``) is left out, so a
+    #: head of an older runtime still parses the line.
+    shutdown_timeout: float = float(DEFAULT_SHUTDOWN_TIMEOUT_S)
 
     def argv(self) -> list[str]:
         """``moe-runtime serve ...``, in a fixed order (the head's command in the RayCluster)."""
@@ -137,4 +145,6 @@ class ServeArgs:
         if self.warm_spare_ranks:
             out += _option(WARM_SPARE_RANKS, self.warm_spare_ranks)
         out.append(AUTO_RECOVER if self.auto_recover else negated(AUTO_RECOVER))
+        if self.shutdown_timeout != DEFAULT_SHUTDOWN_TIMEOUT_S:
+            out += _option(SHUTDOWN_TIMEOUT, self.shutdown_timeout)
         return out

@@ -339,7 +339,15 @@ def serve(args: argparse.Namespace) -> int:
         )
         assert runtime.app is not None and runtime.elastic is not None
         config = uvicorn.Config(
-            runtime.app, host=args.host, port=args.port, log_config=None, access_log=False
+            runtime.app,
+            host=args.host,
+            port=args.port,
+            log_config=None,
+            access_log=False,
+            # a stop signal: new connections refused at once, the requests in flight get
+            # this long to finish, then the rest are ended (uvicorn cancels their tasks, and
+            # a cancelled request is aborted in the engine) and `runtime.close` stops the ranks
+            timeout_graceful_shutdown=args.shutdown_timeout,
         )
         _Server(config, on_exit=runtime.elastic.close).run()
     except KeyboardInterrupt:

@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ranks on it (CPU), or of the GPU's free memory less the weights and a margin",
     )
     serve.add_argument(
+        flags.SHUTDOWN_TIMEOUT,
+        type=_non_negative_float,
+        default=float(flags.DEFAULT_SHUTDOWN_TIMEOUT_S),
+        help="seconds a stop signal (SIGTERM, SIGINT) leaves the requests in flight to "
+        "finish, new connections refused at once; those still running then are ended and the "
+        "ranks stop; 0 = end them at once",
+    )
+    serve.add_argument(
         "--skip-tokenizer-init",
         action="store_true",
         help="serve token ids only (no tokenizer: a text prompt gets 400), as vLLM's flag",
@@ -220,5 +228,12 @@ def _positive_float(text: str) -> float:
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value

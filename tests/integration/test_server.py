@@ -1,20 +1,23 @@
 """`moe-runtime serve` as a subprocess (its own local Ray, DP=3) against real HTTP clients.
 
 One server for the module (`Servers`: started again only after a test stopped it). One test
-stops it with SIGTERM and checks that no process it started (Ray's gcs_server, raylet, rank
-actors, ...) is left behind.
+stops it with SIGTERM while two streams are in flight: the short one finishes, the long one
+is ended after `--shutdown-timeout`, and no process it started (Ray's gcs_server, raylet,
+rank actors, ...) is left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import pathlib
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -32,6 +35,8 @@ NAME = "tiny"
 DP = 3
 START_DEADLINE = 240.0
 STOP_DEADLINE = 60.0
+#: `--shutdown-timeout`: what a SIGTERM leaves the requests in flight.
+SHUTDOWN_TIMEOUT_S = 3.0
 BIN = pathlib.Path(sys.executable).parent / "moe-runtime"
 
 
@@ -107,7 +112,8 @@ def start(directory: pathlib.Path) -> Server:
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [str(BIN), "serve", "--model", MODEL, "--data-parallel-size", str(DP)]
-            + ["--host", "127.0.0.1", "--port", str(port)],
+            + ["--host", "127.0.0.1", "--port", str(port)]
+            + ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -295,10 +301,70 @@ def test_metrics_count_requests(server: Server) -> None:
     assert 'moe_rank_expert_load{rank="2"}' in text
 
 
-def test_sigterm_leaves_no_process_behind(server: Server) -> None:
+class _Stream(threading.Thread):
+    """A streamed greedy completion of `max_tokens` in a thread: its token ids, whether it
+    ended with `[DONE]`, and the error that ended it otherwise."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.started_tokens = threading.Event()
+
+    def run(self) -> None:
+        body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": self.max_tokens}
+        body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                        self.tokens += choice.get("token_ids") or []
+                        self.finish = choice.get("finish_reason") or self.finish
+                        self.started_tokens.set()
+        except httpx.HTTPError as exc:
+            self.error = exc
+        finally:
+            self.started_tokens.set()
+
+
+def test_sigterm_finishes_or_ends_requests_in_flight_and_leaves_no_process_behind(
+    server: Server,
+) -> None:
+    """SIGTERM with two streams in flight: new connections are refused at once, the short
+    stream finishes whole, the long one (2,000 tokens) is ended after `--shutdown-timeout`
+    (aborted in the engine, not awaited), and the server exits 0 leaving no process."""
     assert server.descendants, "the server started no process (no Ray?)"
+    short, long_ = _Stream(server.url, 24), _Stream(server.url, 2000)
+    for stream in (long_, short):
+        stream.start()
+        assert stream.started_tokens.wait(30), server.tail()
+    signalled = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
+    refused = False
+    while not refused and time.monotonic() < signalled + SHUTDOWN_TIMEOUT_S:
+        try:
+            httpx.get(f"{server.url}/health", timeout=1)
+        except httpx.TransportError:
+            refused = True
+        else:
+            time.sleep(0.05)
+    assert refused, "a new connection was still taken after SIGTERM"
     assert server.proc.wait(STOP_DEADLINE) == 0, server.tail()
+    exited = time.monotonic() - signalled
+    short.join(10)
+    long_.join(10)
+    assert short.done and short.finish == "length" and len(short.tokens) == 24, server.tail()
+    assert not long_.done and len(long_.tokens) < 2000, (long_.error, len(long_.tokens))
+    # ended at the timeout, not after 2,000 tokens (tens of seconds here)
+    assert exited < SHUTDOWN_TIMEOUT_S + 20, exited
+    log = server.log.read_text()
+    assert "Cancel 1 running task(s)" in log and "aborting" in log, server.tail()
     deadline = time.monotonic() + STOP_DEADLINE
     while True:
         left = sorted(p for p in server.descendants if alive(p)) + in_group(server.proc.pid)
@@ -308,4 +374,4 @@ def test_sigterm_leaves_no_process_behind(server: Server) -> None:
             names = {p: pathlib.Path(f"/proc/{p}/comm").read_text().strip() for p in left}
             pytest.fail(f"processes left after SIGTERM: {names}\n{server.tail()}")
         time.sleep(0.1)
-    assert "serve: stopped" in server.log.read_text()
+    assert "serve: stopped" in log

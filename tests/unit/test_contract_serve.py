@@ -158,6 +158,7 @@ def test_a_flag_renamed_on_one_side_only_is_caught(flag: str) -> None:
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
         pipeline_micro_batch_tokens=64,
+        shutdown_timeout=5.0,
     )
     renamed = [
         a.replace(flag, flag + "-renamed", 1) if a == flag or a.startswith(flag + "=") else a

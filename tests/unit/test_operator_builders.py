@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from moe_contract import serve as flags
 from moe_operator.api import spec as spec_
 from moe_operator.plan import access, builders, storage
 
@@ -368,6 +369,17 @@ def test_a_deleted_worker_stops_its_ray_node_first() -> None:
     ]["containers"][0]
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[:2] == ["/bin/bash", "-c"] and "ray stop --force" in command[2]
+
+
+def test_the_head_gets_the_runtimes_shutdown_timeout_and_time_to_stop_its_ranks() -> None:
+    """The runtime's stop signal waits up to `--shutdown-timeout` for the requests in flight,
+    then stops its ranks: the head pod's grace period covers both (the kubelet's default
+    30 s would kill it mid-shutdown), and the head runs with the runtime's default."""
+    obj = builders.build_raycluster(owner=OWNER, spec=make_spec())
+    pod = obj["spec"]["headGroupSpec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace >= flags.DEFAULT_SHUTDOWN_TIMEOUT_S + 20
+    assert flags.SHUTDOWN_TIMEOUT not in " ".join(pod["containers"][0]["args"])
 
 
 def test_the_users_env_overrides_ray_settings() -> None:

@@ -37,6 +37,10 @@ SHM_VOLUME: Final = "dshm"
 #: Seconds a worker pod gets to stop: its rank was released (or lost) before the pod is
 #: deleted, and KubeRay creates no new worker while a deleted one still terminates.
 WORKER_GRACE_SECONDS: Final = 10
+#: Seconds the head pod gets to stop: the runtime's ``--shutdown-timeout`` (its default: the
+#: requests in flight finish or are ended, new connections refused at once), then the time
+#: it takes to stop its ranks. Past it the kubelet kills the runtime mid-shutdown.
+HEAD_GRACE_SECONDS: Final = flags.DEFAULT_SHUTDOWN_TIMEOUT_S + 25
 #: KubeRay annotation: run our command after KubeRay's generated ``ray start`` (head only).
 OVERWRITE_CMD_ANNOTATION: Final = "ray.io/overwrite-container-cmd"
 #: Environment variable in which KubeRay passes its generated ``ray start`` command.
@@ -350,6 +354,7 @@ def _head_template(
         "spec": {
             "securityContext": _pod_security(),
             **_pod_placement(spec),
+            "terminationGracePeriodSeconds": HEAD_GRACE_SECONDS,
             "containers": [container],
             "volumes": [
                 _shm_volume(spec),
