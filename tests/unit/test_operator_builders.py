@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shlex
+import shutil
+import signal
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -380,6 +384,39 @@ def test_the_head_gets_the_runtimes_shutdown_timeout_and_time_to_stop_its_ranks(
     grace = pod["terminationGracePeriodSeconds"]
     assert grace >= flags.DEFAULT_SHUTDOWN_TIMEOUT_S + 20
     assert flags.SHUTDOWN_TIMEOUT not in " ".join(pod["containers"][0]["args"])
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="runs the head command as PID 1 of a PID namespace of its own (root, unshare)",
+)
+def test_a_head_stopped_while_ray_starts_ends_when_ray_start_returns() -> None:
+    """The head command runs as PID 1 of its container until it execs the runtime, and the
+    kernel drops a signal PID 1 has no handler for: without the trap a pod deleted during
+    `ray start` waited out its grace period. Here the command runs as PID 1 of a PID
+    namespace of its own with a `ray start` that takes 1.5 s; a SIGTERM after 0.5 s ends it
+    with 143 once `ray start` returns, and the runtime is never started."""
+    args = head_container(builders.build_raycluster(owner=OWNER, spec=make_spec()))["args"][0]
+    start, runtime = args.split(" && exec ", 1)
+    assert runtime.startswith("moe-runtime serve ")
+    env = {"PATH": os.environ["PATH"], builders.RAY_START_ENV: "sleep 1.5 --block"}
+    with subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "bash", "-c", f"{start} && echo runtime"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        deadline = time.monotonic() + 10
+        pid1 = None
+        while pid1 is None and time.monotonic() < deadline:  # unshare's child: the PID 1
+            children = pathlib.Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+            pid1 = next((int(c) for c in children.read_text().split()), None)
+        assert pid1 is not None
+        time.sleep(0.5)  # inside `ray start`
+        os.kill(pid1, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=10)
+    assert "runtime" not in out
+    assert proc.returncode == 143
 
 
 def test_the_users_env_overrides_ray_settings() -> None:
