@@ -269,6 +269,39 @@ def test_an_actor_lost_while_held_fails_the_next_step_and_the_survivor_serves_ag
         ray.kill(pair[0])
 
 
+def test_a_path_closed_while_a_graph_job_is_stuck_returns_within_its_timeout(
+    actors: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph job that does not end (seen: a new graph's probe waiting out its 60 s timeout
+    after a resize's quick grow and shrink, which held a server's shutdown ~55 s): `close`
+    returns within its own timeout and leaves the job to end on its own. Here the job's
+    compile waits until the test lets it go."""
+    import threading
+
+    from moe_runtime.executor import ray_graph, ray_step
+
+    entered, stuck, compiled = threading.Event(), threading.Event(), ray_graph.compile_graph
+
+    def stuck_compile(handles: list[Any]) -> Any:
+        entered.set()
+        stuck.wait(30)
+        return compiled(handles)
+
+    monkeypatch.setattr(ray_graph, "compile_graph", stuck_compile)
+    p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
+    try:
+        p.set([0, 1], actors)
+        assert entered.wait(30), "the job did not compile"
+        started = time.monotonic()
+        p.close(timeout=1.0)
+        assert time.monotonic() - started < 5.0
+        assert not p.graph_live()
+    finally:
+        stuck.set()
+        assert p.wait_idle(30), "the job did not end once let go"
+    assert not p.graph_live()  # the job's graph was not installed on a closed path
+
+
 def test_a_path_closed_while_parked_stops_its_threads(actors: list[Any]) -> None:
     from moe_runtime.executor import ray_step
 

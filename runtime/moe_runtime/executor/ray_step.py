@@ -448,7 +448,11 @@ class StepPath:
         return not any(job.is_alive() for job in jobs)
 
     def close(self, timeout: float = 30.0) -> None:
-        """No more steps: stop the job (its graph is torn down) and tear every graph down."""
+        """No more steps: stop the job (its graph is torn down) and tear every graph down,
+        within `timeout` s in all: a job still running then (a probe waiting on an actor that
+        died meanwhile waits out `compile_timeout`) is left to end on its own, its graph
+        with it."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._closed = True
             self._retire_locked()
@@ -458,9 +462,18 @@ class StepPath:
             parker = self._parker
         if parker is not None:
             parker.join(timeout)
-        self.wait_idle(timeout)
-        with self._compile_lock:
+        self.wait_idle(max(0.0, deadline - time.monotonic()))
+        if not self._compile_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.warning(
+                "closing the step path with a graph job still running after %.0fs; its "
+                "graph is torn down when it ends",
+                timeout,
+            )
+            return
+        try:
             self._teardown_retired()
+        finally:
+            self._compile_lock.release()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,12 +24,13 @@ The group is any object with `all_reduce` and `all_gather_into` (`Collective`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Final, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import names, source, tp_shard
 
 #: Routed experts on TP rank 0 only (expert parallelism over the DP leaders).
@@ -37,10 +38,6 @@ LEADER: Final = "leader"
 #: Routed experts over every TP rank (expert parallelism over DP x T, vLLM's layout).
 MESH: Final = "mesh"
 EXPERT_LAYOUTS = (LEADER, MESH)
-
-#: An expert backend: (MoE layer, hidden [N, H], topk_ids [N, k], topk_weights [N, k]) ->
-#: routed output [N, H] (`experts.ExpertBackend`, which this package's callers pass).
-Experts = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Collective(Protocol):
@@ -84,7 +81,7 @@ class TensorParallel:
 
     def routed(
         self,
-        experts: Experts,
+        experts: experts_mod.ExpertBackend,
         layer: int,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
