@@ -256,12 +256,16 @@ class CheckpointSource:
             return self.tensor(name).narrow(dim, start, stop - start).clone()
         if loc.scale is not None:
             return self._fp8_slice(loc, expected, dim, start, stop)
-        value = self._slice_stored(loc.stored, expected, dim, start, stop)
+        return self._unscaled(
+            loc.stored, self._slice_stored(loc.stored, expected, dim, start, stop)
+        )
+
+    def _unscaled(self, stored: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` of stored tensor `stored`, which has no scale: refused when quantised."""
         if value.dtype in _QUANTISED_DTYPES:
             raise errors.CheckpointError(
-                self._where[loc.stored],
-                f"tensor {loc.stored!r} is stored as {value.dtype} with no scale to "
-                f"dequantise it by",
+                self._where[stored],
+                f"tensor {stored!r} is stored as {value.dtype} with no scale to dequantise it by",
             )
         return value
 
@@ -369,15 +373,10 @@ class CheckpointSource:
             value = quant.dequantize_mxfp4(blocks, scales)
         else:
             value = self._get(loc.stored, loc.expert)
-            if loc.scale is not None:
-                scale = self._get(loc.scale, loc.expert)
-                value = quant.dequantize_fp8(value, scale, self._quant.block_size)
-            elif value.dtype in _QUANTISED_DTYPES:
-                raise errors.CheckpointError(
-                    self._where[loc.stored],
-                    f"tensor {loc.stored!r} is stored as {value.dtype} with no scale to "
-                    f"dequantise it by",
-                )
+            if loc.scale is None:
+                return self._unscaled(loc.stored, value)
+            scale = self._get(loc.scale, loc.expert)
+            value = quant.dequantize_fp8(value, scale, self._quant.block_size)
         return value
 
     def tensor_names(self) -> list[str]:
