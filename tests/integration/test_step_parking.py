@@ -281,10 +281,12 @@ def test_a_path_closed_while_a_graph_job_is_stuck_returns_within_its_timeout(
     from moe_runtime.executor import ray_graph, ray_step
 
     entered, stuck, compiled = threading.Event(), threading.Event(), ray_graph.compile_graph
+    left = threading.Event()
 
     def stuck_compile(handles: list[Any]) -> Any:
         entered.set()
         stuck.wait(30)
+        left.set()
         return compiled(handles)
 
     monkeypatch.setattr(ray_graph, "compile_graph", stuck_compile)
@@ -292,9 +294,9 @@ def test_a_path_closed_while_a_graph_job_is_stuck_returns_within_its_timeout(
     try:
         p.set([0, 1], actors)
         assert entered.wait(30), "the job did not compile"
-        started = time.monotonic()
         p.close(timeout=1.0)
-        assert time.monotonic() - started < 5.0
+        # close came back with the job still stuck in its compile (it did not wait for it)
+        assert not left.is_set()
         assert not p.graph_live()
     finally:
         stuck.set()
