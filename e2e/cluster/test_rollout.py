@@ -45,7 +45,7 @@ SECOND_TAG_SUFFIX = "-rollout"
 #: lookup), as an image that exists nowhere would be.
 MISSING_IMAGE = "127.0.0.1:1/elastic-moe/runtime:does-not-exist"
 #: The missing image's rollout: the pull fails in seconds, so a short wait shows the rollback.
-MISSING_READY_TIMEOUT_S = 60
+MISSING_READY_TIMEOUT_S = 30
 NEW_SOURCE = "synthetic://tiny?seed=1"
 
 
