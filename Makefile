@@ -6,10 +6,15 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 PYTEST_ARGS ?=
 
 .PHONY: setup test lint typecheck importlint crds crds-check unit integration e2e demo \
-        demo-runtime bench controlplane node-build images cluster-up cluster-down clean
+        demo-runtime bench controlplane node-build images cluster-up cluster-down clean \
+        constraints
 
 setup:
 	@bash scripts/venv.sh
+
+## constraints: pin constraints.txt to the virtual environment's versions (after an upgrade)
+constraints: setup
+	@bash scripts/constraints.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -25,11 +25,14 @@ if [ ! -e .venv ] || [ -L .venv ]; then
     ln -sfn "$VENV" .venv
 fi
 
+# Every package at the version constraints.txt names (the suite's last pass: scripts/constraints.sh
+# says how to move on), so a fresh machine installs what this one tested.
 STAMP="$VENV/.elastic-moe-deps"
-WANT="$(sed -n '/^dependencies = \[/,/^\[tool/p' pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS"
+WANT="$({ sed -n '/^dependencies = \[/,/^\[tool/p' pyproject.toml; cat constraints.txt; } |
+    sha256sum | cut -c1-16)-$EXTRAS"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
-    echo "venv: installing dependencies ($EXTRAS) into $VENV (first run downloads PyTorch, several GB)"
-    "$VENV/bin/pip" install -q -e ".[$EXTRAS]"
+    echo "venv: installing dependencies ($EXTRAS, pinned by constraints.txt) into $VENV (first run downloads PyTorch, several GB)"
+    "$VENV/bin/pip" install -q -c constraints.txt -e ".[$EXTRAS]"
     echo "$WANT" > "$STAMP"
 fi
 
