@@ -304,6 +304,134 @@ def test_a_path_closed_while_a_graph_job_is_stuck_returns_within_its_timeout(
     assert not p.graph_live()  # the job's graph was not installed on a closed path
 
 
+def test_a_graph_compiled_for_a_path_since_replaced_is_dropped_unprobed(
+    actors: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step path moved on while a graph compiled (seen in a server log: a grow 2 -> 3
+    switched, the shrink back switched and removed the third rank while the graph over three
+    compiled; that graph's probe then waited out its timeout and held every later compile):
+    the job drops the graph without probing it, and the replacing path's graph serves."""
+    import threading
+
+    from moe_runtime.executor import ray_graph, ray_step
+
+    probes: list[int] = []
+    probe = ray_step._probe
+    monkeypatch.setattr(ray_step, "_probe", lambda: probes.append(1) or probe())
+    compiled, replaced = ray_graph.compile_graph, threading.Event()
+    p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
+
+    def compile_then_replace(handles: list[Any]) -> Any:
+        graph = compiled(handles)
+        if not replaced.is_set():
+            replaced.set()
+            p.set([0, 1], actors)  # the switch that came while this graph compiled
+        return graph
+
+    monkeypatch.setattr(ray_graph, "compile_graph", compile_then_replace)
+    try:
+        p.set([0, 1], actors)
+        wait_for(p.graph_live, "the replacing path's graph took over")
+        assert p.wait_idle(60)
+        assert replaced.is_set() and len(probes) == 1  # only the live path's graph was probed
+        assert step(p, 7) == [7, 7]
+    finally:
+        p.close()
+
+
+class EndedMonitor:
+    """A compiled graph's failure monitor as Ray 2.60 leaves it when an actor died while the
+    graph compiled (`ray_graph.broken`): the thread has ended; teardown still works."""
+
+    def __init__(self, monitor: Any) -> None:
+        self._monitor = monitor
+
+    def is_alive(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._monitor, name)
+
+
+def test_a_graph_whose_failure_monitor_ended_is_dropped_and_compiled_again(
+    actors: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph Ray left half-live (its failure monitor died in its own teardown, so nothing
+    would fail its reads) is not probed (the probe would wait out its whole timeout): plain
+    calls serve, and the next compile's graph takes over."""
+    from moe_runtime.executor import ray_graph, ray_step
+
+    probes: list[int] = []
+    probe = ray_step._probe
+    monkeypatch.setattr(ray_step, "_probe", lambda: probes.append(1) or probe())
+    monkeypatch.setattr(ray_step, "RETRY_SECONDS", 0.2)
+    compiled = ray_graph.compile_graph
+    graphs: list[Any] = []
+
+    def compile_broken_once(handles: list[Any]) -> Any:
+        graph = compiled(handles)
+        if not graphs:
+            graph._monitor = EndedMonitor(graph._monitor)
+        graphs.append(graph)
+        return graph
+
+    monkeypatch.setattr(ray_graph, "compile_graph", compile_broken_once)
+    p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
+    try:
+        p.set([0, 1], actors)
+        assert p.wait_idle(60)
+        assert "failure monitor has ended" in p.last_compile.get("error", "")
+        assert not p.graph_live() and not probes
+        # plain calls serve; a step once the retry time has passed starts the compile again
+        ids = iter(range(100, 100_000))
+        wait_for(lambda: step(p, next(ids)) and p.graph_live(), "the second graph took over")
+        assert len(graphs) == 2 and len(probes) == 1
+        assert step(p, 9) == [9, 9]
+    finally:
+        p.close()
+
+
+def test_a_probe_that_does_not_answer_is_given_up_within_its_bound(
+    actors: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new graph whose probe never answers is dropped after the probe's own bound, not the
+    switch timeout the compile gets, and compiled again. Here the first probe is a hold that
+    keeps both actors' graph loops waiting until the test lets them go."""
+    import ray
+
+    from moe_runtime.executor import ray_actor, ray_step
+
+    sent: list[int] = []
+    probe = ray_step._probe
+
+    def hold_first() -> step_mod.StepInput:
+        sent.append(1)
+        if len(sent) == 1:
+            return step_mod.StepInput(step_id=ray_actor.HOLD_STEP_ID, batches={})
+        return probe()
+
+    monkeypatch.setattr(ray_step, "_probe", hold_first)
+    monkeypatch.setattr(ray_step, "RETRY_SECONDS", 0.2)
+    p = ray_step.StepPath(compiled=True, compile_timeout=600.0, park_after=0, probe_timeout=1.0)
+    try:
+        p.set([0, 1], actors)
+        wait_for(
+            lambda: "probe" in p.last_compile.get("error", ""),
+            "the job gave up the probe by itself",
+            timeout=30,
+        )
+        assert "Timeout" in p.last_compile["error"] and not p.graph_live()
+        # the dropped graph's loops are still in the hold: let them go so it tears down
+        ray.get([a.release_hold.remote() for a in actors], timeout=30)
+        assert p.wait_idle(60)
+        # plain calls serve; a step once the retry time has passed starts the compile again
+        ids = iter(range(100, 100_000))
+        wait_for(lambda: step(p, next(ids)) and p.graph_live(), "the second graph took over")
+        assert step(p, 11) == [11, 11]
+    finally:
+        p.close()
+
+
 def test_a_path_closed_while_parked_stops_its_threads(actors: list[Any]) -> None:
     from moe_runtime.executor import ray_step
 

@@ -37,6 +37,24 @@ def compile_graph(actors: Sequence[Any]) -> Any:
     return dag.experimental_compile()
 
 
+def broken(graph: Any) -> str | None:
+    """Why a just-compiled `graph` cannot carry steps, or None.
+
+    Ray 2.60 starts a graph's failure monitor (the thread that tears the graph down when an
+    actor's loop ends) before it creates the graph's input writer (`CompiledDAG.
+    _get_or_compile`). An actor that died while the graph compiled ends its loop at once, so
+    the monitor may tear down before the writer exists: its `teardown` raises
+    (``AttributeError: 'NoneType' object has no attribute 'close'``, seen in a server log
+    after a grow and a quick shrink), the monitor thread dies, and the graph is left
+    half-live: nothing fails its reads, and an execution waits out its whole timeout. A live
+    graph's monitor runs for as long as the graph does.
+    """
+    monitor = getattr(graph, "_monitor", None)
+    if monitor is not None and not monitor.is_alive():
+        return "its failure monitor has ended (an actor of it died while it compiled)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Held:
     """A parked graph's hold in flight: the graph, the hold's output, the actors it waits on."""

@@ -39,7 +39,11 @@ The collecting thread sleeps through most of each step before it reads the graph
 which spins too (`step_wait`).
 
 Failures: a compile or a probe that fails leaves the plain-call path serving (no request
-notices) and is tried again `RETRY_SECONDS` later, at the next step. A compile that hangs holds
+notices) and is tried again `RETRY_SECONDS` later, at the next step. A graph whose compile
+ended after the step path moved on (a switch or a removal meanwhile: an actor of it may be
+gone) is torn down unprobed, and so is one that Ray left half-live (`ray_graph.broken`); the
+probe itself waits at most `PROBE_TIMEOUT_SECONDS` (the first execution of a fresh graph
+takes well under a second), so no job holds the next compile for long. A compile that hangs holds
 the job (plain calls keep serving); it runs in the job's thread, never beside another compile. `clear()` leaves
 no step path (a rank was lost); its graph is retired and torn down by the next job, or by
 `close()`.
@@ -70,6 +74,10 @@ RETRY_SECONDS = 5.0
 #: default of `StepPath`'s park_after, env MOE_STEP_GRAPH_PARK_SECONDS (0: never park).
 PARK_AFTER_SECONDS = 2.0
 PARK_ENV = "MOE_STEP_GRAPH_PARK_SECONDS"
+#: Seconds the probe step of a new graph may take (measured: 0.01-0.55 s, the first execution
+#: over fresh actors on a loaded machine); past it the graph is dropped and compiled again
+#: `RETRY_SECONDS` later. `StepPath`'s probe_timeout, never above its compile_timeout.
+PROBE_TIMEOUT_SECONDS = 10.0
 #: Seconds a step waits for the plain calls in flight to land before a newly installed graph
 #: carries it (`StepPath.submit`); past it the step goes through plain calls too.
 HANDOVER_WAIT_SECONDS = 5.0
@@ -86,9 +94,10 @@ class StepPath:
     """Plain calls or a compiled graph over the stepped actors (see the module docstring).
 
     compiled: whether graphs are built at all ("compiled" step mode). compile_timeout bounds
-    the probe step of a new graph. park_after: seconds without a step before a live graph is
-    parked (held in a wait) until the next step; 0 never parks. wait: how long `collect` sleeps
-    before it reads a graph's output (`step_wait`; default from the env).
+    the probe step of a new graph, and probe_timeout (`PROBE_TIMEOUT_SECONDS`) bounds it
+    further. park_after: seconds without a step before a live graph is parked (held in a
+    wait) until the next step; 0 never parks. wait: how long `collect` sleeps before it reads
+    a graph's output (`step_wait`; default from the env).
     """
 
     def __init__(
@@ -98,9 +107,11 @@ class StepPath:
         compile_timeout: float,
         park_after: float = PARK_AFTER_SECONDS,
         wait: step_wait.StepWait | None = None,
+        probe_timeout: float = PROBE_TIMEOUT_SECONDS,
     ) -> None:
         self.compiled = compiled
         self.compile_timeout = compile_timeout
+        self.probe_timeout = min(compile_timeout, probe_timeout)
         self.park_after = park_after
         self.wait = wait or step_wait.StepWait(step_wait.fraction_from_env())
         self._lock = threading.Lock()
@@ -381,20 +392,39 @@ class StepPath:
                     guards.REMOTE_MODE_HINT,
                 )
                 self.last_compile = {"error": f"{type(exc).__name__}: {exc}"}
-                with self._lock:
-                    if gen == self._gen:
-                        self._retry_at = time.monotonic() + RETRY_SECONDS
+                self._retry_later(gen)
                 return
             compiled = time.monotonic()
+            if not self._current(gen):
+                # The path moved on while this compiled (a switch, a removal, `clear`): an
+                # actor of the graph may be gone, and its probe would wait for it.
+                log.info("a step graph compiled for a step path since replaced: dropped unprobed")
+                self._teardown(graph)
+                return
+            broken = ray_graph.broken(graph)
+            if broken is not None:
+                log.warning(
+                    "the new step graph over %d ranks cannot carry steps: %s; dropping it, "
+                    "steps stay on plain actor calls and the compile is tried again in %.0fs",
+                    len(actors),
+                    broken,
+                    RETRY_SECONDS,
+                )
+                self.last_compile = {"error": f"broken: {broken}"}
+                self._teardown(graph)
+                self._retry_later(gen)
+                return
             try:
                 # The first execution of a fresh graph is slow: pay it before real steps.
-                ray.get(graph.execute(_probe()), timeout=self.compile_timeout)
-            except Exception:  # noqa: BLE001 - dropped below; plain calls keep serving
-                log.exception("the probe step of a new step graph failed; dropping the graph")
+                ray.get(graph.execute(_probe()), timeout=self.probe_timeout)
+            except Exception as exc:  # noqa: BLE001 - dropped below; plain calls keep serving
+                log.exception(
+                    "the probe step of a new step graph failed (bound %.0fs); dropping the graph",
+                    self.probe_timeout,
+                )
+                self.last_compile = {"error": f"probe: {type(exc).__name__}: {exc}"}
                 self._teardown(graph)
-                with self._lock:
-                    if gen == self._gen:
-                        self._retry_at = time.monotonic() + RETRY_SECONDS
+                self._retry_later(gen)
                 return
             with self._lock:
                 installed = gen == self._gen and not self._closed
@@ -420,6 +450,12 @@ class StepPath:
                 compiled - torn,
                 done - compiled,
             )
+
+    def _retry_later(self, gen: int) -> None:
+        """The next step `RETRY_SECONDS` from now starts another compile (if still `gen`)."""
+        with self._lock:
+            if gen == self._gen:
+                self._retry_at = time.monotonic() + RETRY_SECONDS
 
     def _teardown_retired(self) -> None:
         with self._lock:
