@@ -35,6 +35,7 @@ class Echo:
         self.rank = rank
         self.seen: list[int] = []
         self.hold = threading.Event()
+        self.opened = threading.Event()
 
     def pid(self) -> int:
         return os.getpid()
@@ -53,6 +54,14 @@ class Echo:
 
     def history(self) -> list[int]:
         return list(self.seen)
+
+    def echo(self, value: Any) -> Any:
+        """What `ray_graph.warm_up`'s graph calls: answers once the test opens it."""
+        self.opened.wait(60)
+        return value
+
+    def open_echo(self) -> None:
+        self.opened.set()
 
     def release_hold(self) -> None:
         self.hold.set()
@@ -370,9 +379,7 @@ def test_a_graph_whose_failure_monitor_ended_is_dropped_and_compiled_again(
 
     def compile_broken_once(handles: list[Any]) -> Any:
         graph = compiled(handles)
-        if not graphs:
-            graph._monitor = EndedMonitor(graph._monitor)
-        graphs.append(graph)
+        graphs.append(_ended_monitor(graph) if not graphs else graph)
         return graph
 
     monkeypatch.setattr(ray_graph, "compile_graph", compile_broken_once)
@@ -389,6 +396,37 @@ def test_a_graph_whose_failure_monitor_ended_is_dropped_and_compiled_again(
         assert step(p, 9) == [9, 9]
     finally:
         p.close()
+
+
+def test_a_warm_up_over_a_graph_ray_left_half_live_ends_at_once(
+    actors: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grow's warm-up of its new actors (`ray_graph.warm_up`; the switch waits for it) over
+    a graph Ray left half-live ends at once instead of waiting out its timeout for an answer
+    that would never come (here: the actors answer only once the test lets them)."""
+    import threading
+
+    import ray
+
+    from moe_runtime.executor import ray_graph
+
+    compile_ = ray_graph._compile
+    monkeypatch.setattr(ray_graph, "_compile", lambda dag: _ended_monitor(compile_(dag)))
+    done = threading.Event()
+    warming = threading.Thread(
+        target=lambda: (ray_graph.warm_up(actors, timeout=120.0), done.set()), daemon=True
+    )
+    warming.start()
+    try:
+        assert done.wait(30), "the warm-up waited for a graph that cannot answer"
+    finally:
+        ray.get([a.open_echo.remote() for a in actors], timeout=30)
+        warming.join(130)
+
+
+def _ended_monitor(graph: Any) -> Any:
+    graph._monitor = EndedMonitor(graph._monitor)
+    return graph
 
 
 def test_a_probe_that_does_not_answer_is_given_up_within_its_bound(

@@ -34,6 +34,11 @@ def compile_graph(actors: Sequence[Any]) -> Any:
     has torn down every other graph over these actors first."""
     with ray.dag.InputNode() as inp:
         dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
+    return _compile(dag)
+
+
+def _compile(dag: Any) -> Any:
+    """Ray's compile of `dag` (every graph of this module goes through here)."""
     return dag.experimental_compile()
 
 
@@ -105,8 +110,12 @@ def warm_up(actors: Sequence[Any], *, timeout: float) -> None:
     try:
         with ray.dag.InputNode() as inp:
             dag = ray.dag.MultiOutputNode([a.echo.bind(inp) for a in actors])
-        graph = dag.experimental_compile()
+        graph = _compile(dag)
         try:
+            why = broken(graph)
+            if why is not None:  # its execution would wait out `timeout`, and the switch too
+                log.warning("warming up %d new actors: the graph %s; skipped", len(actors), why)
+                return
             ray.get(graph.execute(0), timeout=timeout)
         finally:
             graph.teardown()
