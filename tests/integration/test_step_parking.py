@@ -325,8 +325,8 @@ def test_a_graph_compiled_for_a_path_since_replaced_is_dropped_unprobed(
     from moe_runtime.executor import ray_graph, ray_step
 
     probes: list[int] = []
-    probe = ray_step._probe
-    monkeypatch.setattr(ray_step, "_probe", lambda: probes.append(1) or probe())
+    probe = ray_graph.probe_step
+    monkeypatch.setattr(ray_graph, "probe_step", lambda: probes.append(1) or probe())
     compiled, replaced = ray_graph.compile_graph, threading.Event()
     p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
 
@@ -371,8 +371,8 @@ def test_a_graph_whose_failure_monitor_ended_is_dropped_and_compiled_again(
     from moe_runtime.executor import ray_graph, ray_step
 
     probes: list[int] = []
-    probe = ray_step._probe
-    monkeypatch.setattr(ray_step, "_probe", lambda: probes.append(1) or probe())
+    probe = ray_graph.probe_step
+    monkeypatch.setattr(ray_graph, "probe_step", lambda: probes.append(1) or probe())
     monkeypatch.setattr(ray_step, "RETRY_SECONDS", 0.2)
     compiled = ray_graph.compile_graph
     graphs: list[Any] = []
@@ -437,10 +437,10 @@ def test_a_probe_that_does_not_answer_is_given_up_within_its_bound(
     keeps both actors' graph loops waiting until the test lets them go."""
     import ray
 
-    from moe_runtime.executor import ray_actor, ray_step
+    from moe_runtime.executor import ray_actor, ray_graph, ray_step
 
     sent: list[int] = []
-    probe = ray_step._probe
+    probe = ray_graph.probe_step
 
     def hold_first() -> step_mod.StepInput:
         sent.append(1)
@@ -448,7 +448,7 @@ def test_a_probe_that_does_not_answer_is_given_up_within_its_bound(
             return step_mod.StepInput(step_id=ray_actor.HOLD_STEP_ID, batches={})
         return probe()
 
-    monkeypatch.setattr(ray_step, "_probe", hold_first)
+    monkeypatch.setattr(ray_graph, "probe_step", hold_first)
     monkeypatch.setattr(ray_step, "RETRY_SECONDS", 0.2)
     p = ray_step.StepPath(compiled=True, compile_timeout=600.0, park_after=0, probe_timeout=1.0)
     try:

@@ -1,5 +1,6 @@
 """The step graph of `RayExecutor`: a Ray compiled graph ``InputNode -> [rank.execute_step]
--> MultiOutputNode``, its hold while parked (`hold`, `release`: `ray_step`, "Parking"), and
+-> MultiOutputNode``, how a new one is made fit to carry steps (`build`: compiled, checked,
+probed once), its hold while parked (`hold`, `release`: `ray_step`, "Parking"), and
 the warm-up that pays an actor's first compile while it is not stepped yet (`WarmUp`, a part
 of the executor: warm spare ranks, a grow's new ranks).
 
@@ -13,19 +14,22 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 import ray.dag
 
 from moe_runtime import step as step_mod
-from moe_runtime.executor import ray_actor
+from moe_runtime.executor import guards, ray_actor
 
 log = logging.getLogger(__name__)
 
 #: Seconds a release of a held graph may take (the actors' calls, then the hold's output).
 RELEASE_TIMEOUT_SECONDS = 10.0
+#: StepInput.step_id of the probe a fresh graph executes once before it carries real steps;
+#: `ray_actor.RankActor.execute_step` answers it without calling its worker.
+PROBE_STEP_ID = ray_actor.PROBE_STEP_ID
 
 
 def compile_graph(actors: Sequence[Any]) -> Any:
@@ -58,6 +62,74 @@ def broken(graph: Any) -> str | None:
     if monitor is not None and not monitor.is_alive():
         return "its failure monitor has ended (an actor of it died while it compiled)"
     return None
+
+
+def probe_step() -> step_mod.StepInput:
+    """The step a fresh graph executes once before real steps (`build`)."""
+    return step_mod.StepInput(step_id=PROBE_STEP_ID, batches={})
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What `build` made: the graph to install (None: none), and its figures (``compile_s``,
+    ``probe_s``) or, where it failed and should be tried again later, ``error``; `dropped`: a
+    graph compiled and not fit, for the caller to tear down (once it has recorded why: a
+    teardown can wait on the actors' loops)."""
+
+    graph: Any = None
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dropped: Any = None
+
+    @property
+    def failed(self) -> bool:
+        return "error" in self.figures
+
+
+def build(
+    actors: Sequence[Any], *, probe_timeout: float, current: Callable[[], bool], retry_in: float
+) -> Built:
+    """A new step graph over `actors`, fit to carry steps: compiled, checked (`broken`) and
+    executed once with the probe step (the first execution of a fresh graph is slow: paid
+    before real steps), within `probe_timeout` s. Not probed when `current()` says the step
+    path moved on while it compiled (a switch, a removal: an actor of it may be gone, and its
+    probe would wait for it). `retry_in` (s) only goes into the logs."""
+    started = time.monotonic()
+    try:
+        graph = compile_graph(actors)
+    except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
+        log.exception(
+            "compiling the step graph over %d ranks failed; steps stay on plain actor calls "
+            "and the compile is tried again in %.0fs (Ray %s; %s steps on plain calls only)",
+            len(actors),
+            retry_in,
+            ray.__version__,
+            guards.REMOTE_MODE_HINT,
+        )
+        return Built(figures={"error": f"{type(exc).__name__}: {exc}"})
+    compiled = time.monotonic()
+    if not current():
+        log.info("a step graph compiled for a step path since replaced: dropped unprobed")
+        return Built(dropped=graph)
+    why = broken(graph)
+    if why is not None:
+        log.warning(
+            "the new step graph over %d ranks cannot carry steps: %s; dropping it, steps stay "
+            "on plain actor calls and the compile is tried again in %.0fs",
+            len(actors),
+            why,
+            retry_in,
+        )
+        return Built(figures={"error": f"broken: {why}"}, dropped=graph)
+    try:
+        ray.get(graph.execute(probe_step()), timeout=probe_timeout)
+    except Exception as exc:  # noqa: BLE001 - dropped; plain calls keep serving
+        log.exception(
+            "the probe step of a new step graph failed (bound %.0fs); dropping the graph",
+            probe_timeout,
+        )
+        return Built(figures={"error": f"probe: {type(exc).__name__}: {exc}"}, dropped=graph)
+    figures = {"compile_s": compiled - started, "probe_s": time.monotonic() - compiled}
+    return Built(graph=graph, figures=figures)
 
 
 @dataclasses.dataclass(frozen=True)

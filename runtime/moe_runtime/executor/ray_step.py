@@ -13,7 +13,7 @@ Handover (`StepPath.set`): a new step path over new actors serves at once throug
 In compiled mode a background job then tears down the graphs that were retired (two compiled
 graphs must never be live on the same actors: their loops would queue behind each other on
 ``_ray_system``, docs/INTERNALS.md), compiles the graph over the new actors, executes it once with a
-probe step that the actors answer without touching their worker (`PROBE_STEP_ID`: the first
+probe step that the actors answer without touching their worker (`ray_graph.build`: the first
 execution of a fresh graph is slow), and installs it: the next step takes it. A job whose
 step path was replaced meanwhile (`gen` changed) tears its graph down instead. So a switch
 pauses serving only for the workers' `activate`, never for a compile (measured here: ~0.2 s
@@ -65,9 +65,6 @@ from moe_runtime.executor import guards, ray_actor, ray_graph, step_wait
 
 log = logging.getLogger(__name__)
 
-#: StepInput.step_id of the probe a fresh graph executes once before it carries real steps;
-#: `ray_actor.RankActor.execute_step` answers it without calling its worker.
-PROBE_STEP_ID = ray_actor.PROBE_STEP_ID
 #: Seconds after a failed background compile before the next step starts another one.
 RETRY_SECONDS = 5.0
 #: Seconds without a step after which a live graph is parked (held; module docstring):
@@ -379,76 +376,37 @@ class StepPath:
                 actors = list(self._actors)
             if not compile or not self._current(gen):
                 return
-            try:
-                graph = ray_graph.compile_graph(actors)
-            except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
-                log.exception(
-                    "compiling the step graph over %d ranks failed; steps stay on plain actor "
-                    "calls and the compile is tried again in %.0fs (Ray %s; %s steps on plain "
-                    "calls only)",
-                    len(actors),
-                    RETRY_SECONDS,
-                    ray.__version__,
-                    guards.REMOTE_MODE_HINT,
-                )
-                self.last_compile = {"error": f"{type(exc).__name__}: {exc}"}
+            built = ray_graph.build(
+                actors,
+                probe_timeout=self.probe_timeout,
+                current=lambda: self._current(gen),
+                retry_in=RETRY_SECONDS,
+            )
+            if built.failed:
+                self.last_compile = built.figures
                 self._retry_later(gen)
-                return
-            compiled = time.monotonic()
-            if not self._current(gen):
-                # The path moved on while this compiled (a switch, a removal, `clear`): an
-                # actor of the graph may be gone, and its probe would wait for it.
-                log.info("a step graph compiled for a step path since replaced: dropped unprobed")
-                self._teardown(graph)
-                return
-            broken = ray_graph.broken(graph)
-            if broken is not None:
-                log.warning(
-                    "the new step graph over %d ranks cannot carry steps: %s; dropping it, "
-                    "steps stay on plain actor calls and the compile is tried again in %.0fs",
-                    len(actors),
-                    broken,
-                    RETRY_SECONDS,
-                )
-                self.last_compile = {"error": f"broken: {broken}"}
-                self._teardown(graph)
-                self._retry_later(gen)
-                return
-            try:
-                # The first execution of a fresh graph is slow: pay it before real steps.
-                ray.get(graph.execute(_probe()), timeout=self.probe_timeout)
-            except Exception as exc:  # noqa: BLE001 - dropped below; plain calls keep serving
-                log.exception(
-                    "the probe step of a new step graph failed (bound %.0fs); dropping the graph",
-                    self.probe_timeout,
-                )
-                self.last_compile = {"error": f"probe: {type(exc).__name__}: {exc}"}
-                self._teardown(graph)
-                self._retry_later(gen)
+            if built.dropped is not None:
+                self._teardown(built.dropped)
+            if built.graph is None:
                 return
             with self._lock:
                 installed = gen == self._gen and not self._closed
                 if installed:
-                    self._graph = graph
+                    self._graph = built.graph
                     self._last_step = max(self._last_step, time.monotonic())
                     self._start_parker_locked()
                     self._wake.notify_all()
             if not installed:
-                self._teardown(graph)  # the step path changed meanwhile
+                self._teardown(built.graph)  # the step path changed meanwhile
                 return
-            done = time.monotonic()
-            self.last_compile = {
-                "teardown_s": torn - started,
-                "compile_s": compiled - torn,
-                "probe_s": done - compiled,
-            }
+            self.last_compile = {"teardown_s": torn - started, **built.figures}
             log.info(
                 "step graph over %d ranks took over from plain calls: teardown %.3fs, "
                 "compile %.3fs, probe %.3fs",
                 len(actors),
                 torn - started,
-                compiled - torn,
-                done - compiled,
+                built.figures["compile_s"],
+                built.figures["probe_s"],
             )
 
     def _retry_later(self, gen: int) -> None:
@@ -524,7 +482,3 @@ class Submitted:
     refs: list[Any] = dataclasses.field(default_factory=list)
     #: Monotonic time a graph's execution was sent (`step_wait`).
     sent_at: float = 0.0
-
-
-def _probe() -> step_mod.StepInput:
-    return step_mod.StepInput(step_id=PROBE_STEP_ID, batches={})
