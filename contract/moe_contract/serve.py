@@ -19,6 +19,9 @@ MODEL: Final = "--model"
 DATA_PARALLEL_SIZE: Final = "--data-parallel-size"
 #: Devices (rank actors) per data-parallel rank that shard its attention and dense layers.
 TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
+#: Where the routed experts live at tensor-parallel size > 1: "leader" (TP rank 0 of each DP
+#: rank) or "mesh" (a part of each DP rank's slots on every TP rank: EP over DP x T).
+EXPERT_LAYOUT: Final = "--expert-layout"
 #: Contiguous stages the decoder layers are split into, per data-parallel rank.
 PIPELINE_PARALLEL_SIZE: Final = "--pipeline-parallel-size"
 #: New tokens on the busiest DP rank from which a step goes through the stages as micro-batches.

@@ -81,6 +81,11 @@ def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> 
             tp_shard.plan(cfg, rank=0, size=size)
         except ValueError as exc:
             return f"{flags.TENSOR_PARALLEL_SIZE} {size} does not fit this model: {exc}"
+    if args.expert_layout == "mesh":
+        if size == 1:
+            return f"{flags.EXPERT_LAYOUT} mesh needs {flags.TENSOR_PARALLEL_SIZE} > 1"
+        if args.pipeline_parallel_size != 1:
+            return f"{flags.EXPERT_LAYOUT} mesh is not served with pipeline stages yet"
     if args.pipeline_parallel_size != 1:
         return _unsupported_pipeline(args, cfg)
     return None
@@ -162,7 +167,11 @@ def _build_into(
     if unsupported:
         raise ValueError(unsupported)
     num_ranks = args.data_parallel_size
-    num_physical = policy.num_physical_for(cfg.num_experts, num_ranks, args.num_redundant_experts)
+    # the mesh layout holds an equal part of each DP rank's slots on each of its T devices
+    multiple = args.tensor_parallel_size if args.expert_layout == "mesh" else 1
+    num_physical = policy.num_physical_for(
+        cfg.num_experts, num_ranks * multiple, args.num_redundant_experts
+    )
     if num_physical != cfg.num_experts + args.num_redundant_experts:
         log.info(
             "serve: %d redundant experts (asked %d) so %d ranks hold %d slots each",
@@ -204,6 +213,7 @@ def _build_into(
             tp_size=tp_size,
             pp_size=pp_size,
             pp_micro_batch_tokens=args.pipeline_micro_batch_tokens,
+            expert_layout=args.expert_layout,
         )
     else:
         from moe_runtime.executor import local
@@ -262,6 +272,7 @@ def _build_into(
         config=elastic_serving.ElasticConfig(
             source=args.model,
             num_redundant_experts=args.num_redundant_experts,
+            slot_multiple=multiple,
             weight_source=args.weight_source,
             eplb_enabled=args.eplb,
             eplb_window_size=args.eplb_window_size,

@@ -35,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
         "vocabulary (docs/TENSOR-PARALLEL.md)",
     )
     serve.add_argument(
+        flags.EXPERT_LAYOUT,
+        choices=("leader", "mesh"),
+        default="leader",
+        help="at T > 1, where the routed experts live: on each DP rank's TP rank 0 (leader), "
+        "or a part of its expert slots on each of its T devices, expert parallelism over "
+        "DP x T (mesh; P = 1 only; docs/TENSOR-PARALLEL.md)",
+    )
+    serve.add_argument(
         flags.PIPELINE_PARALLEL_SIZE,
         type=_positive,
         default=1,

@@ -200,9 +200,7 @@ class Recovery:
             self.ctx.serving.placement,
             old_num_ranks=old_n,
             survivors=survivors,
-            num_physical=policy.num_physical_for(
-                self.ctx.model_config.num_experts, n, self.ctx.config.num_redundant_experts
-            ),
+            num_physical=self.ctx.config.num_physical_for(self.ctx.model_config.num_experts, n),
             held=rebalance.by_index(survivors, retained),
             tolerance=self.ctx.config.eplb_min_gain,
         )

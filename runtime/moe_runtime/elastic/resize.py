@@ -100,9 +100,7 @@ class ResizeContext:
 
     # -- figures -------------------------------------------------------------------------
     def num_physical_for(self, size: int) -> int:
-        return policy.num_physical_for(
-            self.model_config.num_experts, size, self.config.num_redundant_experts
-        )
+        return self.config.num_physical_for(self.model_config.num_experts, size)
 
     def balancedness(self) -> float:
         placement, n = self.serving.layout()

@@ -31,11 +31,13 @@ class ElasticConfig:
     fenced); heartbeat_interval: seconds between pings. warm_spare_ranks: workers kept started,
     loaded and in standby groups beside the active ranks (`moe_runtime.elastic.spares`).
     rank_pool: rank processes kept started, weightless, for grows the spares do not cover
-    (`moe_runtime.elastic.rank_pool`).
+    (`moe_runtime.elastic.rank_pool`). slot_multiple: the slots per DP rank divide by it (T in
+    the mesh expert layout, `rank.mesh`: each TP rank holds an equal part), at every size.
     """
 
     source: str
     num_redundant_experts: int = 0
+    slot_multiple: int = 1
     weight_source: str = "peer"
     eplb_enabled: bool = True
     eplb_window_size: int = 1000
@@ -48,6 +50,13 @@ class ElasticConfig:
     hang_timeout: float = 3.0
     heartbeat_interval: float = 0.1
     warm_spare_ranks: int = 0
+
+    def num_physical_for(self, num_experts: int, num_ranks: int) -> int:
+        """The slots of a placement over `num_ranks` DP ranks (`policy.num_physical_for`)."""
+        return policy.num_physical_for(
+            num_experts, num_ranks * self.slot_multiple, self.num_redundant_experts
+        )
+
     rank_pool: int = 0
 
     def __post_init__(self) -> None:

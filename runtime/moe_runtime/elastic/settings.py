@@ -35,7 +35,6 @@ from moe_runtime.elastic import ops as ops_mod
 from moe_runtime.elastic import rebalance, recovery
 from moe_runtime.elastic import spares as spares_mod
 from moe_runtime.engine import core as engine_core
-from moe_runtime.eplb import policy
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +149,7 @@ class LiveSettings:
     def get(self) -> dict[str, Any]:
         config, limits = self.rebalancer.config, self.coordinator.limits
         serving = self.ops.ctx.serving
-        wanted = policy.num_physical_for(
-            limits.num_experts, serving.num_ranks, config.num_redundant_experts
-        )
+        wanted = config.num_physical_for(limits.num_experts, serving.num_ranks)
         physical = serving.placement.num_physical
         return Config(
             eplb_enabled=config.eplb_enabled,

@@ -71,6 +71,7 @@ class RankActor:
         followers: Sequence[Any] = (),
         stages: Sequence[Any] = (),
         micro_batch_tokens: int | None = None,
+        expert_layout: str = "leader",
     ) -> None:
         logs.configure_rank()
         self._malloc = allocator.tune()
@@ -102,6 +103,7 @@ class RankActor:
             pipeline=pipeline,
             pipeline_size=1 + len(stages),
             pipeline_micro_batch_tokens=micro_batch_tokens,
+            expert_layout=expert_layout,
         )
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -304,6 +306,7 @@ def start_ranks(
     pp_size: int = 1,
     micro_batch_tokens: int | None = None,
     env: Mapping[str, str] | None = None,
+    expert_layout: str = "leader",
 ) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
     the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
@@ -314,6 +317,7 @@ def start_ranks(
     the leader (stage 0) in bundle 0 leads stage 0's TP followers and the stage actors
     (`ray_pipeline`, bundles s x T), each of which leads its own stage's TP followers;
     `micro_batch_tokens`: the leader's micro-batch threshold (`pipeline_group.micro_batches`).
+    `expert_layout`: where the routed experts live at T > 1 (`model.tensor_parallel`).
     `existing`: the infos of running ranks (`node_id`, `ip`); ranks on two nodes that report
     one IP are refused (`guards.check_node_ips`). `env`: the head's variables every actor gets
     (`guards.rank_env`)."""
@@ -360,6 +364,7 @@ def start_ranks(
                         spare=spare,
                         stage=s,
                         stages=pp_size,
+                        expert_layout=expert_layout,
                     )
                     for t in range(1, tp_size)
                 )
@@ -383,6 +388,7 @@ def start_ranks(
                     followers=tp[0],
                     stages=stages,
                     micro_batch_tokens=micro_batch_tokens,
+                    expert_layout=expert_layout,
                 )
             )
         infos = get_all(

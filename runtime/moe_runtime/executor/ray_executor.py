@@ -114,6 +114,7 @@ class RayExecutor(base.Executor):
         tp_size: int = 1,
         pp_size: int = 1,
         pp_micro_batch_tokens: int | None = None,
+        expert_layout: str = "leader",
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -127,6 +128,8 @@ class RayExecutor(base.Executor):
         #: The stage leaders' micro-batch threshold (`pipeline_group.micro_batches`; None:
         #: its default).
         self.pp_micro_batch_tokens = pp_micro_batch_tokens
+        #: Where the routed experts live at T > 1 (`model.tensor_parallel`: "leader", "mesh").
+        self.expert_layout = expert_layout
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
         if mode not in (STEP_COMPILED, STEP_REMOTE):
             raise ValueError(
@@ -206,6 +209,7 @@ class RayExecutor(base.Executor):
             pp_size=self.pp_size,
             micro_batch_tokens=self.pp_micro_batch_tokens,
             env=self._rank_env,
+            expert_layout=self.expert_layout,
         )
 
     # -- calls ---------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class FollowerActor:
         spare: bool = False,
         stage: int = 0,
         stages: int = 1,
+        expert_layout: str = "leader",
     ) -> None:
         logs.configure_rank()
         allocator.tune()
@@ -63,7 +64,13 @@ class FollowerActor:
         self.label = label
         self._serving = False
         self.follower = tensor_group.TensorFollower(
-            rank=tp_rank, size=tp_size, device=device, label=label, stage=stage, stages=stages
+            rank=tp_rank,
+            size=tp_size,
+            device=device,
+            label=label,
+            stage=stage,
+            stages=stages,
+            expert_layout=expert_layout,
         )
 
     def promote(self) -> None:
@@ -87,9 +94,23 @@ class FollowerActor:
     def ping(self) -> dict[str, Any]:
         return self.follower.ping()
 
+    def control(self, method: str, *args: Any) -> Any:
+        """The mesh layout's expert calls (`CTL_METHODS`, beside the steps) and aborts
+        (`HEALTH_METHODS`)."""
+        if method not in CTL_METHODS + HEALTH_METHODS:
+            raise AttributeError(f"a TP follower has no control method {method!r}")
+        return getattr(self.follower, method)(*args)
+
+
+#: The mesh layout's calls on a follower's control lane: a join waits for the other DP
+#: ranks' members and reads of experts take a while, neither may hold the steps.
+CTL_METHODS = ("join_mesh", "prefetch", "held")
+#: Calls on its health lane (never queued behind a step or a join).
+HEALTH_METHODS = ("abort", "abort_join")
+CTL_LANE = "ctl"
 
 RemoteFollower: Any = ray.remote(  # type: ignore[call-overload]
-    num_cpus=0, concurrency_groups={HEALTH_LANE: 1}
+    num_cpus=0, concurrency_groups={HEALTH_LANE: 1, CTL_LANE: 1}
 )(FollowerActor)
 
 
@@ -113,6 +134,9 @@ class RayFollowers:
         self._lock = threading.Lock()  # the step thread and the health lane both look
 
     def send(self, method: str, *args: Any) -> list[Any]:
+        if method in CTL_METHODS + HEALTH_METHODS:
+            lane = {"concurrency_group": CTL_LANE if method in CTL_METHODS else HEALTH_LANE}
+            return [a.control.options(**lane).remote(method, *args) for a in self._actors]
         return [a.call.remote(method, *args) for a in self._actors]
 
     def wait(self, pending: Any, timeout: float | None) -> list[Any]:

@@ -27,7 +27,12 @@ log = logging.getLogger(__name__)
 STEP = "step"
 #: Role of the group used only by background weight moves (non-expert and expert transfers).
 TRANSFER = "transfer"
+#: Role of a leader's mesh group in the mesh expert layout (`rank.mesh`): the step's expert
+#: collectives over every TP rank of every DP rank.
+MESH = "mesh"
+#: The roles the executor builds each epoch (a leader joins its mesh group itself).
 ROLES = (STEP, TRANSFER)
+_ALL_ROLES = (*ROLES, MESH)
 
 Key = tuple[int, str]
 
@@ -81,8 +86,8 @@ class RankGroups:
         `abort_join(spec.epoch)` calls it off (`group.JoinAborted`), also before it began. A
         join that fails after the rendezvous (at its fault point) leaves no group behind.
         """
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if role not in _ALL_ROLES:
+            raise ValueError(f"role must be one of {_ALL_ROLES}, got {role!r}")
         started = time.monotonic()
         epoch = spec.epoch
 
@@ -167,7 +172,7 @@ class RankGroups:
 
     def drop_epoch(self, epoch: int) -> None:
         """Destroy the step and transfer groups of `epoch`, here."""
-        for role in ROLES:
+        for role in _ALL_ROLES:
             self.drop_group((epoch, role))
 
     def retire_before(self, epoch: int | None) -> None:

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,11 +35,12 @@ from moe_runtime.model import source as source_mod
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import live as live_mod
+from moe_runtime.rank import mesh as mesh_mod
 from moe_runtime.rank import retention
 from moe_runtime.rank import staging as staging_mod
 
 if TYPE_CHECKING:
-    from moe_runtime.rank import pipeline_group
+    from moe_runtime.rank import pipeline_group, tensor_group
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,16 @@ class ExpertSlots:
         *,
         groups: groups_mod.RankGroups,
         stages: pipeline_group.PipelineLeader | None = None,
+        parts: tensor_group.TensorLeader | None = None,
     ) -> None:
         self._ctx = ctx
         self._groups = groups
         #: At P > 1 the pipeline stages, which read the experts of their layers ahead of a
         #: placement change this rank stages (`prefetch`) or pre-stages (`prestage`).
         self._stages = stages
+        #: In the mesh expert layout (`rank.mesh`) the TP followers, each holding its part of
+        #: this DP rank's slots; this rank's own slots are part 0 (`_member`).
+        self._parts = parts if parts is not None and parts.mesh else None
         self._lock = threading.RLock()
         self.placement: policy.Placement | None = None
         self.rank: int | None = None
@@ -93,6 +98,33 @@ class ExpertSlots:
             self.experts, self.placement = experts, placement
             self.rank, self.num_ranks = rank, num_ranks
             self.retained.reset(experts.values() if placeholder else ())
+
+    def _member(self, rank: int | None, num_ranks: int | None) -> tuple[int | None, int | None]:
+        """The (rank, ranks) this rank's slots are counted as: its DP rank, or in the mesh
+        layout member `rank` x T of DP x T (its part 0)."""
+        if self._parts is None or rank is None or num_ranks is None:
+            return rank, num_ranks
+        return mesh_mod.member(rank, num_ranks, self._parts.size)
+
+    def _backend(
+        self, epoch: int, placement: policy.Placement, rank: int, num_ranks: int, experts: Any
+    ) -> experts_mod.ExpertBackend:
+        """The backend over epoch's step group (the mesh group in the mesh layout)."""
+        if self._parts is None:
+            grp, _ = self._groups.group(epoch, groups_mod.STEP)
+            return live_mod.make_backend(grp, placement, rank, num_ranks, experts)
+        grp, _ = self._groups.group(epoch, mesh_mod.ROLE)
+        me, members = self._member(rank, num_ranks)
+        return live_mod.make_backend(grp, placement, me, members, experts)
+
+    def _with_parts(
+        self, held: staging_mod.Experts, keys: Sequence[tuple[int, int]]
+    ) -> staging_mod.Experts:
+        """`held` and those of `keys` it lacks that the mesh layout's followers hold."""
+        if self._parts is None:
+            return held
+        missing = sorted({(int(a), int(b)) for a, b in keys} - set(held))
+        return {**held, **self._parts.held(missing)} if missing else held
 
     def require_epoch(self) -> int:
         """The active epoch; RuntimeError before the first `activate`."""
@@ -148,7 +180,7 @@ class ExpertSlots:
         stage (the staging id) defaults to epoch.
         """
         _, model = self._ctx.loaded.require(self._ctx.where())
-        grp, _me = self._groups.group(epoch, groups_mod.TRANSFER)
+        grp, me = self._groups.group(epoch, groups_mod.TRANSFER)
         new_placement.validate(new_num_ranks)
         started = time.monotonic()
         stages, every = self._stages, moves if every_move is None else every_move
@@ -159,7 +191,19 @@ class ExpertSlots:
                 new_placement, rank=new_rank, num_ranks=new_num_ranks, epoch=epoch, moves=every
             )
         )
-        held = self._held_experts()
+        parts, reading = self._parts, None
+        if parts is not None:
+            mesh_mod.check_slots(new_placement.num_physical, new_num_ranks, parts.size)
+            reading = parts.prefetch(new_placement, rank=new_rank, num_ranks=new_num_ranks)
+            # this rank holds part 0: the moves into other parts are its followers' (read)
+            moves = [
+                m
+                for m in moves
+                if mesh_mod.slot_part(new_placement, m.dst_slot, new_num_ranks, parts.size) == 0
+            ]
+        held = self._with_parts(
+            self._held_experts(), [(m.layer, m.logical) for m in moves if m.src_rank == me]
+        )
         with self._lock:
             prestaged = dict(self.prestaged)
             retained = dict(self.retained.experts)
@@ -168,6 +212,8 @@ class ExpertSlots:
             grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
         )
         self._ctx.check("stage_experts")
+        if parts is not None:
+            parts.finish(reading)
         if new_rank is None:
             if stages is not None:
                 stages.finish_prefetch(prefetching)  # they sent their layers' experts
@@ -180,13 +226,15 @@ class ExpertSlots:
             return stats.bytes_received
         src = (
             source_mod.open_source(self._ctx.loaded.source_name)
-            if from_source and self._ctx.loaded.source_name is not None
+            if (from_source or parts is not None) and self._ctx.loaded.source_name is not None
             else None
-        )
+        )  # mesh: part 0's experts that only a follower held are read (not moved yet)
+        part_rank, part_ranks = self._member(new_rank, new_num_ranks)
+        assert part_rank is not None and part_ranks is not None
         slots = staging_mod.fill_slots(
             new_placement,
-            rank=new_rank,
-            num_ranks=new_num_ranks,
+            rank=part_rank,
+            num_ranks=part_ranks,
             available={
                 **staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device),
                 **retained,
@@ -256,7 +304,10 @@ class ExpertSlots:
         later = any((m.layer, m.logical) in elsewhere for m in every)
         stages = self._stages if later else None
         reading = None if stages is None else stages.prestage(sorted(zeros), epoch, every)
-        ctx, held = self._ctx, self._held_experts()
+        ctx = self._ctx
+        held = self._with_parts(
+            self._held_experts(), [(m.layer, m.logical) for m in moves if m.src_rank == me]
+        )
         stats, received = staging_mod.run_moves(
             grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
         )
@@ -303,11 +354,11 @@ class ExpertSlots:
     def held_experts(self, keys: Sequence[tuple[int, int]]) -> staging_mod.Experts:
         """{(layer, logical): weights} of the live slots for `keys` (what a peer asked for);
         a key this rank does not hold is an error naming it."""
-        held = self._held_experts()
         _, model = self._ctx.loaded.require(self._ctx.where())
         later = staging_mod.later_layers(model)
         if later is not None:
             keys = [k for k in keys if k[0] < later]  # zeros of later stages: not sent
+        held = self._with_parts(self._held_experts(), keys)
         missing = [k for k in keys if k not in held]
         if missing:
             raise RuntimeError(
@@ -321,7 +372,7 @@ class ExpertSlots:
         with self._lock:
             placement, rank, num_ranks = self.placement, self.rank, self.num_ranks
             experts = dict(self.experts)
-        return staging_mod.held_experts(placement, rank, num_ranks, experts)
+        return staging_mod.held_experts(placement, *self._member(rank, num_ranks), experts)
 
     def discard_staged(self) -> None:
         """Forget staged experts (a resize or a rebalance that failed)."""
@@ -372,7 +423,9 @@ class ExpertSlots:
             previous, self.previous = self.previous, None
             if previous is not None:
                 before = staging_mod.held_experts(
-                    previous.placement, previous.rank, previous.num_ranks, previous.experts
+                    previous.placement,
+                    *self._member(previous.rank, previous.num_ranks),
+                    previous.experts,
                 )
                 count = self.retained.absorb(before, self._held_experts())
                 log.debug("retaining %d experts (%s)", count, self._ctx.where())
@@ -421,15 +474,17 @@ class ExpertSlots:
         ):
             experts = previous.experts
         else:
+            me, members = self._member(rank, num_ranks)
+            assert me is not None and members is not None
             wanted = [
-                placement.experts_on_rank(layer, rank, num_ranks)
-                for layer in range(cfg.num_moe_layers)
+                placement.experts_on_rank(layer, me, members) for layer in range(cfg.num_moe_layers)
             ]
+            was, was_of = self._member(before.rank, before.num_ranks)
             current = (
                 None
-                if before.placement is None or before.rank is None or before.num_ranks is None
+                if before.placement is None or was is None or was_of is None
                 else [
-                    before.placement.experts_on_rank(layer, before.rank, before.num_ranks)
+                    before.placement.experts_on_rank(layer, was, was_of)
                     for layer in range(cfg.num_moe_layers)
                 ]
             )
@@ -439,7 +494,7 @@ class ExpertSlots:
                     f"needs under the new placement: stage them first ({self._ctx.where()})"
                 )
             experts = before.experts
-        backend = live_mod.make_backend(grp, placement, rank, num_ranks, experts)
+        backend = self._backend(epoch, placement, rank, num_ranks, experts)
         live = live_mod.Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
         with self._lock:
             self.staged = None
@@ -469,8 +524,8 @@ class ExpertSlots:
                     f"experts of stage {staged.stage} were staged for {staged.num_ranks} ranks, "
                     f"not {self.num_ranks}"
                 )
-            backend = live_mod.make_backend(
-                grp, staged.placement, staged.rank, staged.num_ranks, staged.experts
+            backend = self._backend(
+                epoch, staged.placement, staged.rank, staged.num_ranks, staged.experts
             )
             ready = live_mod.Live(
                 staged.placement,

@@ -151,11 +151,19 @@ class Stepper:
                 if not isinstance(step_group, group_mod.StatelessGroup):
                     step_group = None
                 following = None
-                tensor = self._tensor if seqs else None  # no token: no TP collective
+                # no token: no TP collective; in the mesh layout the followers join the
+                # expert collectives of every step with a token anywhere
+                mesh = self._tensor is not None and self._tensor.mesh
+                tensor = self._tensor if seqs or mesh else None
                 try:
                     self._ctx.check("forward")
                     if tensor is not None and self._pipeline is None:
-                        following = tensor.begin(model, fwd)
+                        live = None
+                        if mesh:
+                            assert slots.epoch is not None and slots.placement is not None
+                            token = (slots.epoch, slots.origin, rank, slots.num_ranks or 0)
+                            live = (token, slots.placement)
+                        following = tensor.begin(model, fwd, live=live)
                     if self._pipeline is not None:
                         out.micro_batches = self._micro_batches(step)
                         epoch, placement = slots.epoch, slots.placement

@@ -34,6 +34,7 @@ from moe_runtime.model import decoder, pipeline, tp_shard
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tensor_parallel as tp_mod
+from moe_runtime.rank import mesh as mesh_mod
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +98,29 @@ def restore_kv(kv: kv_mod.KVCache, batch: kv_mod.ForwardBatch) -> None:
 class TensorLeader:
     """The leader's side of its TP group: the group, the followers, KV frees still to send."""
 
-    def __init__(self, followers: Followers, *, size: int, device: str) -> None:
+    def __init__(
+        self,
+        followers: Followers,
+        *,
+        size: int,
+        device: str,
+        expert_layout: str = tp_mod.LEADER,
+    ) -> None:
         self.followers = followers
         self.size = size
         self.device = device
+        self.expert_layout = expert_layout
         self.group: group_mod.StatelessGroup | None = None
         self.epoch = 0
         self._frees: list[str] = []
         self._lost: str | None = None
+        #: the live token the followers were last sent with its placement (mesh layout)
+        self._sent: mesh_mod.Token | None = None
+
+    @property
+    def mesh(self) -> bool:
+        """Whether the followers hold parts of the routed experts (`rank.mesh`)."""
+        return self.expert_layout == tp_mod.MESH
 
     # -- the group ---------------------------------------------------------------------
     def ensure_group(self) -> group_mod.StatelessGroup:
@@ -125,21 +141,30 @@ class TensorLeader:
         return group
 
     def abort(self, reason: str) -> None:
-        """Let the TP group go now: a follower waiting in one of its collectives stops."""
+        """Let the TP group go now: a follower waiting in one of its collectives stops (and,
+        in the mesh layout, the followers' mesh groups)."""
         if self.group is not None:
             self.group.abort(reason)
+        if self.mesh:
+            try:
+                self.followers.send("abort", reason)
+            except Exception:  # noqa: BLE001 - a dead follower has no group to abort
+                log.debug("aborting the followers' mesh groups failed", exc_info=True)
 
     # -- loading -----------------------------------------------------------------------
     def start_load(
-        self, source: str, cfg: Any, *, dtype: torch.dtype
+        self, source: str, cfg: Any, *, dtype: torch.dtype, experts: tuple[Any, ...] = ()
     ) -> tuple[tp_mod.TensorParallel, Any]:
         """TP rank 0's part (its shard plan over a fresh group) and its followers' load of
-        `source` started (a handle for `finish_load`)."""
+        `source` started (a handle for `finish_load`); `experts`: (DP rank, DP size,
+        placement, placeholder) in the mesh layout, whose part each follower reads."""
         shard = plan(cfg, rank=0, size=self.size)
         group = self.ensure_group()
-        pending = self.followers.send("load", source, str(dtype).removeprefix("torch."))
+        name = str(dtype).removeprefix("torch.")
+        pending = self.followers.send("load", source, name, *(experts if self.mesh else ()))
         self._frees = []
-        return tp_mod.TensorParallel(shard, group), pending
+        self._sent = None
+        return tp_mod.TensorParallel(shard, group, expert_layout=self.expert_layout), pending
 
     def model(
         self,
@@ -148,10 +173,11 @@ class TensorLeader:
         *,
         dtype: torch.dtype,
         pp: pipeline.PipelineStage | None = None,
+        experts: tuple[Any, ...] = (),
     ) -> tuple[decoder.MoEModel, tp_shard.Shard, Any]:
         """The leader's (empty) model of TP rank 0 (of pipeline stage `pp`) over a fresh
         group, and its followers' load of `source` started (a handle for `finish_load`)."""
-        tp, pending = self.start_load(source, cfg, dtype=dtype)
+        tp, pending = self.start_load(source, cfg, dtype=dtype, experts=experts)
         model = decoder.MoEModel(cfg, dtype=dtype, device=self.device, tp=tp, pp=pp)
         return model, tp.shard, pending
 
@@ -168,20 +194,30 @@ class TensorLeader:
         model: decoder.MoEModel,
         batch: kv_mod.ForwardBatch,
         hidden: torch.Tensor | None = None,
+        live: tuple[mesh_mod.Token, Any] | None = None,
     ) -> Any:
         """Send the forward pass of `batch` (and the KV frees before it) to the followers,
         over a live TP group; a handle for `end`. `hidden`: the previous pipeline stage's
-        hidden states (a stage after the first)."""
+        hidden states (a stage after the first); `live`: the leader's (token, placement) in
+        the mesh layout (the placement goes only with a token the followers were not sent)."""
         self.check()
         group = self.ensure_group()
         assert model.tp is not None
         model.tp.group = group
         frees, self._frees = self._frees, []
-        return self.followers.send("step", self.epoch, frees, batch, hidden)
+        if live is None:
+            return self.followers.send("step", self.epoch, frees, batch, hidden)
+        token, placement = live
+        sent = (token, None if token == self._sent else placement)
+        self._sent = None  # until the step is seen through (`end`)
+        return (token, self.followers.send("step", self.epoch, frees, batch, hidden, sent))
 
     def end(self, pending: Any, *, failed: BaseException | None = None) -> None:
         """Wait for the followers' part of the step. After a failed forward pass of the
         leader (`failed`) the group is aborted first, so none of them waits for it."""
+        token = None
+        if isinstance(pending, tuple):
+            token, pending = pending
         if failed is not None:
             self.abort(f"the leader's forward pass failed: {type(failed).__name__}")
             try:
@@ -198,6 +234,33 @@ class TensorLeader:
         except Exception:
             self.abort("a follower's step failed")
             raise
+        self._sent = token
+
+    # -- the mesh layout's experts ---------------------------------------------------------
+    def join_mesh(self, spec: group_mod.GroupSpec, rank: int) -> Any:
+        """Every follower starts joining the mesh group of the leaders' step group `spec` (its
+        DP rank: `rank`); a handle for `finish`."""
+        return self.followers.send("join_mesh", spec, rank)
+
+    def prefetch(self, placement: Any, *, rank: int | None, num_ranks: int) -> Any:
+        """Every follower starts reading the experts of its part it lacks for DP rank `rank`
+        of `num_ranks` under `placement`; a handle for `finish`."""
+        return self.followers.send("prefetch", placement, rank, num_ranks)
+
+    def finish(self, pending: Any, timeout: float = LOAD_TIMEOUT_S) -> list[Any]:
+        return self._wait(pending, timeout)
+
+    def held(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+        """Those of the experts `keys` ((MoE layer, logical)) the followers hold."""
+        out: dict[tuple[int, int], Any] = {}
+        if keys:
+            for part in self._wait(self.followers.send("held", list(keys)), LOAD_TIMEOUT_S):
+                out.update(part)
+        return out
+
+    def abort_join(self, epoch: int) -> None:
+        """Call off the followers' joins of `epoch` (their health lane)."""
+        self.followers.send("abort_join", epoch)
 
     # -- health ------------------------------------------------------------------------
     def check(self) -> None:
@@ -233,6 +296,7 @@ class TensorFollower:
         label: int | None = None,
         stage: int = 0,
         stages: int = 1,
+        expert_layout: str = tp_mod.LEADER,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -240,11 +304,20 @@ class TensorFollower:
         self.label = label
         self.stage = stage
         self.stages = stages
+        self.expert_layout = expert_layout
         self.group: group_mod.StatelessGroup | None = None
         self.epoch = 0
         self.model: decoder.MoEModel | None = None
         self.kv: kv_mod.KVCache | None = None
         self.steps = 0
+        #: its part of the DP rank's routed experts (the `mesh` layout), else None
+        self.experts: mesh_mod.MeshExperts | None = None
+        if expert_layout == tp_mod.MESH:
+            if stages > 1:
+                raise ValueError("the mesh expert layout is not served with pipeline stages yet")
+            self.experts = mesh_mod.MeshExperts(
+                part=rank, size=size, device=device, where=self.where
+            )
 
     def where(self) -> str:
         pp = f" pp={self.stage}/{self.stages}" if self.stages > 1 else ""
@@ -259,9 +332,18 @@ class TensorFollower:
         if self.model is not None and self.model.tp is not None:
             self.model.tp.group = group
 
-    def load(self, source: str, dtype: str) -> int:
+    def load(
+        self,
+        source: str,
+        dtype: str,
+        rank: int = 0,
+        num_ranks: int = 1,
+        placement: Any = None,
+        placeholder: bool = False,
+    ) -> int:
         """Read this TP rank's shard of `source` (only its bytes where the checkpoint allows);
-        an empty KV cache of its heads. Returns the bytes held."""
+        an empty KV cache of its heads; in the mesh layout its part of DP rank `rank`'s slots
+        under `placement` too. Returns the bytes held."""
         if self.group is None:
             raise RuntimeError(f"no TP group joined ({self.where()})")
         started = time.monotonic()
@@ -275,7 +357,7 @@ class TensorFollower:
             src,
             dtype=torch_dtype,
             device=self.device,
-            tp=tp_mod.TensorParallel(shard, self.group),
+            tp=tp_mod.TensorParallel(shard, self.group, expert_layout=self.expert_layout),
             pp=stage,
         )
         self.model = model
@@ -283,6 +365,10 @@ class TensorFollower:
             model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
         )
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
+        if self.experts is not None:
+            nbytes += self.experts.load(
+                source, torch_dtype, rank, num_ranks, placement, placeholder=placeholder
+            )
         log.info(
             "loaded TP shard of %s: %.1f MB in %.2fs (%s)",
             source,
@@ -298,10 +384,13 @@ class TensorFollower:
         frees: Sequence[str],
         batch: kv_mod.ForwardBatch,
         hidden: torch.Tensor | None = None,
+        live: Any = None,
     ) -> int:
         """The leader's forward pass of `batch` over TP group `epoch` (this rank's part of
         every collective; logits are discarded: the leader samples), from the previous
-        pipeline stage's `hidden` states on a stage after the first. Returns the steps run."""
+        pipeline stage's `hidden` states on a stage after the first; in the mesh layout as
+        the leader's `live` (token, placement) says, over the mesh group of the token's
+        epoch. Returns the steps run."""
         model, kv = self.model, self.kv
         if model is None or kv is None:
             raise RuntimeError(f"no weights loaded ({self.where()})")
@@ -309,23 +398,62 @@ class TensorFollower:
             raise RuntimeError(f"step of TP epoch {epoch}, joined {self.epoch} ({self.where()})")
         for seq_id in frees:
             kv.free(seq_id)
+        experts: Any = NoExperts()
+        if self.experts is not None:
+            if live is None:
+                raise RuntimeError(f"a mesh follower's step needs the live token ({self.where()})")
+            self.experts.follow(*live)
+            experts = self.experts.backend(live[0][0])
         try:
             model.forward(
-                batch, kv, NoExperts(), hidden=None if hidden is None else hidden.to(model.device)
+                batch, kv, experts, hidden=None if hidden is None else hidden.to(model.device)
             )
         except Exception:
             restore_kv(kv, batch)
             if self.group is not None:
                 self.group.abort("a follower's forward pass failed")
+            if self.experts is not None:
+                self.experts.abort("a follower's forward pass failed")
             log.exception("TP step failed (%s)", self.where())
             raise
         self.steps += 1
         return self.steps
 
+    # -- the mesh layout's experts (control lane: beside the steps) ------------------------
+    def join_mesh(self, spec: group_mod.GroupSpec, rank: int) -> None:
+        """Join the mesh group beside the leaders' step group `spec` (its DP rank: `rank`)."""
+        self._mesh().join(spec, rank)
+
+    def prefetch(self, placement: Any, rank: int | None, num_ranks: int) -> int:
+        return self._mesh().prefetch(placement, rank, num_ranks)
+
+    def held(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+        return self._mesh().held(keys)
+
+    def abort_join(self, epoch: int) -> None:
+        if self.experts is not None:
+            self.experts.abort_join(epoch)
+
+    def abort(self, reason: str) -> None:
+        if self.experts is not None:
+            self.experts.abort(reason)
+
+    def _mesh(self) -> mesh_mod.MeshExperts:
+        if self.experts is None:
+            raise RuntimeError(f"not in the mesh expert layout ({self.where()})")
+        return self.experts
+
     def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "tp_rank": self.rank, "steps": self.steps}
+        out: dict[str, Any] = {"pid": os.getpid(), "tp_rank": self.rank, "steps": self.steps}
+        if self.experts is not None:
+            out["expert_slots"] = len(self.experts.experts)
+            out["reads_in_step"] = self.experts.reads_in_step
+            out["prefetched"] = self.experts.prefetched
+        return out
 
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.destroy()
             self.group = None
+        if self.experts is not None:
+            self.experts.close()

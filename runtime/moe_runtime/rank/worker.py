@@ -51,10 +51,12 @@ from moe_runtime.model import decoder, names, pipeline, tp_shard
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
+from moe_runtime.model import tensor_parallel as tp_mod
 from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import hooks as hooks_mod
 from moe_runtime.rank import loaded as loaded_mod
+from moe_runtime.rank import mesh as mesh_mod
 from moe_runtime.rank import pipeline_group as pipeline_mod
 from moe_runtime.rank import progress as progress_mod
 from moe_runtime.rank import slots as slots_mod
@@ -136,6 +138,7 @@ class RankWorker:
         pipeline: pipeline_mod.Stages | None = None,
         pipeline_size: int = 1,
         pipeline_micro_batch_tokens: int | None = None,
+        expert_layout: str = tp_mod.LEADER,
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -155,7 +158,11 @@ class RankWorker:
         if tensor_size > 1:
             if tensor is None:
                 raise ValueError(f"tensor_size {tensor_size} needs the rank's followers")
-            self.tensor = tensor_mod.TensorLeader(tensor, size=tensor_size, device=self.device)
+            self.tensor = tensor_mod.TensorLeader(
+                tensor, size=tensor_size, device=self.device, expert_layout=expert_layout
+            )
+        elif expert_layout != tp_mod.LEADER:
+            raise ValueError(f"the {expert_layout} expert layout needs a tensor-parallel size > 1")
         #: Pipeline stage 0's side of this DP rank's pipeline (P > 1), else None.
         self.pipeline: pipeline_mod.PipelineLeader | None = None
         if pipeline_size > 1:
@@ -177,12 +184,18 @@ class RankWorker:
             where=self.where,
             fail=self.fail,
         )
+        if expert_layout == tp_mod.MESH and self.pipeline is not None:
+            raise ValueError("the mesh expert layout is not served with pipeline stages yet")
+        self.mesh = self.tensor is not None and self.tensor.mesh
+        joins = self.pipeline is not None or self.mesh
         self.groups = groups_mod.RankGroups(
             ctx,
-            on_join=None if self.pipeline is None else self._stages_join,
-            on_abort_join=None if self.pipeline is None else self.pipeline.abort_join,
+            on_join=self._stages_join if joins else None,
+            on_abort_join=self._abort_joins if joins else None,
         )
-        self.slots = slots_mod.ExpertSlots(ctx, groups=self.groups, stages=self.pipeline)
+        self.slots = slots_mod.ExpertSlots(
+            ctx, groups=self.groups, stages=self.pipeline, parts=self.tensor
+        )
         self.stepper = stepper_mod.Stepper(
             ctx, slots=self.slots, tensor=self.tensor, pipeline=self.pipeline
         )
@@ -314,6 +327,9 @@ class RankWorker:
         epoch = self.slots.epoch
         if epoch is not None and self.pipeline is not None:
             self.pipeline.abort(reason)  # the stages' groups of every epoch go with it
+        if epoch is not None and self.mesh:
+            assert self.tensor is not None
+            self.tensor.abort(reason)  # the followers' mesh groups of every epoch too
         return [] if epoch is None else self.groups.abort(epoch, reason)
 
     def _stages_join(self, spec: Any, rank: int, role: str) -> None:
@@ -322,6 +338,27 @@ class RankWorker:
         their expert moves)."""
         if self.pipeline is not None:
             self.pipeline.join(spec, rank, role)
+        if self.mesh and role == groups_mod.STEP:
+            # the mesh group beside it: this leader as member rank x T, its followers after it
+            assert self.tensor is not None
+            joining = self.tensor.join_mesh(spec, rank)
+            try:
+                self.groups.join_group(
+                    mesh_mod.mesh_spec(spec, self.tensor.size),
+                    rank * self.tensor.size,
+                    role=groups_mod.MESH,
+                    group_timeout=mesh_mod.GROUP_TIMEOUT_S,
+                )
+            finally:
+                self.tensor.finish(joining, mesh_mod.GROUP_TIMEOUT_S + 10.0)
+
+    def _abort_joins(self, epoch: int) -> None:
+        """The joins of `epoch` are called off: so are the stages' and the followers'."""
+        if self.pipeline is not None:
+            self.pipeline.abort_join(epoch)
+        if self.mesh:
+            assert self.tensor is not None
+            self.tensor.abort_join(epoch)
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(
@@ -355,15 +392,26 @@ class RankWorker:
             model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device, pp=stage)
         else:
             # The followers read their shards from the source meanwhile (`tensor_group`).
-            model, shard, following = self.tensor.model(source, cfg, dtype=self.dtype, pp=stage)
+            model, shard, following = self.tensor.model(
+                source,
+                cfg,
+                dtype=self.dtype,
+                pp=stage,
+                experts=(rank, num_ranks, placement, placeholder),
+            )
         # what this rank holds of each non-expert tensor (None: all of it)
         held = pipeline.parts(cfg, stage=stage, shard=shard)
         non_expert = list(held)
         mine: list[tuple[int, int, int]] = []  # (MoE layer, local slot, logical expert)
         if placement is not None:
             placement.validate(num_ranks)
+            me, members = rank, num_ranks
+            if self.mesh:  # this rank holds part 0 of its slots, its followers the others
+                assert self.tensor is not None
+                mesh_mod.check_slots(placement.num_physical, num_ranks, self.tensor.size)
+                me, members = mesh_mod.member(rank, num_ranks, self.tensor.size)
             for layer in range(cfg.num_moe_layers):
-                for slot, logical in enumerate(placement.experts_on_rank(layer, rank, num_ranks)):
+                for slot, logical in enumerate(placement.experts_on_rank(layer, me, members)):
                     mine.append((layer, slot, logical))
         size = torch.empty((), dtype=self.dtype).element_size()
         expert_shapes = [shape for _, shape in names.expert_tensors(cfg, 0, 0).values()]
