@@ -22,6 +22,7 @@ TENSOR_PARALLEL_SIZE: Final = "--tensor-parallel-size"
 #: Where the routed experts live at tensor-parallel size > 1: "leader" (TP rank 0 of each DP
 #: rank) or "mesh" (a part of each DP rank's slots on every TP rank: EP over DP x T).
 EXPERT_LAYOUT: Final = "--expert-layout"
+EXPERT_LAYOUTS: Final = ("leader", "mesh")
 #: Contiguous stages the decoder layers are split into, per data-parallel rank.
 PIPELINE_PARALLEL_SIZE: Final = "--pipeline-parallel-size"
 #: New tokens on the busiest DP rank from which a step goes through the stages as micro-batches.
@@ -114,6 +115,8 @@ class ServeArgs:
     pipeline_parallel_size: int = 1
     #: ``None``: the runtime's default (left out).
     pipeline_micro_batch_tokens: int | None = None
+    #: One of ``EXPERT_LAYOUTS``; ``None``: the runtime's default (left out).
+    expert_layout: str | None = None
     #: Seconds; the runtime's default (``DEFAULT_SHUTDOWN_TIMEOUT_S``) is left out, so a
     #: head of an older runtime still parses the line.
     shutdown_timeout: float = float(DEFAULT_SHUTDOWN_TIMEOUT_S)
@@ -129,6 +132,8 @@ class ServeArgs:
             out += _option(PIPELINE_PARALLEL_SIZE, self.pipeline_parallel_size)
         if self.pipeline_micro_batch_tokens is not None:
             out += _option(PIPELINE_MICRO_BATCH_TOKENS, self.pipeline_micro_batch_tokens)
+        if self.expert_layout is not None:
+            out += _option(EXPERT_LAYOUT, self.expert_layout)
         out += _option(SERVED_MODEL_NAME, self.served_model_name)
         out += _option(HOST, self.host)
         out += _option(PORT, self.port)

@@ -66,6 +66,11 @@ def _kv_budget(
     )
 
 
+def expert_layout(args: argparse.Namespace) -> str:
+    """Where the routed experts live (`--expert-layout`; default "leader")."""
+    return str(args.expert_layout or "leader")
+
+
 def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> str | None:
     """Why this runtime cannot serve the asked mesh of `cfg`, or None
     (docs/TENSOR-PARALLEL.md, docs/PIPELINE-PARALLEL.md): a tensor-parallel size must shard
@@ -81,7 +86,7 @@ def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> 
             tp_shard.plan(cfg, rank=0, size=size)
         except ValueError as exc:
             return f"{flags.TENSOR_PARALLEL_SIZE} {size} does not fit this model: {exc}"
-    if args.expert_layout == "mesh":
+    if expert_layout(args) == "mesh":
         if size == 1:
             return f"{flags.EXPERT_LAYOUT} mesh needs {flags.TENSOR_PARALLEL_SIZE} > 1"
         if args.pipeline_parallel_size != 1:
@@ -168,7 +173,7 @@ def _build_into(
         raise ValueError(unsupported)
     num_ranks = args.data_parallel_size
     # the mesh layout holds an equal part of each DP rank's slots on each of its T devices
-    multiple = args.tensor_parallel_size if args.expert_layout == "mesh" else 1
+    multiple = args.tensor_parallel_size if expert_layout(args) == "mesh" else 1
     num_physical = policy.num_physical_for(
         cfg.num_experts, num_ranks * multiple, args.num_redundant_experts
     )
@@ -213,7 +218,7 @@ def _build_into(
             tp_size=tp_size,
             pp_size=pp_size,
             pp_micro_batch_tokens=args.pipeline_micro_batch_tokens,
-            expert_layout=args.expert_layout,
+            expert_layout=expert_layout(args),
         )
     else:
         from moe_runtime.executor import local

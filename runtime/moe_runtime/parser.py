@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         flags.EXPERT_LAYOUT,
-        choices=("leader", "mesh"),
-        default="leader",
+        choices=flags.EXPERT_LAYOUTS,
+        default=None,
         help="at T > 1, where the routed experts live: on each DP rank's TP rank 0 (leader), "
         "or a part of its expert slots on each of its T devices, expert parallelism over "
         "DP x T (mesh; P = 1 only; docs/TENSOR-PARALLEL.md)",
