@@ -82,10 +82,10 @@ class RuntimeMetrics:
         )
         self.source_reads = prometheus_client.Counter(
             "moe_pipeline_source_reads",
-            "Experts pipeline stages read from the model source: when=step inside a step (a "
-            "placement change they had not prefetched; it stalls that step), when=prefetch "
-            "ahead of a placement change, a warm spare's pre-staging included (what no peer's "
-            "stage could move to them).",
+            "Experts pipeline stages (or, in the mesh expert layout, TP followers) read from "
+            "the model source: when=step inside a step (a placement change they had not "
+            "prefetched; it stalls that step), when=prefetch ahead of a placement change, a "
+            "warm spare's pre-staging included (what no peer could move or hand to them).",
             ["when"],
             registry=r,
         )

@@ -1,11 +1,20 @@
 """Issue 22, expert parallelism over DP x T in `serve` (`--expert-layout mesh`,
-docs/TENSOR-PARALLEL.md): each DP rank's TP followers hold a part of its expert slots (the
-leader only part 0: its `num_experts` is slots / T) and the expert-parallel group is every
-actor of every DP rank. Answers equal transformers' `generate` at DP = 2 x T = 2, after live
-resizes to DP = 3 and DP = 1 under checked load (the slots per DP rank change, and the
-followers' parts follow the leader's placement), and after a follower is SIGKILLed under
-load (its DP rank is taken out, none of the load's requests fails, the deployment grows
-back). One server (Mixtral shape), the tests' Ray instance.
+docs/TENSOR-PARALLEL.md): each DP rank's TP follower holds a part of its expert slots and the
+expert-parallel group is every actor of every DP rank. With a warm spare (a whole DP rank:
+leader and follower) and EPLB every 40 steps, one server (Mixtral shape, the tests' Ray
+instance), every answer checked against transformers' `generate`:
+
+- at DP = 2 x T = 2;
+- EPLB rebalances under checked load and moves experts (the followers' parts follow the
+  commit inside a step);
+- live resizes to DP = 3 (the grow takes the spare, its follower handed its part by its
+  leader) and DP = 1 under checked load, the slots per DP rank changing with the size;
+- a follower SIGKILLed under load: its DP rank is taken out, no request fails, the
+  deployment is back at its size.
+
+The experts the followers read from the model source are counted
+(`moe_pipeline_source_reads_total`): a resize reads none, the grown rank's follower and the
+survivor's get their parts from peers through their leaders.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import mesh_serving
+from tests.support import mesh_serving, polling
 from tests.support.mesh_serving import Served, check_answers
 
 pytestmark = pytest.mark.ray
@@ -25,7 +34,9 @@ T = 2
 #: DP = 3 -> 6 (2, 1); DP = 1 -> 6 (6, 3)
 EXPERTS = 5
 MESH = ["--tensor-parallel-size", str(T), "--expert-layout", "mesh"]
-MESH += ["--max-data-parallel-size", "3"]
+MESH += ["--max-data-parallel-size", "3", "--warm-spare-ranks", "1"]
+MESH += ["--eplb-window-size", "40", "--eplb-step-interval", "40"]
+READS = "moe_pipeline_source_reads_total"
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +54,51 @@ def _assert_parts(served: Served, size: int) -> None:
         assert r["num_experts"] == physical // size, r
 
 
+def _reads(served: Served) -> float:
+    """Experts the followers read from the model source so far (in and ahead of steps)."""
+    return mesh_serving.metric(served.server.url, READS)
+
+
+def _spare_prestaged(served: Served) -> dict[str, int] | None:
+    spares = [s for s in mesh_serving.status(served)["spares"] if s["ready"]]
+    return spares[0]["prestaged"] if spares else None
+
+
 def test_answers_equal_transformers_with_experts_on_every_device(served: Served) -> None:
     _assert_parts(served, 2)
     check_answers(served)
 
 
+def test_eplb_moves_experts_under_load(served: Served) -> None:
+    traffic = mesh_serving.load(served)
+    with traffic:
+
+        def moved() -> dict[str, object] | None:
+            last = (mesh_serving.status(served).get("eplb") or {}).get("last_rebalance") or {}
+            return last if last.get("applied") and last.get("moves") else None
+
+        polling.poll(moved, lambda: mesh_serving.status(served).get("eplb"), 120, every=0.2)
+    assert not traffic.failures, traffic.failures[:3]
+    check_answers(served)
+
+
 @pytest.mark.parametrize("size", [3, 1])
 def test_live_resizes_move_the_parts(served: Served, size: int) -> None:
-    mesh_serving.resize_under_load(served, size)
+    if size == 3:  # the spare is ready, its experts for this grow pre-staged on its leader
+        polling.poll(
+            lambda: (p := _spare_prestaged(served)) is not None and p["held"] == p["wanted"] > 0,
+            lambda: mesh_serving.status(served)["spares"],
+            120,
+        )
+    before = _reads(served)
+    done = mesh_serving.resize_under_load(served, size)
+    if size == 3:
+        history = mesh_serving.status(served)["history"]
+        grow = next(h for h in history if h["resize_id"] == done["resize_id"])
+        assert grow["warm_spares"] == 1, grow  # it took the spare: no rank started
     _assert_parts(served, size)
     check_answers(served)
+    assert _reads(served) == before
 
 
 def test_a_killed_follower_takes_its_rank_out_and_the_deployment_grows_back(

@@ -21,6 +21,9 @@ MAX_DATA_PARALLEL_SIZE = 1024
 DEFAULT_IMAGE = "ghcr.io/elastic-moe/runtime:0.1.0"
 
 Accelerator = Literal["cpu", "nvidia.com/gpu"]
+MESH_LAYOUT_NEEDS: Final = (
+    "expertLayout mesh needs tensorParallelSize > 1 and pipelineParallelSize 1"
+)
 ACCELERATOR_CPU: Final = "cpu"
 ACCELERATOR_NVIDIA_GPU: Final = "nvidia.com/gpu"
 
@@ -329,6 +332,13 @@ _SPEC_RULES: list[pydantic.JsonValue] = [
         "fieldPath": ".elastic.warmSpareRanks",
         "reason": "FieldValueInvalid",
     },
+    {
+        "rule": "!has(self.expertLayout) || self.expertLayout != 'mesh' || "
+        "(self.tensorParallelSize > 1 && self.pipelineParallelSize == 1)",
+        "message": MESH_LAYOUT_NEEDS,
+        "fieldPath": ".expertLayout",
+        "reason": "FieldValueInvalid",
+    },
     *mesh.FIT_RULES,
 ]
 
@@ -377,6 +387,16 @@ class MoEDeploymentSpec(ApiModel):
             "A change rolls the deployment over (docs/ROLLOUTS.md)."
         ),
     )
+    expert_layout: Literal["leader", "mesh"] | None = pydantic.Field(
+        default=None,
+        description=(
+            "At tensorParallelSize > 1, where the routed experts live: on each data-parallel "
+            "rank's first device (leader), or a part of its expert slots on each of its "
+            "devices, the expert-parallel group being every device of every rank (mesh; "
+            "pipelineParallelSize 1 only; docs/TENSOR-PARALLEL.md). Unset: the runtime's "
+            "default (leader). A change rolls the deployment over (docs/ROLLOUTS.md)."
+        ),
+    )
     max_queued_requests: int = pydantic.Field(
         default=1024,
         ge=0,
@@ -414,6 +434,13 @@ class MoEDeploymentSpec(ApiModel):
                 f"dataParallelSize must be within [minDataParallelSize, maxDataParallelSize] = "
                 f"[{self.min_data_parallel_size}, {self.max_data_parallel_size}] "
                 f"(got {self.data_parallel_size})"
+            )
+        if self.expert_layout == "mesh" and not (
+            self.tensor_parallel_size > 1 and self.pipeline_parallel_size == 1
+        ):
+            raise ValueError(
+                f"{MESH_LAYOUT_NEEDS} (got tensorParallelSize {self.tensor_parallel_size}, "
+                f"pipelineParallelSize {self.pipeline_parallel_size})"
             )
         if self.elastic.warm_spare_ranks > self.max_data_parallel_size:
             raise ValueError(

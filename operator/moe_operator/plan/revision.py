@@ -45,7 +45,11 @@ LIVE_FIELDS: Final = frozenset(
 )
 #: Template fields added after revisions existed, with the value every older spec meant: at
 #: that value a field is left out of the hash, so an operator upgrade rolls no deployment over.
-ADDED_LATER: Final = {"pipelineParallelSize": 1, "pipelineMicroBatchTokens": None}
+ADDED_LATER: Final = {
+    "pipelineParallelSize": 1,
+    "pipelineMicroBatchTokens": None,
+    "expertLayout": None,
+}
 #: Hex digits of a revision (enough to tell the revisions of one deployment apart).
 LENGTH: Final = 10
 

@@ -104,7 +104,7 @@ class FollowerActor:
 
 #: The mesh layout's calls on a follower's control lane: a join waits for the other DP
 #: ranks' members and reads of experts take a while, neither may hold the steps.
-CTL_METHODS = ("join_mesh", "prefetch", "held")
+CTL_METHODS = ("join_mesh", "prefetch", "held", "lacks")
 #: Calls on its health lane (never queued behind a step or a join).
 HEALTH_METHODS = ("abort", "abort_join")
 CTL_LANE = "ctl"

@@ -9,16 +9,17 @@ group beside it (`mesh_spec`, joined by every leader and follower: the step's ex
 collectives); in each MoE layer every TP rank routes every row and dispatches rows t, t + T,
 ... (`model.tensor_parallel.MESH`).
 
-- The leader (`slots.ExpertSlots` with `parts` = T) keeps the slots of part 0 and runs the
-  leaders' expert moves whose destination slot is in part 0 of its DP rank, over the
-  leaders' transfer group, sending from its own part and from its followers' (`held`);
+- The leader (`slots.ExpertSlots` with `parts` = T) keeps the slots of part 0. The leaders'
+  expert moves run as at T = 1, over the leaders' transfer group, for every slot of their DP
+  ranks: a leader sends from its own part and from its followers' (`TensorLeader.held`),
+  and hands each follower, ahead of the switch, the experts of its new part it lacks
+  (`relay`: moved in, held by the leader or retained, pre-staged on a warm spare's leader);
 - a follower (`MeshExperts`, in `tensor_group.TensorFollower`) follows the leader's live
-  token as a pipeline stage does (`stage_worker.StageWorker.follow`): experts it holds or
-  retained are kept, the others read from the model source ahead of a placement change
-  (`prefetch`, while the leader stages its own part) or, failing that, in the step.
+  token as a pipeline stage does (`stage_worker.StageWorker.follow`): experts it holds,
+  retained or was handed are kept; what no peer held (a lost rank's only copy) it reads
+  from the model source, ahead of the switch (`prefetch`) or, failing that, in the step.
 
-What is not done yet (docs/TENSOR-PARALLEL.md): moves peer to peer between followers (they
-read from the source), pre-staging on a warm spare's followers, P > 1.
+Not done yet (docs/TENSOR-PARALLEL.md): the pipeline stages (P > 1) in this layout.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from moe_runtime.model import source as source_mod
 from moe_runtime.rank import retention
 from moe_runtime.rank.groups import MESH as ROLE  # a leader's mesh group, by epoch
 
-__all__ = ["ROLE", "MeshExperts", "check_slots", "member", "mesh_spec", "slot_part"]
+__all__ = ["ROLE", "MeshExperts", "check_slots", "member", "mesh_spec", "relay"]
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,6 @@ def member(rank: int, num_ranks: int, size: int, part: int = 0) -> tuple[int, in
     return rank * size + part, num_ranks * size
 
 
-def slot_part(placement: policy.Placement, slot: int, num_ranks: int, size: int) -> int:
-    """Which TP rank holds global slot `slot` of `placement` over `num_ranks` DP ranks."""
-    per = placement.slots_per_rank(num_ranks)
-    return (slot % per) // (per // size)
-
-
 def check_slots(num_physical: int, num_ranks: int, size: int) -> None:
     """ValueError unless `num_physical` slots split evenly over `num_ranks` x `size` members."""
     if num_physical % (num_ranks * size):
@@ -81,6 +76,29 @@ def check_slots(num_physical: int, num_ranks: int, size: int) -> None:
             f"{num_physical} expert slots do not split over {num_ranks} DP ranks x {size} TP "
             f"ranks (the mesh expert layout holds an equal part on each)"
         )
+
+
+def relay(
+    parts: Any, placement: policy.Placement, rank: int, num_ranks: int, available: Experts
+) -> tuple[Any, Experts]:
+    """A leader's hand-over of a staging (`slots.ExpertSlots.stage_experts`) as DP rank `rank`
+    of `num_ranks` under `placement`, `available` being what it holds or received by key:
+    each follower is handed the experts of its new part it lacks (the rest it keeps, or reads
+    when no one here has them), and the leader gets those of its own part 0 that only a
+    follower held. Returns (the followers' prefetch, for `TensorLeader.finish`; `available`
+    with those)."""
+    size = parts.size
+    wanted: set[Key] = set()
+    for t in range(size):
+        me, members = member(rank, num_ranks, size, t)
+        for layer in range(placement.num_layers):
+            wanted.update((layer, e) for e in placement.experts_on_rank(layer, me, members))
+    lacking = {(int(a), int(b)) for a, b in parts.lacks(placement, rank=rank, num_ranks=num_ranks)}
+    missing = sorted((wanted - set(available)) | (lacking - set(available)))
+    pool = {**available, **parts.held(missing)} if missing else available
+    handed = {k: pool[k] for k in sorted(lacking) if k in pool}
+    pending = parts.prefetch(placement, rank=rank, num_ranks=num_ranks, provided=handed)
+    return pending, pool
 
 
 class MeshExperts:
@@ -242,27 +260,50 @@ class MeshExperts:
             self.where(),
         )
 
-    def prefetch(self, placement: policy.Placement, rank: int | None, num_ranks: int) -> int:
-        """Read, ahead of the step that switches to it, the experts this member lacks for DP
-        rank `rank` of `num_ranks` under `placement` (rank None: it leaves). Returns the
-        experts read from the source."""
+    def lacks(self, placement: policy.Placement, rank: int, num_ranks: int) -> list[Key]:
+        """The experts ((MoE layer, logical)) this member's part of DP rank `rank` of
+        `num_ranks` under `placement` needs and it does not hold."""
+        wanted = set(self._slots(placement, rank, num_ranks).values())
+        with self._lock:
+            held = {**self._prefetched, **self._held()}
+        return sorted(wanted - set(held))
+
+    def prefetch(
+        self,
+        placement: policy.Placement,
+        rank: int | None,
+        num_ranks: int,
+        provided: dict[Key, experts_mod.ExpertWeights] | None = None,
+    ) -> int:
+        """Keep, ahead of the step that switches to it, the experts this member's part of DP
+        rank `rank` of `num_ranks` under `placement` needs: those it holds, those `provided`
+        (its leader handed them: `relay`), the rest read from the source (rank None: it
+        leaves). Returns the experts read from the source."""
         if rank is None or self.source is None:
             return 0
         started = time.monotonic()
         wanted = set(self._slots(placement, rank, num_ranks).values())
+        given = {
+            (int(a), int(b)): w.to(dtype=self.dtype, device=self.device)
+            for (a, b), w in (provided or {}).items()
+            if (int(a), int(b)) in wanted
+        }
         with self._lock:
             held = {**self._prefetched, **self._held()}
-        fetched = self._read(wanted - set(held))
+        fetched = self._read(wanted - set(held) - set(given))
         with self._lock:
             kept = {k: w for k, w in self._prefetched.items() if k in wanted}
-            self._prefetched = kept | fetched
+            self._prefetched = kept | given | fetched
         self.prefetched += len(fetched)
         log.info(
-            "mesh follower prefetched %d experts for rank %d of %d in %.2fs (%s)",
-            len(fetched),
+            "mesh follower prefetched %d experts for rank %d of %d in %.2fs: %d handed by its "
+            "leader, %d read from the source (%s)",
+            len(given) + len(fetched),
             rank,
             num_ranks,
             time.monotonic() - started,
+            len(given),
+            len(fetched),
             self.where(),
         )
         return len(fetched)

@@ -191,16 +191,11 @@ class ExpertSlots:
                 new_placement, rank=new_rank, num_ranks=new_num_ranks, epoch=epoch, moves=every
             )
         )
-        parts, reading = self._parts, None
+        parts = self._parts
         if parts is not None:
             mesh_mod.check_slots(new_placement.num_physical, new_num_ranks, parts.size)
-            reading = parts.prefetch(new_placement, rank=new_rank, num_ranks=new_num_ranks)
-            # this rank holds part 0: the moves into other parts are its followers' (read)
-            moves = [
-                m
-                for m in moves
-                if mesh_mod.slot_part(new_placement, m.dst_slot, new_num_ranks, parts.size) == 0
-            ]
+        # the leaders move every slot of their DP ranks (in the mesh layout a leader sends
+        # from its followers' parts too, and hands them theirs: `mesh.relay`)
         held = self._with_parts(
             self._held_experts(), [(m.layer, m.logical) for m in moves if m.src_rank == me]
         )
@@ -212,8 +207,6 @@ class ExpertSlots:
             grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
         )
         self._ctx.check("stage_experts")
-        if parts is not None:
-            parts.finish(reading)
         if new_rank is None:
             if stages is not None:
                 stages.finish_prefetch(prefetching)  # they sent their layers' experts
@@ -226,29 +219,37 @@ class ExpertSlots:
             return stats.bytes_received
         src = (
             source_mod.open_source(self._ctx.loaded.source_name)
-            if (from_source or parts is not None) and self._ctx.loaded.source_name is not None
+            if from_source and self._ctx.loaded.source_name is not None
             else None
-        )  # mesh: part 0's experts that only a follower held are read (not moved yet)
+        )
         part_rank, part_ranks = self._member(new_rank, new_num_ranks)
         assert part_rank is not None and part_ranks is not None
+        available = {
+            **staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device),
+            **retained,
+            **prestaged,
+            **held,
+            **received,
+            **(provided or {}),
+        }
+        relaying = None
+        if parts is not None:  # the followers' parts, and what only they held of part 0
+            relaying, available = mesh_mod.relay(
+                parts, new_placement, new_rank, new_num_ranks, available
+            )
         slots = staging_mod.fill_slots(
             new_placement,
             rank=part_rank,
             num_ranks=part_ranks,
-            available={
-                **staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device),
-                **retained,
-                **prestaged,
-                **held,
-                **received,
-                **(provided or {}),
-            },
+            available=available,
             source=src,
             dtype=self._ctx.dtype,
             device=self._ctx.device,
             where=self._ctx.where(),
         )
         stages_read = 0 if stages is None else stages.finish_prefetch(prefetching)
+        if parts is not None:
+            stages_read += parts.finish_prefetch(relaying)
         if stages_read:
             log.info("the pipeline stages read %d experts (%s)", stages_read, self._ctx.where())
         staging_id = epoch if stage is None else stage

@@ -215,6 +215,10 @@ class Stepper:
                 if self._pipeline is not None:
                     out.source_reads = self._pipeline.step_reads
                     out.prefetch_reads = self._pipeline.take_prefetch_reads()
+                elif mesh:
+                    assert self._tensor is not None
+                    out.source_reads = self._tensor.step_reads
+                    out.prefetch_reads = self._tensor.take_prefetch_reads()
                 out.expert_load = load.cpu()
                 if self._ctx.loaded.total_load is not None:
                     self._ctx.loaded.total_load += out.expert_load

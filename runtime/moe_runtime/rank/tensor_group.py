@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -116,6 +117,11 @@ class TensorLeader:
         self._lost: str | None = None
         #: the live token the followers were last sent with its placement (mesh layout)
         self._sent: mesh_mod.Token | None = None
+        #: experts the followers read from the model source in the last step, and ahead of
+        #: placement changes since `take_prefetch_reads` (mesh layout: what no peer handed)
+        self.step_reads = 0
+        self._prefetch_reads = 0
+        self._reads_lock = threading.Lock()
 
     @property
     def mesh(self) -> bool:
@@ -228,13 +234,14 @@ class TensorLeader:
                 log.debug("followers' step failed with the leader's", exc_info=True)
             return
         try:
-            self._wait(pending, GROUP_TIMEOUT_S)
+            answers = self._wait(pending, GROUP_TIMEOUT_S)
         except FollowerLost:
             raise
         except Exception:
             self.abort("a follower's step failed")
             raise
         self._sent = token
+        self.step_reads = sum(int(a.get("reads", 0)) for a in answers if isinstance(a, dict))
 
     # -- the mesh layout's experts ---------------------------------------------------------
     def join_mesh(self, spec: group_mod.GroupSpec, rank: int) -> Any:
@@ -242,13 +249,41 @@ class TensorLeader:
         DP rank: `rank`); a handle for `finish`."""
         return self.followers.send("join_mesh", spec, rank)
 
-    def prefetch(self, placement: Any, *, rank: int | None, num_ranks: int) -> Any:
-        """Every follower starts reading the experts of its part it lacks for DP rank `rank`
-        of `num_ranks` under `placement`; a handle for `finish`."""
-        return self.followers.send("prefetch", placement, rank, num_ranks)
+    def prefetch(
+        self,
+        placement: Any,
+        *,
+        rank: int | None,
+        num_ranks: int,
+        provided: dict[tuple[int, int], Any] | None = None,
+    ) -> Any:
+        """Every follower starts keeping the experts of its part for DP rank `rank` of
+        `num_ranks` under `placement`, from `provided` or read where it lacks them; a handle
+        for `finish` (the experts each read from the source)."""
+        return self.followers.send("prefetch", placement, rank, num_ranks, provided or {})
+
+    def lacks(self, placement: Any, *, rank: int, num_ranks: int) -> list[tuple[int, int]]:
+        """The experts the followers' parts of DP rank `rank` under `placement` lack."""
+        pending = self.followers.send("lacks", placement, rank, num_ranks)
+        return sorted({tuple(k) for part in self._wait(pending, LOAD_TIMEOUT_S) for k in part})
 
     def finish(self, pending: Any, timeout: float = LOAD_TIMEOUT_S) -> list[Any]:
         return self._wait(pending, timeout)
+
+    def finish_prefetch(self, pending: Any) -> int:
+        """Wait for `prefetch`; the experts the followers read from the source (counted for
+        `take_prefetch_reads`)."""
+        read = sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
+        with self._reads_lock:  # a staging's lane adds, the step thread takes
+            self._prefetch_reads += read
+        return read
+
+    def take_prefetch_reads(self) -> int:
+        """The experts the followers read from the source ahead of a switch since the last
+        call."""
+        with self._reads_lock:
+            read, self._prefetch_reads = self._prefetch_reads, 0
+        return read
 
     def held(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
         """Those of the experts `keys` ((MoE layer, logical)) the followers hold."""
@@ -385,12 +420,13 @@ class TensorFollower:
         batch: kv_mod.ForwardBatch,
         hidden: torch.Tensor | None = None,
         live: Any = None,
-    ) -> int:
+    ) -> dict[str, int]:
         """The leader's forward pass of `batch` over TP group `epoch` (this rank's part of
         every collective; logits are discarded: the leader samples), from the previous
         pipeline stage's `hidden` states on a stage after the first; in the mesh layout as
         the leader's `live` (token, placement) says, over the mesh group of the token's
-        epoch. Returns the steps run."""
+        epoch. Returns {"steps": the steps run, "reads": experts it read from the model
+        source in this step (the mesh layout: a placement change no prefetch prepared)}."""
         model, kv = self.model, self.kv
         if model is None or kv is None:
             raise RuntimeError(f"no weights loaded ({self.where()})")
@@ -399,6 +435,7 @@ class TensorFollower:
         for seq_id in frees:
             kv.free(seq_id)
         experts: Any = NoExperts()
+        reads = 0 if self.experts is None else self.experts.reads_in_step
         if self.experts is not None:
             if live is None:
                 raise RuntimeError(f"a mesh follower's step needs the live token ({self.where()})")
@@ -417,15 +454,21 @@ class TensorFollower:
             log.exception("TP step failed (%s)", self.where())
             raise
         self.steps += 1
-        return self.steps
+        read = 0 if self.experts is None else self.experts.reads_in_step - reads
+        return {"steps": self.steps, "reads": read}
 
     # -- the mesh layout's experts (control lane: beside the steps) ------------------------
     def join_mesh(self, spec: group_mod.GroupSpec, rank: int) -> None:
         """Join the mesh group beside the leaders' step group `spec` (its DP rank: `rank`)."""
         self._mesh().join(spec, rank)
 
-    def prefetch(self, placement: Any, rank: int | None, num_ranks: int) -> int:
-        return self._mesh().prefetch(placement, rank, num_ranks)
+    def prefetch(
+        self, placement: Any, rank: int | None, num_ranks: int, provided: Any = None
+    ) -> int:
+        return self._mesh().prefetch(placement, rank, num_ranks, provided)
+
+    def lacks(self, placement: Any, rank: int, num_ranks: int) -> list[tuple[int, int]]:
+        return self._mesh().lacks(placement, rank, num_ranks)
 
     def held(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
         return self._mesh().held(keys)

@@ -71,6 +71,12 @@ CASES = [
     ),
     pytest.param(variant("spec.tensorParallelSize", 9), "spec.tensorParallelSize", id="tp-above-8"),
     pytest.param(
+        variant("spec.expertLayout", "mesh"),
+        "expertLayout mesh needs tensorParallelSize > 1 and pipelineParallelSize 1",
+        id="mesh-at-tp1",
+    ),
+    pytest.param(variant("spec.expertLayout", "rows"), "spec.expertLayout", id="layout-unknown"),
+    pytest.param(
         {
             **VALID,
             "spec": {
