@@ -34,7 +34,7 @@ T = 2
 #: DP = 3 -> 6 (2, 1); DP = 1 -> 6 (6, 3)
 EXPERTS = 5
 MESH = ["--tensor-parallel-size", str(T), "--expert-layout", "mesh"]
-MESH += ["--max-data-parallel-size", "3", "--warm-spare-ranks", "1"]
+MESH += ["--max-data-parallel-size", "3", "--warm-spare-ranks", "1", "--rank-pool", "1"]
 MESH += ["--eplb-window-size", "40", "--eplb-step-interval", "40"]
 READS = "moe_pipeline_source_reads_total"
 
@@ -101,13 +101,33 @@ def test_live_resizes_move_the_parts(served: Served, size: int) -> None:
     assert _reads(served) == before
 
 
+def test_a_grow_takes_the_spare_and_the_pooled_rank(served: Served) -> None:
+    """1 -> 3: the ready spare and the pooled (weightless) rank, leader and follower each:
+    their experts from peers, none read from the source."""
+    polling.poll(
+        lambda: _spare_prestaged(served) is not None,
+        lambda: mesh_serving.status(served)["spares"],
+        120,
+    )
+    pooled = {r["pid"] for r in mesh_serving.status(served)["ranks"] if not r["active"]}
+    assert len(pooled) == 1, mesh_serving.status(served)["ranks"]
+    before = _reads(served)
+    done = mesh_serving.resize_under_load(served, 3)
+    history = mesh_serving.status(served)["history"]
+    grow = next(h for h in history if h["resize_id"] == done["resize_id"])
+    assert grow["warm_spares"] == 1, grow
+    _assert_parts(served, 3)
+    assert pooled <= {r["pid"] for r in mesh_serving.serving(served)}
+    check_answers(served)
+    assert _reads(served) == before
+
+
 def test_a_killed_follower_takes_its_rank_out_and_the_deployment_grows_back(
     served: Served,
 ) -> None:
-    if len(mesh_serving.serving(served)) < 2:
-        mesh_serving.resize_under_load(served, 2)
+    size = len(mesh_serving.serving(served))
     victim = mesh_serving.serving(served)[-1]
     done = mesh_serving.signal_under_load(served, victim, victim["tp_pids"][0], signal.SIGKILL)
     assert done.out_after is not None and done.out_after < 45, done.out_after
-    _assert_parts(served, 2)
+    _assert_parts(served, size)
     check_answers(served)

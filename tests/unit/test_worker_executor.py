@@ -56,6 +56,28 @@ def test_bad_switch_is_refused(ranks: list[int], live: list[int], message: str) 
         roster.check_switch(ranks, live=live)
 
 
+def test_a_worker_whose_label_a_switch_took_while_it_started_gets_a_free_one() -> None:
+    """A rank pool's process reserves label 2 beside ranks 0 and 1 and a spare (3); while it
+    starts, a grow switches to ranks [0, 1, 3] (the spare becomes 2). When it is added it must
+    not replace the serving rank 2: it takes the next free label."""
+    members: roster.Roster[str] = roster.Roster()
+    members.add([roster.Member(label=r, handle=f"rank{r}") for r in (0, 1)], active=True)
+    (pool_label,) = members.reserve(1)  # 2: the pool's process starts
+    (spare_label,) = members.reserve(1)  # 3: the spare
+    members.add([roster.Member(label=spare_label, handle="spare")])
+    members.unreserve([spare_label])
+    members.relabel(members.mapping_for([0, 1, spare_label]), num_active=3)
+    assert members.member(2).handle == "spare" and members.active() == [0, 1, 2]
+    started = roster.Member(label=pool_label, handle="pooled")
+    moved = members.add([started])
+    members.unreserve([pool_label])
+    assert moved == [started] and started.label == 3 and started.info["label"] == 3
+    assert members.member(2).handle == "spare" and members.member(3).handle == "pooled"
+    # one whose label is still free keeps it
+    (free,) = members.reserve(1)
+    assert members.add([roster.Member(label=free, handle="next")]) == []
+
+
 def test_moves_between_ranks_of_one_node_go_through_shared_memory() -> None:
     from moe_runtime.eplb import moves as moves_mod
     from moe_runtime.executor import ray_transfer

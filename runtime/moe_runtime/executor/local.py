@@ -194,9 +194,12 @@ class LocalExecutor(base.Executor):
     ) -> list[int]:
         labels = self.roster.reserve(count)
         try:
-            self.roster.add([self._new_worker(label) for label in labels])
+            started = [self._new_worker(label) for label in labels]
+            for m in self.roster.add(started):
+                m.handle.set_label(m.label)
         finally:
             self.roster.unreserve(labels)
+        labels = [m.label for m in started]
         log.info("added ranks %s (pending)", labels)
         return labels
 

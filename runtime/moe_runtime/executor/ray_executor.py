@@ -322,7 +322,10 @@ class RayExecutor(base.Executor):
             started = self._start_ranks(count, first_label=labels[0], spare=spare)
         finally:
             self.roster.unreserve(labels)
-        self.roster.add(started)
+        moved = self.roster.add(started)
+        if moved:  # a switch gave their labels to active ranks while they started
+            log.info("ranks started as %s take labels %s", labels, [m.label for m in started])
+            self._tell(moved)
         return [m.label for m in started]
 
     def promote(self, ranks: Sequence[int]) -> None:

@@ -101,15 +101,25 @@ class Roster(Generic[H]):
         with self._lock:
             self._starting.difference_update(labels)
 
-    def add(self, members: Sequence[Member[H]], *, active: bool = False) -> None:
+    def add(self, members: Sequence[Member[H]], *, active: bool = False) -> list[Member[H]]:
         """Members started (pending, or `active` in the given order: the first ranks only);
-        each gets a uid that follows it through relabels."""
+        each gets a uid that follows it through relabels. A pending member whose reserved
+        label a switch gave to a live member while it started (a grow makes labels 0..n-1
+        the active ranks': a rank pool's process started at label n, a grow onto a warm
+        spare took n) takes the next label above every one in use or reserved instead.
+        Returns the members relabelled so (the caller tells them their label)."""
+        moved: list[Member[H]] = []
         with self._lock:
             for m in members:
+                if m.label in self._members:
+                    taken = [*self._members, *self._starting, *(x.label for x in members)]
+                    m.label = max(taken) + 1
+                    moved.append(m)
                 m.info.update(uid=next(self._uids), label=m.label)
                 self._members[m.label] = m
             if active:
                 self._active += [m.label for m in members]
+        return moved
 
     def remove(self, labels: Sequence[int]) -> list[Member[H]]:
         """Take those members out (ValueError naming unknown labels; nothing changes then)."""
