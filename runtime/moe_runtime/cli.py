@@ -63,6 +63,7 @@ def _kv_budget(
         num_physical=num_physical,
         tp_size=args.tensor_parallel_size,
         pp_size=args.pipeline_parallel_size,
+        expert_parts=args.tensor_parallel_size if expert_layout(args) == "mesh" else 1,
     )
 
 

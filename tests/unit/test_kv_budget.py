@@ -263,3 +263,20 @@ def test_a_shrinks_migrations_beyond_the_survivors_budget_wait_and_resume() -> N
     assert seen["max_used"] <= budget
     assert engine.stats().active_ranks == (0,)
     assert asked[-1] == {0: cfg.num_experts}  # the survivor's budget from all 8 slots it holds
+
+
+def test_in_the_mesh_layout_a_gpu_leader_holds_its_part_of_the_slots() -> None:
+    """At T = 2 with `expert_parts` 2 (`--expert-layout mesh`) the leader's device holds half
+    of its rank's slots: a rank of 8 slots has the room of one holding 4 in the leader layout,
+    and more than the same rank with every slot on its leader."""
+    cfg = _config(MIXTRAL)
+    leader = _gpu_budget(cfg, tp_size=2)
+    mesh = dataclasses.replace(leader, expert_parts=2)
+    assert mesh.tokens(1, 8) == leader.tokens(1, 4) > leader.tokens(1, 8)
+    extra = 4 * leader.slot_bytes * leader.fraction / leader.per_token
+    assert mesh.tokens(1, 8) - leader.tokens(1, 8) == pytest.approx(
+        extra, abs=2 * kv_mod.BLOCK_SIZE
+    )
+    # the host (CPU) holds every slot of every rank either way
+    cpu_leader, cpu_mesh = (dataclasses.replace(b, cuda=False) for b in (leader, mesh))
+    assert cpu_mesh.tokens(2, 4, total_slots=8) == cpu_leader.tokens(2, 4, total_slots=8)

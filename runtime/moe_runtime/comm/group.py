@@ -471,3 +471,12 @@ class StatelessGroup:
     def _check_peer(self, peer: int, name: str) -> None:
         if not 0 <= peer < self.world_size:
             raise ValueError(f"{name} must be in [0, {self.world_size}), got {peer}")
+
+
+def nccl_version() -> str | None:
+    """The NCCL version this process's torch runs ("2.27.3"), None without NCCL."""
+    try:
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+    except (RuntimeError, AttributeError):
+        return None
+    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)

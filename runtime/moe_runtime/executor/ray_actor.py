@@ -212,7 +212,7 @@ class RankActor:
         every_move: the pre-staging's moves, either way."""
         self._in_background()
         provided, shared_bytes = self._receive(parts)
-        received = self.worker.slots.prestage_experts(
+        received = self.worker.prestaged.prestage_experts(
             epoch, moves, provided=provided, every_move=every_move
         )
         return int(received) + shared_bytes

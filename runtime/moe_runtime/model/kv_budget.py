@@ -9,8 +9,9 @@ its shard's heads: `per_token` is one device's bytes a position, `tp_shard.plan(
 
 - GPU, per device: ``(free - margin - non_expert - slots * slot_bytes) * fraction``: the TP
   leader's device binds (it holds the rank's non-expert shard and every expert slot of the
-  rank: docs/TENSOR-PARALLEL.md); ``slots`` are the slots this rank holds in the placement
-  it serves (a shrink gives each survivor more, so less KV room; a grow fewer).
+  rank: docs/TENSOR-PARALLEL.md; in the mesh expert layout 1/T of them, `expert_parts`);
+  ``slots`` are the slots this rank holds in the placement it serves (a shrink gives each
+  survivor more, so less KV room; a grow fewer).
 - CPU, per device of the host: ``(available - n * rank_non_expert - total_slots * slot_bytes)
   / (n * T) * fraction``: the host holds every rank's T shards and every slot.
 - ``--kv-cache-bytes``: that, per device, at every size.
@@ -113,6 +114,8 @@ class KVBudget:
     num_physical: int = 0
     tp_size: int = 1
     rank_non_expert: int | None = None
+    #: the devices a rank's expert slots are split over (T in the mesh expert layout, else 1)
+    expert_parts: int = 1
     #: ``--kv-cache-bytes``: the same budget a device at every size (None: derived).
     fixed_bytes: int | None = None
 
@@ -128,6 +131,7 @@ class KVBudget:
         num_physical: int | None = None,
         tp_size: int = 1,
         pp_size: int = 1,
+        expert_parts: int = 1,
     ) -> KVBudget:
         """The budget of this process's device (its GPU when it sees one, else the host: ranks
         on GPUs this process cannot see get the host figure), measured now."""
@@ -159,6 +163,7 @@ class KVBudget:
             tp_size=tp_size * pp_size,
             rank_non_expert=rank_non_expert,
             fixed_bytes=budget_bytes,
+            expert_parts=expert_parts,
         )
 
     def even_slots(self, num_ranks: int) -> int:
@@ -175,8 +180,9 @@ class KVBudget:
             return self.fixed_bytes
         if slots is None:
             slots = self.even_slots(n)
-        if self.cuda:
-            left = self.available - self.non_expert - slots * self.slot_bytes
+        if self.cuda:  # the leader's device: its part of the rank's slots
+            here = -(-slots // max(1, self.expert_parts))
+            left = self.available - self.non_expert - here * self.slot_bytes
             return max(0, int(left * self.fraction))
         if total_slots is None:
             total_slots = self.even_slots(n) * n

@@ -41,12 +41,14 @@ from moe_runtime.model import source as source_mod
 from moe_runtime.rank import retention
 from moe_runtime.rank.groups import MESH as ROLE  # a leader's mesh group, by epoch
 
-__all__ = ["ROLE", "MeshExperts", "check_slots", "member", "mesh_spec", "relay"]
+__all__ = ["ROLE", "MeshExperts", "MeshParts", "check_slots", "member", "mesh_spec", "relay"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds a mesh group's join, and each of its collectives, may take.
 GROUP_TIMEOUT_S = 60.0
+#: Seconds a leader waits for its followers' expert calls (reads from the source included).
+LOAD_TIMEOUT_S = 600.0
 
 Key = tuple[int, int]
 Experts = dict[Key, experts_mod.ExpertWeights]
@@ -78,22 +80,105 @@ def check_slots(num_physical: int, num_ranks: int, size: int) -> None:
         )
 
 
+class MeshParts:
+    """The leader's side of its followers' parts of the routed experts (module docstring):
+    `followers` as `tensor_group.Followers` (TP ranks 1..T-1, in order), `size` T."""
+
+    def __init__(self, followers: Any, *, size: int) -> None:
+        self.followers = followers
+        self.size = size
+        self._prefetch_reads = 0
+        self._reads_lock = threading.Lock()
+
+    def member(self, rank: int | None, num_ranks: int | None) -> tuple[int | None, int | None]:
+        """The (member, members) a leader's own slots are counted as: its part 0."""
+        if rank is None or num_ranks is None:
+            return rank, num_ranks
+        return member(rank, num_ranks, self.size)
+
+    def _wait(self, pending: Any, timeout: float = LOAD_TIMEOUT_S) -> list[Any]:
+        return list(self.followers.wait(pending, timeout))
+
+    def join(self, groups: Any, spec: group_mod.GroupSpec, rank: int) -> None:
+        """The leader joined its step group of `spec.epoch` as `rank` (`groups`: its
+        `groups.RankGroups`): it and its followers join the mesh group beside it, the leader
+        as member rank x T (blocks until every member joined)."""
+        joining = self.followers.send("join_mesh", spec, rank)
+        try:
+            groups.join_group(
+                mesh_spec(spec, self.size), rank * self.size, role=ROLE,
+                group_timeout=GROUP_TIMEOUT_S,
+            )  # fmt: skip
+        finally:
+            self._wait(joining, GROUP_TIMEOUT_S + 10.0)
+
+    def abort_join(self, epoch: int) -> None:
+        """Call off the followers' joins of `epoch` (their health lane)."""
+        self.followers.send("abort_join", epoch)
+
+    def held(self, keys: Sequence[Key]) -> Experts:
+        """Those of the experts `keys` ((MoE layer, logical)) the followers hold."""
+        out: Experts = {}
+        if keys:
+            for part in self._wait(self.followers.send("held", list(keys))):
+                out.update(part)
+        return out
+
+    def with_held(self, held: Experts, keys: Sequence[Key]) -> Experts:
+        """`held` and those of `keys` it lacks that the followers hold."""
+        missing = sorted({(int(a), int(b)) for a, b in keys} - set(held))
+        return {**held, **self.held(missing)} if missing else held
+
+    def lacks(self, placement: policy.Placement, *, rank: int, num_ranks: int) -> list[Key]:
+        """The experts the followers' parts of DP rank `rank` under `placement` lack."""
+        pending = self.followers.send("lacks", placement, rank, num_ranks)
+        return sorted({(int(a), int(b)) for part in self._wait(pending) for a, b in part})
+
+    def prefetch(
+        self,
+        placement: policy.Placement,
+        *,
+        rank: int | None,
+        num_ranks: int,
+        provided: Experts | None = None,
+    ) -> Any:
+        """Every follower starts keeping the experts of its part for DP rank `rank` of
+        `num_ranks` under `placement`, from `provided` or read where it lacks them; a handle
+        for `finish_prefetch`."""
+        return self.followers.send("prefetch", placement, rank, num_ranks, provided or {})
+
+    def finish_prefetch(self, pending: Any) -> int:
+        """Wait for `prefetch`; the experts the followers read from the source (counted for
+        `take_prefetch_reads`)."""
+        read = sum(int(n) for n in self._wait(pending))
+        with self._reads_lock:  # a staging's lane adds, the step thread takes
+            self._prefetch_reads += read
+        return read
+
+    def take_prefetch_reads(self) -> int:
+        """The experts the followers read from the source ahead of a switch since the last
+        call."""
+        with self._reads_lock:
+            read, self._prefetch_reads = self._prefetch_reads, 0
+        return read
+
+
 def relay(
-    parts: Any, placement: policy.Placement, rank: int, num_ranks: int, available: Experts
+    parts: MeshParts, placement: policy.Placement, rank: int, num_ranks: int, available: Experts
 ) -> tuple[Any, Experts]:
     """A leader's hand-over of a staging (`slots.ExpertSlots.stage_experts`) as DP rank `rank`
     of `num_ranks` under `placement`, `available` being what it holds or received by key:
     each follower is handed the experts of its new part it lacks (the rest it keeps, or reads
     when no one here has them), and the leader gets those of its own part 0 that only a
-    follower held. Returns (the followers' prefetch, for `TensorLeader.finish`; `available`
-    with those)."""
+    follower held. Returns (the followers' prefetch, for `MeshParts.finish_prefetch`;
+    `available` with those)."""
     size = parts.size
     wanted: set[Key] = set()
     for t in range(size):
         me, members = member(rank, num_ranks, size, t)
         for layer in range(placement.num_layers):
             wanted.update((layer, e) for e in placement.experts_on_rank(layer, me, members))
-    lacking = {(int(a), int(b)) for a, b in parts.lacks(placement, rank=rank, num_ranks=num_ranks)}
+    lacking = set(parts.lacks(placement, rank=rank, num_ranks=num_ranks))
     missing = sorted((wanted - set(available)) | (lacking - set(available)))
     pool = {**available, **parts.held(missing)} if missing else available
     handed = {k: pool[k] for k in sorted(lacking) if k in pool}

@@ -5,9 +5,9 @@
 - staged: slots prepared for another placement (`stage_experts`) while the live ones serve;
 - previous: the live state that the last `activate` or EPLB commit replaced, kept (with the
   older epochs' groups) until `retire_previous`, so that `revert` can undo the change;
-- pre-staged: experts a future placement will give this rank, fetched ahead of a resize
-  (`prestage_experts`: a warm spare, in the background); `stage_experts` takes them from there
-  instead of moving them again; forgotten when the rank is activated;
+- pre-staged (`ahead`, `prestaged.Prestaged`): experts a future placement will give this rank,
+  fetched ahead of a resize (a warm spare, in the background); `stage_experts` takes them
+  from there instead of moving them again; forgotten when the rank is activated;
 - retained: experts a confirmed change took off the live slots (`retention.Retained`, bounded
   by the most the rank held at once), kept for a later `stage_experts` (a shrink back after a
   grow moves nothing for them; `retained_keys` tells the planner).
@@ -36,11 +36,12 @@ from moe_runtime.rank import context as context_mod
 from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import live as live_mod
 from moe_runtime.rank import mesh as mesh_mod
+from moe_runtime.rank import prestaged as prestaged_mod
 from moe_runtime.rank import retention
 from moe_runtime.rank import staging as staging_mod
 
 if TYPE_CHECKING:
-    from moe_runtime.rank import pipeline_group, tensor_group
+    from moe_runtime.rank import pipeline_group
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class ExpertSlots:
         *,
         groups: groups_mod.RankGroups,
         stages: pipeline_group.PipelineLeader | None = None,
-        parts: tensor_group.TensorLeader | None = None,
+        parts: mesh_mod.MeshParts | None = None,
     ) -> None:
         self._ctx = ctx
         self._groups = groups
@@ -69,7 +70,7 @@ class ExpertSlots:
         self._stages = stages
         #: In the mesh expert layout (`rank.mesh`) the TP followers, each holding its part of
         #: this DP rank's slots; this rank's own slots are part 0 (`_member`).
-        self._parts = parts if parts is not None and parts.mesh else None
+        self._parts = parts
         self._lock = threading.RLock()
         self.placement: policy.Placement | None = None
         self.rank: int | None = None
@@ -80,7 +81,13 @@ class ExpertSlots:
         self.origin: int | None = None
         self.staged: live_mod.Staged | None = None
         self.previous: live_mod.Live | None = None
-        self.prestaged: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
+        #: experts a future placement will give this rank (`prestaged.Prestaged`)
+        self.ahead = prestaged_mod.Prestaged(
+            ctx,
+            groups=groups,
+            stages=stages,
+            held=lambda keys: self._with_parts(self._held_experts(), keys),
+        )
         self.retained = retention.Retained()
 
     def reset(
@@ -102,9 +109,7 @@ class ExpertSlots:
     def _member(self, rank: int | None, num_ranks: int | None) -> tuple[int | None, int | None]:
         """The (rank, ranks) this rank's slots are counted as: its DP rank, or in the mesh
         layout member `rank` x T of DP x T (its part 0)."""
-        if self._parts is None or rank is None or num_ranks is None:
-            return rank, num_ranks
-        return mesh_mod.member(rank, num_ranks, self._parts.size)
+        return (rank, num_ranks) if self._parts is None else self._parts.member(rank, num_ranks)
 
     def _backend(
         self, epoch: int, placement: policy.Placement, rank: int, num_ranks: int, experts: Any
@@ -121,10 +126,7 @@ class ExpertSlots:
         self, held: staging_mod.Experts, keys: Sequence[tuple[int, int]]
     ) -> staging_mod.Experts:
         """`held` and those of `keys` it lacks that the mesh layout's followers hold."""
-        if self._parts is None:
-            return held
-        missing = sorted({(int(a), int(b)) for a, b in keys} - set(held))
-        return {**held, **self._parts.held(missing)} if missing else held
+        return held if self._parts is None else self._parts.with_held(held, keys)
 
     def require_epoch(self) -> int:
         """The active epoch; RuntimeError before the first `activate`."""
@@ -200,7 +202,7 @@ class ExpertSlots:
             self._held_experts(), [(m.layer, m.logical) for m in moves if m.src_rank == me]
         )
         with self._lock:
-            prestaged = dict(self.prestaged)
+            prestaged = self.ahead.snapshot()
             retained = dict(self.retained.experts)
         ctx = self._ctx
         stats, received = staging_mod.run_moves(
@@ -275,77 +277,6 @@ class ExpertSlots:
             self._ctx.where(),
         )
         return stats.bytes_received
-
-    # -- pre-staging (ahead of a resize) -------------------------------------------------
-    def prestage_experts(
-        self,
-        epoch: int,
-        moves: Sequence[moves_mod.ExpertMove],
-        *,
-        provided: Mapping[tuple[int, int], experts_mod.ExpertWeights] | None = None,
-        every_move: Sequence[moves_mod.ExpertMove] | None = None,
-    ) -> int:
-        """Keep the experts `moves` bring to this rank (and `provided`: brought by the executor
-        another way) beside the live slots, for a later `stage_experts`; returns the bytes
-        received. Every member of epoch's transfer group that a move names calls it with the
-        same `moves` (as `stage_experts`); a move's dst_slot is not used. every_move: the
-        pre-staging's moves, also those `provided` brought (default: `moves`): at P > 1 the
-        pipeline stages of every member run those of their layers (`PipelineLeader.prestage`)."""
-        _, model = self._ctx.loaded.require(self._ctx.where())
-        grp, me = self._groups.group(epoch, groups_mod.TRANSFER)
-        every = moves if every_move is None else every_move
-        # later pipeline stages' layers: not moved (`staging.run_moves`), held as the zero expert;
-        # the stages move (or read) their layers' meanwhile (`PipelineLeader.prestage`)
-        elsewhere = staging_mod.elsewhere(model, dtype=self._ctx.dtype, device=self._ctx.device)
-        zeros = {
-            (m.layer, m.logical): elsewhere[(m.layer, m.logical)]
-            for m in every
-            if m.dst_rank == me and (m.layer, m.logical) in elsewhere
-        }
-        later = any((m.layer, m.logical) in elsewhere for m in every)
-        stages = self._stages if later else None
-        reading = None if stages is None else stages.prestage(sorted(zeros), epoch, every)
-        ctx = self._ctx
-        held = self._with_parts(
-            self._held_experts(), [(m.layer, m.logical) for m in moves if m.src_rank == me]
-        )
-        stats, received = staging_mod.run_moves(
-            grp, moves, held, model, dtype=ctx.dtype, device=ctx.device, where=ctx.where()
-        )
-        if stages is not None:
-            stages.finish_prefetch(reading)  # reads ahead of a switch, as a prefetch's
-        extra = {
-            k: w.to(dtype=self._ctx.dtype, device=self._ctx.device)
-            for k, w in (provided or {}).items()
-        }
-        with self._lock:
-            self.prestaged.update(zeros)
-            self.prestaged.update(received)
-            self.prestaged.update(extra)
-            count = len(self.prestaged)
-        got = len(received) + len(extra) + len(zeros)
-        log.log(
-            logging.INFO if got else logging.DEBUG,
-            "pre-staged %d experts (%d held now) (%s)",
-            got,
-            count,
-            self._ctx.where(),
-        )  # none: a sender (its stages' moves)
-        return stats.bytes_received
-
-    def prestaged_keys(self) -> list[tuple[int, int]]:
-        """The (layer, logical) keys of the pre-staged experts."""
-        with self._lock:
-            return sorted(self.prestaged)
-
-    def drop_prestaged(self, keep: Sequence[tuple[int, int]] = ()) -> int:
-        """Forget the pre-staged experts not in `keep`; returns how many are left."""
-        wanted = {(int(a), int(b)) for a, b in keep}
-        if self._stages is not None:
-            self._stages.drop_prestaged(sorted(wanted))
-        with self._lock:
-            self.prestaged = {k: w for k, w in self.prestaged.items() if k in wanted}
-            return len(self.prestaged)
 
     def retained_keys(self) -> list[tuple[int, int]]:
         """The (layer, logical) keys of the retained experts (module docstring)."""
@@ -499,7 +430,7 @@ class ExpertSlots:
         live = live_mod.Live(placement, rank, num_ranks, experts, epoch, backend, origin=epoch)
         with self._lock:
             self.staged = None
-            self.prestaged = {}  # what it needed is in its slots now
+            self.ahead.clear()  # what it needed is in its slots now
         self._become(live, previous=before)
         log.info(
             "activated epoch %d with %d slots (%s)", epoch, len(self.experts), self._ctx.where()

@@ -25,6 +25,7 @@ from moe_runtime.comm import semantics
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.rank import context as context_mod
+from moe_runtime.rank import mesh as mesh_mod
 from moe_runtime.rank import pipeline_group as pipeline_mod
 from moe_runtime.rank import sampling
 from moe_runtime.rank import slots as slots_mod
@@ -45,9 +46,13 @@ class Stepper:
         slots: slots_mod.ExpertSlots,
         tensor: tensor_mod.TensorLeader | None = None,
         pipeline: pipeline_mod.PipelineLeader | None = None,
+        parts: mesh_mod.MeshParts | None = None,
     ) -> None:
         self._ctx = ctx
         self._slots = slots
+        #: In the mesh expert layout the followers' parts of the experts (`rank.mesh`): the
+        #: followers join every step with a token anywhere (the expert collectives).
+        self._parts = parts
         #: The rank's TP followers (T > 1): each forward pass with tokens runs on them too.
         self._tensor = tensor
         #: The rank's pipeline stages 1..P-1 (P > 1): every forward pass runs through them,
@@ -153,7 +158,7 @@ class Stepper:
                 following = None
                 # no token: no TP collective; in the mesh layout the followers join the
                 # expert collectives of every step with a token anywhere
-                mesh = self._tensor is not None and self._tensor.mesh
+                mesh = self._parts is not None
                 tensor = self._tensor if seqs or mesh else None
                 try:
                     self._ctx.check("forward")
@@ -215,10 +220,9 @@ class Stepper:
                 if self._pipeline is not None:
                     out.source_reads = self._pipeline.step_reads
                     out.prefetch_reads = self._pipeline.take_prefetch_reads()
-                elif mesh:
-                    assert self._tensor is not None
+                elif self._parts is not None and self._tensor is not None:
                     out.source_reads = self._tensor.step_reads
-                    out.prefetch_reads = self._tensor.take_prefetch_reads()
+                    out.prefetch_reads = self._parts.take_prefetch_reads()
                 out.expert_load = load.cpu()
                 if self._ctx.loaded.total_load is not None:
                     self._ctx.loaded.total_load += out.expert_load

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -117,11 +116,9 @@ class TensorLeader:
         self._lost: str | None = None
         #: the live token the followers were last sent with its placement (mesh layout)
         self._sent: mesh_mod.Token | None = None
-        #: experts the followers read from the model source in the last step, and ahead of
-        #: placement changes since `take_prefetch_reads` (mesh layout: what no peer handed)
+        #: experts the followers read from the model source in the last step (mesh layout:
+        #: a placement change no prefetch prepared)
         self.step_reads = 0
-        self._prefetch_reads = 0
-        self._reads_lock = threading.Lock()
 
     @property
     def mesh(self) -> bool:
@@ -242,60 +239,6 @@ class TensorLeader:
             raise
         self._sent = token
         self.step_reads = sum(int(a.get("reads", 0)) for a in answers if isinstance(a, dict))
-
-    # -- the mesh layout's experts ---------------------------------------------------------
-    def join_mesh(self, spec: group_mod.GroupSpec, rank: int) -> Any:
-        """Every follower starts joining the mesh group of the leaders' step group `spec` (its
-        DP rank: `rank`); a handle for `finish`."""
-        return self.followers.send("join_mesh", spec, rank)
-
-    def prefetch(
-        self,
-        placement: Any,
-        *,
-        rank: int | None,
-        num_ranks: int,
-        provided: dict[tuple[int, int], Any] | None = None,
-    ) -> Any:
-        """Every follower starts keeping the experts of its part for DP rank `rank` of
-        `num_ranks` under `placement`, from `provided` or read where it lacks them; a handle
-        for `finish` (the experts each read from the source)."""
-        return self.followers.send("prefetch", placement, rank, num_ranks, provided or {})
-
-    def lacks(self, placement: Any, *, rank: int, num_ranks: int) -> list[tuple[int, int]]:
-        """The experts the followers' parts of DP rank `rank` under `placement` lack."""
-        pending = self.followers.send("lacks", placement, rank, num_ranks)
-        return sorted({tuple(k) for part in self._wait(pending, LOAD_TIMEOUT_S) for k in part})
-
-    def finish(self, pending: Any, timeout: float = LOAD_TIMEOUT_S) -> list[Any]:
-        return self._wait(pending, timeout)
-
-    def finish_prefetch(self, pending: Any) -> int:
-        """Wait for `prefetch`; the experts the followers read from the source (counted for
-        `take_prefetch_reads`)."""
-        read = sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
-        with self._reads_lock:  # a staging's lane adds, the step thread takes
-            self._prefetch_reads += read
-        return read
-
-    def take_prefetch_reads(self) -> int:
-        """The experts the followers read from the source ahead of a switch since the last
-        call."""
-        with self._reads_lock:
-            read, self._prefetch_reads = self._prefetch_reads, 0
-        return read
-
-    def held(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
-        """Those of the experts `keys` ((MoE layer, logical)) the followers hold."""
-        out: dict[tuple[int, int], Any] = {}
-        if keys:
-            for part in self._wait(self.followers.send("held", list(keys)), LOAD_TIMEOUT_S):
-                out.update(part)
-        return out
-
-    def abort_join(self, epoch: int) -> None:
-        """Call off the followers' joins of `epoch` (their health lane)."""
-        self.followers.send("abort_join", epoch)
 
     # -- health ------------------------------------------------------------------------
     def check(self) -> None:

@@ -46,6 +46,7 @@ import torch
 from moe_contract import names as contract_names
 from moe_contract import protocol
 from moe_runtime import step as step_mod
+from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import decoder, names, pipeline, tp_shard
 from moe_runtime.model import experts as experts_mod
@@ -93,11 +94,9 @@ WORKER_CONTROLS = (
     "shutdown",
 )
 GROUP_CONTROLS = ("free_port", "join_group", "abort_join", "groups", "transfer_non_expert")
+PRESTAGED_CONTROLS = ("prestage_experts", "prestaged_keys", "drop_prestaged")
 SLOT_CONTROLS = (
     "stage_experts",
-    "prestage_experts",
-    "prestaged_keys",
-    "drop_prestaged",
     "retained_keys",
     "held_experts",
     "discard_staged",
@@ -110,16 +109,8 @@ CONTROLS: dict[str, str] = {
     **dict.fromkeys(WORKER_CONTROLS, ""),
     **dict.fromkeys(GROUP_CONTROLS, "groups"),
     **dict.fromkeys(SLOT_CONTROLS, "slots"),
+    **dict.fromkeys(PRESTAGED_CONTROLS, "prestaged"),
 }
-
-
-def nccl_version() -> str | None:
-    """The NCCL version this process's torch runs ("2.27.3"), None without NCCL."""
-    try:
-        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
-    except (RuntimeError, AttributeError):
-        return None
-    return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
 
 
 class RankWorker:
@@ -184,20 +175,22 @@ class RankWorker:
             where=self.where,
             fail=self.fail,
         )
-        if expert_layout == tp_mod.MESH and self.pipeline is not None:
-            raise ValueError("the mesh expert layout is not served with pipeline stages yet")
-        self.mesh = self.tensor is not None and self.tensor.mesh
-        joins = self.pipeline is not None or self.mesh
+        #: In the mesh expert layout (P = 1), the followers' parts of this DP rank's slots.
+        self.parts: mesh_mod.MeshParts | None = None
+        if self.tensor is not None and self.tensor.mesh and self.pipeline is None:
+            self.parts = mesh_mod.MeshParts(self.tensor.followers, size=self.tensor.size)
+        joins = self.pipeline is not None or self.parts is not None
         self.groups = groups_mod.RankGroups(
             ctx,
             on_join=self._stages_join if joins else None,
             on_abort_join=self._abort_joins if joins else None,
         )
         self.slots = slots_mod.ExpertSlots(
-            ctx, groups=self.groups, stages=self.pipeline, parts=self.tensor
+            ctx, groups=self.groups, stages=self.pipeline, parts=self.parts
         )
+        self.prestaged = self.slots.ahead
         self.stepper = stepper_mod.Stepper(
-            ctx, slots=self.slots, tensor=self.tensor, pipeline=self.pipeline
+            ctx, slots=self.slots, tensor=self.tensor, pipeline=self.pipeline, parts=self.parts
         )
 
     # -- calls by name -------------------------------------------------------------------
@@ -241,7 +234,7 @@ class RankWorker:
             "ip": groups_mod.host_ip(),
             "pod": os.environ.get(contract_names.POD_NAME_ENV) or host,
             "device": self.device,
-            "nccl": nccl_version() if self.device.startswith("cuda") else None,
+            "nccl": group_mod.nccl_version() if self.device.startswith("cuda") else None,
             "rank": self.slots.rank,
             "num_ranks": self.slots.num_ranks,
             "epoch": self.slots.epoch,
@@ -300,7 +293,7 @@ class RankWorker:
             "num_ranks": slots.num_ranks,
             "phy2log": None if placement is None else placement.phy2log.tolist(),
             "staged": slots.staged is not None,
-            "prestaged": len(slots.prestaged),
+            "prestaged": len(self.prestaged.experts),
             "retained": len(slots.retained),
             "previous": slots.previous is not None,
             "group_epochs": self.groups.epochs(),
@@ -327,8 +320,7 @@ class RankWorker:
         epoch = self.slots.epoch
         if epoch is not None and self.pipeline is not None:
             self.pipeline.abort(reason)  # the stages' groups of every epoch go with it
-        if epoch is not None and self.mesh:
-            assert self.tensor is not None
+        if epoch is not None and self.tensor is not None and self.parts is not None:
             self.tensor.abort(reason)  # the followers' mesh groups of every epoch too
         return [] if epoch is None else self.groups.abort(epoch, reason)
 
@@ -338,27 +330,15 @@ class RankWorker:
         their expert moves)."""
         if self.pipeline is not None:
             self.pipeline.join(spec, rank, role)
-        if self.mesh and role == groups_mod.STEP:
-            # the mesh group beside it: this leader as member rank x T, its followers after it
-            assert self.tensor is not None
-            joining = self.tensor.join_mesh(spec, rank)
-            try:
-                self.groups.join_group(
-                    mesh_mod.mesh_spec(spec, self.tensor.size),
-                    rank * self.tensor.size,
-                    role=groups_mod.MESH,
-                    group_timeout=mesh_mod.GROUP_TIMEOUT_S,
-                )
-            finally:
-                self.tensor.finish(joining, mesh_mod.GROUP_TIMEOUT_S + 10.0)
+        if self.parts is not None and role == groups_mod.STEP:
+            self.parts.join(self.groups, spec, rank)  # the mesh group beside it
 
     def _abort_joins(self, epoch: int) -> None:
         """The joins of `epoch` are called off: so are the stages' and the followers'."""
         if self.pipeline is not None:
             self.pipeline.abort_join(epoch)
-        if self.mesh:
-            assert self.tensor is not None
-            self.tensor.abort_join(epoch)
+        if self.parts is not None:
+            self.parts.abort_join(epoch)
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(
@@ -406,10 +386,9 @@ class RankWorker:
         if placement is not None:
             placement.validate(num_ranks)
             me, members = rank, num_ranks
-            if self.mesh:  # this rank holds part 0 of its slots, its followers the others
-                assert self.tensor is not None
-                mesh_mod.check_slots(placement.num_physical, num_ranks, self.tensor.size)
-                me, members = mesh_mod.member(rank, num_ranks, self.tensor.size)
+            if self.parts is not None:  # it holds part 0 of its slots, its followers the rest
+                mesh_mod.check_slots(placement.num_physical, num_ranks, self.parts.size)
+                me, members = mesh_mod.member(rank, num_ranks, self.parts.size)
             for layer in range(cfg.num_moe_layers):
                 for slot, logical in enumerate(placement.experts_on_rank(layer, me, members)):
                     mine.append((layer, slot, logical))
