@@ -3,11 +3,11 @@ one random Mixtral-shaped checkpoint, and the share of the step spent in the TP 
 
 T = 2 runs two spawned processes over a gloo group on loopback (`model.tensor_parallel`), each
 with one torch thread; T = 1 runs one process without a TP part. Two expert layouts at T = 2
-(docs/TENSOR-PARALLEL.md): `leader` (what `serve` runs): only TP rank 0 runs the routed
+(docs/TENSOR-PARALLEL.md): `leader` (`serve`'s default): only TP rank 0 runs the routed
 experts, the other adds zeros to the MoE reduce, so the expert GEMMs cost the same at every
-T and TP divides only attention, the dense/shared MLPs and lm_head; `mesh` (vLLM's): the
-experts are split over both TP ranks, one expert-parallel group of the two, each TP rank
-dispatching half of the rows (`collectives` then counts the all-to-alls too). On a 2-core
+T and TP divides only attention, the dense/shared MLPs and lm_head; `mesh` (vLLM's, `serve
+--expert-layout mesh`): the experts are split over both TP ranks, one expert-parallel group
+of the two, each TP rank dispatching half of the rows (`collectives` then counts the all-to-alls too). On a 2-core
 machine shared with other work the T = 2 figures are an upper bound of what the collectives
 cost; on GPUs with NVLink the all-reduces are microseconds.
 

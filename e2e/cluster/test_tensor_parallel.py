@@ -10,9 +10,11 @@ follower or stage), a grow's new pod brings both. At P = 2 the DP ranks' pods ha
 IPs, so each pipeline stage's expert group meets in the leaders' TCPStore.
 
 EPLB runs every 40 steps in both and must move experts under the load. At T = 2 the
-deployment also keeps one warm spare rank (`elastic.warmSpareRanks: 1`), a pod of
-its own holding a whole DP rank (leader and follower, both processes ready): the shrink keeps
-its pod, and the grow 1→3 takes it at once (the resize record counts it) beside a new pod.
+deployment runs `expertLayout: mesh` (expert parallelism over every device of every rank: the
+follower holds a part of its rank's expert slots, the expert groups span the pods' leaders
+and followers) and keeps one warm spare rank (`elastic.warmSpareRanks: 1`), a pod of its own
+holding a whole DP rank (leader and follower, both processes ready): the shrink keeps its
+pod, and the grow 1→3 takes it at once (the resize record counts it) beside a new pod.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Mesh:
 EPLB = {"expertParallel": {"eplb": {"enabled": True, "windowSize": 40, "stepInterval": 40}}}
 MESHES = [
     Mesh("tp", "TP", "tp_pids",
-         {"tensorParallelSize": 2, "elastic": {"warmSpareRanks": 1}, **EPLB}, spares=1),
+         {"tensorParallelSize": 2, "expertLayout": "mesh", "elastic": {"warmSpareRanks": 1},
+          **EPLB}, spares=1),
     Mesh("pp", "PP", "pp_pids", {"pipelineParallelSize": 2, **EPLB}),
 ]  # fmt: skip
 
@@ -130,6 +133,13 @@ def test_serves_at_two_ranks_of_two_devices(
     # kubectl pads each column to where its header starts (cells may be empty or hold spaces)
     start = header.index(f" {mesh.column} ") + 1
     assert row[start:].split()[0] == "2", wide
+    # what the operator told the runtime (the head's command line)
+    head = dep.raycluster()["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    command, layout = head["args"][-1], mesh.spec.get("expertLayout")
+    if layout is None:
+        assert "--expert-layout" not in command, command
+    else:
+        assert f"--expert-layout {layout}" in command, command
     assert not load.failures, load.failures[:3]
 
 

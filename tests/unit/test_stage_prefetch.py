@@ -191,9 +191,10 @@ def test_a_spare_and_a_serving_leader_have_their_stages_move_the_later_layers_ex
         list(pool.map(lambda lead: lead.prestaged.prestage_experts(3, [], every_move=second), leaders))
     spare, spare_stage = leaders[1].slots, stages[1]
     later = {(m.layer, m.logical) for m in first_batch if m.layer >= first}
-    assert later <= set(spare.prestaged)
-    assert all(not any(t.any() for t in spare.prestaged[k].tensors().values()) for k in later)
-    assert any(t.any() for t in spare.prestaged[(0, 1)].tensors().values())  # moved by leaders
+    ahead = spare.ahead.experts
+    assert later <= set(ahead)
+    assert all(not any(t.any() for t in ahead[k].tensors().values()) for k in later)
+    assert any(t.any() for t in ahead[(0, 1)].tensors().values())  # moved by leaders
     assert spare_stage.ping()["prestaged"] == 3 * (stop - first)
     assert spare_stage.prestaged_reads == 0  # all moved from the serving rank's stage
     src = source_mod.open_source(str(model_dir))
@@ -201,7 +202,7 @@ def test_a_spare_and_a_serving_leader_have_their_stages_move_the_later_layers_ex
         want = experts_mod.load_expert(src, first + layer, logical, dtype=torch.float32)
         assert all(torch.equal(held[p], t) for p, t in want.tensors().items())
     keep = [(layer, 4) for layer in range(first, stop)]
-    assert spare.drop_prestaged(keep) == len(keep)
+    assert spare.ahead.drop_prestaged(keep) == len(keep)
     assert spare_stage.ping()["prestaged"] == len(keep)
     for st in stages:
         st.shutdown()
