@@ -188,7 +188,11 @@ def test_a_spare_and_a_serving_leader_have_their_stages_move_the_later_layers_ex
         list(pool.map(lambda lead: lead.prestaged.prestage_experts(3, first_batch), leaders))
         # through shared memory: the leaders' own moves came another way, the stages' not
         second = moves((2,))
-        list(pool.map(lambda lead: lead.prestaged.prestage_experts(3, [], every_move=second), leaders))
+        list(
+            pool.map(
+                lambda lead: lead.prestaged.prestage_experts(3, [], every_move=second), leaders
+            )
+        )
     spare, spare_stage = leaders[1].slots, stages[1]
     later = {(m.layer, m.logical) for m in first_batch if m.layer >= first}
     ahead = spare.ahead.experts
