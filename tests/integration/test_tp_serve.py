@@ -7,6 +7,9 @@ rank out, no request is lost, and the deployment grows back to its size.
 
 One server per family (a module-scoped fixture per family: Mixtral, Qwen3-MoE, DeepSeek-V3
 shapes, tiny random checkpoints saved by `save_pretrained`), joining the tests' Ray instance.
+Mixtral runs the default expert layout (the routed experts on each DP rank's leader); Qwen3-MoE
+and DeepSeek-V3 (MLA, a shared expert) run `--expert-layout mesh` (a part of each DP rank's
+expert slots on each device: `test_tp_expert_mesh.py` tests that layout's elastic paths).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ pytestmark = pytest.mark.ray
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
 MESH = ["--tensor-parallel-size", "2", "--max-data-parallel-size", "3"]
+#: the expert layout of each family's server
+LAYOUT = {"mixtral": "leader", "qwen3_moe": "mesh", "deepseek_v3": "mesh"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -31,7 +36,8 @@ def served(
 ) -> Iterator[Served]:
     family: str = request.param
     root = tmp_path_factory.mktemp(family)
-    yield from mesh_serving.serve(root, family, ray_address, size=2, mesh=MESH)
+    mesh = [*MESH, "--expert-layout", LAYOUT[family]]
+    yield from mesh_serving.serve(root, family, ray_address, size=2, mesh=mesh)
 
 
 def test_answers_equal_transformers_at_dp2_tp2(served: Served) -> None:
