@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from moe_runtime import step as step_mod
 from moe_runtime.elastic import records
 from moe_runtime.elastic import serving as serving_mod
@@ -109,6 +111,36 @@ def by_index(labels: Sequence[int], keys: Mapping[int, set[Key]]) -> dict[int, s
     """{i: keys[labels[i]]} for the labels that have keys: what a placement's rank i (member
     labels[i]) holds beside its live slots, as ``moves.rebalance_for_resize`` takes it. Pure."""
     return {i: keys[label] for i, label in enumerate(labels) if keys.get(label)}
+
+
+def periodic_target(
+    load: torch.Tensor,
+    old: policy.Placement,
+    num_ranks: int,
+    *,
+    units: int = 1,
+    tolerance: float,
+    held: Mapping[int, set[Key]] | None = None,
+) -> tuple[policy.Placement, float, float]:
+    """A periodic rebalance's target over `num_ranks` DP ranks, (target, balancedness before,
+    after). `units`: the devices a DP rank's slots split over (T in the mesh expert layout):
+    the load is balanced over every device, DP x T packs of slots, so each TP rank's part of
+    its rank's slots carries an even share (a placement balanced by DP rank alone may put a
+    rank's hot experts all in one part); the result is still a placement of `num_ranks` DP
+    ranks (each one's slots are its devices' packs, in order). `held`: by DP rank index,
+    counted on its first device (the leader's: what a planner knows). Pure."""
+    n = num_ranks * units
+    held_by = {i * units: keys for i, keys in (held or {}).items()}
+    target = moves_mod.rebalance_for_resize(
+        load,
+        old,
+        old_num_ranks=n,
+        new_num_ranks=n,
+        num_physical=old.num_physical,
+        tolerance=tolerance,
+        held=held_by,
+    )
+    return target, policy.balancedness(load, old, n), policy.balancedness(load, target, n)
 
 
 def retained_keys(
@@ -226,19 +258,16 @@ class Rebalancer:
         n = self.serving.num_ranks
         old = self.serving.placement
         generation = self.serving.generation
-        before = policy.balancedness(load, old, n)
         members = self.executor.ranks
         held = retained_keys(self.executor, members, timeout=self.config.rpc_timeout)
-        target = moves_mod.rebalance_for_resize(
+        target, before, after = periodic_target(
             load,
             old,
-            old_num_ranks=n,
-            new_num_ranks=n,
-            num_physical=old.num_physical,
+            n,
+            units=self.config.slot_multiple,
             tolerance=0.0 if force else self.config.eplb_min_gain,
             held=by_index(members, held),
         )
-        after = policy.balancedness(load, target, n)
         result: dict[str, Any] = {"before": before, "after": after, "applied": False}
         if not force and after - before < self.config.eplb_min_gain:
             self.last_rebalance = result

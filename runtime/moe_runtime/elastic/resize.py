@@ -103,8 +103,10 @@ class ResizeContext:
         return self.config.num_physical_for(self.model_config.num_experts, size)
 
     def balancedness(self) -> float:
+        """Of the serving placement over every device that holds experts (DP x T in the mesh
+        expert layout, `ElasticConfig.slot_multiple`)."""
         placement, n = self.serving.layout()
-        return policy.balancedness(self.load.total(), placement, n)
+        return policy.balancedness(self.load.total(), placement, n * self.config.slot_multiple)
 
     # -- placements ----------------------------------------------------------------------
     def target_for(
@@ -115,15 +117,17 @@ class ResizeContext:
         where they live, or where `held` says a rank holds them beside its live slots (new rank
         index -> keys it retains or has pre-staged), at up to `eplb_min_gain` of balancedness
         (`moves.rebalance_for_resize`'s tolerance: the gain a periodic rebalance would not
-        move experts for)."""
+        move experts for). In the mesh expert layout the load is balanced over every device
+        (`rebalance.periodic_target`: DP x T packs; `held` counted on each rank's leader)."""
+        units = self.config.slot_multiple
         return moves_mod.rebalance_for_resize(
             self.load.total(),
             self.serving.placement,
-            old_num_ranks=from_size,
-            new_num_ranks=to_size,
+            old_num_ranks=from_size * units,
+            new_num_ranks=to_size * units,
             num_physical=self.num_physical_for(to_size),
             tolerance=self.config.eplb_min_gain,
-            held=held,
+            held=None if held is None else {i * units: keys for i, keys in held.items()},
         )
 
     def fits(self, target: policy.Placement, from_size: int, to_size: int) -> bool:
@@ -132,8 +136,9 @@ class ResizeContext:
         a tighter bound re-fetched half the spares' experts every few seconds under a load
         that drifts, since balanced packing is chaotic)."""
         fresh = self.target_for(from_size, to_size)
+        units = self.config.slot_multiple
         return rebalance.fits(
-            self.load.total(), target, fresh, to_size, min_gain=self.config.eplb_min_gain
+            self.load.total(), target, fresh, to_size * units, min_gain=self.config.eplb_min_gain
         )
 
     # -- the calls stages are made of -----------------------------------------------------

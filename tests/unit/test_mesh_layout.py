@@ -1,0 +1,50 @@
+"""The mesh expert layout's pure parts (`rank.mesh`, docs/TENSOR-PARALLEL.md, "Experts over
+every device"): members and slot parts, the mesh group's rendezvous, and EPLB balancing every
+device's part of the slots (`elastic.rebalance.periodic_target`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_runtime.comm import group as group_mod
+from moe_runtime.elastic import rebalance
+from moe_runtime.eplb import policy
+from moe_runtime.rank import mesh
+
+
+def test_tp_rank_t_of_dp_rank_d_holds_part_t_of_its_slots() -> None:
+    placement = policy.identity(2, 8, 12, 3)  # 3 DP ranks x 4 slots, T = 2: 2 a device
+    for d in range(3):
+        whole = placement.slots_of_rank(d, 3)
+        parts = [placement.slots_of_rank(*mesh.member(d, 3, 2, t)) for t in range(2)]
+        assert [*parts[0], *parts[1]] == list(whole)
+    mesh.check_slots(12, 3, 2)
+    with pytest.raises(ValueError, match="do not split over 3 DP ranks x 2 TP ranks"):
+        mesh.check_slots(9, 3, 2)
+
+
+def test_the_mesh_group_meets_beside_the_leaders_step_group() -> None:
+    on_host = group_mod.GroupSpec.local(3, epoch=4, directory="/tmp/x")
+    spec = mesh.mesh_spec(on_host, 2)
+    assert (spec.world_size, spec.epoch) == (6, 4)
+    assert spec.store_path == f"{on_host.store_path}.mesh"
+    tcp = dataclasses.replace(on_host, store_path=None, host="10.0.0.1", port=1234)
+    spec = mesh.mesh_spec(tcp, 2)
+    assert (spec.host, spec.port, spec.namespace, spec.hosted) == ("10.0.0.1", 1234, "mesh/", False)
+
+
+def test_eplb_balances_every_devices_part_of_the_slots() -> None:
+    """Balanced by DP rank alone, a DP rank's two hottest experts can land in one TP rank's
+    part (here 170 of its 182 tokens on one device); balanced over DP x T packs, every
+    device carries an even share, and the DP ranks stay balanced too."""
+    load = torch.tensor([[100.0, 90, 10, 5, 80, 70, 3, 2]])
+    old = policy.identity(1, 8, 8, 2)
+    by_rank, _, _ = rebalance.periodic_target(load, old, 2, units=1, tolerance=0.0)
+    by_device, before, after = rebalance.periodic_target(load, old, 2, units=2, tolerance=0.0)
+    assert policy.balancedness(load, by_rank, 4) < 0.6
+    assert after == policy.balancedness(load, by_device, 4) > 0.85 > before
+    assert policy.balancedness(load, by_device, 2) > 0.95  # still a placement of 2 DP ranks
+    by_device.validate(2)
