@@ -188,6 +188,12 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
             "--pipeline-parallel-size 4 does not fit this model: pipeline parallel size 4 "
             "exceeds num_layers (num_hidden_layers) 3",
         ),
+        (["--expert-layout", "mesh"], "--expert-layout mesh needs --tensor-parallel-size > 1"),
+        (
+            ["--expert-layout", "mesh", "--tensor-parallel-size", "2"]
+            + ["--pipeline-parallel-size", "2", "--no-eplb"],
+            "--expert-layout mesh is not served with pipeline stages yet",
+        ),
     ],
     ids=[
         "tp-does-not-shard",
@@ -195,6 +201,8 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
         "pp-with-tp-that-does-not-shard",
         "pp-local-executor",
         "pp-over-layers",
+        "mesh-at-tp1",
+        "mesh-with-pp",
     ],
 )
 def test_serve_refuses_a_mesh_it_cannot_serve_at_start_up(
