@@ -309,18 +309,15 @@ def start_ranks(
     expert_layout: str = "leader",
 ) -> list[Member]:
     """Placement groups, then actors; wait until all answer; sort (`base.order_ranks`, with
-    the nodes of existing ranks counted); label from first_label. `spare`: they start as warm
-    spares (below the serving ranks' CPU priority); `hooks`: the factory of their rank hooks.
-    `tp_size` T > 1: each DP rank's placement group holds T bundles on one node (`bundles`),
-    its leader in bundle 0 and its TP followers (`ray_tensor`) in bundles 1..T-1.
-    `pp_size` P > 1: T x P bundles, bundle s x T + t holding TP rank t of pipeline stage s:
-    the leader (stage 0) in bundle 0 leads stage 0's TP followers and the stage actors
-    (`ray_pipeline`, bundles s x T), each of which leads its own stage's TP followers;
-    `micro_batch_tokens`: the leader's micro-batch threshold (`pipeline_group.micro_batches`).
-    `expert_layout`: where the routed experts live at T > 1 (`model.tensor_parallel`).
-    `existing`: the infos of running ranks (`node_id`, `ip`); ranks on two nodes that report
-    one IP are refused (`guards.check_node_ips`). `env`: the head's variables every actor gets
-    (`guards.rank_env`)."""
+    the nodes of existing ranks counted); label from first_label. `spare`: warm spares (below
+    the serving ranks' CPU priority); `hooks`: the factory of their rank hooks. Each DP rank's
+    placement group holds T x P bundles on one node (`bundles`), bundle s x T + t holding TP
+    rank t of pipeline stage s: the leader in bundle 0 leads stage 0's TP followers
+    (`ray_tensor`) and the stage actors (`ray_pipeline`), each leading its own stage's.
+    `micro_batch_tokens`, `expert_layout`: the leader's (`pipeline_group.micro_batches`,
+    `model.tensor_parallel`). `existing`: the infos of running ranks (`node_id`, `ip`); ranks on
+    two nodes that report one IP are refused (`guards.check_node_ips`). `env`: the head's
+    variables every actor gets (`guards.rank_env`)."""
     bundle_list = bundles(tp_size * pp_size, use_gpu=use_gpu)
     bundle = bundle_list[0]
     pgs = [ray.util.placement_group(bundle_list, strategy="STRICT_PACK") for _ in range(count)]
@@ -332,25 +329,22 @@ def start_ranks(
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"{count} placement groups of {len(bundle_list)} x {bundle} were not scheduled "
-                "within "
-                f"{timeout}s: the cluster offers "
-                f"{free_resource(RANK_RESOURCE)} free {RANK_RESOURCE}"
+                f"within {timeout}s: the cluster offers {free_resource(RANK_RESOURCE)} free "
+                f"{RANK_RESOURCE}"
             ) from None
         device = "cuda" if use_gpu else "cpu"
         # A spare's process lowers its priority before it imports the runtime (~3 s of CPU);
         # a grow's (ranks start beside serving ones: `existing`) takes the serving ranks'
         # priority (the grow waits for it; a no-op where the cluster's workers start there,
         # `cluster.WORKER_NICENESS`, but a worker at Ray's default niceness 15 beside busy
-        # ranks took ~90 s to import). Either hook is a runtime_env of its own, so Ray starts
-        # a process for it (never a pooled idle worker). The head's copied variables (`env`)
-        # join it; without either, no runtime_env at all.
+        # ranks took ~90 s to import). Either hook is a runtime_env of its own (a process of
+        # its own, never a pooled idle worker), with the head's copied variables (`env`).
         hook = niceness.SPARE_SETUP_HOOK if spare else niceness.GROW_SETUP_HOOK
         leader_options = guards.actor_env_options(
             env or {}, {niceness.SETUP_HOOK_ENV: hook} if spare or existing else {}
         )
         for i, pg in enumerate(pgs):
-            # Bundle s x T + t: TP rank t of pipeline stage s. The followers take the leader's
-            # options: a spare is a whole DP rank.
+            # Bundle s x T + t; the followers take the leader's options (a whole DP rank).
             label = first_label + i
             tp = [
                 tuple(
