@@ -48,3 +48,38 @@ def test_eplb_balances_every_devices_part_of_the_slots() -> None:
     assert after == policy.balancedness(load, by_device, 4) > 0.85 > before
     assert policy.balancedness(load, by_device, 2) > 0.95  # still a placement of 2 DP ranks
     by_device.validate(2)
+
+
+class _Followers:
+    """`tensor_group.Followers` that record the calls; their joins end when called off."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+
+    def send(self, method: str, *args: object) -> list[str]:
+        self.calls.append((method, args))
+        return [method]
+
+    def wait(self, pending: list[str], timeout: float | None) -> list[object]:
+        if pending == ["join_mesh"]:
+            called_off = any(m == "abort_join" for m, _ in self.calls)
+            raise RuntimeError("join called off" if called_off else "would wait for the leader")
+        return [None for _ in pending]
+
+
+class _Groups:
+    def join_group(self, *args: object, **kwargs: object) -> None:
+        raise TimeoutError("a member never came")
+
+
+def test_a_leader_whose_mesh_join_fails_calls_off_its_followers_joins() -> None:
+    """The followers join the mesh group with their leader; when its own join fails they would
+    wait out the group timeout for it: their joins are called off, and the leader's error is
+    the one raised."""
+    followers = _Followers()
+    parts = mesh.MeshParts(followers, size=2)
+    spec = group_mod.GroupSpec.local(2, epoch=7, directory="/tmp/x")
+    with pytest.raises(TimeoutError, match="a member never came"):
+        parts.join(_Groups(), spec, 1)
+    assert [m for m, _ in followers.calls] == ["join_mesh", "abort_join"]
+    assert followers.calls[1][1] == (7,)

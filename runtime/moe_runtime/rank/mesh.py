@@ -109,8 +109,14 @@ class MeshParts:
                 mesh_spec(spec, self.size), rank * self.size, role=ROLE,
                 group_timeout=GROUP_TIMEOUT_S,
             )  # fmt: skip
-        finally:
-            self._wait(joining, GROUP_TIMEOUT_S + 10.0)
+        except BaseException:
+            self.abort_join(spec.epoch)  # its followers wait for no leader (health lane)
+            try:
+                self._wait(joining, GROUP_TIMEOUT_S + 10.0)
+            except Exception:  # noqa: BLE001 - their joins were called off with the leader's
+                log.debug("followers' mesh joins of epoch %d ended", spec.epoch, exc_info=True)
+            raise
+        self._wait(joining, GROUP_TIMEOUT_S + 10.0)
 
     def abort_join(self, epoch: int) -> None:
         """Call off the followers' joins of `epoch` (their health lane)."""
