@@ -27,7 +27,7 @@ from moe_runtime import logs
 from moe_runtime.executor import niceness, ray_tensor
 from moe_runtime.rank import allocator, pipeline_group, stage_worker
 
-CTL_LANE = "ctl"
+CTL_LANE = ray_tensor.CTL_LANE
 HEALTH_LANE = ray_tensor.HEALTH_LANE
 _METHODS = ("join", "load", "step", "shutdown")
 #: methods run on `CTL_LANE`, beside the steps

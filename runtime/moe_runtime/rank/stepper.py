@@ -160,26 +160,25 @@ class Stepper:
                 # expert collectives of every step with a token anywhere
                 mesh = self._parts is not None
                 tensor = self._tensor if seqs or mesh else None
+                # the live state the stages or the mesh layout's followers follow
+                epoch, placement = slots.epoch, slots.placement
+                token = (epoch or 0, slots.origin, rank, slots.num_ranks or 0)
                 try:
                     self._ctx.check("forward")
                     if tensor is not None and self._pipeline is None:
-                        live = None
-                        if mesh:
-                            assert slots.epoch is not None and slots.placement is not None
-                            token = (slots.epoch, slots.origin, rank, slots.num_ranks or 0)
-                            live = (token, slots.placement)
+                        assert not mesh or placement is not None
+                        live = (token, placement) if mesh else None
                         following = tensor.begin(model, fwd, live=live)
                     if self._pipeline is not None:
-                        out.micro_batches = self._micro_batches(step)
-                        epoch, placement = slots.epoch, slots.placement
                         assert epoch is not None and placement is not None
+                        out.micro_batches = self._micro_batches(step)
                         logits = self._pipeline.forward(
                             model,
                             fwd,
                             kv,
                             backend,
                             epoch=epoch,
-                            token=(epoch, slots.origin, rank, slots.num_ranks or 0),
+                            token=token,
                             placement=placement,
                             expert_load=load,
                             parts=out.micro_batches,
