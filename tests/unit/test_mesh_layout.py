@@ -11,6 +11,7 @@ import torch
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.elastic import rebalance
+from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
 from moe_runtime.rank import mesh
 
@@ -83,3 +84,28 @@ def test_a_leader_whose_mesh_join_fails_calls_off_its_followers_joins() -> None:
         parts.join(_Groups(), spec, 1)
     assert [m for m, _ in followers.calls] == ["join_mesh", "abort_join"]
     assert followers.calls[1][1] == (7,)
+
+
+def test_a_recovery_balances_every_devices_part_too() -> None:
+    """A lost DP rank in the mesh layout: the survivors' placement is balanced over their
+    devices (DP x T packs), as a resize's and EPLB's are, and the moves stay between ranks."""
+    load = torch.tensor([[100.0, 90, 10, 5, 80, 70, 3, 2, 60, 1, 1, 1]])
+    old = policy.identity(1, 12, 12, 3)
+    physical = policy.num_physical_for(12, 4)  # two survivors of T = 2
+    by_rank = moves_mod.plan_recovery(
+        load, old, old_num_ranks=3, survivors=[0, 2], num_physical=physical
+    )
+    by_device = moves_mod.plan_recovery(
+        load, old, old_num_ranks=3, survivors=[0, 2], num_physical=physical, units=2
+    )
+    by_device.target.validate(2)
+    # two of the five hot experts share a device whatever the packing: 131 of 423 at best
+    assert policy.balancedness(load, by_rank.target, 4) < 0.55
+    assert policy.balancedness(load, by_device.target, 4) > 0.8
+    assert policy.balancedness(load, by_device.target, 2) > 0.95  # the DP ranks stay balanced
+    assert all(m.src_rank < 2 and m.dst_rank < 2 for m in by_device.moves)
+    assert (by_device.from_source, by_device.from_replicas) == (4, 0)  # rank 1's experts
+    with pytest.raises(ValueError, match="units"):
+        moves_mod.plan_recovery(
+            load, old, old_num_ranks=3, survivors=[0], num_physical=physical, units=0
+        )

@@ -203,6 +203,7 @@ class Recovery:
             num_physical=self.ctx.config.num_physical_for(self.ctx.model_config.num_experts, n),
             held=rebalance.by_index(survivors, retained),
             tolerance=self.ctx.config.eplb_min_gain,
+            units=self.ctx.config.slot_multiple,
         )
         target, moves, reads = self._choose(plan, left, survivors, old_n, retained)
         info.experts_from_replicas = plan.from_replicas
@@ -259,7 +260,7 @@ class Recovery:
                 self.ctx.load.total(),
                 earlier,
                 plan.target,
-                n,
+                n * self.ctx.config.slot_multiple,
                 min_gain=self.ctx.config.eplb_min_gain,
             )
         ):
@@ -284,7 +285,7 @@ class Recovery:
             range(len(options)),
             key=lambda k: (
                 costs[k][0] + costs[k][1][0],
-                -policy.balancedness(load, options[k][0], n),
+                -policy.balancedness(load, options[k][0], n * self.ctx.config.slot_multiple),
             ),
         )
         (target, moves), reads = options[best], costs[best][1]

@@ -95,12 +95,10 @@ class Shrink:
         if before != now:
             return earlier if before < now else fresh
         # As many moves (often none: the fresh target keeps what the survivors retain too):
-        # the better balanced one.
-        load = ctx.load.total()
-        earlier_balance = policy.balancedness(load, earlier, plan.to_size)
-        return (
-            earlier if earlier_balance >= policy.balancedness(load, fresh, plan.to_size) else fresh
-        )
+        # the better balanced one (over every device holding experts: `ElasticConfig.slot_multiple`).
+        load, devices = ctx.load.total(), plan.to_size * ctx.config.slot_multiple
+        earlier_balance = policy.balancedness(load, earlier, devices)
+        return earlier if earlier_balance >= policy.balancedness(load, fresh, devices) else fresh
 
     def migrate(self, plan: resize.Plan, record: records.ResizeRecord) -> None:
         """Departing ranks take no new sequence; theirs drain, then move to survivors."""

@@ -168,13 +168,17 @@ def plan_recovery(
     num_physical: int,
     held: Mapping[int, Iterable[Key]] | None = None,
     tolerance: float = 0.0,
+    units: int = 1,
 ) -> RecoveryPlan:
     """The placement and moves that let `survivors` (old ranks, in their new order) serve alone.
 
     The old placement is seen with the survivors' slot blocks first and the lost ranks' last,
     which makes the recovery a shrink in which the lost ranks are the departing ones; then
     `rebalance_for_resize` (with `held`, keyed by new rank, and `tolerance`) keeps experts
-    where they are and only survivors send.
+    where they are and only survivors send. `units`: the devices of a rank that each hold a
+    contiguous part of its slots (T in the mesh expert layout): the load is balanced over
+    every device (packs of `units` per rank, `held` counted on each rank's first), the moves
+    stay between ranks.
     """
     if not survivors:
         raise ValueError("a recovery needs at least one surviving rank")
@@ -185,14 +189,16 @@ def plan_recovery(
     blocks = old.phy2log.reshape(old.num_layers, old_num_ranks, per)[:, order]
     view = policy.Placement.from_phy2log(blocks.reshape(old.num_layers, -1), old.num_logical)
     n = len(survivors)
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
     target = rebalance_for_resize(
         load,
         view,
-        old_num_ranks=old_num_ranks,
-        new_num_ranks=n,
+        old_num_ranks=old_num_ranks * units,
+        new_num_ranks=n * units,
         num_physical=num_physical,
         tolerance=tolerance,
-        held=held,
+        held=None if held is None else {i * units: keys for i, keys in held.items()},
     )
     moves = plan_moves(view, target, old_num_ranks=old_num_ranks, new_num_ranks=n, senders=range(n))
     from_replicas = 0
