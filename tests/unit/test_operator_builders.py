@@ -115,7 +115,7 @@ def test_head_runs_the_runtime() -> None:
     assert container["command"] == ["/bin/bash", "-c", "--"]
 
 
-@pytest.mark.parametrize(("load_timeout", "failures"), [(1800, 180), (45, 5)])
+@pytest.mark.parametrize(("load_timeout", "failures"), [(1800, 900), (45, 23)])
 def test_head_probes_allow_model_loading_then_watch_readiness(
     load_timeout: int, failures: int
 ) -> None:
