@@ -1,7 +1,7 @@
 """The operator's autoscaler on the real node: the load decides the size.
 
 The autoscaling sample (``manifests/samples/moedeployment-autoscaling.yaml``, DP 1 in [1, 3],
-8 in flight per rank, up window 15 s; here a 25 s down window and a 2 s sync to keep the
+8 in flight per rank, up window 15 s; here a 15 s down window and a 2 s sync to keep the
 module to a few minutes) serves 2 checked clients, then 16: the operator reads the runtime's
 in-flight count, grows it to 2 through the scale subresource once the up window has passed,
 and the resize runs on the real KubeRay. The surge stops: after the down window it shrinks
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.cluster
 
 NAME = "tiny"
 SAMPLE = conftest.REPO / "manifests" / "samples" / "moedeployment-autoscaling.yaml"
-UP_S, DOWN_S, SYNC_S = 15, 25, 2
+UP_S, DOWN_S, SYNC_S = 15, 15, 2
 READY_TIMEOUT_S = 420.0
 RESIZE_TIMEOUT_S = 420.0
 PICTURE = conftest.REPO / "out" / "e2e-autoscale-timeline.png"
@@ -124,7 +124,7 @@ def run(
 
         flap_started = time.monotonic()
         story["reasons_flapping"] = set()
-        while time.monotonic() - flap_started < 32:  # 4 cycles of 4 s on, 4 s off
+        while time.monotonic() - flap_started < 24:  # 3 cycles of 4 s on, 4 s off
             on = int((time.monotonic() - flap_started) // 4) % 2 == 0
             (flap_gate.open.set if on else flap_gate.open.clear)()
             reason = (dep.status().get("autoscaling") or {}).get("reason")
