@@ -87,11 +87,8 @@ def _unsupported_mesh(args: argparse.Namespace, cfg: config_mod.ModelConfig) -> 
             tp_shard.plan(cfg, rank=0, size=size)
         except ValueError as exc:
             return f"{flags.TENSOR_PARALLEL_SIZE} {size} does not fit this model: {exc}"
-    if expert_layout(args) == "mesh":
-        if size == 1:
-            return f"{flags.EXPERT_LAYOUT} mesh needs {flags.TENSOR_PARALLEL_SIZE} > 1"
-        if args.pipeline_parallel_size != 1:
-            return f"{flags.EXPERT_LAYOUT} mesh is not served with pipeline stages yet"
+    if expert_layout(args) == "mesh" and size == 1:
+        return f"{flags.EXPERT_LAYOUT} mesh needs {flags.TENSOR_PARALLEL_SIZE} > 1"
     if args.pipeline_parallel_size != 1:
         return _unsupported_pipeline(args, cfg)
     return None

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="at T > 1, where the routed experts live: on each DP rank's TP rank 0 (leader), "
         "or a part of its expert slots on each of its T devices, expert parallelism over "
-        "DP x T (mesh; P = 1 only; docs/TENSOR-PARALLEL.md)",
+        "DP x T (mesh; at P > 1 per stage; docs/TENSOR-PARALLEL.md)",
     )
     serve.add_argument(
         flags.PIPELINE_PARALLEL_SIZE,

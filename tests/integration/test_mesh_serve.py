@@ -7,7 +7,11 @@ through the stages as micro-batches, stage 0's TP follower sent each); Mixtral a
 also before and after a live resize to DP = 3 under load (every answer checked), and after
 the SIGKILL of stage 1's TP follower under load (a process its leader does not reach
 directly: the stage reports it lost, the DP rank is taken out, no request is lost and the
-deployment grows back).
+deployment grows back). DeepSeek-V3 is served in the mesh expert layout (`--expert-layout
+mesh`: each stage's routed experts split over its two TP ranks, expert parallelism over
+DP x T per stage): the same answers, and the same resize and follower kill, the resize
+reading no expert from the model source (the stages' leaders move their DP ranks' experts
+and hand their followers their parts).
 
 One server per case (module-scoped: Mixtral and DeepSeek-V3 at DP = 2, Qwen3-MoE at DP = 1;
 tiny random checkpoints saved by `save_pretrained`), joining the tests' Ray instance.
@@ -26,6 +30,9 @@ pytestmark = pytest.mark.ray
 
 #: (family, data-parallel size)
 CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
+#: where each family's routed experts live (`--expert-layout`)
+LAYOUT = {"mixtral": "leader", "qwen3_moe": "leader", "deepseek_v3": "mesh"}
+READS = "moe_pipeline_source_reads_total"
 MESH = [
     "--tensor-parallel-size",
     "2",
@@ -51,7 +58,8 @@ def served(
 ) -> Iterator[Served]:
     family, size = request.param
     root = tmp_path_factory.mktemp(f"{family}-dp{size}")
-    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=MESH)
+    mesh = [*MESH, "--expert-layout", LAYOUT[family]]
+    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=mesh)
 
 
 def _assert_whole(served: Served, size: int) -> list[dict[str, object]]:
@@ -72,20 +80,25 @@ def test_answers_equal_transformers_at_tp2_pp2(served: Served) -> None:
 
 def test_live_resize_to_three_under_load(served: Served) -> None:
     """The new DP rank is four actors (its stage 1 leading its own TP follower); every
-    answer during and after the resize equals transformers'."""
-    if served.size != 2 or served.family != CASES[0][0]:
-        pytest.skip("one case is enough for the resize")
+    answer during and after the resize equals transformers'. In the mesh layout no expert
+    is read from the source: the new rank's stage leaders receive their DP rank's experts
+    and hand their followers their parts."""
+    if served.size != 2:
+        pytest.skip("the cases at DP = 2 (one per expert layout)")
+    before = mesh_serving.metric(served.server.url, READS)
     mesh_serving.resize_under_load(served, 3)
     _assert_whole(served, 3)
     check_answers(served)
+    if LAYOUT[served.family] == "mesh":
+        assert mesh_serving.metric(served.server.url, READS) == before
 
 
 def test_a_killed_follower_of_a_later_stage_takes_its_rank_out(served: Served) -> None:
     """SIGKILL of stage 1's TP follower: stage 1's step fails and its pings say the follower
     is lost, so its leader's DP rank is lost; the recovery shrinks around it (no request
     fails) and auto-recover grows back with four fresh actors."""
-    if served.size != 2 or served.family != CASES[0][0]:
-        pytest.skip("one case is enough for the failure path")
+    if served.size != 2:
+        pytest.skip("the cases at DP = 2 (one per expert layout)")
     size = len(mesh_serving.serving(served))
     victim = mesh_serving.serving(served)[-1]
     mesh_serving.signal_under_load(served, victim, victim["tp_pids"][-1])

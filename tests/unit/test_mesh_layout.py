@@ -13,7 +13,7 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.elastic import rebalance
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
-from moe_runtime.rank import mesh
+from moe_runtime.rank import mesh, pipeline_group
 
 
 def test_tp_rank_t_of_dp_rank_d_holds_part_t_of_its_slots() -> None:
@@ -35,6 +35,11 @@ def test_the_mesh_group_meets_beside_the_leaders_step_group() -> None:
     tcp = dataclasses.replace(on_host, store_path=None, host="10.0.0.1", port=1234)
     spec = mesh.mesh_spec(tcp, 2)
     assert (spec.host, spec.port, spec.namespace, spec.hosted) == ("10.0.0.1", 1234, "mesh/", False)
+    # at P > 1 each pipeline stage's mesh group beside its stage group: keys of its own
+    staged = mesh.mesh_spec(pipeline_group.stage_spec(tcp, 1), 2)
+    assert (staged.namespace, staged.world_size, staged.hosted) == ("pp1/mesh/", 6, False)
+    on_stage = mesh.mesh_spec(pipeline_group.stage_spec(on_host, 1), 2)
+    assert on_stage.store_path == f"{on_host.store_path}.pp1.mesh"
 
 
 def test_eplb_balances_every_devices_part_of_the_slots() -> None:
@@ -68,9 +73,8 @@ class _Followers:
         return [None for _ in pending]
 
 
-class _Groups:
-    def join_group(self, *args: object, **kwargs: object) -> None:
-        raise TimeoutError("a member never came")
+def _never(spec: group_mod.GroupSpec, member: int) -> None:
+    raise TimeoutError("a member never came")
 
 
 def test_a_leader_whose_mesh_join_fails_calls_off_its_followers_joins() -> None:
@@ -81,7 +85,7 @@ def test_a_leader_whose_mesh_join_fails_calls_off_its_followers_joins() -> None:
     parts = mesh.MeshParts(followers, size=2)
     spec = group_mod.GroupSpec.local(2, epoch=7, directory="/tmp/x")
     with pytest.raises(TimeoutError, match="a member never came"):
-        parts.join(_Groups(), spec, 1)
+        parts.join(spec, 1, _never)
     assert [m for m, _ in followers.calls] == ["join_mesh", "abort_join"]
     assert followers.calls[1][1] == (7,)
 

@@ -189,11 +189,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
             "exceeds num_layers (num_hidden_layers) 3",
         ),
         (["--expert-layout", "mesh"], "--expert-layout mesh needs --tensor-parallel-size > 1"),
-        (
-            ["--expert-layout", "mesh", "--tensor-parallel-size", "2"]
-            + ["--pipeline-parallel-size", "2", "--no-eplb"],
-            "--expert-layout mesh is not served with pipeline stages yet",
-        ),
     ],
     ids=[
         "tp-does-not-shard",
@@ -202,7 +197,6 @@ pytestmark = pytest.mark.usefixtures("keep_sigterm")  # tests/unit/conftest.py
         "pp-local-executor",
         "pp-over-layers",
         "mesh-at-tp1",
-        "mesh-with-pp",
     ],
 )
 def test_serve_refuses_a_mesh_it_cannot_serve_at_start_up(

@@ -21,9 +21,7 @@ MAX_DATA_PARALLEL_SIZE = 1024
 DEFAULT_IMAGE = "ghcr.io/elastic-moe/runtime:0.1.0"
 
 Accelerator = Literal["cpu", "nvidia.com/gpu"]
-MESH_LAYOUT_NEEDS: Final = (
-    "expertLayout mesh needs tensorParallelSize > 1 and pipelineParallelSize 1"
-)
+MESH_LAYOUT_NEEDS: Final = "expertLayout mesh needs tensorParallelSize > 1"
 ACCELERATOR_CPU: Final = "cpu"
 ACCELERATOR_NVIDIA_GPU: Final = "nvidia.com/gpu"
 
@@ -334,7 +332,7 @@ _SPEC_RULES: list[pydantic.JsonValue] = [
     },
     {
         "rule": "!has(self.expertLayout) || self.expertLayout != 'mesh' || "
-        "(self.tensorParallelSize > 1 && self.pipelineParallelSize == 1)",
+        "self.tensorParallelSize > 1",
         "message": MESH_LAYOUT_NEEDS,
         "fieldPath": ".expertLayout",
         "reason": "FieldValueInvalid",
@@ -392,8 +390,8 @@ class MoEDeploymentSpec(ApiModel):
         description=(
             "At tensorParallelSize > 1, where the routed experts live: on each data-parallel "
             "rank's first device (leader), or a part of its expert slots on each of its "
-            "devices, the expert-parallel group being every device of every rank (mesh; "
-            "pipelineParallelSize 1 only; docs/TENSOR-PARALLEL.md). Unset: the runtime's "
+            "devices, the expert-parallel group being every device of every rank (mesh; at "
+            "pipelineParallelSize > 1 per stage; docs/TENSOR-PARALLEL.md). Unset: the runtime's "
             "default (leader). A change rolls the deployment over (docs/ROLLOUTS.md)."
         ),
     )
@@ -435,13 +433,8 @@ class MoEDeploymentSpec(ApiModel):
                 f"[{self.min_data_parallel_size}, {self.max_data_parallel_size}] "
                 f"(got {self.data_parallel_size})"
             )
-        if self.expert_layout == "mesh" and not (
-            self.tensor_parallel_size > 1 and self.pipeline_parallel_size == 1
-        ):
-            raise ValueError(
-                f"{MESH_LAYOUT_NEEDS} (got tensorParallelSize {self.tensor_parallel_size}, "
-                f"pipelineParallelSize {self.pipeline_parallel_size})"
-            )
+        if self.expert_layout == "mesh" and self.tensor_parallel_size == 1:
+            raise ValueError(f"{MESH_LAYOUT_NEEDS} (got tensorParallelSize 1)")
         if self.elastic.warm_spare_ranks > self.max_data_parallel_size:
             raise ValueError(
                 "elastic.warmSpareRanks must be at most maxDataParallelSize (a grow never uses "

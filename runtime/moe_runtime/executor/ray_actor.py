@@ -343,6 +343,8 @@ def start_ranks(
         leader_options = guards.actor_env_options(
             env or {}, {niceness.SETUP_HOOK_ENV: hook} if spare or existing else {}
         )
+        mesh = {"device": device, "expert_layout": expert_layout}  # every actor of a DP rank
+        follower = {**mesh, "tp_size": tp_size, "stages": pp_size, "spare": spare}
         for i, pg in enumerate(pgs):
             # Bundle s x T + t; the followers take the leader's options (a whole DP rank).
             label = first_label + i
@@ -350,16 +352,7 @@ def start_ranks(
                 tuple(
                     ray_tensor.RemoteFollower.options(
                         **_bundle_options(pg, s * tp_size + t, use_gpu, leader_options)
-                    ).remote(
-                        label=label,
-                        tp_rank=t,
-                        tp_size=tp_size,
-                        device=device,
-                        spare=spare,
-                        stage=s,
-                        stages=pp_size,
-                        expert_layout=expert_layout,
-                    )
+                    ).remote(label=label, tp_rank=t, stage=s, **follower)
                     for t in range(1, tp_size)
                 )
                 for s in range(pp_size)
@@ -367,7 +360,7 @@ def start_ranks(
             stages = tuple(
                 ray_pipeline.RemoteStage.options(
                     **_bundle_options(pg, s * tp_size, use_gpu, leader_options)
-                ).remote(label=label, stage=s, size=pp_size, device=device, followers=tp[s])
+                ).remote(label=label, stage=s, size=pp_size, followers=tp[s], **mesh)
                 for s in range(1, pp_size)
             )
             # every actor of the DP rank besides its leader (killed with it)

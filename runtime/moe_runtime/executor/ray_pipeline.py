@@ -38,7 +38,14 @@ class StageActor:
     """Pipeline stage `stage` of `size` of DP rank `label` (module docstring)."""
 
     def __init__(
-        self, *, label: int, stage: int, size: int, device: str, followers: Sequence[Any] = ()
+        self,
+        *,
+        label: int,
+        stage: int,
+        size: int,
+        device: str,
+        followers: Sequence[Any] = (),
+        expert_layout: str = "leader",
     ) -> None:
         logs.configure_rank()
         allocator.tune()
@@ -60,6 +67,7 @@ class StageActor:
             label=label,
             followers=tensor,
             tensor_size=1 + len(followers),
+            expert_layout=expert_layout,
         )
 
     def promote(self) -> None:

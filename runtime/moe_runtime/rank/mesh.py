@@ -19,7 +19,11 @@ collectives); in each MoE layer every TP rank routes every row and dispatches ro
   retained or was handed are kept; what no peer held (a lost rank's only copy) it reads
   from the model source, ahead of the switch (`prefetch`) or, failing that, in the step.
 
-Not done yet (docs/TENSOR-PARALLEL.md): the pipeline stages (P > 1) in this layout.
+At pipeline-parallel size P > 1 each stage is such a mesh of its own: stage s's TP leader
+(stage 0: the DP rank's leader; stage s > 0: `stage_worker.StageWorker`) holds part 0 of its
+DP rank's slots of the stage's MoE layers, its followers the other parts, over the stage's
+mesh group (`mesh_spec` of the stage group's rendezvous); the followers see only the stage's
+rows of a placement (`MeshParts.restrict`, `MeshExperts.first`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,7 +67,9 @@ def mesh_spec(spec: group_mod.GroupSpec, size: int) -> group_mod.GroupSpec:
     world = spec.world_size * size
     if spec.store_path is not None:
         return dataclasses.replace(spec, store_path=f"{spec.store_path}.mesh", world_size=world)
-    return dataclasses.replace(spec, namespace="mesh/", hosted=False, world_size=world)
+    # after the stage's own prefix (`pipeline_group.stage_spec`): one mesh group per stage
+    namespace = f"{spec.namespace}mesh/"
+    return dataclasses.replace(spec, namespace=namespace, hosted=False, world_size=world)
 
 
 def member(rank: int, num_ranks: int, size: int, part: int = 0) -> tuple[int, int]:
@@ -82,13 +88,27 @@ def check_slots(num_physical: int, num_ranks: int, size: int) -> None:
 
 class MeshParts:
     """The leader's side of its followers' parts of the routed experts (module docstring):
-    `followers` as `tensor_group.Followers` (TP ranks 1..T-1, in order), `size` T."""
+    `followers` as `tensor_group.Followers` (TP ranks 1..T-1, in order), `size` T.
+    `restrict`: the rows of a placement the followers hold (stage 0's MoE layers on a leader
+    at P > 1, `pipeline_group.stage_placement`; None: every row), applied to every placement
+    they are sent."""
 
-    def __init__(self, followers: Any, *, size: int) -> None:
+    def __init__(
+        self,
+        followers: Any,
+        *,
+        size: int,
+        restrict: Callable[[policy.Placement], policy.Placement] | None = None,
+    ) -> None:
         self.followers = followers
         self.size = size
+        self.restrict = restrict
         self._prefetch_reads = 0
         self._reads_lock = threading.Lock()
+
+    def view(self, placement: policy.Placement) -> policy.Placement:
+        """`placement` as the followers hold it (`restrict`)."""
+        return placement if self.restrict is None else self.restrict(placement)
 
     def member(self, rank: int | None, num_ranks: int | None) -> tuple[int | None, int | None]:
         """The (member, members) a leader's own slots are counted as: its part 0."""
@@ -99,16 +119,18 @@ class MeshParts:
     def _wait(self, pending: Any, timeout: float = LOAD_TIMEOUT_S) -> list[Any]:
         return list(self.followers.wait(pending, timeout))
 
-    def join(self, groups: Any, spec: group_mod.GroupSpec, rank: int) -> None:
-        """The leader joined its step group of `spec.epoch` as `rank` (`groups`: its
-        `groups.RankGroups`): it and its followers join the mesh group beside it, the leader
-        as member rank x T (blocks until every member joined)."""
+    def join(
+        self,
+        spec: group_mod.GroupSpec,
+        rank: int,
+        own: Callable[[group_mod.GroupSpec, int], None],
+    ) -> None:
+        """The leader joined its step group of `spec.epoch` as `rank` (a stage's leader: its
+        stage group): it and its followers join the mesh group beside it, the leader as
+        member rank x T through `own(mesh spec, member)` (blocks until every member joined)."""
         joining = self.followers.send("join_mesh", spec, rank)
         try:
-            groups.join_group(
-                mesh_spec(spec, self.size), rank * self.size, role=ROLE,
-                group_timeout=GROUP_TIMEOUT_S,
-            )  # fmt: skip
+            own(mesh_spec(spec, self.size), rank * self.size)
         except BaseException:
             self.abort_join(spec.epoch)  # its followers wait for no leader (health lane)
             try:
@@ -137,7 +159,7 @@ class MeshParts:
 
     def lacks(self, placement: policy.Placement, *, rank: int, num_ranks: int) -> list[Key]:
         """The experts the followers' parts of DP rank `rank` under `placement` lack."""
-        pending = self.followers.send("lacks", placement, rank, num_ranks)
+        pending = self.followers.send("lacks", self.view(placement), rank, num_ranks)
         return sorted({(int(a), int(b)) for part in self._wait(pending) for a, b in part})
 
     def prefetch(
@@ -151,7 +173,8 @@ class MeshParts:
         """Every follower starts keeping the experts of its part for DP rank `rank` of
         `num_ranks` under `placement`, from `provided` or read where it lacks them; a handle
         for `finish_prefetch`."""
-        return self.followers.send("prefetch", placement, rank, num_ranks, provided or {})
+        view = self.view(placement)
+        return self.followers.send("prefetch", view, rank, num_ranks, provided or {})
 
     def finish_prefetch(self, pending: Any) -> int:
         """Wait for `prefetch`; the experts the followers read from the source (counted for
@@ -178,12 +201,13 @@ def relay(
     when no one here has them), and the leader gets those of its own part 0 that only a
     follower held. Returns (the followers' prefetch, for `MeshParts.finish_prefetch`;
     `available` with those)."""
-    size = parts.size
+    size, view = parts.size, parts.view(placement)
     wanted: set[Key] = set()
     for t in range(size):
         me, members = member(rank, num_ranks, size, t)
-        for layer in range(placement.num_layers):
-            wanted.update((layer, e) for e in placement.experts_on_rank(layer, me, members))
+        placed = placement if t == 0 else view  # the leader's part: every row it holds
+        for layer in range(placed.num_layers):
+            wanted.update((layer, e) for e in placed.experts_on_rank(layer, me, members))
     lacking = set(parts.lacks(placement, rank=rank, num_ranks=num_ranks))
     missing = sorted((wanted - set(available)) | (lacking - set(available)))
     pool = {**available, **parts.held(missing)} if missing else available
@@ -193,12 +217,14 @@ def relay(
 
 
 class MeshExperts:
-    """A follower's routed experts: part `part` of its DP rank's slots (module docstring)."""
+    """A follower's routed experts: part `part` of its DP rank's slots (module docstring).
+    `first`: the model's MoE layer of a placement's row 0 (a later pipeline stage's first)."""
 
-    def __init__(self, *, part: int, size: int, device: str, where: Any) -> None:
+    def __init__(self, *, part: int, size: int, device: str, where: Any, first: int = 0) -> None:
         self.part = part
         self.size = size
         self.device = device
+        self.first = first
         self._where = where
         self.placement: policy.Placement | None = None
         self.token: Token | None = None
@@ -237,7 +263,7 @@ class MeshExperts:
         src = source_mod.open_source(self.source)
         return {
             (layer, logical): experts_mod.load_expert(
-                src, layer, logical, dtype=self.dtype, device=self.device
+                src, self.first + layer, logical, dtype=self.dtype, device=self.device
             )
             for layer, logical in sorted(keys)
         }

@@ -37,10 +37,11 @@ Nothing here knows about Ray: the leader reaches its stages through `Stages`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -163,6 +164,19 @@ def stage_placement(placement: policy.Placement, stage: pipeline.PipelineStage) 
     return policy.Placement.from_phy2log(
         placement.phy2log[first:stop].clone(), int(placement.logcnt.shape[1])
     )
+
+
+def stage_view(
+    stage: pipeline.PipelineStage | None,
+) -> Callable[[policy.Placement], policy.Placement] | None:
+    """`stage_placement` of `stage` as a function of the placement (None: no stages)."""
+    if stage is None:
+        return None
+    return functools.partial(_stage_rows, stage=stage)
+
+
+def _stage_rows(placement: policy.Placement, *, stage: pipeline.PipelineStage) -> policy.Placement:
+    return stage_placement(placement, stage)
 
 
 class PipelineLeader:
@@ -319,17 +333,23 @@ class PipelineLeader:
         `parts` (each micro-batch is one round of every stage's expert collectives: an empty
         one still joins them); `micro_batches` derives it from what all of them see.
         `tensor`: stage 0's TP group (T > 1), its followers sent each micro-batch that has
-        tokens (`TensorLeader.begin`/`end` around the leader's forward pass of it)."""
+        tokens (`TensorLeader.begin`/`end` around the leader's forward pass of it; in the
+        mesh expert layout every micro-batch, with the live token)."""
         self.check()
         self.step_reads = 0
         frees, self._frees = self._frees, []
         live: Live = (token, None if token == self._sent else placement)
         pieces = split(batch, parts)
         pending: list[Any] = []
+        # in the mesh layout stage 0's followers follow the live token with stage 0's rows
+        mesh = tensor is not None and tensor.mesh
+        theirs = (token, stage_placement(placement, model.pp)) if mesh else None
         try:
             for piece in pieces:
-                leading = tensor if piece.seq_ids else None  # no token: no TP collective
-                following = None if leading is None else leading.begin(model, piece)
+                # no token: no TP collective (in the mesh layout the followers join every
+                # micro-batch's expert collectives)
+                leading = tensor if piece.seq_ids or mesh else None
+                following = None if leading is None else leading.begin(model, piece, live=theirs)
                 try:
                     hidden = model.forward(piece, kv, experts, expert_load=expert_load)
                 except Exception as exc:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from moe_runtime.comm import ep
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import moves as moves_mod
 from moe_runtime.eplb import policy
@@ -21,14 +20,14 @@ from moe_runtime.model import decoder, pipeline
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
-from moe_runtime.rank import retention, tensor_group
+from moe_runtime.model import tensor_parallel as tp_mod
+from moe_runtime.rank import mesh as mesh_mod
+from moe_runtime.rank import retention, stage_groups, tensor_group
 from moe_runtime.rank import staging as staging_mod
 from moe_runtime.rank.pipeline_group import (
-    GROUP_TIMEOUT_S,
     Live,
     Token,
     stage_placement,
-    stage_spec,
 )
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,9 @@ class StageWorker:
     over its stage group. At tensor-parallel size T > 1 it is TP rank 0 of its stage and leads
     the stage's TP followers (`followers`, `tensor_group.TensorLeader`): they hold their
     shards of its layers and run each of its forward passes with it; its routed experts stay
-    here (as on stage 0's leader)."""
+    here (as on stage 0's leader), or in the mesh expert layout (`expert_layout`, `rank.mesh`)
+    it holds part 0 of its DP rank's slots of the stage's MoE layers and its followers the
+    others, over the stage's mesh group (`parts`)."""
 
     def __init__(
         self,
@@ -50,21 +51,30 @@ class StageWorker:
         label: int | None = None,
         followers: tensor_group.Followers | None = None,
         tensor_size: int = 1,
+        expert_layout: str = tp_mod.LEADER,
     ) -> None:
         self.stage_index = stage
         self.size = size
         self.device = device
         self.label = label
         self.tensor: tensor_group.TensorLeader | None = None
+        #: the mesh expert layout's followers' parts (None: the experts are all here)
+        self.parts: mesh_mod.MeshParts | None = None
         if tensor_size > 1:
             if followers is None:
                 raise ValueError(f"tensor_size {tensor_size} needs the stage's TP followers")
-            self.tensor = tensor_group.TensorLeader(followers, size=tensor_size, device=device)
+            self.tensor = tensor_group.TensorLeader(
+                followers, size=tensor_size, device=device, expert_layout=expert_layout
+            )
+            if self.tensor.mesh:
+                self.parts = mesh_mod.MeshParts(followers, size=tensor_size)
+        elif expert_layout == tp_mod.MESH:
+            raise ValueError("the mesh expert layout needs tensor_size > 1")
         self.model: decoder.MoEModel | None = None
         self.kv: kv_mod.KVCache | None = None
         self.stage: pipeline.PipelineStage | None = None
         self.placement: policy.Placement | None = None
-        self.rank = -1
+        self.rank, self.num_ranks = -1, 0
         self.experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         self.source: str | None = None
         self.dtype = torch.float32
@@ -90,37 +100,26 @@ class StageWorker:
         self.prefetched = 0
         #: experts read from the model source for a future placement (`prestage`)
         self.prestaged_reads = 0
-        self._stepped: list[int] = []  # the epochs stepped, latest last
-        #: stage groups by epoch (joined with the leaders' step groups) and their backends
-        self.groups: dict[int, group_mod.StatelessGroup] = {}
-        #: stage transfer groups by epoch (joined with the leaders' transfer groups): expert
-        #: moves between the same stage of the DP ranks (`prefetch`), never beside a step's
-        #: collectives on one group
-        self.transfer_groups: dict[int, group_mod.StatelessGroup] = {}
-        self._backends: dict[int, experts_mod.ExpertBackend] = {}
-        #: epochs whose joins were called off (`abort_join`; epochs are never reused)
-        self._aborted_joins: set[int] = set()
+        #: its groups by epoch, joined with the leaders' (`stage_groups.StageGroups`)
+        self.groups = stage_groups.StageGroups(stage, self.where, self.parts)
         self.steps = 0
 
     def where(self) -> str:
-        epochs = sorted(self.groups)
+        epochs = self.groups.epochs()
         return f"rank label={self.label} pp={self.stage_index}/{self.size} epochs={epochs}"
+
+    def _member(self, rank: int, num_ranks: int) -> tuple[int, int]:
+        """The (member, members) this stage's own slots are counted as (`rank.mesh`)."""
+        if self.parts is None:
+            return rank, num_ranks
+        return mesh_mod.member(rank, num_ranks, self.parts.size)
 
     def join(self, spec: group_mod.GroupSpec, rank: int, role: str = "step") -> None:
         """Join the stage group of `spec.epoch` derived from the leaders' `role` group ("step":
-        this stage's expert parallelism; "transfer": its expert moves, `prefetch`) as `rank`."""
-        group = group_mod.StatelessGroup(
-            stage_spec(spec, self.stage_index),
-            rank,
-            timeout=GROUP_TIMEOUT_S,
-            aborted=lambda: spec.epoch in self._aborted_joins,
-        )
-        groups = self.groups if role == "step" else self.transfer_groups
-        old = groups.pop(spec.epoch, None)
-        groups[spec.epoch] = group
-        self._backends.pop(spec.epoch, None)
-        if old is not None:
-            old.destroy()
+        this stage's expert parallelism; "transfer": its expert moves, `prefetch`) as `rank`;
+        in the mesh layout, with "step", the stage's mesh group beside it too (its followers
+        with it)."""
+        self.groups.join(spec, rank, role)
 
     def load(
         self,
@@ -137,19 +136,24 @@ class StageWorker:
         cfg = src.config
         stage = pipeline.plan(cfg, stage=self.stage_index, size=self.size)
         torch_dtype = getattr(torch, dtype)
+        local = None
+        if placement is not None and stage.num_moe_layers:
+            local = stage_placement(placement, stage)
         tp, following = None, None
         if self.tensor is not None:
-            # The stage's followers read their shards of its layers meanwhile.
-            tp, following = self.tensor.start_load(source, cfg, dtype=torch_dtype)
+            # The stage's followers read their shards of its layers (and in the mesh layout
+            # their parts of its experts) meanwhile.
+            theirs = (rank, num_ranks, local, False)
+            tp, following = self.tensor.start_load(source, cfg, dtype=torch_dtype, experts=theirs)
         model = decoder.MoEModel.from_source(
             src, dtype=torch_dtype, device=self.device, pp=stage, tp=tp
         )
         experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
-        local = None
-        if placement is not None and stage.num_moe_layers:
-            local = stage_placement(placement, stage)
+        if local is not None:
+            if self.parts is not None:
+                mesh_mod.check_slots(local.num_physical, num_ranks, self.parts.size)
             for layer in range(stage.num_moe_layers):
-                for slot in local.slots_of_rank(rank, num_ranks):
+                for slot in local.slots_of_rank(*self._member(rank, num_ranks)):
                     experts[(layer, slot)] = experts_mod.load_expert(
                         src,
                         stage.moe_layers[0] + layer,
@@ -158,7 +162,7 @@ class StageWorker:
                         device=self.device,
                     )
         self.model, self.stage, self.placement = model, stage, local
-        self.rank, self.experts = rank, experts
+        self.rank, self.num_ranks, self.experts = rank, num_ranks, experts
         self.source, self.dtype, self.token = source, torch_dtype, None
         self._retained = retention.Retained()
         self._prefetched, self._prestaged = {}, {}
@@ -167,7 +171,7 @@ class StageWorker:
         self.kv = kv_mod.KVCache(
             model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
         )
-        self._backends.clear()
+        self.groups.forget_backends()
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
         nbytes += sum(w.nbytes for w in experts.values())
         log.info(
@@ -182,32 +186,9 @@ class StageWorker:
         return nbytes
 
     def _backend(self, epoch: int) -> experts_mod.ExpertBackend:
-        """This stage's experts over its stage group of `epoch` (older epochs' groups go)."""
-        backend = self._backends.get(epoch)
-        if backend is not None:
-            return backend
-        group = self.groups.get(epoch)
-        if group is None:
-            raise RuntimeError(f"no stage group of epoch {epoch} joined ({self.where()})")
-        if epoch not in self._stepped:
-            self._stepped = [*self._stepped[-1:], epoch]
-        # Groups of epochs before the two last stepped go (a revert steps the one before).
-        for old in [e for e in self.groups if e < min(self._stepped)]:
-            self.groups.pop(old).destroy()
-            self._backends.pop(old, None)
-        for old in [e for e in self.transfer_groups if e < min(self._stepped)]:
-            self.transfer_groups.pop(old).destroy()
-        if self.placement is None:
-            backend = experts_mod.LocalExperts({})  # dense layers only: never called
-        else:
-            if group.rank != self.rank:
-                raise RuntimeError(
-                    f"stage group rank {group.rank} but experts loaded for DP rank {self.rank}: "
-                    f"pipeline stages do not follow a resize yet ({self.where()})"
-                )
-            backend = ep.ExpertParallelBackend(group, self.placement, self.experts)
-        self._backends[epoch] = backend
-        return backend
+        """This stage's experts over its group of `epoch` (`StageGroups.backend`)."""
+        member, _ = self._member(self.rank, self.num_ranks)
+        return self.groups.backend(epoch, self.placement, self.experts, member)
 
     def follow(self, token: Token, placement: policy.Placement | None) -> None:
         """Serve as the leader's live `token` says: its DP rank `token[2]` of `token[3]` under
@@ -223,7 +204,7 @@ class StageWorker:
             )
         rank, num_ranks = token[2], token[3]
         if not stage.num_moe_layers:
-            self.rank, self.token = rank, token
+            self.rank, self.num_ranks, self.token = rank, num_ranks, token
             return
         local = stage_placement(placement, stage)
         with self._lock:
@@ -232,7 +213,7 @@ class StageWorker:
         slots = {
             (layer, slot): (layer, int(local.phy2log[layer, slot]))
             for layer in range(stage.num_moe_layers)
-            for slot in local.slots_of_rank(rank, num_ranks)
+            for slot in local.slots_of_rank(*self._member(rank, num_ranks))
         }
         fetched = self._read(set(slots.values()) - set(held))
         held.update(fetched)
@@ -246,8 +227,9 @@ class StageWorker:
                 }
                 self._retained.absorb(before, {key: held[key] for key in slots.values()})
             self.placement, self.rank, self.experts, self.token = local, rank, experts, token
+            self.num_ranks = num_ranks
         self.reads_in_step += read
-        self._backends.clear()
+        self.groups.forget_backends()
         log.info(
             "pipeline stage serves %s: %d expert slots, %d read from the source (%s)",
             token,
@@ -295,8 +277,9 @@ class StageWorker:
         `epoch`, peer to peer, sending what it holds and receiving what it lacks (every
         member of the staging calls it with the same moves; rank None: a DP rank that leaves
         only sends); what no move brings (a lost rank's experts) is read from the model
-        source. Runs beside steps (the control lane); a later prefetch replaces an earlier
-        one's. Returns the experts read from the source."""
+        source. In the mesh layout the followers are then handed their parts' experts (`mesh.
+        relay`). Runs beside steps (the control lane); a later prefetch replaces an earlier
+        one's. Returns the experts read from the source (by the followers too)."""
         stage = self.stage
         if stage is None or self.source is None or not stage.num_moe_layers:
             return 0
@@ -311,26 +294,32 @@ class StageWorker:
         wanted = {
             (layer, int(local.phy2log[layer, slot]))
             for layer in range(stage.num_moe_layers)
-            for slot in local.slots_of_rank(rank, num_ranks)
+            for slot in local.slots_of_rank(*self._member(rank, num_ranks))
         }
-        fetched = self._read(wanted - set(held) - set(moved))
+        parts, available, relaying = self.parts, {**held, **moved}, None
+        if parts is not None:  # the followers' parts, and what only they held of part 0
+            relaying, available = mesh_mod.relay(parts, local, rank, num_ranks, available)
+        fetched = self._read(wanted - set(available))
+        new = {k: w for k, w in available.items() if k in wanted and k not in held}
         with self._lock:
             ahead = {**self._prestaged, **self._prefetched}
             kept = {k: w for k, w in ahead.items() if k in wanted}
-            self._prefetched = kept | {k: w for k, w in moved.items() if k in wanted} | fetched
+            self._prefetched = kept | new | fetched
         self.prefetched += len(fetched)
+        theirs = 0 if parts is None else parts.finish_prefetch(relaying)
         log.info(
             "pipeline stage prefetched %d experts for rank %d of %d in %.2fs: %d moved from "
-            "peers, %d read from the source (%s)",
+            "peers, %d read from the source, %d by its followers (%s)",
             len(moved) + len(fetched),
             rank,
             num_ranks,
             time.monotonic() - started,
             len(moved),
             len(fetched),
+            theirs,
             self.where(),
         )
-        return len(fetched)
+        return len(fetched) + theirs
 
     def _move(
         self,
@@ -345,11 +334,10 @@ class StageWorker:
         mine = [m for m in moves if first <= m.layer < stop]
         if not mine or epoch is None:
             return {}
-        group = self.transfer_groups.get(epoch)
-        if group is None:
-            raise RuntimeError(f"no stage transfer group of epoch {epoch} joined ({self.where()})")
+        if self.parts is not None:  # it sends from its followers' parts too
+            held = self.parts.with_held(held, [(m.layer - first, m.logical) for m in mine])
         _, received = staging_mod.run_moves(
-            group,
+            self.groups.transfer_group(epoch),
             mine,
             {(first + layer, logical): w for (layer, logical), w in held.items()},
             self.model,
@@ -425,7 +413,10 @@ class StageWorker:
             hidden, loads = prev["out"], list(prev["loads"])
         for seq_id in frees:
             kv.free(seq_id)
-        tensor = self.tensor if batch.seq_ids else None  # no token: no TP collective
+        # no token: no TP collective (in the mesh layout the followers join every step's
+        # expert collectives, following the live token with this stage's rows)
+        mesh = self.parts is not None
+        tensor = self.tensor if batch.seq_ids or mesh else None
         if self.tensor is not None:
             self.tensor.free(frees)
         load = torch.zeros(
@@ -435,7 +426,8 @@ class StageWorker:
         try:
             backend = self._backend(epoch)
             if tensor is not None:
-                following = tensor.begin(model, batch, hidden)
+                theirs = (live[0], self.placement) if mesh and live is not None else None
+                following = tensor.begin(model, batch, hidden, live=theirs)
             out = model.forward(
                 batch, kv, backend, hidden=hidden.to(model.device), expert_load=load
             )
@@ -456,16 +448,17 @@ class StageWorker:
         self.steps += 1
         loads.append((stage.moe_layers[0], stage.moe_layers[1], load.cpu()))
         reads = self.reads_in_step - reads_before
+        if tensor is not None and mesh:
+            reads += tensor.step_reads  # its followers' (a placement no prefetch prepared)
         return {"out": out.cpu(), "loads": loads, "reads": reads}
 
     def abort_join(self, epoch: int) -> None:
-        """Call off this stage's join of `epoch`, running or still to come (any thread)."""
-        self._aborted_joins.add(epoch)
+        """Call off this stage's joins of `epoch`, running or still to come (any thread)."""
+        self.groups.abort_join(epoch)
 
     def abort(self, reason: str) -> None:
         """Abort every stage group (and the stage's TP group) now (any thread)."""
-        for group in [*self.groups.values(), *self.transfer_groups.values()]:
-            group.abort(reason)
+        self.groups.abort(reason)
         if self.tensor is not None:
             self.tensor.abort(reason)
 
@@ -490,8 +483,4 @@ class StageWorker:
     def shutdown(self) -> None:
         if self.tensor is not None:
             self.tensor.close()
-        for group in [*self.groups.values(), *self.transfer_groups.values()]:
-            group.destroy()
-        self.groups.clear()
-        self.transfer_groups.clear()
-        self._backends.clear()
+        self.groups.destroy()

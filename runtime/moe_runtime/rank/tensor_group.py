@@ -291,8 +291,7 @@ class TensorFollower:
         #: its part of the DP rank's routed experts (the `mesh` layout), else None
         self.experts: mesh_mod.MeshExperts | None = None
         if expert_layout == tp_mod.MESH:
-            if stages > 1:
-                raise ValueError("the mesh expert layout is not served with pipeline stages yet")
+            # at P > 1: its part of its stage's MoE layers (the stage's rows of a placement)
             self.experts = mesh_mod.MeshExperts(
                 part=rank, size=size, device=device, where=self.where
             )
@@ -321,7 +320,7 @@ class TensorFollower:
     ) -> int:
         """Read this TP rank's shard of `source` (only its bytes where the checkpoint allows);
         an empty KV cache of its heads; in the mesh layout its part of DP rank `rank`'s slots
-        under `placement` too. Returns the bytes held."""
+        under `placement` too (at P > 1 its stage's rows of it). Returns the bytes held."""
         if self.group is None:
             raise RuntimeError(f"no TP group joined ({self.where()})")
         started = time.monotonic()
@@ -344,6 +343,7 @@ class TensorFollower:
         )
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
         if self.experts is not None:
+            self.experts.first = 0 if stage is None else stage.moe_layers[0]
             nbytes += self.experts.load(
                 source, torch_dtype, rank, num_ranks, placement, placeholder=placeholder
             )

@@ -34,6 +34,7 @@ group.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -175,9 +176,10 @@ class RankWorker:
             where=self.where,
             fail=self.fail,
         )
-        #: In the mesh expert layout (P = 1), the followers' parts of this DP rank's slots.
+        #: In the mesh expert layout, the followers' parts of this DP rank's slots (at P > 1
+        #: of stage 0's MoE layers: `load_weights` sets `restrict`).
         self.parts: mesh_mod.MeshParts | None = None
-        if self.tensor is not None and self.tensor.mesh and self.pipeline is None:
+        if self.tensor is not None and self.tensor.mesh:
             self.parts = mesh_mod.MeshParts(self.tensor.followers, size=self.tensor.size)
         joins = self.pipeline is not None or self.parts is not None
         self.groups = groups_mod.RankGroups(
@@ -328,10 +330,15 @@ class RankWorker:
         """The leader joined `role`'s group of `spec.epoch`: its pipeline stages join theirs
         (`PipelineLeader.join`: the step group's for their experts, the transfer group's for
         their expert moves)."""
+        if role == mesh_mod.ROLE:
+            return  # the mesh group this hook joins beside the step group (below)
         if self.pipeline is not None:
             self.pipeline.join(spec, rank, role)
         if self.parts is not None and role == groups_mod.STEP:
-            self.parts.join(self.groups, spec, rank)  # the mesh group beside it
+            own = functools.partial(
+                self.groups.join_group, role=mesh_mod.ROLE, group_timeout=mesh_mod.GROUP_TIMEOUT_S
+            )
+            self.parts.join(spec, rank, own)  # the mesh group beside it
 
     def _abort_joins(self, epoch: int) -> None:
         """The joins of `epoch` are called off: so are the stages' and the followers'."""
@@ -371,13 +378,17 @@ class RankWorker:
         if self.tensor is None:
             model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device, pp=stage)
         else:
+            theirs = placement
+            if self.parts is not None:  # at P > 1 the followers hold stage 0's rows only
+                self.parts.restrict = pipeline_mod.stage_view(stage)
+                theirs = None if placement is None else self.parts.view(placement)
             # The followers read their shards from the source meanwhile (`tensor_group`).
             model, shard, following = self.tensor.model(
                 source,
                 cfg,
                 dtype=self.dtype,
                 pp=stage,
-                experts=(rank, num_ranks, placement, placeholder),
+                experts=(rank, num_ranks, theirs, placeholder),
             )
         # what this rank holds of each non-expert tensor (None: all of it)
         held = pipeline.parts(cfg, stage=stage, shard=shard)

@@ -72,7 +72,7 @@ CASES = [
     pytest.param(variant("spec.tensorParallelSize", 9), "spec.tensorParallelSize", id="tp-above-8"),
     pytest.param(
         variant("spec.expertLayout", "mesh"),
-        "expertLayout mesh needs tensorParallelSize > 1 and pipelineParallelSize 1",
+        "expertLayout mesh needs tensorParallelSize > 1",
         id="mesh-at-tp1",
     ),
     pytest.param(variant("spec.expertLayout", "rows"), "spec.expertLayout", id="layout-unknown"),
@@ -244,10 +244,11 @@ def test_invalid_spec_is_refused(
             "limits": {"nvidia.com/gpu": 4}}}},
         {"pipelineParallelSize": 2, "expertParallel": {"eplb": {"enabled": False}},
          "elastic": {"warmSpareRanks": 1}},
+        {"tensorParallelSize": 2, "pipelineParallelSize": 2, "expertLayout": "mesh"},
     ],
     ids=["tp2-cpu", "tp8-gpu", "gpu-count-given", "cpu-cores-enough", "no-cpu-given",
          "tp1-half-a-core", "pp2-eplb-on", "pp4-gpu-count-given", "tp2-pp2-gpu-count-given",
-         "pp2-warm-spare"],
+         "pp2-warm-spare", "tp2-pp2-mesh-layout"],
 )  # fmt: skip
 def test_a_mesh_the_worker_pod_holds_is_accepted(
     control_plane: cluster.ControlPlane, spec: dict[str, Any]
