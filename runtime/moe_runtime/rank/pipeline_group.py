@@ -170,13 +170,7 @@ def stage_view(
     stage: pipeline.PipelineStage | None,
 ) -> Callable[[policy.Placement], policy.Placement] | None:
     """`stage_placement` of `stage` as a function of the placement (None: no stages)."""
-    if stage is None:
-        return None
-    return functools.partial(_stage_rows, stage=stage)
-
-
-def _stage_rows(placement: policy.Placement, *, stage: pipeline.PipelineStage) -> policy.Placement:
-    return stage_placement(placement, stage)
+    return None if stage is None else functools.partial(stage_placement, stage=stage)
 
 
 class PipelineLeader:
@@ -201,6 +195,9 @@ class PipelineLeader:
         self._lost: str | None = None
         #: The live token every stage has followed (None: send the placement with the next).
         self._sent: Token | None = None
+        #: In the mesh layout: the live token and stage 0's rows of its placement, which stage
+        #: 0's followers follow (made again only when the token changes)
+        self._theirs: Live | None = None
         #: Experts the stages read from the model source in the last step (`StageWorker.
         #: follow`: what no `prefetch` brought), over all stages.
         self.step_reads = 0
@@ -223,7 +220,7 @@ class PipelineLeader:
     ) -> Any:
         """The stages' load of `source` started (a handle for `finish_load`)."""
         self._frees = []
-        self._sent = None
+        self._sent, self._theirs = None, None
         return self.stages.send(
             "load", source, str(dtype).removeprefix("torch."), rank, num_ranks, placement
         )
@@ -343,7 +340,9 @@ class PipelineLeader:
         pending: list[Any] = []
         # in the mesh layout stage 0's followers follow the live token with stage 0's rows
         mesh = tensor is not None and tensor.mesh
-        theirs = (token, stage_placement(placement, model.pp)) if mesh else None
+        if mesh and (self._theirs is None or self._theirs[0] != token):
+            self._theirs = (token, stage_placement(placement, model.pp))
+        theirs = self._theirs if mesh else None
         try:
             for piece in pieces:
                 # no token: no TP collective (in the mesh layout the followers join every
