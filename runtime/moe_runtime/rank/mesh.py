@@ -110,6 +110,10 @@ class MeshParts:
         """`placement` as the followers hold it (`restrict`)."""
         return placement if self.restrict is None else self.restrict(placement)
 
+    def rows(self, placement: policy.Placement | None) -> policy.Placement | None:
+        """`view` of a placement that may be None (a load without one)."""
+        return None if placement is None else self.view(placement)
+
     def member(self, rank: int | None, num_ranks: int | None) -> tuple[int | None, int | None]:
         """The (member, members) a leader's own slots are counted as: its part 0."""
         if rank is None or num_ranks is None:

@@ -5,15 +5,13 @@ or in this process (`LocalExecutor`); nothing here knows about Ray. It holds:
 
 - `loaded` (`loaded.LoadedModel`): the non-expert weights (`MixtralModel`) and a `KVCache` of
   its own sequences (attention is data-parallel: a sequence lives on one rank);
-- `groups` (`groups.RankGroups`): communication groups keyed by (epoch, role): the *step*
-  group is used only by `execute_step` collectives (expert dispatch/combine); the *transfer*
-  group only by background weight moves, so a transfer never interleaves with step
-  collectives on one gloo group;
-- `slots` (`slots.ExpertSlots`): its physical expert slots (`ExpertWeights` per (layer, local
-  slot), where local slot ``s`` of rank ``r`` of ``N`` is global slot ``r * P/N + s`` of the
-  current `Placement`), the *staged* set that becomes live at a step boundary
-  (`StepInput.control["expert_epoch"]`) or at `activate`, the *previous* live state kept until
-  `retire_previous` (so `revert` can undo a switch or an EPLB commit), pre-staged and retained
+- `groups` (`groups.RankGroups`): groups by (epoch, role): *step* (only the step's expert
+  collectives), *transfer* (only background weight moves: never interleaved with a step's
+  collectives on one gloo group) and, in the mesh expert layout, *mesh*;
+- `slots` (`slots.ExpertSlots`): its expert slots (local slot ``s`` of rank ``r`` of ``N`` is
+  global slot ``r * P/N + s`` of the `Placement`), the *staged* set (live at a step boundary,
+  `StepInput.control["expert_epoch"]`, or at `activate`), the *previous* live state until
+  `retire_previous` (for `revert` of a switch or an EPLB commit), pre-staged and retained
   experts;
 - `stepper` (`stepper.Stepper`): the step itself;
 - `hooks` (`hooks.Hooks`, optional): what tests install to make operations fail or hang.
@@ -25,11 +23,10 @@ Every change of the live slots is all-or-nothing across ranks: `activate` runs o
 between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
 is voted on first (a min all-reduce over the step group: every rank commits, or none does).
 
-Threads: the executor calls `execute_step` from one thread (a second one only after a failed
-step, and a lock keeps their steps apart) and control methods (`join_group`,
-`transfer_non_expert`, `stage_experts`) from another (Ray's "ctl" concurrency group), so they
-overlap. The parts share only lock-protected state; a control call never uses the active step
-group.
+Threads: `execute_step` comes from one thread (a second only after a failed step; a lock
+keeps their steps apart), control methods (`join_group`, `transfer_non_expert`,
+`stage_experts`) from another (Ray's "ctl" concurrency group), so they overlap; the parts
+share only lock-protected state, and a control call never uses the active step group.
 """
 
 from __future__ import annotations
@@ -176,8 +173,7 @@ class RankWorker:
             where=self.where,
             fail=self.fail,
         )
-        #: In the mesh expert layout, the followers' parts of this DP rank's slots (at P > 1
-        #: of stage 0's MoE layers: `load_weights` sets `restrict`).
+        #: The mesh layout's followers' parts of its slots (P > 1: `load_weights` restricts).
         self.parts: mesh_mod.MeshParts | None = None
         if self.tensor is not None and self.tensor.mesh:
             self.parts = mesh_mod.MeshParts(self.tensor.followers, size=self.tensor.size)
@@ -330,9 +326,7 @@ class RankWorker:
         """The leader joined `role`'s group of `spec.epoch`: its pipeline stages join theirs
         (`PipelineLeader.join`: the step group's for their experts, the transfer group's for
         their expert moves)."""
-        if role == mesh_mod.ROLE:
-            return  # the mesh group this hook joins beside the step group (below)
-        if self.pipeline is not None:
+        if self.pipeline is not None and role != mesh_mod.ROLE:  # not the leader's own mesh
             self.pipeline.join(spec, rank, role)
         if self.parts is not None and role == groups_mod.STEP:
             own = functools.partial(
@@ -377,12 +371,10 @@ class RankWorker:
             )
         if self.tensor is None:
             model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device, pp=stage)
-        else:
-            theirs = placement
+        else:  # the followers read their shards meanwhile (`tensor_group`), and their parts
             if self.parts is not None:  # at P > 1 the followers hold stage 0's rows only
                 self.parts.restrict = pipeline_mod.stage_view(stage)
-                theirs = None if placement is None else self.parts.view(placement)
-            # The followers read their shards from the source meanwhile (`tensor_group`).
+            theirs = placement if self.parts is None else self.parts.rows(placement)
             model, shard, following = self.tensor.model(
                 source,
                 cfg,
