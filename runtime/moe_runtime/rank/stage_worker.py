@@ -334,10 +334,12 @@ class StageWorker:
         mine = [m for m in moves if first <= m.layer < stop]
         if not mine or epoch is None:
             return {}
+        group = self.groups.transfer_group(epoch)
         if self.parts is not None:  # it sends from its followers' parts too
-            held = self.parts.with_held(held, [(m.layer - first, m.logical) for m in mine])
+            sent = [(m.layer - first, m.logical) for m in mine if m.src_rank == group.rank]
+            held = self.parts.with_held(held, sent)
         _, received = staging_mod.run_moves(
-            self.groups.transfer_group(epoch),
+            group,
             mine,
             {(first + layer, logical): w for (layer, logical), w in held.items()},
             self.model,
