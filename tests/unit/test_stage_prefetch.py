@@ -272,3 +272,55 @@ def test_a_stage_retains_what_earlier_placements_served_as_its_leader_does(
     stage.follow((4, 4, 1, 2), two)
     assert stage.reads_in_step == 0
     _assert_holds_source_experts(stage, model_dir)
+
+
+def test_a_new_ranks_stages_get_their_non_expert_tensors_from_their_peers(
+    model_dir: pathlib.Path,
+) -> None:
+    """A grow's new DP rank at P = 2 loads placeholders (`weight_source` peer): its stage
+    holds zeros, not the source's tensors; the leaders' non-expert transfer runs the
+    stages' too (`RankGroups.transfer_non_expert`'s hook), each over its own transfer group,
+    so the new rank's stage then holds its serving peer's tensors, and the bytes received
+    count the stage's."""
+    src = source_mod.open_source(str(model_dir))
+    stages = [stage_worker.StageWorker(stage=1, size=2, device="cpu") for _ in range(2)]
+    leaders = [
+        worker.RankWorker(
+            device="cpu", dtype="float32", pipeline=_InProcessStages([st]), pipeline_size=2
+        )
+        for st in stages
+    ]
+    one = policy.identity(src.config.num_moe_layers, EXPERTS, EXPERTS, 1)
+    leaders[0].load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
+    leaders[1].load_weights(
+        source=str(model_dir), rank=1, num_ranks=2, placement=None, placeholder=True
+    )
+    serving, new = (st.model for st in stages)
+    assert serving is not None and new is not None
+    want = serving.non_expert_state()
+    assert want and all(not t.any() for t in new.non_expert_state().values())
+    stage_bytes = sum(t.numel() * t.element_size() for t in want.values())
+    spec = group_mod.GroupSpec.local(2, epoch=6)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        joins = [
+            pool.submit(lead.groups.join_group, spec, r, role=groups_mod.TRANSFER)
+            for r, lead in enumerate(leaders)
+        ]
+        [j.result() for j in joins]
+        received = list(
+            pool.map(
+                lambda lead: lead.groups.transfer_non_expert(6, src_ranks=[0], dst_ranks=[1]),
+                leaders,
+            )
+        )
+    got = new.non_expert_state()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    _, leader_model = leaders[1].loaded.require("test")
+    _, serving_leader = leaders[0].loaded.require("test")
+    leader_state = serving_leader.non_expert_state()
+    leader_bytes = sum(t.numel() * t.element_size() for t in leader_state.values())
+    assert all(torch.equal(leader_model.non_expert_state()[n], t) for n, t in leader_state.items())
+    assert received == [0, leader_bytes + stage_bytes]
+    for st in stages:
+        st.shutdown()

@@ -6,7 +6,7 @@
   (`ray_tensor.FollowerActor`, bundles s x T + 1 .. s x T + T - 1). Three lanes: the default one (load, steps, in
   the order the leader sent them), `CTL_LANE` (joins of stage groups: a join waits for the
   other DP ranks' stages and must not hold the steps; expert reads ahead of a placement
-  change: prefetch, pre-staging) and `HEALTH_LANE` (pings, aborts).
+  change: prefetch, pre-staging; a new DP rank's non-expert tensors from its peers) and `HEALTH_LANE` (pings, aborts).
 - `RayStages`: the leader's `pipeline_group.Stages` over their handles
   (`ray_tensor.RayFollowers`' waits and pings, naming "pipeline stage s"); a step is a chain
   of calls, each stage's given the previous one's result by reference (Ray passes the hidden
@@ -31,7 +31,7 @@ CTL_LANE = ray_tensor.CTL_LANE
 HEALTH_LANE = ray_tensor.HEALTH_LANE
 _METHODS = ("join", "load", "step", "shutdown")
 #: methods run on `CTL_LANE`, beside the steps
-CTL_METHODS = ("join", "prefetch", "prestage", "drop_prestaged")
+CTL_METHODS = ("join", "prefetch", "prestage", "drop_prestaged", "transfer_non_expert")
 
 
 class StageActor:
@@ -103,6 +103,9 @@ class StageActor:
 
     def drop_prestaged(self, *args: Any) -> int:
         return self.worker.drop_prestaged(*args)
+
+    def transfer_non_expert(self, *args: Any) -> int:
+        return self.worker.transfer_non_expert(*args)
 
     def ping(self) -> dict[str, Any]:
         return self.worker.ping()

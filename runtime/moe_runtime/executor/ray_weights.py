@@ -4,8 +4,9 @@
 Between ranks of one Ray node (CPU) the weights go through Ray's object store (`ray_transfer`:
 shared memory, one copy in and one out); the other expert moves go over the transfer group in
 the same call of each member (`RankActor.stage_experts_shared`); a non-expert transfer whose
-receivers have no sender on their node is left to the transfer group (`non_expert` answers
-None).
+receivers have no sender on their node, or whose DP ranks have pipeline stages (each
+stage's tensors go over its stage's transfer group, `RankGroups.transfer_non_expert`), is
+left to the transfer group (`non_expert` answers None).
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ class SharedMemory:
         senders = [members[i] for i in transfer.src_ranks]
         receivers = [members[i] for i in transfer.dst_ranks]
         local = {r: next((s for s in senders if nodes[s] == nodes[r]), None) for r in receivers}
-        if not self.enabled or any(s is None for s in local.values()):
-            return None  # the transfer group carries it
+        if not self.enabled or self.pipelined or any(s is None for s in local.values()):
+            return None  # the transfer group carries it (and the stages' over theirs)
         lane = {"concurrency_group": ray_actor.CTL_LANE}
         exports = {
             s: actors[s].export_non_expert.options(**lane).remote()

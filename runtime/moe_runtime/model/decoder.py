@@ -166,6 +166,15 @@ class MoEModel:
         if self.tp is not None:
             self.tp.take(self._layers, self._global)
 
+    def load_placeholder(self) -> None:
+        """Zeros for every non-expert weight: a rank (or pipeline stage) whose weights will
+        come from its peers (`staging.exchange_non_expert`)."""
+        held = pipeline.parts(
+            self.config, stage=self.pp, shard=None if self.tp is None else self.tp.shard
+        )
+        shapes = {n: pipeline.shape(self.config, n, part) for n, part in held.items()}
+        self.load_non_expert({n: torch.zeros(s, dtype=self.dtype) for n, s in shapes.items()})
+
     def non_expert_state(self) -> dict[str, torch.Tensor]:
         """The non-expert weights by name (the tensors themselves: do not modify them)."""
         self._require_loaded()

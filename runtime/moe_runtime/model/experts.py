@@ -335,6 +335,22 @@ def load_expert(
     )
 
 
+def load_experts(
+    source: source_mod.ModelSource,
+    keys: Iterable[tuple[int, int]],
+    *,
+    first: int = 0,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[tuple[int, int], ExpertWeights]:
+    """The experts `keys` ((MoE layer - `first`, logical): a pipeline stage's local MoE
+    layers from its first) read from a source, by key."""
+    return {
+        (layer, logical): load_expert(source, first + layer, logical, dtype=dtype, device=device)
+        for layer, logical in sorted(keys)
+    }
+
+
 class LocalExperts:
     """An ExpertBackend over experts held in this process, keyed by (MoE layer, logical id)."""
 

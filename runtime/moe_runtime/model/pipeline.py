@@ -169,10 +169,7 @@ def local_experts(
 ) -> experts_mod.LocalExperts:
     """Every routed expert of this stage's MoE layers, read from `src`, keyed by local MoE
     layer (what a stage's `MoEModel` calls its backend with)."""
-    m0 = stage.moe_layers[0]
+    first = stage.moe_layers[0]
     return experts_mod.LocalExperts(
-        {
-            (m, e): experts_mod.load_expert(src, m0 + m, e, dtype=dtype, device=device)
-            for m, e in stage.experts()
-        }
+        experts_mod.load_experts(src, stage.experts(), first=first, dtype=dtype, device=device)
     )

@@ -47,6 +47,8 @@ class RankGroups:
         *,
         on_join: Callable[[group_mod.GroupSpec, int, str], None] | None = None,
         on_abort_join: Callable[[int], None] | None = None,
+        on_non_expert: Callable[[int, Sequence[int], Sequence[int]], Callable[[], int]]
+        | None = None,
     ) -> None:
         self._ctx = ctx
         #: called after each successful join with (spec, rank, role): a pipeline leader's
@@ -55,6 +57,9 @@ class RankGroups:
         #: called with the epoch when its joins are called off: a pipeline leader's stages
         #: call off theirs (a stage waiting for a member that died ends at once)
         self._on_abort_join = on_abort_join
+        #: called with (epoch, src_ranks, dst_ranks) at a non-expert transfer: a pipeline
+        #: leader's stages start theirs (`PipelineLeader.transfer_non_expert`; the wait for it)
+        self._on_non_expert = on_non_expert
         self._lock = threading.Lock()
         self._groups: dict[Key, group_mod.StatelessGroup] = {}
         self._group_ranks: dict[Key, int] = {}
@@ -209,12 +214,19 @@ class RankGroups:
         Peer to peer: receivers are spread over senders (`staging.senders_for`: the first
         ``len(dst) % len(src)`` senders get one extra), each sender sends its whole state as one
         flat buffer to each of its receivers at once. Ranks are ranks of that group; members
-        that neither send nor receive return at once. Returns the bytes this rank received.
+        that neither send nor receive return at once. A pipeline leader's stages run theirs
+        meanwhile, over their own transfer groups (`on_non_expert`). Returns the bytes this
+        rank received (its stages' included).
         """
         _, model = self._ctx.loaded.require(self._ctx.where())
         grp, me = self.group(epoch, TRANSFER)
         started = time.monotonic()
-        tag = 1_000_000 + epoch  # apart from expert-move tags (move indices)
+        stages = (
+            None
+            if self._on_non_expert is None
+            else self._on_non_expert(epoch, src_ranks, dst_ranks)
+        )
+        tag = staging_mod.NON_EXPERT_TAG + epoch
         sent_to, received = staging_mod.exchange_non_expert(
             grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self._ctx.dtype
         )
@@ -226,6 +238,8 @@ class RankGroups:
             time.monotonic() - started,
             self._ctx.where(),
         )
+        if stages is not None:
+            received += stages()
         self._ctx.check("transfer_non_expert")
         return received
 

@@ -265,12 +265,9 @@ class MeshExperts:
             return {}
         assert self.source is not None
         src = source_mod.open_source(self.source)
-        return {
-            (layer, logical): experts_mod.load_expert(
-                src, self.first + layer, logical, dtype=self.dtype, device=self.device
-            )
-            for layer, logical in sorted(keys)
-        }
+        return experts_mod.load_experts(
+            src, keys, first=self.first, dtype=self.dtype, device=self.device
+        )
 
     def _held(self) -> Experts:
         held = dict(self._retained.experts)

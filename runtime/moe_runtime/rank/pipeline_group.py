@@ -217,16 +217,26 @@ class PipelineLeader:
         rank: int,
         num_ranks: int,
         placement: policy.Placement | None,
+        placeholder: bool = False,
     ) -> Any:
-        """The stages' load of `source` started (a handle for `finish_load`)."""
+        """The stages' load of `source` started (a handle for `finish_load`); placeholder:
+        zeros for their non-expert tensors (`transfer_non_expert` brings them)."""
         self._frees = []
         self._sent, self._theirs = None, None
-        return self.stages.send(
-            "load", source, str(dtype).removeprefix("torch."), rank, num_ranks, placement
-        )
+        dtype_name = str(dtype).removeprefix("torch.")
+        return self.stages.send("load", source, dtype_name, rank, num_ranks, placement, placeholder)
 
     def finish_load(self, pending: Any) -> None:
         self._wait(pending, LOAD_TIMEOUT_S)
+
+    def transfer_non_expert(
+        self, epoch: int, src_ranks: Sequence[int], dst_ranks: Sequence[int]
+    ) -> Callable[[], int]:
+        """Every stage starts its part of the leaders' non-expert transfer of `epoch`
+        (`StageWorker.transfer_non_expert`, beside the steps); returns the wait for it (the
+        bytes the stages received)."""
+        pending = self.stages.send("transfer_non_expert", epoch, list(src_ranks), list(dst_ranks))
+        return lambda: sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
 
     def prefetch(
         self,

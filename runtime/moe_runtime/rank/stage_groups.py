@@ -1,7 +1,7 @@
 """A pipeline stage's communication groups by epoch (`StageGroups`, a part of
 `stage_worker.StageWorker`): its stage group (the experts' collectives of its MoE layers, or in
-the mesh expert layout its mesh group beside it), its transfer group (expert moves), and the
-expert backend over the group of each epoch. Joined whenever the leaders join theirs
+the mesh expert layout its mesh group beside it), its transfer group (expert moves, a new DP
+rank's non-expert tensors), and the expert backend over the group of each epoch. Joined whenever the leaders join theirs
 (`pipeline_group.PipelineLeader.join`); the leader's side of its own: `groups.RankGroups`."""
 
 from __future__ import annotations
@@ -9,14 +9,16 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from moe_runtime.comm import ep
 from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
+from moe_runtime.model import decoder
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.rank import mesh as mesh_mod
+from moe_runtime.rank import staging as staging_mod
 from moe_runtime.rank.pipeline_group import GROUP_TIMEOUT_S, stage_spec
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,38 @@ class StageGroups:
     def forget_backends(self) -> None:
         """The experts changed: each epoch's backend is made again at its next step."""
         self._backends.clear()
+
+    def transfer_non_expert(
+        self,
+        epoch: int,
+        model: decoder.MoEModel,
+        src_ranks: Sequence[int],
+        dst_ranks: Sequence[int],
+    ) -> int:
+        """The stage's non-expert tensors (`model`'s) from the same stage of `src_ranks` to
+        that of `dst_ranks` over its transfer group of `epoch` (ranks of its leaders' group:
+        `RankGroups.transfer_non_expert`, whose leaders run theirs meanwhile). Returns the
+        bytes received."""
+        grp = self.transfer_group(epoch)
+        started = time.monotonic()
+        sent_to, received = staging_mod.exchange_non_expert(
+            grp,
+            grp.rank,
+            model,
+            src_ranks=src_ranks,
+            dst_ranks=dst_ranks,
+            tag=staging_mod.NON_EXPERT_TAG + epoch,
+            dtype=model.dtype,
+        )
+        log.info(
+            "pipeline stage non-expert transfer epoch %d: sent to %s, received %d B in %.2fs (%s)",
+            epoch,
+            sent_to,
+            received,
+            time.monotonic() - started,
+            self._where(),
+        )
+        return received
 
     def transfer_group(self, epoch: int) -> group_mod.StatelessGroup:
         group = self.transfer.get(epoch)

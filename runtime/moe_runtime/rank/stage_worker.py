@@ -128,9 +128,13 @@ class StageWorker:
         rank: int,
         num_ranks: int,
         placement: policy.Placement | None,
+        placeholder: bool = False,
     ) -> int:
         """Read this stage's tensors and its routed experts of DP rank `rank` of `num_ranks`
-        under `placement`; an empty KV cache of its layers. Returns the bytes held."""
+        under `placement`; an empty KV cache of its layers. Returns the bytes held.
+        placeholder: zeros for its own non-expert tensors instead (a new DP rank's stage, which
+        receives them from its peers' stages: `transfer_non_expert`); its TP followers still
+        read their shards."""
         started = time.monotonic()
         src = source_mod.open_source(source)
         cfg = src.config
@@ -145,22 +149,23 @@ class StageWorker:
             # their parts of its experts) meanwhile.
             theirs = (rank, num_ranks, local, False)
             tp, following = self.tensor.start_load(source, cfg, dtype=torch_dtype, experts=theirs)
-        model = decoder.MoEModel.from_source(
-            src, dtype=torch_dtype, device=self.device, pp=stage, tp=tp
-        )
+        if placeholder:
+            model = decoder.MoEModel(cfg, dtype=torch_dtype, device=self.device, pp=stage, tp=tp)
+            model.load_placeholder()
+        else:
+            model = decoder.MoEModel.from_source(
+                src, dtype=torch_dtype, device=self.device, pp=stage, tp=tp
+            )
         experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         if local is not None:
             if self.parts is not None:
                 mesh_mod.check_slots(local.num_physical, num_ranks, self.parts.size)
-            for layer in range(stage.num_moe_layers):
-                for slot in local.slots_of_rank(*self._member(rank, num_ranks)):
-                    experts[(layer, slot)] = experts_mod.load_expert(
-                        src,
-                        stage.moe_layers[0] + layer,
-                        int(local.phy2log[layer, slot]),
-                        dtype=torch_dtype,
-                        device=self.device,
-                    )
+            slots = self._slots(local, rank, num_ranks)
+            first = stage.moe_layers[0]
+            read = experts_mod.load_experts(
+                src, set(slots.values()), first=first, dtype=torch_dtype, device=self.device
+            )
+            experts = {slot: read[key] for slot, key in slots.items()}
         self.model, self.stage, self.placement = model, stage, local
         self.rank, self.num_ranks, self.experts = rank, num_ranks, experts
         self.source, self.dtype, self.token = source, torch_dtype, None
@@ -175,8 +180,9 @@ class StageWorker:
         nbytes = sum(t.numel() * t.element_size() for t in model.non_expert_state().values())
         nbytes += sum(w.nbytes for w in experts.values())
         log.info(
-            "loaded pipeline stage of %s (layers %s, %d expert slots): %.1f MB in %.2fs (%s)",
+            "loaded pipeline stage of %s%s (layers %s, %d expert slots): %.1f MB in %.2fs (%s)",
             source,
+            " (placeholder)" if placeholder else "",
             stage.layers,
             len(experts),
             nbytes / 1e6,
@@ -184,6 +190,14 @@ class StageWorker:
             self.where(),
         )
         return nbytes
+
+    def transfer_non_expert(
+        self, epoch: int, src_ranks: Sequence[int], dst_ranks: Sequence[int]
+    ) -> int:
+        """This stage's part of its leaders' non-expert transfer (`RankGroups.
+        transfer_non_expert`): `StageGroups.transfer_non_expert` of its tensors."""
+        assert self.model is not None, "transfer_non_expert before load"
+        return self.groups.transfer_non_expert(epoch, self.model, src_ranks, dst_ranks)
 
     def _backend(self, epoch: int) -> experts_mod.ExpertBackend:
         """This stage's experts over its group of `epoch` (`StageGroups.backend`)."""
@@ -210,22 +224,14 @@ class StageWorker:
         with self._lock:
             held = {**self._prestaged, **self._prefetched, **self._held()}
             self._prefetched, self._prestaged = {}, {}
-        slots = {
-            (layer, slot): (layer, int(local.phy2log[layer, slot]))
-            for layer in range(stage.num_moe_layers)
-            for slot in local.slots_of_rank(*self._member(rank, num_ranks))
-        }
+        slots = self._slots(local, rank, num_ranks)
         fetched = self._read(set(slots.values()) - set(held))
         held.update(fetched)
         experts = {slot: held[key] for slot, key in slots.items()}
         read = len(fetched)
         with self._lock:
             if self.placement is not None:
-                before = {
-                    (layer, int(self.placement.phy2log[layer, slot])): w
-                    for (layer, slot), w in self.experts.items()
-                }
-                self._retained.absorb(before, {key: held[key] for key in slots.values()})
+                self._retained.absorb(self._live(), {key: held[key] for key in slots.values()})
             self.placement, self.rank, self.experts, self.token = local, rank, experts, token
             self.num_ranks = num_ranks
         self.reads_in_step += read
@@ -238,28 +244,36 @@ class StageWorker:
             self.where(),
         )
 
+    def _slots(
+        self, local: policy.Placement, rank: int, num_ranks: int
+    ) -> dict[tuple[int, int], tuple[int, int]]:
+        """{(local MoE layer, slot): (local MoE layer, logical)} of this stage's own slots of
+        DP rank `rank` of `num_ranks` under `local` (its rows of the placement)."""
+        return {
+            (layer, slot): (layer, int(local.phy2log[layer, slot]))
+            for layer in range(local.num_layers)
+            for slot in local.slots_of_rank(*self._member(rank, num_ranks))
+        }
+
     def _read(self, keys: set[tuple[int, int]]) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
         """The experts `keys` (local MoE layer, logical) read from the model source."""
         if not keys:
             return {}
         assert self.stage is not None and self.source is not None
         src, first = source_mod.open_source(self.source), self.stage.moe_layers[0]
-        return {
-            (layer, logical): experts_mod.load_expert(
-                src, first + layer, logical, dtype=self.dtype, device=self.device
-            )
-            for layer, logical in sorted(keys)
-        }
+        return experts_mod.load_experts(
+            src, keys, first=first, dtype=self.dtype, device=self.device
+        )
+
+    def _live(self) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
+        """The experts of its live slots, by (local MoE layer, logical)."""
+        if (p := self.placement) is None:
+            return {}
+        return {(m, int(p.phy2log[m, s])): w for (m, s), w in self.experts.items()}
 
     def _held(self) -> dict[tuple[int, int], experts_mod.ExpertWeights]:
         """The experts this stage holds, live and retained, by (local MoE layer, logical)."""
-        held = dict(self._retained.experts)
-        if self.placement is not None:
-            held.update(
-                ((layer, int(self.placement.phy2log[layer, slot])), w)
-                for (layer, slot), w in self.experts.items()
-            )
-        return held
+        return {**self._retained.experts, **self._live()}
 
     def prefetch(
         self,
@@ -291,11 +305,7 @@ class StageWorker:
             log.info("pipeline stage sent its experts of a staging it leaves (%s)", self.where())
             return 0
         local = stage_placement(placement, stage)
-        wanted = {
-            (layer, int(local.phy2log[layer, slot]))
-            for layer in range(stage.num_moe_layers)
-            for slot in local.slots_of_rank(*self._member(rank, num_ranks))
-        }
+        wanted = set(self._slots(local, rank, num_ranks).values())
         parts, available, relaying = self.parts, {**held, **moved}, None
         if parts is not None:  # the followers' parts, and what only they held of part 0
             relaying, available = mesh_mod.relay(parts, local, rank, num_ranks, available)

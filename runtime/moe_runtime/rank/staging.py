@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 Experts = dict[tuple[int, int], experts_mod.ExpertWeights]
 """(layer, local slot) -> weights (a rank's slots) or (layer, logical) -> weights (what it holds)."""
 
+#: Tags of a non-expert transfer: this plus the epoch (apart from expert moves' tags, which
+#: are move indices).
+NON_EXPERT_TAG = 1_000_000
+
 
 def senders_for(src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> dict[int, int]:
     """{receiver: sender}: receivers split over senders in order, the first
@@ -57,7 +61,7 @@ def exchange_non_expert(
     its receivers at once (`senders_for`). Returns (receivers this rank sent to, bytes received).
     """
     sender_of = senders_for(list(src_ranks), list(dst_ranks))
-    # a pipeline stage 0's: its layers only (every leader of a deployment is the same stage)
+    # a pipeline stage's: its layers only (every member of the group is the same stage)
     tensor_names = model.pp.tensor_names()
     shapes = [model.tensor_shape(n) for n in tensor_names]  # a TP leader's: its part
     numel = sum(_numel(s) for s in shapes)

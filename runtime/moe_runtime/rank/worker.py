@@ -3,8 +3,7 @@
 A `RankWorker` is a plain object. `moe_runtime.executor` runs it as a Ray actor (one per rank)
 or in this process (`LocalExecutor`); nothing here knows about Ray. It holds:
 
-- `loaded` (`loaded.LoadedModel`): the non-expert weights (`MixtralModel`) and a `KVCache` of
-  its own sequences (attention is data-parallel: a sequence lives on one rank);
+- `loaded` (`loaded.LoadedModel`): the non-expert weights and a KV cache of its sequences;
 - `groups` (`groups.RankGroups`): groups by (epoch, role): *step* (only the step's expert
   collectives), *transfer* (only background weight moves: never interleaved with a step's
   collectives on one gloo group) and, in the mesh expert layout, *mesh*;
@@ -20,8 +19,7 @@ Control methods are called by name (`call`, what `Executor.collective_rpc(method
 `CONTROLS` names the part that answers each; hooks may add more (`Hooks.controls`).
 
 Every change of the live slots is all-or-nothing across ranks: `activate` runs on every rank
-between two steps and is undone with `revert` where a peer failed; an EPLB commit inside a step
-is voted on first (a min all-reduce over the step group: every rank commits, or none does).
+between two steps (`revert` where a peer failed); an EPLB commit in a step is voted on first.
 
 Threads: `execute_step` comes from one thread (a second only after a failed step; a lock
 keeps their steps apart), control methods (`join_group`, `transfer_non_expert`,
@@ -182,6 +180,7 @@ class RankWorker:
             ctx,
             on_join=self._stages_join if joins else None,
             on_abort_join=self._abort_joins if joins else None,
+            on_non_expert=None if self.pipeline is None else self.pipeline.transfer_non_expert,
         )
         self.slots = slots_mod.ExpertSlots(
             ctx, groups=self.groups, stages=self.pipeline, parts=self.parts
@@ -367,8 +366,9 @@ class RankWorker:
             # Pipeline stage 0; stages 1..P-1 read their layers and experts meanwhile.
             stage = self.pipeline.plan(cfg)
             staging = self.pipeline.start_load(
-                source, self.dtype, rank=rank, num_ranks=num_ranks, placement=placement
-            )
+                source, self.dtype, rank=rank, num_ranks=num_ranks, placement=placement,
+                placeholder=placeholder,
+            )  # fmt: skip
         if self.tensor is None:
             model = decoder.MoEModel(cfg, dtype=self.dtype, device=self.device, pp=stage)
         else:  # the followers read their shards meanwhile (`tensor_group`), and their parts
