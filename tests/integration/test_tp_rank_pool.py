@@ -3,8 +3,8 @@
 `--pipeline-parallel-size 2`) keeps its pooled process as a whole DP rank (a leader and its
 TP follower, or a leader and its pipeline stage actor; no weights, both below the serving
 ranks' CPU priority); a grow to 3 takes it whole (no process started: the new DP rank is
-those two processes; its follower loads its shard, or its stage actor its layers and reads
-its experts), every answer under load equals transformers', and the pool refills whole; a
+those two processes; its follower's shard, or its stage actor's tensors, come from the
+serving ranks' same process, its stage's experts by the stages' moves), every answer under load equals transformers', and the pool refills whole; a
 pooled rank whose other process is SIGKILLed is removed whole and replaced.
 
 One server per mesh (tiny random Mixtral shape, `tests.support.tp_serving`), joining the
@@ -85,6 +85,9 @@ def test_a_grow_takes_the_pooled_rank_whole_and_the_pool_refills(served: Served)
     assert took in [(r["pid"], r[mesh.pids]) for r in ranks], (pooled, ranks)
     grow = next(h for h in st["history"] if h["resize_id"] == done["resize_id"])
     assert grow["warm_spares"] == 0, grow
+    # every process of the new DP rank (its TP follower's shard, its stage's tensors) got its
+    # non-expert tensors from the serving ranks' same process, none from the source
+    assert grow["bytes_moved"]["non_expert"] == served.rank_non_expert_bytes(), grow
     # each expert move carries one expert, except at P > 1 the moves of a later pipeline
     # stage's layers: the leaders hold one zero expert there and move nothing for them
     carried = grow["expert_moves"] * _expert_bytes()

@@ -7,6 +7,7 @@ the status checks."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import time
@@ -18,6 +19,9 @@ import transformers
 
 from e2e import load as load_mod
 from moe_runtime import step
+from moe_runtime.model import pipeline
+from moe_runtime.model import source as source_mod
+from moe_runtime.rank import tensor_group
 from tests.support import hf_families, runtime_proc
 
 TOKEN = "test-admin-token"
@@ -47,6 +51,26 @@ class Served:
     server: runtime_proc.RuntimeProcess
     reference: Reference
     mesh: Mesh = TP2
+    #: the served checkpoint
+    path: pathlib.Path | None = None
+
+    def rank_non_expert_bytes(self) -> int:
+        """Bytes of one DP rank's non-expert tensors over all its processes (every TP
+        shard of every pipeline stage, float32): what a new DP rank receives from its peers
+        with `--weight-source peer`."""
+        assert self.path is not None
+        cfg = source_mod.open_source(str(self.path)).config
+        flags = dict(zip(self.mesh.flags[::2], self.mesh.flags[1::2], strict=True))
+        tp = int(flags.get("--tensor-parallel-size", 1))
+        pp = int(flags.get("--pipeline-parallel-size", 1))
+        total = 0
+        for s in range(pp):
+            stage = pipeline.plan(cfg, stage=s, size=pp)
+            for t in range(tp):
+                shard = tensor_group.plan(cfg, rank=t, size=tp) if tp > 1 else None
+                held = pipeline.parts(cfg, stage=stage, shard=shard)
+                total += sum(math.prod(pipeline.shape(cfg, n, part)) for n, part in held.items())
+        return 4 * total
 
 
 def reference(model: transformers.PreTrainedModel) -> Reference:
@@ -83,7 +107,7 @@ def serve(root: pathlib.Path, *extra: str, mesh: Mesh = TP2) -> Iterator[Served]
         env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": address},
     )
     try:
-        yield Served(server, ref, mesh)
+        yield Served(server, ref, mesh, path)
     finally:
         server.stop()
 

@@ -185,7 +185,10 @@ class RayExecutor(base.Executor):
                 group_dir=group_dir or tempfile.gettempdir(),
             ),
             shared=ray_weights.SharedMemory(
-                members=members, enabled=not use_gpu, pipelined=self.pp_size > 1
+                members=members,
+                enabled=not use_gpu,
+                pipelined=self.pp_size > 1,
+                split=self.tp_size * self.pp_size > 1,
             ),
             switch_timeout=switch_timeout,
         )

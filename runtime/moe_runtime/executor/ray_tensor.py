@@ -1,7 +1,7 @@
 """The follower actors of a DP rank at tensor-parallel size T > 1 (`rank.tensor_group`).
 
 - `FollowerActor`: TP rank t (1..T-1) of one DP rank (of its pipeline stage s at P > 1), a
-  `tensor_group.TensorFollower` in its own actor, placed in bundle s x T + t of the DP rank's
+  `tensor_follower.TensorFollower` in its own actor, placed in bundle s x T + t of the DP rank's
   placement group (bundle s x T is its stage's TP leader: STRICT_PACK, one node, so the TP
   group runs over loopback). Two lanes: the default one
   (join, load, steps: in the order the leader sent them) and `HEALTH_LANE` (pings).
@@ -27,7 +27,7 @@ import ray.exceptions
 
 from moe_runtime import logs
 from moe_runtime.executor import niceness
-from moe_runtime.rank import allocator, tensor_group
+from moe_runtime.rank import allocator, tensor_follower, tensor_group
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class FollowerActor:
         torch.set_num_threads(1)
         self.label = label
         self._serving = False
-        self.follower = tensor_group.TensorFollower(
+        self.follower = tensor_follower.TensorFollower(
             rank=tp_rank,
             size=tp_size,
             device=device,
@@ -95,16 +95,16 @@ class FollowerActor:
         return self.follower.ping()
 
     def control(self, method: str, *args: Any) -> Any:
-        """The mesh layout's expert calls (`CTL_METHODS`, beside the steps) and aborts
-        (`HEALTH_METHODS`)."""
+        """Calls beside the steps (`CTL_METHODS`) and aborts (`HEALTH_METHODS`)."""
         if method not in CTL_METHODS + HEALTH_METHODS:
             raise AttributeError(f"a TP follower has no control method {method!r}")
         return getattr(self.follower, method)(*args)
 
 
-#: The mesh layout's calls on a follower's control lane: a join waits for the other DP
-#: ranks' members and reads of experts take a while, neither may hold the steps.
-CTL_METHODS = ("join_mesh", "prefetch", "held", "lacks")
+#: Calls on a follower's control lane (the mesh layout's expert calls, a new DP rank's
+#: non-expert transfer): a join waits for the other DP ranks' members and reads of experts
+#: take a while, neither may hold the steps.
+CTL_METHODS = ("join_mesh", "prefetch", "held", "lacks", "transfer_non_expert")
 #: Calls on its health lane (never queued behind a step or a join).
 HEALTH_METHODS = ("abort", "abort_join")
 CTL_LANE = "ctl"

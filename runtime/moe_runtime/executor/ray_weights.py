@@ -4,9 +4,9 @@
 Between ranks of one Ray node (CPU) the weights go through Ray's object store (`ray_transfer`:
 shared memory, one copy in and one out); the other expert moves go over the transfer group in
 the same call of each member (`RankActor.stage_experts_shared`); a non-expert transfer whose
-receivers have no sender on their node, or whose DP ranks have pipeline stages (each
-stage's tensors go over its stage's transfer group, `RankGroups.transfer_non_expert`), is
-left to the transfer group (`non_expert` answers None).
+receivers have no sender on their node, or whose DP ranks are several processes (TP
+followers, pipeline stages: each gets its tensors over groups of its own,
+`RankGroups.transfer_non_expert`), is left to the transfer group (`non_expert` answers None).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ class SharedMemory:
     members: the executor's roster; enabled: whether co-located ranks use the object store at
     all (not on GPUs: NCCL); the experts still go through each member's one call then;
     pipelined: DP ranks have pipeline stages (P > 1), which move their layers' experts
-    between themselves in every member's call (so every member is called).
+    between themselves in every member's call (so every member is called); split: a DP rank
+    is several processes (T > 1 or P > 1), each of which gets its own non-expert tensors
+    from its peers over groups of their own (so a non-expert transfer is the group's).
     """
 
     def __init__(
@@ -39,10 +41,12 @@ class SharedMemory:
         members: roster.Roster[ray_actor.RankHandle],
         enabled: bool,
         pipelined: bool = False,
+        split: bool = False,
     ) -> None:
         self._members = members
         self.enabled = enabled
         self.pipelined = pipelined
+        self.split = split or pipelined
 
     # -- weight moves ----------------------------------------------------------------------
     def _actors_and_nodes(self, labels: Sequence[int]) -> tuple[dict[int, Any], dict[int, str]]:
@@ -164,8 +168,8 @@ class SharedMemory:
         senders = [members[i] for i in transfer.src_ranks]
         receivers = [members[i] for i in transfer.dst_ranks]
         local = {r: next((s for s in senders if nodes[s] == nodes[r]), None) for r in receivers}
-        if not self.enabled or self.pipelined or any(s is None for s in local.values()):
-            return None  # the transfer group carries it (and the stages' over theirs)
+        if not self.enabled or self.split or any(s is None for s in local.values()):
+            return None  # the transfer group carries it (a split rank's other processes too)
         lane = {"concurrency_group": ray_actor.CTL_LANE}
         exports = {
             s: actors[s].export_non_expert.options(**lane).remote()

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from moe_runtime.comm import group as group_mod
 from moe_runtime.rank import context as context_mod
@@ -37,6 +38,37 @@ _ALL_ROLES = (*ROLES, MESH)
 Key = tuple[int, str]
 
 
+#: Starts a non-expert transfer's part over (the leaders' transfer group, src_ranks,
+#: dst_ranks) and returns the wait for it (the bytes received).
+NonExpertParts = Callable[
+    [group_mod.StatelessGroup, Sequence[int], Sequence[int]], Callable[[], int]
+]
+
+
+class NonExpertHolder(Protocol):
+    """A part of a rank that holds non-expert weights of its own (its TP followers:
+    `TensorLeader`, its pipeline stages: `PipelineLeader`)."""
+
+    def transfer_non_expert(
+        self, group: group_mod.StatelessGroup, src_ranks: Sequence[int], dst_ranks: Sequence[int]
+    ) -> Callable[[], int]: ...
+
+
+def non_expert_parts(*holders: NonExpertHolder | None) -> NonExpertParts | None:
+    """One `NonExpertParts` starting the transfer of each of `holders` (None: no holder)."""
+    active = [h for h in holders if h is not None]
+    if not active:
+        return None
+
+    def start(
+        group: group_mod.StatelessGroup, src: Sequence[int], dst: Sequence[int]
+    ) -> Callable[[], int]:
+        waits = [h.transfer_non_expert(group, src, dst) for h in active]
+        return lambda: sum(wait() for wait in waits)
+
+    return start
+
+
 class RankGroups:
     """The groups of one rank by (epoch, role), and the non-expert transfer over them (whose
     weights are the rank's `ctx.loaded`)."""
@@ -47,8 +79,7 @@ class RankGroups:
         *,
         on_join: Callable[[group_mod.GroupSpec, int, str], None] | None = None,
         on_abort_join: Callable[[int], None] | None = None,
-        on_non_expert: Callable[[int, Sequence[int], Sequence[int]], Callable[[], int]]
-        | None = None,
+        on_non_expert: NonExpertParts | None = None,
     ) -> None:
         self._ctx = ctx
         #: called after each successful join with (spec, rank, role): a pipeline leader's
@@ -57,8 +88,8 @@ class RankGroups:
         #: called with the epoch when its joins are called off: a pipeline leader's stages
         #: call off theirs (a stage waiting for a member that died ends at once)
         self._on_abort_join = on_abort_join
-        #: called with (epoch, src_ranks, dst_ranks) at a non-expert transfer: a pipeline
-        #: leader's stages start theirs (`PipelineLeader.transfer_non_expert`; the wait for it)
+        #: called at a non-expert transfer: a leader's TP followers and pipeline stages start
+        #: theirs (`non_expert_parts`)
         self._on_non_expert = on_non_expert
         self._lock = threading.Lock()
         self._groups: dict[Key, group_mod.StatelessGroup] = {}
@@ -214,17 +245,15 @@ class RankGroups:
         Peer to peer: receivers are spread over senders (`staging.senders_for`: the first
         ``len(dst) % len(src)`` senders get one extra), each sender sends its whole state as one
         flat buffer to each of its receivers at once. Ranks are ranks of that group; members
-        that neither send nor receive return at once. A pipeline leader's stages run theirs
-        meanwhile, over their own transfer groups (`on_non_expert`). Returns the bytes this
-        rank received (its stages' included).
+        that neither send nor receive return at once. A leader's TP followers and pipeline
+        stages run theirs meanwhile, over groups of their own (`on_non_expert`). Returns the
+        bytes this rank received (its followers' and stages' included).
         """
         _, model = self._ctx.loaded.require(self._ctx.where())
         grp, me = self.group(epoch, TRANSFER)
         started = time.monotonic()
-        stages = (
-            None
-            if self._on_non_expert is None
-            else self._on_non_expert(epoch, src_ranks, dst_ranks)
+        parts = (
+            None if self._on_non_expert is None else self._on_non_expert(grp, src_ranks, dst_ranks)
         )
         tag = staging_mod.NON_EXPERT_TAG + epoch
         sent_to, received = staging_mod.exchange_non_expert(
@@ -238,8 +267,8 @@ class RankGroups:
             time.monotonic() - started,
             self._ctx.where(),
         )
-        if stages is not None:
-            received += stages()
+        if parts is not None:
+            received += parts()
         self._ctx.check("transfer_non_expert")
         return received
 

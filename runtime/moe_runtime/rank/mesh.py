@@ -14,7 +14,7 @@ collectives); in each MoE layer every TP rank routes every row and dispatches ro
   ranks: a leader sends from its own part and from its followers' (`TensorLeader.held`),
   and hands each follower, ahead of the switch, the experts of its new part it lacks
   (`relay`: moved in, held by the leader or retained, pre-staged on a warm spare's leader);
-- a follower (`MeshExperts`, in `tensor_group.TensorFollower`) follows the leader's live
+- a follower (`MeshExperts`, in `tensor_follower.TensorFollower`) follows the leader's live
   token as a pipeline stage does (`stage_worker.StageWorker.follow`): experts it holds,
   retained or was handed are kept; what no peer held (a lost rank's only copy) it reads
   from the model source, ahead of the switch (`prefetch`) or, failing that, in the step.

@@ -230,11 +230,12 @@ class PipelineLeader:
         self._wait(pending, LOAD_TIMEOUT_S)
 
     def transfer_non_expert(
-        self, epoch: int, src_ranks: Sequence[int], dst_ranks: Sequence[int]
+        self, group: group_mod.StatelessGroup, src_ranks: Sequence[int], dst_ranks: Sequence[int]
     ) -> Callable[[], int]:
-        """Every stage starts its part of the leaders' non-expert transfer of `epoch`
-        (`StageWorker.transfer_non_expert`, beside the steps); returns the wait for it (the
-        bytes the stages received)."""
+        """Every stage starts its part of the leaders' non-expert transfer over their transfer
+        `group` (`StageWorker.transfer_non_expert`, beside the steps: over the stage's group of
+        that epoch); returns the wait for it (the bytes the stages received)."""
+        epoch = group.spec.epoch
         pending = self.stages.send("transfer_non_expert", epoch, list(src_ranks), list(dst_ranks))
         return lambda: sum(int(n) for n in self._wait(pending, LOAD_TIMEOUT_S))
 

@@ -17,6 +17,7 @@ from moe_runtime.comm import group as group_mod
 from moe_runtime.eplb import policy
 from moe_runtime.model import decoder
 from moe_runtime.model import experts as experts_mod
+from moe_runtime.rank import groups as groups_mod
 from moe_runtime.rank import mesh as mesh_mod
 from moe_runtime.rank import staging as staging_mod
 from moe_runtime.rank.pipeline_group import GROUP_TIMEOUT_S, stage_spec
@@ -114,13 +115,18 @@ class StageGroups:
         model: decoder.MoEModel,
         src_ranks: Sequence[int],
         dst_ranks: Sequence[int],
+        followers: groups_mod.NonExpertHolder | None = None,
     ) -> int:
         """The stage's non-expert tensors (`model`'s) from the same stage of `src_ranks` to
         that of `dst_ranks` over its transfer group of `epoch` (ranks of its leaders' group:
-        `RankGroups.transfer_non_expert`, whose leaders run theirs meanwhile). Returns the
-        bytes received."""
+        `RankGroups.transfer_non_expert`, whose leaders run theirs meanwhile), and its TP
+        `followers`' shards meanwhile (`TensorLeader.transfer_non_expert`). Returns the
+        bytes received (its followers' included)."""
         grp = self.transfer_group(epoch)
         started = time.monotonic()
+        theirs = (
+            None if followers is None else followers.transfer_non_expert(grp, src_ranks, dst_ranks)
+        )
         sent_to, received = staging_mod.exchange_non_expert(
             grp,
             grp.rank,
@@ -138,7 +144,7 @@ class StageGroups:
             time.monotonic() - started,
             self._where(),
         )
-        return received
+        return received + (0 if theirs is None else theirs())
 
     def transfer_group(self, epoch: int) -> group_mod.StatelessGroup:
         group = self.transfer.get(epoch)

@@ -147,7 +147,7 @@ class StageWorker:
         if self.tensor is not None:
             # The stage's followers read their shards of its layers (and in the mesh layout
             # their parts of its experts) meanwhile.
-            theirs = (rank, num_ranks, local, False)
+            theirs = (rank, num_ranks, local, placeholder)
             tp, following = self.tensor.start_load(source, cfg, dtype=torch_dtype, experts=theirs)
         if placeholder:
             model = decoder.MoEModel(cfg, dtype=torch_dtype, device=self.device, pp=stage, tp=tp)
@@ -195,9 +195,10 @@ class StageWorker:
         self, epoch: int, src_ranks: Sequence[int], dst_ranks: Sequence[int]
     ) -> int:
         """This stage's part of its leaders' non-expert transfer (`RankGroups.
-        transfer_non_expert`): `StageGroups.transfer_non_expert` of its tensors."""
+        transfer_non_expert`): `StageGroups.transfer_non_expert` of its tensors and its TP
+        followers' shards."""
         assert self.model is not None, "transfer_non_expert before load"
-        return self.groups.transfer_non_expert(epoch, self.model, src_ranks, dst_ranks)
+        return self.groups.transfer_non_expert(epoch, self.model, src_ranks, dst_ranks, self.tensor)
 
     def _backend(self, epoch: int) -> experts_mod.ExpertBackend:
         """This stage's experts over its group of `epoch` (`StageGroups.backend`)."""

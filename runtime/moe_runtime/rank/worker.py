@@ -12,8 +12,7 @@ or in this process (`LocalExecutor`); nothing here knows about Ray. It holds:
   `StepInput.control["expert_epoch"]`, or at `activate`), the *previous* live state until
   `retire_previous` (for `revert` of a switch or an EPLB commit), pre-staged and retained
   experts;
-- `stepper` (`stepper.Stepper`): the step itself;
-- `hooks` (`hooks.Hooks`, optional): what tests install to make operations fail or hang.
+- `stepper` (`stepper.Stepper`): the step; `hooks` (optional): tests' failures and hangs.
 
 Control methods are called by name (`call`, what `Executor.collective_rpc(method)` reaches):
 `CONTROLS` names the part that answers each; hooks may add more (`Hooks.controls`).
@@ -63,9 +62,7 @@ from moe_runtime.rank import tensor_group as tensor_mod
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: `dtype="auto"`: what a rank serves in when nothing said otherwise (the checkpoint's dtype is
-#: resolved before it reaches the rank): bfloat16 on a GPU (half the memory of float32 and the
-#: tensor cores), float32 on a CPU.
+#: `dtype="auto"` (a checkpoint's own dtype is resolved before it reaches the rank)
 AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
 DTYPES = ("auto", *_DTYPES)
 
@@ -180,7 +177,7 @@ class RankWorker:
             ctx,
             on_join=self._stages_join if joins else None,
             on_abort_join=self._abort_joins if joins else None,
-            on_non_expert=None if self.pipeline is None else self.pipeline.transfer_non_expert,
+            on_non_expert=groups_mod.non_expert_parts(self.pipeline, self.tensor),
         )
         self.slots = slots_mod.ExpertSlots(
             ctx, groups=self.groups, stages=self.pipeline, parts=self.parts
