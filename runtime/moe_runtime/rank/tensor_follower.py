@@ -195,6 +195,10 @@ class TensorFollower:
                 tag=staging_mod.NON_EXPERT_TAG + spec.epoch,
                 dtype=self.model.dtype,
             )
+            # nobody leaves before every member is done: a member that closed its pairs
+            # while another still connected to it fails that one ("Connection closed by
+            # peer" in gloo's connectFullMesh; seen with a member that had nothing to send)
+            grp.barrier()
         finally:
             grp.destroy()
         log.info(
