@@ -120,6 +120,14 @@ def test_a_grow_takes_the_spare_and_the_pooled_rank(served: Served) -> None:
     assert pooled <= {r["pid"] for r in mesh_serving.serving(served)}
     check_answers(served)
     assert _reads(served) == before
+    # the replacement spare is built (its leader's and follower's weights from the serving
+    # ranks' over the standby groups) at the first try: no upkeep pass failed in the module
+    polling.poll(
+        lambda: _spare_prestaged(served) is not None,
+        lambda: mesh_serving.status(served)["spares"],
+        120,
+    )
+    assert mesh_serving.metric(served.server.url, "moe_warm_spare_failures_total") == 0
 
 
 def test_a_killed_follower_takes_its_rank_out_and_the_deployment_grows_back(

@@ -97,6 +97,12 @@ class ElasticMetrics:
             "Rank processes started ahead, weightless, that a grow can take now (--rank-pool).",
             registry=r,
         )
+        self.spare_failures = prometheus_client.Counter(
+            "moe_warm_spare_failures",
+            "Failed passes of the warm spares' upkeep (start, standby groups, weights, "
+            "pre-staging); each is retried from what is live.",
+            registry=r,
+        )
         self.requests_rerun = prometheus_client.Counter(
             "moe_recovery_requests_rerun",
             "Sequences of lost ranks re-run on survivors from prompt + generated tokens.",
@@ -233,6 +239,7 @@ class ElasticService:
             service.metrics.balancedness.set_function(ctx.balancedness)
             service.metrics.rebalances.set_function(lambda: rebalancer.rebalances)
             service.metrics.rank_pool.set_function(lambda: len(rank_pool.ready()))
+            pool.on_failure = service.metrics.spare_failures.inc
         coord.on_change(_log_stage)
         fault.attach()
         pool.start()

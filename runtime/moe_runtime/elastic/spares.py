@@ -79,6 +79,9 @@ class SparePool:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: called after each failed maintenance pass (the server counts them:
+        #: `moe_warm_spare_failures_total`)
+        self.on_failure: Callable[[], None] | None = None
         #: Pre-staging (its target_for and max_size are set by whoever owns the resizes).
         self.prestager = prestage_mod.Prestager(
             executor=executor,
@@ -131,6 +134,8 @@ class SparePool:
                 self.upkeep.maintain()
             except Exception:  # noqa: BLE001 - the next pass starts over from what is live
                 log.exception("warm spares: maintenance failed; retrying")
+                if self.on_failure is not None:
+                    self.on_failure()
 
     # -- queries ---------------------------------------------------------------------------
     def labels(self) -> set[int]:
