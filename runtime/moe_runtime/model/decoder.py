@@ -95,10 +95,15 @@ class MoEModel:
         device: str | torch.device = "cpu",
         tp: tp_mod.TensorParallel | None = None,
         pp: pipeline.PipelineStage | None = None,
+        placeholder: bool = False,
     ) -> MoEModel:
         """A model with its non-expert weights read from `source` (a TP rank's: its shard; a
-        pipeline stage's: its tensors only)."""
+        pipeline stage's: its tensors only); placeholder: zeros instead, nothing read
+        (`load_placeholder`)."""
         model = cls(source.config, dtype=dtype, device=device, tp=tp, pp=pp)
+        if placeholder:
+            model.load_placeholder()
+            return model
         shard = None if tp is None else tp.shard
         model.load_non_expert(pipeline.load(source, stage=pp, shard=shard))
         return model

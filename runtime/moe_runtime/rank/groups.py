@@ -250,23 +250,14 @@ class RankGroups:
         bytes this rank received (its followers' and stages' included).
         """
         _, model = self._ctx.loaded.require(self._ctx.where())
-        grp, me = self.group(epoch, TRANSFER)
-        started = time.monotonic()
+        grp, _ = self.group(epoch, TRANSFER)
         parts = (
             None if self._on_non_expert is None else self._on_non_expert(grp, src_ranks, dst_ranks)
         )
-        tag = staging_mod.NON_EXPERT_TAG + epoch
-        sent_to, received = staging_mod.exchange_non_expert(
-            grp, me, model, src_ranks=src_ranks, dst_ranks=dst_ranks, tag=tag, dtype=self._ctx.dtype
-        )
-        log.info(
-            "non-expert transfer epoch %d: sent to %s, received %d B in %.2fs (%s)",
-            epoch,
-            sent_to,
-            received,
-            time.monotonic() - started,
-            self._ctx.where(),
-        )
+        received = staging_mod.transfer_non_expert(
+            grp, model, epoch=epoch, src_ranks=src_ranks, dst_ranks=dst_ranks, what="rank",
+            where=self._ctx.where(),
+        )  # fmt: skip
         if parts is not None:
             received += parts()
         self._ctx.check("transfer_non_expert")

@@ -123,27 +123,13 @@ class StageGroups:
         `followers`' shards meanwhile (`TensorLeader.transfer_non_expert`). Returns the
         bytes received (its followers' included)."""
         grp = self.transfer_group(epoch)
-        started = time.monotonic()
         theirs = (
             None if followers is None else followers.transfer_non_expert(grp, src_ranks, dst_ranks)
         )
-        sent_to, received = staging_mod.exchange_non_expert(
-            grp,
-            grp.rank,
-            model,
-            src_ranks=src_ranks,
-            dst_ranks=dst_ranks,
-            tag=staging_mod.NON_EXPERT_TAG + epoch,
-            dtype=model.dtype,
-        )
-        log.info(
-            "pipeline stage non-expert transfer epoch %d: sent to %s, received %d B in %.2fs (%s)",
-            epoch,
-            sent_to,
-            received,
-            time.monotonic() - started,
-            self._where(),
-        )
+        received = staging_mod.transfer_non_expert(
+            grp, model, epoch=epoch, src_ranks=src_ranks, dst_ranks=dst_ranks,
+            what="pipeline stage", where=self._where(),
+        )  # fmt: skip
         return received + (0 if theirs is None else theirs())
 
     def transfer_group(self, epoch: int) -> group_mod.StatelessGroup:

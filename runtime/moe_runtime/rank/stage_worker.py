@@ -132,9 +132,8 @@ class StageWorker:
     ) -> int:
         """Read this stage's tensors and its routed experts of DP rank `rank` of `num_ranks`
         under `placement`; an empty KV cache of its layers. Returns the bytes held.
-        placeholder: zeros for its own non-expert tensors instead (a new DP rank's stage, which
-        receives them from its peers' stages: `transfer_non_expert`); its TP followers still
-        read their shards."""
+        placeholder: zeros for its non-expert tensors (and its TP followers' shards) instead: a
+        new DP rank's stage, which receives them from its peers' (`transfer_non_expert`)."""
         started = time.monotonic()
         src = source_mod.open_source(source)
         cfg = src.config
@@ -149,13 +148,9 @@ class StageWorker:
             # their parts of its experts) meanwhile.
             theirs = (rank, num_ranks, local, placeholder)
             tp, following = self.tensor.start_load(source, cfg, dtype=torch_dtype, experts=theirs)
-        if placeholder:
-            model = decoder.MoEModel(cfg, dtype=torch_dtype, device=self.device, pp=stage, tp=tp)
-            model.load_placeholder()
-        else:
-            model = decoder.MoEModel.from_source(
-                src, dtype=torch_dtype, device=self.device, pp=stage, tp=tp
-            )
+        model = decoder.MoEModel.from_source(
+            src, dtype=torch_dtype, device=self.device, pp=stage, tp=tp, placeholder=placeholder
+        )
         experts: dict[tuple[int, int], experts_mod.ExpertWeights] = {}
         if local is not None:
             if self.parts is not None:

@@ -8,6 +8,7 @@ Pure helpers of the rank's parts (no state of their own): `groups.RankGroups` an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -91,6 +92,40 @@ def exchange_non_expert(
         offset += n
     model.load_non_expert(tensors)
     return mine, recv.numel() * recv.element_size()
+
+
+def transfer_non_expert(
+    grp: group_mod.StatelessGroup,
+    model: decoder.MoEModel,
+    *,
+    epoch: int,
+    src_ranks: Sequence[int],
+    dst_ranks: Sequence[int],
+    what: str,
+    where: str,
+) -> int:
+    """`exchange_non_expert` of `model` over `grp` as its member `grp.rank`, tagged by `epoch`
+    and logged (`what`: whose tensors; `where`: the log context). Returns the bytes received."""
+    started = time.monotonic()
+    sent_to, received = exchange_non_expert(
+        grp,
+        grp.rank,
+        model,
+        src_ranks=src_ranks,
+        dst_ranks=dst_ranks,
+        tag=NON_EXPERT_TAG + epoch,
+        dtype=model.dtype,
+    )
+    log.info(
+        "%s non-expert transfer epoch %d: sent to members %s, received %d B in %.2fs (%s)",
+        what,
+        epoch,
+        sent_to,
+        received,
+        time.monotonic() - started,
+        where,
+    )
+    return received
 
 
 def held_experts(

@@ -95,15 +95,9 @@ class TensorFollower:
             stage = pipeline.plan(src.config, stage=self.stage, size=self.stages)
         torch_dtype = getattr(torch, dtype)
         tp = tp_mod.TensorParallel(shard, self.group, expert_layout=self.expert_layout)
-        if placeholder:  # a new DP rank's: its shard comes from its peers
-            model = decoder.MoEModel(
-                src.config, dtype=torch_dtype, device=self.device, tp=tp, pp=stage
-            )
-            model.load_placeholder()
-        else:
-            model = decoder.MoEModel.from_source(
-                src, dtype=torch_dtype, device=self.device, tp=tp, pp=stage
-            )
+        model = decoder.MoEModel.from_source(  # placeholder: a new DP rank's, from its peers
+            src, dtype=torch_dtype, device=self.device, tp=tp, pp=stage, placeholder=placeholder
+        )
         self.model = model
         self.kv = kv_mod.KVCache(
             model.local_config, dtype=torch_dtype, device=self.device, layers=model.layers
@@ -183,33 +177,18 @@ class TensorFollower:
         if self.model is None:
             raise RuntimeError(f"transfer_non_expert before load ({self.where()})")
         t, n = self.rank - 1, self.size - 1
-        started = time.monotonic()
         grp = group_mod.StatelessGroup(spec, rank * n + t, timeout=GROUP_TIMEOUT_S)
         try:
-            sent_to, received = staging_mod.exchange_non_expert(
-                grp,
-                grp.rank,
-                self.model,
-                src_ranks=[d * n + t for d in src_ranks],
-                dst_ranks=[d * n + t for d in dst_ranks],
-                tag=staging_mod.NON_EXPERT_TAG + spec.epoch,
-                dtype=self.model.dtype,
-            )
+            received = staging_mod.transfer_non_expert(
+                grp, self.model, epoch=spec.epoch, src_ranks=[d * n + t for d in src_ranks],
+                dst_ranks=[d * n + t for d in dst_ranks], what="TP shard", where=self.where(),
+            )  # fmt: skip
             # nobody leaves before every member is done: a member that closed its pairs
             # while another still connected to it fails that one ("Connection closed by
             # peer" in gloo's connectFullMesh; seen with a member that had nothing to send)
             grp.barrier()
         finally:
             grp.destroy()
-        log.info(
-            "TP shard non-expert transfer epoch %d: sent to members %s, received %d B in %.2fs "
-            "(%s)",
-            spec.epoch,
-            sent_to,
-            received,
-            time.monotonic() - started,
-            self.where(),
-        )
         return received
 
     # -- the mesh layout's experts (control lane: beside the steps) ------------------------
