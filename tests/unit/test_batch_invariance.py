@@ -136,7 +136,7 @@ def test_attention_is_bitwise_invariant(
                 q[group.queries],
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
-                group.mask(window),
+                group.attention_mask(window, heads // kv_heads, q.dtype),
                 scale=dim**-0.5,
                 sinks=sink,
             )

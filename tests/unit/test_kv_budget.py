@@ -21,7 +21,8 @@ from moe_runtime.engine import text as text_mod
 from moe_runtime.eplb import policy
 from moe_runtime.executor import local
 from moe_runtime.model import config as config_mod
-from moe_runtime.model import generate, kv_budget
+from moe_runtime.model import decoder, generate, kv_budget
+from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
 from tests.support import engine_fakes as fakes
@@ -47,6 +48,38 @@ def _gpu_budget(cfg: config_mod.ModelConfig, *, tp_size: int = 1) -> kv_budget.K
     return dataclasses.replace(
         measured, cuda=True, context=16, available=non_expert + experts + 8000 * full
     )
+
+
+@pytest.mark.parametrize("model", [MIXTRAL, DEEPSEEK], ids=["gqa", "mla"])
+def test_a_cpu_budget_leaves_room_for_the_copies_a_cpu_rank_holds(model: str) -> None:
+    """A CPU rank holds its weights twice over: every expert slot and its stacked copy for the
+    grouped GEMMs, every non-expert matrix and its transposed copy (`linear`). The host's
+    budget leaves room for what a real model and its experts hold after a step, so a KV cache
+    sized by it does not push the host past its memory."""
+    src = source_mod.open_source(model)
+    cfg = src.config
+    net = decoder.MoEModel.from_source(src)
+    experts = experts_mod.LocalExperts.from_source(src)
+    net.forward(kv_mod.ForwardBatch(["a"], [[1, 2, 3]], [0]), kv_mod.KVCache(cfg), experts)
+
+    def nbytes(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    held = nbytes(net.non_expert_state().values()) + nbytes(
+        t for w in experts.weights.values() for t in w.tensors().values()
+    )
+    copies = nbytes(t for w in net._layers for r, t in w.items() if r.endswith(".t"))
+    copies += nbytes([net._lm_head_t] if net._lm_head_t is not None else [])
+    copies += nbytes(t for _, _, stack in experts._stacked._cache.values() for t in stack.values())
+    non_expert, slots = kv_budget.weight_bytes(cfg, torch.float32)
+    assert held == non_expert + slots and copies > 0
+    assert held + copies <= kv_budget.HOST_WEIGHT_COPIES * (non_expert + slots)
+    per_token = kv_mod.bytes_per_token(cfg, torch.float32)
+    budget = dataclasses.replace(
+        kv_budget.KVBudget.measure(cfg, torch.float32, budget_bytes=None, fraction=0.5, cuda=False),
+        available=held + copies + 8000 * per_token,
+    )
+    assert budget.tokens(1) <= 4000  # what is left after both copies, x fraction
 
 
 def test_a_rank_holding_more_expert_slots_gets_fewer_positions_on_a_gpu() -> None:
@@ -149,7 +182,10 @@ def test_at_tensor_parallel_size_2_the_budget_counts_one_devices_heads(
     assert gpu_2.tokens(2) >= ratio * gpu_1.tokens(2) - kv_mod.BLOCK_SIZE
     # On a CPU the host holds both devices' caches (and the weights both replicate): a rank's
     # position costs T devices' bytes, so TP makes no room there.
-    cpu_1, cpu_2 = (dataclasses.replace(b, cuda=False) for b in (gpu_1, gpu_2))
+    # (the host of 2 ranks: room for their weights as a CPU holds them, and 8,000 positions)
+    non_expert, experts = kv_budget.weight_bytes(cfg, torch.float32)
+    host = kv_budget.HOST_WEIGHT_COPIES * 2 * (non_expert + experts) + 8000 * per_1
+    cpu_1, cpu_2 = (dataclasses.replace(b, cuda=False, available=host) for b in (gpu_1, gpu_2))
     assert cpu_2.tokens(2) * 2 * per_2 <= cpu_1.tokens(2) * per_1
     assert cpu_2.tokens(2) * 2 * per_2 > 0.8 * cpu_1.tokens(2) * per_1
 

@@ -8,6 +8,7 @@ import torch
 from moe_runtime.model import decoder, errors, generate, names, source, tokenizer
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import linear as linear_mod
 
 TINY = "synthetic://tiny?seed=0"
 
@@ -343,6 +344,29 @@ def test_non_expert_state_transfers_to_a_new_rank(
         fresh.forward(batch, kv_mod.KVCache(model.config), experts),
         model.forward(batch, kv_mod.KVCache(model.config), experts),
     )
+
+
+def test_transposed_weights_follow_every_load(
+    tiny: source.ModelSource,
+    model: decoder.MoEModel,
+    experts: experts_mod.LocalExperts,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU the projections multiply by transposed copies (`linear`): made again by every
+    load, so a rank that held placeholders (zeros) and then received its weights computes
+    with the weights, and the same numbers as `F.linear` over the checkpoint's layout."""
+    batch = kv_mod.ForwardBatch(["a", "b"], [[1, 2, 3], [7, 8]], [0, 0])
+    want = model.forward(batch, kv_mod.KVCache(model.config), experts)
+    assert "q" + linear_mod.TRANSPOSED in model._layers[0]
+    fresh = decoder.MoEModel.from_source(tiny, placeholder=True)
+    fresh.load_non_expert(model.non_expert_state())
+    assert torch.equal(fresh.forward(batch, kv_mod.KVCache(model.config), experts), want)
+    monkeypatch.setattr(linear_mod, "DEVICES", frozenset())
+    plain = decoder.MoEModel.from_source(tiny)
+    assert "q" + linear_mod.TRANSPOSED not in plain._layers[0]
+    got = plain.forward(batch, kv_mod.KVCache(model.config), experts)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_load_non_expert_refuses_missing_and_misshapen(model: decoder.MoEModel) -> None:

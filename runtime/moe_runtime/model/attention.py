@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import linear as linear_mod
 from moe_runtime.model import rope as rope_mod
 
 #: eps of DeepSeek's q_a / kv_a RMSNorms (transformers builds them without the config's eps).
@@ -63,26 +64,26 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a padded group: q [B, N, H, D] over keys [B, KV, P, D], values
-    [B, KV, P, Dv] (H a multiple of KV: grouped-query), mask [B, 1, N, P] (True: visible);
-    returns [B, N, H * Dv].
+    [B, KV, P, Dv] (H a multiple of KV: grouped-query), mask the group's
+    `kv.Group.attention_mask` (additive, over the rows of one KV head's query heads, in q's
+    dtype); returns [B, N, H * Dv].
 
     sinks [H]: one extra logit per head that takes probability mass and adds nothing
     (gpt-oss).
     """
     b, n, heads, dim = q.shape
-    kv_heads, total = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     v_dim = values.shape[-1]
     groups = heads // kv_heads
     # Grouped-query attention without copying keys/values: the g query heads that share a
     # key/value head become g * n query rows of that head (rows ordered (group, position)).
     rows = q.reshape(b, n, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
     rows = rows.reshape(b, kv_heads, groups * n, dim)
-    row_mask = mask[:, :, None].expand(b, 1, groups, n, total).reshape(b, 1, groups * n, total)
     if sinks is None:
-        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=row_mask, scale=scale)
+        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
     else:
         scores = torch.matmul(rows, keys.transpose(-1, -2)) * scale  # [B, KV, g * n, P]
-        scores = scores.masked_fill(~row_mask, float("-inf"))
+        scores = scores + mask
         sink = sinks.to(scores.dtype).reshape(1, kv_heads, groups, 1, 1)
         sink = sink.expand(b, kv_heads, groups, n, 1).reshape(b, kv_heads, groups * n, 1)
         logits = torch.cat([scores, sink], dim=-1)
@@ -99,10 +100,6 @@ def _scatter(out: torch.Tensor, group: kv_mod.Group, result: torch.Tensor) -> No
     out.index_copy_(0, group.token_index, flat[group.valid].to(out.dtype))
 
 
-def _linear(x: torch.Tensor, w: Mapping[str, torch.Tensor], role: str) -> torch.Tensor:
-    return F.linear(x, w[role], w.get(role + "_bias"))
-
-
 def gqa(
     cfg: config_mod.ModelConfig,
     w: Mapping[str, torch.Tensor],
@@ -112,7 +109,11 @@ def gqa(
 ) -> torch.Tensor:
     """Grouped-query self-attention of decoder layer `layer` over x [T, hidden] -> [T, hidden]."""
     t = x.shape[0]
-    q, k, v = _linear(x, w, "q"), _linear(x, w, "k"), _linear(x, w, "v")
+    q, k, v = (
+        linear_mod.linear(x, w, "q"),
+        linear_mod.linear(x, w, "k"),
+        linear_mod.linear(x, w, "v"),
+    )
     if cfg.qk_norm == "full" and ctx.split_norm is not None:
         q, k = ctx.split_norm(q, w["q_norm"], "q"), ctx.split_norm(k, w["k_norm"], "k")
     elif cfg.qk_norm == "full":
@@ -139,12 +140,12 @@ def gqa(
             q[group.queries],
             keys.transpose(1, 2).to(q.dtype),
             values.transpose(1, 2).to(q.dtype),
-            group.mask(window),
+            group.attention_mask(window, cfg.num_heads // cfg.num_kv_heads, q.dtype),
             scale=cfg.head_dim**-0.5,
             sinks=sinks,
         )
         _scatter(out, group, result)
-    return _linear(out, w, "o")
+    return linear_mod.linear(out, w, "o")
 
 
 def mla(
@@ -161,12 +162,12 @@ def mla(
     t, heads = x.shape[0], cfg.num_heads
     nope, rank = spec.qk_nope_head_dim, spec.kv_lora_rank
     if "q" in w:
-        q = F.linear(x, w["q"])
+        q = linear_mod.linear(x, w, "q")
     else:
-        q_a = rms_norm(_linear(x, w, "q_a"), w["q_a_norm"], MLA_NORM_EPS)
-        q = F.linear(q_a, w["q_b"])
+        q_a = rms_norm(linear_mod.linear(x, w, "q_a"), w["q_a_norm"], MLA_NORM_EPS)
+        q = linear_mod.linear(q_a, w, "q_b")
     q = q.view(t, heads, spec.qk_head_dim)
-    compressed = _linear(x, w, "kv_a")
+    compressed = linear_mod.linear(x, w, "kv_a")
     latent = rms_norm(compressed[:, :rank], w["kv_a_norm"], MLA_NORM_EPS)
     q_pe = ctx.rotary.apply(q[..., nope:], ctx.cos, ctx.sin)
     k_pe = ctx.rotary.apply(compressed[:, None, rank:], ctx.cos, ctx.sin)
@@ -187,8 +188,7 @@ def mla(
         keys[..., :nope] = expanded[..., :nope].transpose(1, 2)
         keys[..., nope:] = held[:, None, :, rank:]
         values = expanded[..., nope:].transpose(1, 2)
-        result = attend(
-            query[group.queries], keys, values, group.mask(cfg.window(layer)), scale=scale
-        )
+        mask = group.attention_mask(cfg.window(layer), 1, x.dtype)
+        result = attend(query[group.queries], keys, values, mask, scale=scale)
         _scatter(out, group, result)
-    return _linear(out, w, "o")
+    return linear_mod.linear(out, w, "o")

@@ -33,6 +33,7 @@ from moe_runtime.model import attention, names, pipeline, routing
 from moe_runtime.model import config as config_mod
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv as kv_mod
+from moe_runtime.model import linear as linear_mod
 from moe_runtime.model import rope as rope_mod
 from moe_runtime.model import source as source_mod
 from moe_runtime.model import tensor_parallel as tp_mod
@@ -47,9 +48,9 @@ FLOAT32_ROLES = {
 
 
 def _swiglu(x: torch.Tensor, w: Mapping[str, torch.Tensor], role: str) -> torch.Tensor:
-    gate = F.linear(x, w[role + "_gate"], w.get(role + "_gate_bias"))
-    up = F.linear(x, w[role + "_up"], w.get(role + "_up_bias"))
-    return F.linear(F.silu(gate) * up, w[role + "_down"], w.get(role + "_down_bias"))
+    gate = linear_mod.linear(x, w, role + "_gate")
+    up = linear_mod.linear(x, w, role + "_up")
+    return linear_mod.linear(F.silu(gate) * up, w, role + "_down")
 
 
 class MoEModel:
@@ -83,6 +84,7 @@ class MoEModel:
         self._state: dict[str, torch.Tensor] = {}
         self._layers: list[dict[str, torch.Tensor]] = []
         self._global: dict[str, torch.Tensor] = {}
+        self._lm_head_t: torch.Tensor | None = None
         self._rotary = rope_mod.Rotary(config, device=self.device)
         self._float32 = FLOAT32_ROLES.get(config.family, frozenset())
 
@@ -170,6 +172,14 @@ class MoEModel:
         ]
         if self.tp is not None:
             self.tp.take(self._layers, self._global)
+        for weights in self._layers:
+            linear_mod.add_transposed(weights)
+        #: lm_head [hidden, vocab] (`linear`: CPU only; a TP rank's logits are its part's)
+        self._lm_head_t = (
+            linear_mod.transposed(self._lm_head)
+            if self.tp is None and self.pp.is_last and self.device.type in linear_mod.DEVICES
+            else None
+        )
 
     def load_placeholder(self) -> None:
         """Zeros for every non-expert weight: a rank (or pipeline stage) whose weights will
@@ -333,7 +343,7 @@ class MoEModel:
         final = self._norm(hidden[last], self._global["norm"])
         if tp is not None:
             return tp.logits(final)
-        return F.linear(final, self._lm_head).to(torch.float32)
+        return linear_mod.multiply(final, self._lm_head, self._lm_head_t).to(torch.float32)
 
     def _moe_reduce(
         self,

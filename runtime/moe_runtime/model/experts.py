@@ -11,6 +11,7 @@ Shapes: T tokens, H hidden size, I expert intermediate size, k experts per token
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -172,12 +173,12 @@ def _grouped_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     offsets: torch.Tensor,
-    index: torch.Tensor,
+    index: Callable[[], torch.Tensor],
 ) -> torch.Tensor:
     """rows [N, K] of consecutive groups (ends at `offsets`) times weight [E, K, M] (stacked
-    transposed), plus bias [E, M] of each row's group (`index` [N])."""
+    transposed), plus bias [E, M] of each row's group (`index()` [N]: made when needed)."""
     out = F.grouped_mm(rows, weight, offs=offsets)
-    return out if bias is None else out + bias.index_select(0, index)
+    return out if bias is None else out + bias.index_select(0, index())
 
 
 def grouped_forward(
@@ -202,9 +203,13 @@ def grouped_forward(
         dev = rows.device
         counts_t = torch.tensor(list(counts), dtype=torch.int64)
         offsets = torch.cumsum(counts_t, 0).to(device=dev, dtype=torch.int32)
-        index = torch.repeat_interleave(
-            torch.arange(len(counts), device=dev), counts_t.to(dev), output_size=rows.shape[0]
-        )
+
+        @functools.cache
+        def index() -> torch.Tensor:  # each row's expert: the biases' rows (none, most families)
+            return torch.repeat_interleave(
+                torch.arange(len(counts), device=dev), counts_t.to(dev), output_size=rows.shape[0]
+            )
+
         x = rows.to(parts["gate_up"].dtype)
         try:
             both = _grouped_linear(x, parts["gate_up"], parts.get("gate_up_bias"), offsets, index)

@@ -12,8 +12,9 @@ its shard's heads: `per_token` is one device's bytes a position, `tp_shard.plan(
   rank: docs/TENSOR-PARALLEL.md; in the mesh expert layout 1/T of them, `expert_parts`);
   ``slots`` are the slots this rank holds in the placement it serves (a shrink gives each
   survivor more, so less KV room; a grow fewer).
-- CPU, per device of the host: ``(available - n * rank_non_expert - total_slots * slot_bytes)
-  / (n * T) * fraction``: the host holds every rank's T shards and every slot.
+- CPU, per device of the host: ``(available - 2 * (n * rank_non_expert + total_slots *
+  slot_bytes)) / (n * T) * fraction``: the host holds every rank's T shards and every slot,
+  each twice (`HOST_WEIGHT_COPIES`: the copies the CPU's GEMMs run on).
 - ``--kv-cache-bytes``: that, per device, at every size.
 
 Positions = device bytes // per_token, in whole blocks, never under one context
@@ -40,6 +41,10 @@ from moe_runtime.model import names, pipeline, tp_shard
 
 #: Device memory kept free besides the weights and the KV cache (a GPU: CUDA's workspace).
 GPU_MARGIN_BYTES = 1 << 30
+#: Copies of the weights a CPU rank holds: its expert slots and their stacked, transposed
+#: copy for grouped GEMMs (`experts.Stacked`), its non-expert matrices and their transposed
+#: copy (`linear`; an upper bound: norms and embeddings are held once).
+HOST_WEIGHT_COPIES = 2
 
 
 def host_available_bytes() -> int:
@@ -189,7 +194,8 @@ class KVBudget:
         rank_non_expert = (
             self.non_expert * self.tp_size if self.rank_non_expert is None else self.rank_non_expert
         )
-        left = self.available - n * rank_non_expert - total_slots * self.slot_bytes
+        weights = n * rank_non_expert + total_slots * self.slot_bytes
+        left = self.available - HOST_WEIGHT_COPIES * weights
         return max(0, int(left // (n * self.tp_size) * self.fraction))
 
     def tokens(
