@@ -21,10 +21,14 @@ prompt tokens and exactly `--max-tokens` new ones (EOS ignored), all submitted a
 - hf generate: transformers' batched `generate` over the same prompts (TTFT: a
   `max_new_tokens=1` call; inter-token: the rest of the time per token, all streams in
   lockstep);
-- hf generate_batch (with `--cb`): transformers' continuous batching, tokens/s only.
+- hf generate_batch (with `--cb`): transformers' continuous batching, tokens/s only;
+- llama.cpp (with `--llama-cpp`): `llama-batched-bench` over the checkpoint as f32 GGUF, the
+  same streams, prompt and new tokens, `--threads` threads (`bench/llama_cpp.py`: built from
+  PyPI on first use; TTFT is the prefill of every prompt, inter-token a decode step).
 
     .venv/bin/python bench/engine_vs_hf.py                      # ~5 min on 2 busy cores (3 repeats)
     .venv/bin/python bench/engine_vs_hf.py --streams 16 32 64 --dp 1 2 --cb
+    .venv/bin/python bench/engine_vs_hf.py --streams 16 64 256 --llama-cpp   # + llama.cpp
     .venv/bin/python bench/engine_vs_hf.py --executor ray    # rank processes, as served
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --outputs async sync  # before/after
     .venv/bin/python bench/engine_vs_hf.py --streams 32 64 --schedule async sync
@@ -62,6 +66,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from bench import llama_cpp  # noqa: E402
 from moe_runtime import step as step_types  # noqa: E402
 from moe_runtime.engine import core, seam  # noqa: E402
 from moe_runtime.engine import request as req  # noqa: E402
@@ -321,6 +326,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cb", action="store_true", help="also transformers' generate_batch")
     parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also llama.cpp's llama-batched-bench over the checkpoint converted to f32 GGUF "
+        "(built from PyPI's llama-cpp-python sdist on first use, cached: bench/llama_cpp.py)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -457,6 +468,10 @@ def main() -> None:
         if args.pin and args.executor == "ray":
             pin(executor)
         ours(engine, timed, prompts(4, args.prompt_len, cfg.vocab_size), 4)  # warm-up
+    llama = None
+    if args.llama_cpp:
+        tree = llama_cpp.build()
+        llama = (tree, llama_cpp.to_gguf(path, tree))
     floor(model, experts, prompts(4, args.prompt_len, cfg.vocab_size), 4)
     hf_generate(hf, prompts(4, args.prompt_len, cfg.vocab_size), 4)
     try:
@@ -475,6 +490,10 @@ def main() -> None:
                     for (dp, mode, sched, env), (engine, timed, _) in engines.items()
                 ]
                 runs.append(("hf generate", hf_generate(hf, batch, new)))
+                if llama is not None:
+                    tree, gguf = llama
+                    got = llama_cpp.run(tree, gguf, [streams], args.prompt_len, new, args.threads)
+                    runs.append(("llama.cpp batched-bench", got[streams]))
                 for name, r in runs:
                     if name not in best or r["wall"] < best[name]["wall"]:
                         best[name] = r
@@ -487,7 +506,7 @@ def main() -> None:
             ratios = ", ".join(
                 f"{name} {r['tok/s'] / best['hf generate']['tok/s']:.2f}"
                 for name, r in best.items()
-                if name.startswith("ours")
+                if name.startswith(("ours", "llama.cpp"))
             )
             print(f"{'':<22} {streams:>4} tok/s over hf generate: {ratios}", flush=True)
             if args.cb:
