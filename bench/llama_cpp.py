@@ -155,12 +155,7 @@ def run(
         "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(new - 1),
         "-npl", ",".join(str(s) for s in streams), "-t", str(threads), "-tb", str(threads),
     ]  # fmt: skip
-    # its shared libraries sit beside it (a tree built before BUILD_SHARED_LIBS=OFF, or moved)
-    libs = os.pathsep.join(
-        filter(None, [str(tree / "build" / "bin"), os.environ.get("LD_LIBRARY_PATH")])
-    )
-    env = dict(os.environ, LD_LIBRARY_PATH=libs)
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"llama-batched-bench failed:\n{(done.stdout + done.stderr)[-3000:]}")
     rows: dict[int, dict[str, Any]] = {}
