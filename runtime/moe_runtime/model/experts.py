@@ -11,7 +11,6 @@ Shapes: T tokens, H hidden size, I expert intermediate size, k experts per token
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -173,12 +172,12 @@ def _grouped_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     offsets: torch.Tensor,
-    index: Callable[[], torch.Tensor],
+    index: torch.Tensor | None,
 ) -> torch.Tensor:
     """rows [N, K] of consecutive groups (ends at `offsets`) times weight [E, K, M] (stacked
-    transposed), plus bias [E, M] of each row's group (`index()` [N]: made when needed)."""
+    transposed), plus bias [E, M] of each row's group (`index` [N]: given with a bias)."""
     out = F.grouped_mm(rows, weight, offs=offsets)
-    return out if bias is None else out + bias.index_select(0, index())
+    return out if bias is None or index is None else out + bias.index_select(0, index)
 
 
 def grouped_forward(
@@ -203,13 +202,14 @@ def grouped_forward(
         dev = rows.device
         counts_t = torch.tensor(list(counts), dtype=torch.int64)
         offsets = torch.cumsum(counts_t, 0).to(device=dev, dtype=torch.int32)
-
-        @functools.cache
-        def index() -> torch.Tensor:  # each row's expert: the biases' rows (none, most families)
-            return torch.repeat_interleave(
+        # each row's expert, for the biases' rows (most families have none)
+        index = (
+            torch.repeat_interleave(
                 torch.arange(len(counts), device=dev), counts_t.to(dev), output_size=rows.shape[0]
             )
-
+            if any(name.endswith("bias") for name in parts)
+            else None
+        )
         x = rows.to(parts["gate_up"].dtype)
         try:
             both = _grouped_linear(x, parts["gate_up"], parts.get("gate_up_bias"), offsets, index)
