@@ -2,7 +2,9 @@
 one random Mixtral-shaped checkpoint, and the share of the step spent in the TP collectives.
 
 T = 2 runs two spawned processes over a gloo group on loopback (`model.tensor_parallel`), each
-with one torch thread; T = 1 runs one process without a TP part. Two expert layouts at T = 2
+with one torch thread, its TP collectives either over gloo or through shared memory
+(`comm.shm`, what a CPU rank of `serve` uses; the `TP comm` column); T = 1 runs one process
+without a TP part. First it prints one all-reduce's latency both ways. Two expert layouts at T = 2
 (docs/TENSOR-PARALLEL.md): `leader` (`serve`'s default): only TP rank 0 runs the routed
 experts, the other adds zeros to the MoE reduce, so the expert GEMMs cost the same at every
 T and TP divides only attention, the dense/shared MLPs and lm_head; `mesh` (vLLM's, `serve
@@ -33,7 +35,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from moe_runtime.comm import ep, group  # noqa: E402
+from moe_runtime.comm import ep, group, shm  # noqa: E402
 from moe_runtime.eplb import policy  # noqa: E402
 from moe_runtime.model import decoder, source, tensor_parallel, tp_shard  # noqa: E402
 from moe_runtime.model import experts as experts_mod  # noqa: E402
@@ -87,6 +89,27 @@ class TimedExperts:
         return self.backend(*args)
 
 
+def task_allreduce(
+    *, spec: group.GroupSpec, rank: int, hidden: int, calls: int
+) -> dict[str, float]:
+    """Microseconds of one all-reduce of a [1, hidden] fp32 tensor (a decode step's of one
+    stream) over gloo and through shared memory (`comm.shm`), the median of `calls`."""
+    grp = group.StatelessGroup(spec, rank, timeout=60)
+    try:
+        out = {}
+        for name, collective in (("gloo", grp), ("shm", shm.collective(grp))):
+            times = []
+            for _ in range(calls):
+                x = torch.ones(1, hidden)
+                started = time.perf_counter()
+                collective.all_reduce(x)
+                times.append(time.perf_counter() - started)
+            out[name] = sorted(times)[len(times) // 2] * 1e6
+        return out
+    finally:
+        grp.destroy()
+
+
 def task_decode(
     *,
     spec: group.GroupSpec | None,
@@ -95,14 +118,18 @@ def task_decode(
     path: str,
     streams: int,
     steps: int,
+    comm: str = "shm",
 ) -> dict[str, float]:
     """Prefill `streams` prompts, then `steps` decode steps; seconds per decode step and in
     the collectives (T from spec; None: T = 1, no TP part). `ep_spec`: the `mesh` layout, the
-    experts over an expert-parallel group of the TP ranks; None: `leader`."""
+    experts over an expert-parallel group of the TP ranks; None: `leader`. `comm`: how the
+    TP collectives go, "gloo" or "shm" (`comm.shm`, what a CPU rank of `serve` uses)."""
     src = source.open_source(path)
     grp = None if spec is None else group.StatelessGroup(spec, rank, timeout=60)
     ep_grp = None if ep_spec is None else group.StatelessGroup(ep_spec, rank, timeout=60)
-    timed = None if grp is None else TimedGroup(grp)
+    timed = None
+    if grp is not None:
+        timed = TimedGroup(shm.collective(grp) if comm == "shm" else grp)
     try:
         tp = None
         if timed is not None and spec is not None:
@@ -160,6 +187,16 @@ def _checkpoint(root: pathlib.Path, hidden: int) -> str:
     return str(hf_families.save(model, root / "mixtral"))
 
 
+#: (T, expert layout, how the TP collectives go) of each row
+MESHES = (
+    (1, "-", "-"),
+    (2, "leader", "gloo"),
+    (2, "leader", "shm"),
+    (2, "mesh", "gloo"),
+    (2, "mesh", "shm"),
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -171,14 +208,21 @@ def main() -> None:
         path = _checkpoint(pathlib.Path(tmp), args.hidden)
         pool = ep_ranks.RankPool(2, tasks_module="bench.tensor_parallel")
         try:
+            spec = group.GroupSpec.local(2, epoch=1, directory=tmp)
+            kw = dict(spec=spec, hidden=args.hidden, calls=500)
+            one = pool.run("allreduce", [dict(kw, rank=r) for r in range(2)], timeout=600)[0]
+            print(
+                f"one all-reduce of [1, {args.hidden}] fp32 between 2 processes (median of 500): "
+                f"gloo {one['gloo']:.0f} us, shared memory {one['shm']:.0f} us"
+            )
             print(f"Mixtral shape, hidden {args.hidden}, 4 layers, 8 experts top-2, fp32, CPU")
             print(
-                f"{'T':>2} {'experts':>7} {'streams':>7} {'step ms':>8} {'tok/s':>8} "
-                f"{'collectives':>11}"
+                f"{'T':>2} {'experts':>7} {'TP comm':>7} {'streams':>7} {'step ms':>8} "
+                f"{'tok/s':>8} {'collectives':>11}"
             )
-            epoch = 0
+            epoch = 2
             for streams in args.streams:
-                for size, layout in ((1, "-"), (2, "leader"), (2, "mesh")):
+                for size, layout, comm in MESHES:
                     epoch += 2
                     spec = ep_spec = None
                     if size > 1:
@@ -186,7 +230,12 @@ def main() -> None:
                     if layout == "mesh":
                         ep_spec = group.GroupSpec.local(size, epoch=epoch + 1, directory=tmp)
                     kw = dict(
-                        spec=spec, ep_spec=ep_spec, path=path, streams=streams, steps=args.steps
+                        spec=spec,
+                        ep_spec=ep_spec,
+                        path=path,
+                        streams=streams,
+                        steps=args.steps,
+                        comm=comm,
                     )
                     results = pool.run(
                         "decode", [dict(kw, rank=r) for r in range(size)], timeout=600
@@ -194,7 +243,7 @@ def main() -> None:
                     step = max(r["step_s"] for r in results)
                     share = max(r["collective_s"] for r in results) / step
                     print(
-                        f"{size:>2} {layout:>7} {streams:>7} {step * 1e3:>8.2f} "
+                        f"{size:>2} {layout:>7} {comm:>7} {streams:>7} {step * 1e3:>8.2f} "
                         f"{streams / step:>8.1f} {share:>10.0%}"
                     )
         finally:

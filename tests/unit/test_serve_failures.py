@@ -92,8 +92,8 @@ def test_a_rank_that_died_is_one_line_naming_memory_when_ray_does(text: str, mem
     """On the real node a rank in a worker pod whose memory limit is below what it needs was
     reported as only "The actor died unexpectedly before finishing this task."; the line the
     head's termination message carries now says what to change."""
-    from moe_runtime.executor import ray_actor
+    from moe_runtime.executor import ray_calls
 
-    line = ray_actor.death(RuntimeError(text))
+    line = ray_calls.death(RuntimeError(text))
     assert "\n" not in line and line.startswith(text.splitlines()[0])
     assert ("out of memory" in line and "workerResources" in line) is memory

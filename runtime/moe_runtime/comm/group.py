@@ -193,6 +193,8 @@ class StatelessGroup:
         #: Set once the group is aborted (by `abort`, or by its backend's failure).
         self.aborted = threading.Event()
         self.failure: str | None = None
+        #: Called once by the first `abort` or `destroy` (`comm.shm`: its peers' waits end).
+        self.on_abort: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._destroyed = False
         deadline = time.monotonic() + timeout
@@ -423,7 +425,10 @@ class StatelessGroup:
             if self.failure is None:
                 self.failure = reason
             pg, self._pg = self._pg, None
+            first = not self.aborted.is_set()
         self.aborted.set()
+        if first:
+            self._tell_abort()
         if pg is None:
             return
         try:
@@ -443,11 +448,20 @@ class StatelessGroup:
             self._destroyed = True
             pg, self._pg = self._pg, None
             self._store = None
+        self._tell_abort()
         if pg is not None:
             try:
                 self.semantics.abort(pg)
             except Exception:  # noqa: BLE001 - it is let go whatever abort says
                 log.exception("%r: abort on destroy failed", self)
+
+    def _tell_abort(self) -> None:
+        hooks, self.on_abort = self.on_abort, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the group is let go whatever a hook says
+                log.exception("%r: an abort hook failed", self)
 
     def __repr__(self) -> str:
         return (

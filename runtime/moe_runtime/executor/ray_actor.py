@@ -8,8 +8,8 @@
   behind a transfer);
 - `RankHandle`: how the executor reaches one DP rank (its actor and placement group; the
   roster keeps it with the rank's info and health);
-- `start_ranks`, `get_all` (results with errors naming the rank: `RankDied` for a dead
-  actor); the heartbeat's calls on the health lane are `ray_health`'s.
+- `start_ranks` (reading results: `ray_calls`); the heartbeat's calls on the health lane are
+  `ray_health`'s; a graph step over the TP followers: `ray_mesh`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from moe_runtime.executor import (
     base,
     guards,
     niceness,
+    ray_calls,
+    ray_mesh,
     ray_pipeline,
     ray_tensor,
     ray_transfer,
@@ -53,8 +55,8 @@ HEALTH_LANE = "health"
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
 #: StepInput.step_id of a hold (`ray_step`, "Parking"): the actor's graph loop waits in it,
-#: idle, until `RankActor.release_hold`.
-HOLD_STEP_ID = -2
+#: idle, until `RankActor.release_hold` (its TP followers' too: `ray_mesh`).
+HOLD_STEP_ID = ray_tensor.HOLD_STEP_ID
 
 
 class RankActor:
@@ -92,6 +94,8 @@ class RankActor:
                 [p for s in stages for p in ray.get(s.follower_pids.remote())],
             )
         self._stages = pipeline
+        #: graph steps over the TP followers at pipeline size 1 (`ray_mesh`)
+        self._mesh = None if tensor is None or pipeline else ray_mesh.MeshStep(self._step, tensor)
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
@@ -153,9 +157,32 @@ class RankActor:
         if step.step_id == HOLD_STEP_ID:
             # A parked step graph (`ray_step`): its loop waits here, idle, instead of spinning
             # on its input channel, until the next step (or a teardown) releases it.
-            self._hold.wait()
-            self._hold.clear()
-            return step_mod.StepOutput(rank=-1, step_id=step.step_id)
+            return self._wait_hold(step)
+        return self._step(step)
+
+    def prepare_step(self, step: step_mod.StepInput) -> ray_tensor.FollowerStep:
+        """The leader's first node of a graph step over its TP followers (`ray_mesh`): the
+        step started, what its followers run of it returned."""
+        if step.step_id in (PROBE_STEP_ID, HOLD_STEP_ID) or self._mesh is None:
+            return ray_tensor.FollowerStep(step.step_id)
+        return self._mesh.prepare(step)
+
+    def finish_step(self, work: ray_tensor.FollowerStep) -> step_mod.StepOutput:
+        """The leader's second node of a graph step (`ray_mesh`): the step's output."""
+        if work.step_id == PROBE_STEP_ID:
+            return step_mod.StepOutput(rank=-1, step_id=work.step_id)
+        if work.step_id == HOLD_STEP_ID:
+            return self._wait_hold(step_mod.StepInput(step_id=work.step_id, batches={}))
+        if self._mesh is None:
+            raise RuntimeError("finish_step on a rank without TP followers")
+        return self._mesh.finish()
+
+    def _wait_hold(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        self._hold.wait()
+        self._hold.clear()
+        return step_mod.StepOutput(rank=-1, step_id=step.step_id)
+
+    def _step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         if not self._serving:
             self._serving = True
             niceness.set_niceness(self.worker.label, 0, why="steps")  # followers: their own
@@ -378,7 +405,7 @@ def start_ranks(
                     expert_layout=expert_layout,
                 )
             )
-        infos = get_all(
+        infos = ray_calls.get_all(
             [a.ready.remote() for a in actors],
             list(range(first_label, first_label + count)),
             what="ready",
@@ -439,53 +466,6 @@ def _bundle_options(pg: Any, index: int, use_gpu: bool, options: dict[str, Any])
         num_gpus=1 if use_gpu else 0,
         **options,
     )
-
-
-def get_all(
-    refs: Sequence[Any], ranks: Sequence[int], *, what: str, timeout: float | None
-) -> list[Any]:
-    """ray.get every ref; errors name the rank (RankDied for a dead actor)."""
-    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-    if pending:
-        late = [r for r, ref in zip(ranks, refs, strict=True) if ref not in set(ready)]
-        raise TimeoutError(f"{what}: ranks {late} did not answer within {timeout}s")
-    results = []
-    for rank, ref in zip(ranks, refs, strict=True):
-        try:
-            results.append(ray.get(ref))
-        except ray.exceptions.RayActorError as exc:
-            raise base.RankDied(f"{what}: rank {rank} died: {death(exc)}", ranks=[rank]) from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise base.ExecutorError(
-                f"{what} failed on rank {rank}: {exc.cause!r}", ranks=[rank]
-            ) from exc
-    return results
-
-
-#: What Ray says of a worker process killed by the kernel's OOM killer (a possible cause it
-#: names first) or by its own memory monitor: either way the rank ran out of memory.
-_OOM_WORDS = ("OOM killer", "low on memory")
-MEMORY_HINT = (
-    "its process was killed, most likely out of memory: a rank needs the runtime's fixed "
-    "~0.8 GB plus its shard within the worker pod's memory limit (spec.ray.workerResources)"
-)
-
-
-def death(exc: BaseException) -> str:
-    """One line for a rank actor that died: Ray's first line, and what to do when Ray says
-    the process may have been killed for memory (its message runs to many lines)."""
-    text = str(exc)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    head = lines[0] if lines else type(exc).__name__
-    if any(word in text for word in _OOM_WORDS):
-        return f"{head} ({MEMORY_HINT})"
-    return head
-
-
-def first_line(exc: BaseException, limit: int = 160) -> str:
-    """A short description of exc (Ray's messages run to many lines)."""
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def free_resource(resource: str) -> float:

@@ -47,6 +47,7 @@ from moe_runtime.executor import (
     base,
     guards,
     ray_actor,
+    ray_calls,
     ray_graph,
     ray_groups,
     ray_health,
@@ -223,7 +224,7 @@ class RayExecutor(base.Executor):
             if calls.background:
                 call = call.options(concurrency_group=ray_actor.CTL_LANE)
             refs.append(call.remote(calls.method, *calls.args, **kwargs))
-        return ray_actor.get_all(refs, calls.labels, what=calls.method, timeout=calls.timeout)
+        return ray_calls.get_all(refs, calls.labels, what=calls.method, timeout=calls.timeout)
 
     def execute_step(self, step: step_mod.StepInput) -> list[step_mod.StepOutput]:
         return self.collect_step(self.submit_step(step))
@@ -292,7 +293,7 @@ class RayExecutor(base.Executor):
         for r in bad:
             if r in members:
                 state = health.get(r, health_mod.HEALTH_DEAD)
-                reason = f"step {step.step_id} failed: {ray_actor.first_line(exc)}"
+                reason = f"step {step.step_id} failed: {ray_calls.first_line(exc)}"
                 members[r].health.lose(state, reason, now)
         hung = [r for r in bad if health.get(r) == health_mod.HEALTH_UNRESPONSIVE]
         if hung:
@@ -311,7 +312,16 @@ class RayExecutor(base.Executor):
     def _set_path(self) -> None:
         """Step the active ranks from the next step on (`ray_step.StepPath.set`)."""
         members = self.roster.targets("step", None)
-        self.path.set([m.label for m in members], [m.handle.actor for m in members])
+        self.path.set(
+            [m.label for m in members],
+            [m.handle.actor for m in members],
+            [self._graph_followers(m) for m in members],
+        )
+
+    def _graph_followers(self, member: ray_actor.Member) -> tuple[Any, ...]:
+        """The TP followers of `member` that are nodes of the step graph (`ray_mesh`): all of
+        them at pipeline size 1, none with pipeline stages (a stage leader calls its own)."""
+        return member.handle.followers if self.pp_size == 1 else ()
 
     def has_step_path(self) -> bool:
         return self.switcher.switching or self.path.ranks is not None
@@ -334,7 +344,7 @@ class RayExecutor(base.Executor):
     def promote(self, ranks: Sequence[int]) -> None:
         members = self.roster.targets("promote", ranks)
         refs = [m.handle.actor.promote.remote() for m in members]
-        ray_actor.get_all(refs, list(ranks), what="promote", timeout=self._ready_timeout)
+        ray_calls.get_all(refs, list(ranks), what="promote", timeout=self._ready_timeout)
 
     def warm_up(self, ranks: Sequence[int]) -> None:
         """Pay the first compiled graph of pending workers now, in a thread (compiled mode;
@@ -345,7 +355,11 @@ class RayExecutor(base.Executor):
         stepped = set(self.path.ranks or [])
         if stepped & set(ranks):
             raise ValueError(f"warm_up: ranks {sorted(stepped & set(ranks))} are stepped")
-        self._warm.start([m.handle.actor for m in self.roster.targets("warm_up", ranks)])
+        members = self.roster.targets("warm_up", ranks)
+        self._warm.start(
+            [m.handle.actor for m in members]
+            + [f for m in members for f in self._graph_followers(m)]
+        )
 
     def prepare_switch(self) -> None:
         self._warm.join()

@@ -1,5 +1,7 @@
 """The step graph of `RayExecutor`: a Ray compiled graph ``InputNode -> [rank.execute_step]
--> MultiOutputNode``, how a new one is made fit to carry steps (`build`: compiled, checked,
+-> MultiOutputNode`` (at T > 1 and pipeline size 1 over every TP actor of each DP rank:
+``InputNode -> leader.prepare_step -> [leader.finish_step, follower.graph_step ...]``,
+`ray_mesh`), how a new one is made fit to carry steps (`build`: compiled, checked,
 probed once), its hold while parked (`hold`, `release`: `ray_step`, "Parking"), and
 the warm-up that pays an actor's first compile while it is not stepped yet (`WarmUp`, a part
 of the executor: warm spare ranks, a grow's new ranks).
@@ -32,12 +34,24 @@ RELEASE_TIMEOUT_SECONDS = 10.0
 PROBE_STEP_ID = ray_actor.PROBE_STEP_ID
 
 
-def compile_graph(actors: Sequence[Any]) -> Any:
-    """The step graph over `actors`. Blocks for the compile (~0.2 s over actors that were in a
-    graph before, seconds over fresh ones): `ray_step` calls it from its background job, which
-    has torn down every other graph over these actors first."""
+def compile_graph(actors: Sequence[Any], followers: Sequence[Sequence[Any]] = ()) -> Any:
+    """The step graph over `actors` (and `followers[i]`, the TP followers of `actors[i]`, as
+    nodes of their own: `ray_mesh`; its outputs are then the leaders', then the followers'
+    in order). Blocks for the compile (~0.2 s over actors that were in a graph before,
+    seconds over fresh ones): `ray_step` calls it from its background job, which has torn
+    down every other graph over these actors first."""
     with ray.dag.InputNode() as inp:
-        dag = ray.dag.MultiOutputNode([a.execute_step.bind(inp) for a in actors])
+        outs: list[Any] = []
+        answers: list[Any] = []
+        for i, actor in enumerate(actors):
+            theirs = followers[i] if followers else ()
+            if not theirs:
+                outs.append(actor.execute_step.bind(inp))
+                continue
+            work = actor.prepare_step.bind(inp)
+            outs.append(actor.finish_step.bind(work))
+            answers.extend(f.graph_step.bind(work) for f in theirs)
+        dag = ray.dag.MultiOutputNode(outs + answers)
     return _compile(dag)
 
 
@@ -86,16 +100,22 @@ class Built:
 
 
 def build(
-    actors: Sequence[Any], *, probe_timeout: float, current: Callable[[], bool], retry_in: float
+    actors: Sequence[Any],
+    *,
+    probe_timeout: float,
+    current: Callable[[], bool],
+    retry_in: float,
+    followers: Sequence[Sequence[Any]] = (),
 ) -> Built:
-    """A new step graph over `actors`, fit to carry steps: compiled, checked (`broken`) and
+    """A new step graph over `actors` (and their TP `followers`: `compile_graph`), fit to
+    carry steps: compiled, checked (`broken`) and
     executed once with the probe step (the first execution of a fresh graph is slow: paid
     before real steps), within `probe_timeout` s. Not probed when `current()` says the step
     path moved on while it compiled (a switch, a removal: an actor of it may be gone, and its
     probe would wait for it). `retry_in` (s) only goes into the logs."""
     started = time.monotonic()
     try:
-        graph = compile_graph(actors)
+        graph = compile_graph(actors, followers)
     except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
         log.exception(
             "compiling the step graph over %d ranks failed; steps stay on plain actor calls "

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from moe_runtime.comm import group as group_mod
-from moe_runtime.executor import joins, ray_actor, roster
+from moe_runtime.executor import joins, ray_actor, ray_calls, roster
 from moe_runtime.rank import groups as groups_mod
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class RayGroups:
             return list(done)
 
         def result(label: int, ref: Any) -> object:
-            return ray_actor.get_all([ref], [label], what="join_group", timeout=0)[0]
+            return ray_calls.get_all([ref], [label], what="join_group", timeout=0)[0]
 
         def abort(labels: list[int]) -> None:
             health = {"concurrency_group": ray_actor.HEALTH_LANE}

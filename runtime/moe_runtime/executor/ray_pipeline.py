@@ -134,7 +134,7 @@ class RayStages(ray_tensor.RayFollowers):
     def follower_pids(self) -> list[int]:
         return list(self._follower_pids)
 
-    def send(self, method: str, *args: Any) -> list[Any]:
+    def send(self, method: str, *args: Any) -> Any:
         if method in CTL_METHODS:  # beside the steps (the control lane)
             ctl = {"concurrency_group": CTL_LANE}
             return [getattr(a, method).options(**ctl).remote(*args) for a in self._actors]

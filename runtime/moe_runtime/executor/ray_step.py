@@ -2,7 +2,8 @@
 handover that keeps a graph compile out of the switch pause.
 
 A step goes either through plain actor calls (``actor.execute_step.remote``, on each actor's
-default lane) or through a Ray compiled graph over the same actors (whose execution loop runs
+default lane) or through a Ray compiled graph over the same actors (at T > 1 and pipeline
+size 1 their TP followers are nodes of it too: `ray_mesh`; the graph's execution loop runs
 on the actors' ``_ray_system`` lane, so plain calls still run while a graph is live). Both
 reach the same `RankWorker.execute_step` (its stepper runs one step at a time). The engine
 may send a second step before the first is collected (`submit`, then `collect`: two steps in
@@ -20,33 +21,26 @@ pauses serving only for the workers' `activate`, never for a compile (measured h
 over actors that were in a graph before, ~2.5 s over fresh ones).
 
 Parking (`park_after`): Ray 2.60's compiled-graph actors busy-wait for their next input (the
-shared-memory channel's read is a ``sched_yield`` loop in ``PlasmaObjectHeader::ReadAcquire``,
-with no setting that makes it block), so a live graph costs each stepped actor most of a core
-while no step runs (measured: 0.9 of a core per serving rank). A thread of the step path parks
-the graph once no step has run for `park_after` s (none in flight): it sends a hold through it
-(`HOLD_STEP_ID`), which each actor's graph loop answers by waiting on an event, idle, and
-nobody reads its output yet (an execution in flight and unread costs the driver nothing
-either: measured, no process above 0.03 of a core). The next step releases the hold (one call
-per actor on its health lane, `RankActor.release_hold`), reads the hold's output and goes
-through the same graph: ~3 ms, no compile. Before, a park tore the graph down and the next
-step compiled it again (~1 CPU-second, a new `DAGDriverProxyActor` process in Ray 2.60, with
-plain calls serving meanwhile); that stays the fallback where a hold cannot be sent or
-released. A graph retired while held (a switch, `clear`, `close`) is released before its
-teardown, which could not otherwise stop the waiting loop. A busy server never parks; an idle
-one costs its ranks nothing while it waits.
-
-The collecting thread sleeps through most of each step before it reads the graph's output,
-which spins too (`step_wait`).
+shared-memory channel's read is a ``sched_yield`` loop, no setting makes it block: 0.9 of a
+core per serving rank), so a thread of the step path parks the graph once no step has run for
+`park_after` s: it sends a hold through it (`HOLD_STEP_ID`), which each actor's graph loop
+(a TP follower's too, `ray_mesh`) answers by waiting on an event, idle, its output unread
+(measured: no process above 0.03 of a core). The next step releases the hold (one call per
+actor on its health lane, `release_hold`), reads the hold's output and goes through the same
+graph: ~3 ms, no compile. Where a hold cannot be sent or released the graph is torn down and
+compiled again (plain calls serving meanwhile). A graph retired while held (a switch,
+`clear`, `close`) is released before its teardown, which could not otherwise stop the
+waiting loop. A busy server never parks; an idle one costs its ranks nothing. The collecting
+thread sleeps through most of each step before it reads the output, which spins
+too (`step_wait`).
 
 Failures: a compile or a probe that fails leaves the plain-call path serving (no request
 notices) and is tried again `RETRY_SECONDS` later, at the next step. A graph whose compile
-ended after the step path moved on (a switch or a removal meanwhile: an actor of it may be
-gone) is torn down unprobed, and so is one that Ray left half-live (`ray_graph.broken`); the
-probe itself waits at most `PROBE_TIMEOUT_SECONDS` (the first execution of a fresh graph
-takes well under a second), so no job holds the next compile for long. A compile that hangs holds
-the job (plain calls keep serving); it runs in the job's thread, never beside another compile. `clear()` leaves
-no step path (a rank was lost); its graph is retired and torn down by the next job, or by
-`close()`.
+ended after the step path moved on (a switch or a removal: an actor of it may be gone) is
+torn down unprobed, and so is one that Ray left half-live (`ray_graph.broken`); the probe
+waits at most `PROBE_TIMEOUT_SECONDS`. A compile that hangs holds the job (plain calls keep
+serving); it runs in the job's thread, never beside another compile. `clear()` leaves no step
+path (a rank was lost); its graph is retired and torn down by the next job, or by `close()`.
 """
 
 from __future__ import annotations
@@ -61,7 +55,7 @@ from typing import Any
 import ray
 
 from moe_runtime import step as step_mod
-from moe_runtime.executor import guards, ray_actor, ray_graph, step_wait
+from moe_runtime.executor import guards, ray_calls, ray_graph, ray_mesh, step_wait
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +112,8 @@ class StepPath:
         self._compile_lock = threading.Lock()
         self._ranks: list[int] | None = None
         self._actors: list[Any] = []
+        #: each stepped actor's TP followers, nodes of the graph (`ray_mesh`); () each: none
+        self._followers: list[tuple[Any, ...]] = []
         self._graph: Any = None
         self._retired: list[Any] = []
         self._gen = 0
@@ -163,12 +159,20 @@ class StepPath:
         with self._lock:
             return self._parked
 
-    def set(self, ranks: Sequence[int], actors: Sequence[Any]) -> None:
+    def set(
+        self,
+        ranks: Sequence[int],
+        actors: Sequence[Any],
+        followers: Sequence[Sequence[Any]] = (),
+    ) -> None:
         """Step `actors` (labels `ranks`) from the next step on, through plain calls at once;
-        in compiled mode a graph over them is compiled in the background and takes over."""
+        in compiled mode a graph over them (and `followers[i]`, the TP followers of
+        `actors[i]`: nodes of the graph, `ray_mesh`) is compiled in the background and takes
+        over."""
         with self._lock:
             self._retire_locked()
             self._ranks, self._actors = list(ranks), list(actors)
+            self._followers = [tuple(f) for f in followers] or [() for _ in actors]
             self._gen += 1
             gen = self._gen
             self._retry_at = None
@@ -180,7 +184,7 @@ class StepPath:
         """No step path (until the next `set`); the graph is retired."""
         with self._lock:
             self._retire_locked()
-            self._ranks, self._actors = None, []
+            self._ranks, self._actors, self._followers = None, [], []
             self._gen += 1
             self._parked = False
 
@@ -214,6 +218,7 @@ class StepPath:
                     timeout=HANDOVER_WAIT_SECONDS,
                 )
             ranks, actors, gen = self._ranks, list(self._actors), self._gen
+            counts = [len(f) for f in self._followers]
             graph = self._graph
             if self._in_flight and self._flying_graph is not graph:
                 graph = None  # plain calls in flight (or a retired graph's step): plain calls
@@ -241,7 +246,12 @@ class StepPath:
             if graph is not None:
                 sent_at = time.monotonic()
                 return Submitted(
-                    step, list(ranks), gen, graph_ref=graph.execute(step), sent_at=sent_at
+                    step,
+                    list(ranks),
+                    gen,
+                    graph_ref=graph.execute(step),
+                    sent_at=sent_at,
+                    followers=counts,
                 )
             refs = [a.execute_step.remote(step) for a in actors]
         except BaseException:
@@ -257,12 +267,11 @@ class StepPath:
             if sent.graph_ref is not None:
                 tokens = sent.step.most_tokens()
                 slept = self.wait.wait(tokens, sent.sent_at)
-                outs: list[step_mod.StepOutput] = list(
-                    ray.get(sent.graph_ref, timeout=max(0.0, timeout - slept))
-                )
+                raw = ray.get(sent.graph_ref, timeout=max(0.0, timeout - slept))
+                outs = ray_mesh.outputs(raw, sent.ranks, sent.followers)
                 self.wait.landed(tokens, max((o.seconds for o in outs), default=0.0))
                 return outs
-            plain: list[step_mod.StepOutput] = ray_actor.get_all(
+            plain: list[step_mod.StepOutput] = ray_calls.get_all(
                 sent.refs, sent.ranks, what="execute_step", timeout=timeout
             )
             return plain
@@ -331,7 +340,7 @@ class StepPath:
                 self.parks += 1
                 try:
                     # under the lock: no step is sent behind the hold before it is recorded
-                    self._held = ray_graph.hold(graph, self._actors)
+                    self._held = ray_graph.hold(graph, self._graph_actors_locked())
                 except Exception:  # noqa: BLE001 - parked the old way instead
                     log.exception("holding the idle step graph failed; tearing it down")
                     self._retire_locked()
@@ -340,6 +349,10 @@ class StepPath:
                     log.info("no step for %.1fs: parking the step graph (held)", self.park_after)
                     continue
             self._start_job(gen, compile=False)
+
+    def _graph_actors_locked(self) -> list[Any]:
+        """Every actor with a node in the graph: the stepped ones, then their followers."""
+        return self._actors + [f for theirs in self._followers for f in theirs]
 
     def _start_parker_locked(self) -> None:
         if self.park_after > 0 and self._parker is None and not self._closed:
@@ -373,7 +386,7 @@ class StepPath:
             self._teardown_retired()
             torn = time.monotonic()
             with self._lock:
-                actors = list(self._actors)
+                actors, followers = list(self._actors), list(self._followers)
             if not compile or not self._current(gen):
                 return
             built = ray_graph.build(
@@ -381,6 +394,7 @@ class StepPath:
                 probe_timeout=self.probe_timeout,
                 current=lambda: self._current(gen),
                 retry_in=RETRY_SECONDS,
+                followers=followers,
             )
             if built.failed:
                 self.last_compile = built.figures
@@ -450,7 +464,7 @@ class StepPath:
         with self._lock:
             self._closed = True
             self._retire_locked()
-            self._ranks, self._actors = None, []
+            self._ranks, self._actors, self._followers = None, [], []
             self._gen += 1
             self._wake.notify_all()
             parker = self._parker
@@ -482,3 +496,5 @@ class Submitted:
     refs: list[Any] = dataclasses.field(default_factory=list)
     #: Monotonic time a graph's execution was sent (`step_wait`).
     sent_at: float = 0.0
+    #: How many TP followers of each rank answer the graph too (`ray_mesh.outputs`).
+    followers: list[int] = dataclasses.field(default_factory=list)

@@ -9,6 +9,11 @@
   follower, results read with errors turned into `tensor_group.FollowerLost` for a dead
   actor; `alive` keeps one ping in flight per follower and reads it without blocking, and
   kills (fences) a follower that leaves one unanswered for `tensor_group.FOLLOWER_HANG_S`.
+- In the step graph (`ray_mesh`, pipeline size 1): a follower is a node of the compiled graph
+  (`FollowerActor.graph_step`), fed by its leader's `prepare_step` node with the step's
+  forward pass (`FollowerStep`) instead of a plain call per step: `RayFollowers.handoff`
+  takes the leader's "step" send while a graph step runs, and the followers' answers go to
+  the graph's output (the driver adds their reads to the leader's `StepOutput`).
 
 The executor creates the followers with the leader (`ray_actor.start_ranks`) and hands their
 handles to it; removing the DP rank's placement group ends them with it.
@@ -16,10 +21,11 @@ handles to it; removing the DP rank's placement group ends them with it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -34,6 +40,24 @@ log = logging.getLogger(__name__)
 HEALTH_LANE = "health"
 #: Seconds a leader's `promote` waits for its TP followers' answers.
 PROMOTE_TIMEOUT_S = 30.0
+#: `FollowerStep.step_id` of a parked graph's hold (`ray_actor.HOLD_STEP_ID`): the
+#: follower's graph loop waits on an event until `FollowerActor.release_hold`.
+HOLD_STEP_ID = -2
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowerStep:
+    """What a leader's `prepare_step` node hands its followers' `graph_step` nodes: the step's
+    id and the arguments of `TensorFollower.step` (None: no forward pass for them this step,
+    a probe, or a hold: `HOLD_STEP_ID`)."""
+
+    step_id: int
+    args: tuple[Any, ...] | None = None
+
+
+#: What `RayFollowers.send("step", ...)` returns while a graph step takes the send
+#: (`RayFollowers.handoff`): the followers answer the graph's output, not the leader.
+IN_GRAPH = object()
 
 
 class FollowerActor:
@@ -63,6 +87,12 @@ class FollowerActor:
         torch.set_num_threads(1)
         self.label = label
         self._serving = False
+        #: a graph step and a plain call's step never run at once (the step path's handover:
+        #: the tail of one may still run when its leader sends the next)
+        self._step_lock = threading.Lock()
+        #: set by `release_hold`: the graph loop, parked in a hold, goes on
+        self._hold = threading.Event()
+        self.steps = {"graph": 0, "plain": 0}
         self.follower = tensor_follower.TensorFollower(
             rank=tp_rank,
             size=tp_size,
@@ -86,10 +116,47 @@ class FollowerActor:
     def call(self, method: str, *args: Any) -> Any:
         if method not in ("join", "load", "step", "shutdown"):
             raise AttributeError(f"a TP follower has no method {method!r}")
-        if method == "step" and not self._serving:
+        if method != "step":
+            return getattr(self.follower, method)(*args)
+        self.steps["plain"] += 1
+        return self._step(args)
+
+    def _step(self, args: tuple[Any, ...]) -> Any:
+        if not self._serving:
             self._serving = True
             niceness.set_niceness(self.label, 0, why="steps (TP follower)")
-        return getattr(self.follower, method)(*args)
+        with self._step_lock:
+            return self.follower.step(*args)
+
+    def graph_step(self, work: FollowerStep) -> dict[str, Any]:
+        """Its node of the step graph (`ray_mesh`): the forward pass its leader's
+        `prepare_step` handed out, if any. Never raises (an error would fail every rank's
+        output of the step): a failed step answers {"error": ...}; its leader's forward pass
+        fails with it (the follower aborts their TP group)."""
+        if work.step_id == HOLD_STEP_ID:
+            self._hold.wait()
+            self._hold.clear()
+            return {}
+        if work.args is None:
+            return {}
+        self.steps["graph"] += 1
+        try:
+            answer: dict[str, Any] = self._step(work.args)
+        except Exception as exc:  # noqa: BLE001 - answered; the leader's step fails too
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return answer
+
+    def step_counts(self) -> dict[str, int]:
+        """Forward passes run from the step graph and from plain calls (tests, benchmarks)."""
+        return dict(self.steps)
+
+    def release_hold(self) -> None:
+        """End the hold its graph loop waits in (`graph_step`); on the health lane."""
+        self._hold.set()
+
+    def echo(self, value: Any) -> Any:
+        """Does nothing: the method of the throwaway graph that warms a new actor up."""
+        return value
 
     def ping(self) -> dict[str, Any]:
         return self.follower.ping()
@@ -132,14 +199,22 @@ class RayFollowers:
         self._lost_type = lost
         self._pings: list[tuple[Any, float]] = []
         self._lock = threading.Lock()  # the step thread and the health lane both look
+        #: While a graph step runs (`ray_mesh.MeshStep`): takes the step's "step" send, whose
+        #: arguments go to the followers' graph nodes; None: plain calls.
+        self.handoff: Callable[[tuple[Any, ...]], None] | None = None
 
-    def send(self, method: str, *args: Any) -> list[Any]:
+    def send(self, method: str, *args: Any) -> Any:
+        if method == "step" and self.handoff is not None:
+            self.handoff(args)
+            return IN_GRAPH
         if method in CTL_METHODS + HEALTH_METHODS:
             lane = {"concurrency_group": CTL_LANE if method in CTL_METHODS else HEALTH_LANE}
             return [a.control.options(**lane).remote(method, *args) for a in self._actors]
         return [a.call.remote(method, *args) for a in self._actors]
 
     def wait(self, pending: Any, timeout: float | None) -> list[Any]:
+        if pending is IN_GRAPH:
+            return []  # their answers are the graph's output (`ray_mesh`)
         refs = list(pending)
         ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         out: list[Any] = []

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from moe_runtime.eplb import moves as moves_mod
-from moe_runtime.executor import ray_actor, ray_transfer, roster, weight_moves
+from moe_runtime.executor import ray_actor, ray_calls, ray_transfer, roster, weight_moves
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class SharedMemory:
             for i, r in enumerate(members)
             if r in called
         ]
-        received = ray_actor.get_all(calls, called, what=what, timeout=timeout)
+        received = ray_calls.get_all(calls, called, what=what, timeout=timeout)
         log.info(
             "%s on ranks %s in %.2fs: %d moves through shared memory (%d exports), %d over the "
             "transfer group of epoch %d",
@@ -181,5 +181,5 @@ class SharedMemory:
             for r, s in local.items()
             if s is not None
         ]
-        received = ray_actor.get_all(calls, receivers, what="load_non_expert", timeout=timeout)
+        received = ray_calls.get_all(calls, receivers, what="load_non_expert", timeout=timeout)
         return int(sum(int(b) for b in received))

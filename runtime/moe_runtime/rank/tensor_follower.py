@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from moe_runtime.comm import group as group_mod
+from moe_runtime.comm import shm
 from moe_runtime.model import decoder, pipeline
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import source as source_mod
@@ -47,6 +48,8 @@ class TensorFollower:
         self.stages = stages
         self.expert_layout = expert_layout
         self.group: group_mod.StatelessGroup | None = None
+        #: the group's collectives as the model calls them (`comm.shm`)
+        self.collective: Any = None
         self.epoch = 0
         self.model: decoder.MoEModel | None = None
         self.kv: kv_mod.KVCache | None = None
@@ -66,11 +69,17 @@ class TensorFollower:
     def join(self, spec: group_mod.GroupSpec) -> None:
         """Join the leader's TP group of `spec.epoch` (the last one replaces any before it)."""
         group = group_mod.StatelessGroup(spec, self.rank, timeout=GROUP_TIMEOUT_S)
+        try:
+            collective = shm.collective(group)  # with the leader's `ensure_group`
+        except Exception:
+            group.destroy()
+            raise
         old, self.group, self.epoch = self.group, group, spec.epoch
+        self.collective = collective
         if old is not None:
             old.destroy()
         if self.model is not None and self.model.tp is not None:
-            self.model.tp.group = group
+            self.model.tp.group = collective
 
     def load(
         self,
@@ -94,7 +103,7 @@ class TensorFollower:
         if self.stages > 1:
             stage = pipeline.plan(src.config, stage=self.stage, size=self.stages)
         torch_dtype = getattr(torch, dtype)
-        tp = tp_mod.TensorParallel(shard, self.group, expert_layout=self.expert_layout)
+        tp = tp_mod.TensorParallel(shard, self.collective, expert_layout=self.expert_layout)
         model = decoder.MoEModel.from_source(  # placeholder: a new DP rank's, from its peers
             src, dtype=torch_dtype, device=self.device, tp=tp, pp=stage, placeholder=placeholder
         )

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from moe_runtime.comm import group as group_mod
+from moe_runtime.comm import shm
 from moe_runtime.model import decoder, pipeline, tp_shard
 from moe_runtime.model import kv as kv_mod
 from moe_runtime.model import tensor_parallel as tp_mod
@@ -123,6 +124,9 @@ class TensorLeader:
         self.device = device
         self.expert_layout = expert_layout
         self.group: group_mod.StatelessGroup | None = None
+        #: what the model's TP part calls: the group, its small collectives through shared
+        #: memory on a CPU host (`comm.shm`)
+        self.collective: Any = None
         self.epoch = 0
         self._frees: list[str] = []
         self._lost: str | None = None
@@ -138,10 +142,11 @@ class TensorLeader:
         return self.expert_layout == tp_mod.MESH
 
     # -- the group ---------------------------------------------------------------------
-    def ensure_group(self) -> group_mod.StatelessGroup:
-        """The live TP group, formed anew (next TP epoch) when there is none or it failed."""
+    def ensure_group(self) -> Any:
+        """The live TP group's collectives (`collective`), formed anew (next TP epoch) when
+        there is none or it failed."""
         if self.group is not None and self.group.failure is None:
-            return self.group
+            return self.collective
         if self.group is not None:
             self.group.destroy()
             self.group = None
@@ -151,9 +156,14 @@ class TensorLeader:
         )
         pending = self.followers.send("join", spec)
         group = group_mod.StatelessGroup(spec, 0, timeout=GROUP_TIMEOUT_S)
+        try:
+            collective = shm.collective(group)  # with the followers' joins
+        except Exception:
+            group.destroy()
+            raise
         self._wait(pending, GROUP_TIMEOUT_S)
-        self.group = group
-        return group
+        self.group, self.collective = group, collective
+        return collective
 
     def abort(self, reason: str) -> None:
         """Let the TP group go now: a follower waiting in one of its collectives stops (and,
