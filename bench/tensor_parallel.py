@@ -167,7 +167,7 @@ def task_decode(
             ep_grp.destroy()
 
 
-TASKS: dict[str, Callable[..., Any]] = {"decode": task_decode}
+TASKS: dict[str, Callable[..., Any]] = {"decode": task_decode, "allreduce": task_allreduce}
 
 
 def _checkpoint(root: pathlib.Path, hidden: int) -> str:
