@@ -14,7 +14,9 @@ and one row:
 - step: the load's wall time over the engine steps it took (the mean step time);
 - ratio: that step time over the (1, 1) row's (how much the mesh adds to a step; "-"
   without a (1, 1) row before it);
-- load s: seconds to start the executor and load the model on its actors.
+- load s: seconds to start the executor and load the model on its actors;
+- graph: the actors with a node in the compiled step graph after the load (the leader and,
+  at P = 1, its T - 1 TP followers: `executor.ray_mesh`; 0: the steps went by plain calls).
 
 A mesh that fails to start prints "(T, P): not served: <error>" and the run goes on. EPLB
 is off: the bench drives the bare engine (no `ElasticService`, hence no rebalancing). The model must split over 2 pipeline stages
@@ -99,9 +101,10 @@ def _load_average() -> str:
 
 def serve_mesh(
     mesh: Mesh, src: source_mod.ModelSource, args: argparse.Namespace
-) -> tuple[serve_bench.Measured, float] | str:
-    """The load on a fresh executor of one DP rank of T x P actors, and the seconds it took
-    to start; or why the mesh could not be served."""
+) -> tuple[serve_bench.Measured, float, int] | str:
+    """The load on a fresh executor of one DP rank of T x P actors, the seconds it took to
+    start and the actors with a node in its step graph at the end (0: plain calls); or why
+    the mesh could not be served."""
     tp, pp, tokens = mesh
     loaded = time.monotonic()
     try:
@@ -111,19 +114,21 @@ def serve_mesh(
     try:
         serve_bench.start(executor, args.model, src.config)
         load_s = time.monotonic() - loaded
-        return serve_bench.measure(executor, src, args), load_s
+        measured = serve_bench.measure(executor, src, args)
+        return measured, load_s, executor.path.graph_nodes()
     except Exception as exc:  # noqa: BLE001 - report it, go on with the next mesh
         return f"{type(exc).__name__}: {exc}"
     finally:
         executor.shutdown()
 
 
-def _row(mesh: Mesh, measured: serve_bench.Measured, load_s: float, base: float | None) -> str:
+def _row(
+    mesh: Mesh, measured: serve_bench.Measured, load_s: float, nodes: int, base: float | None
+) -> str:
     ratio = "-" if base is None else f"{measured.step_s / base:.2f}"
     errors = measured.timings.errors
-    return f"{_label(mesh):>12} {measured.columns()} {ratio:>6} {load_s:>7.1f}" + (
-        f"  ({errors} errors)" if errors else ""
-    )
+    row = f"{_label(mesh):>12} {measured.columns()} {ratio:>6} {load_s:>7.1f} {nodes:>6}"
+    return row + (f"  ({errors} errors)" if errors else "")
 
 
 def main() -> None:
@@ -165,8 +170,10 @@ def main() -> None:
         f"load: {args.requests} requests, {args.concurrency} concurrent, prompt {args.prompt_len}"
         f" tokens, {args.max_tokens} generated each; load average {_load_average()}"
     )
-    print(f"{'(T, P)':>12} {serve_bench.COLUMNS} {'ratio':>6} {'load s':>7}", flush=True)
-    runs: dict[Mesh, list[tuple[serve_bench.Measured, float]]] = {m: [] for m in args.meshes}
+    print(
+        f"{'(T, P)':>12} {serve_bench.COLUMNS} {'ratio':>6} {'load s':>7} {'graph':>6}", flush=True
+    )
+    runs: dict[Mesh, list[tuple[serve_bench.Measured, float, int]]] = {m: [] for m in args.meshes}
     try:
         for round_ in range(args.repeats):
             if args.repeats > 1:

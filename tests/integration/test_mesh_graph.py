@@ -86,6 +86,7 @@ def test_the_follower_steps_from_its_node_of_the_graph(
     mesh: Any, reference: list[list[int]]
 ) -> None:
     wait_for(mesh.path.graph_live, "the step graph took over")
+    assert mesh.path.graph_nodes() == 2  # the leader and its follower
     before = counts(mesh)
     got = generate_all(mesh)
     assert [got[f"g{i}"] for i in range(len(lockstep.PROMPTS))] == reference

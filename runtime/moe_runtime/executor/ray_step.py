@@ -151,8 +151,12 @@ class StepPath:
 
     def graph_live(self) -> bool:
         """A compiled graph carries the steps now (else plain calls do)."""
+        return self.graph_nodes() > 0
+
+    def graph_nodes(self) -> int:
+        """Actors with a node in the live graph (its TP followers too), 0: plain calls."""
         with self._lock:
-            return self._graph is not None
+            return 0 if self._graph is None else len(self._graph_actors_locked())
 
     def parked(self) -> bool:
         """The graph was torn down because no step ran for `park_after` s."""
