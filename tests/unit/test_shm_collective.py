@@ -1,7 +1,7 @@
 """The TP collectives of CPU ranks through shared memory (`comm.shm`): the same results as
 gloo's (the same bits on every member), call after call through the two alternating buffers,
-tensors over the capacity through gloo, and a wait that ends at once when a member aborts the
-group or its process dies (never a hang to the group timeout)."""
+tensors over the capacity through gloo, and a wait that ends when a member aborts the group or
+its process dies, with that error (not the group timeout's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from moe_runtime.comm import group, shm
+from tests.support import polling
 
 T = TypeVar("T")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,19 +92,18 @@ def test_a_tensor_over_the_capacity_goes_through_gloo() -> None:
         assert torch.equal(big, torch.full((1024,), 3.0))
 
 
-def test_an_abort_ends_the_other_members_wait_at_once() -> None:
-    def run(c: Any, g: group.StatelessGroup) -> float:
+def test_an_abort_ends_the_other_members_wait() -> None:
+    def run(c: Any, g: group.StatelessGroup) -> None:
         if g.rank == 0:
-            time.sleep(0.3)  # member 1 is waiting in the call by then
+            # member 1 posted its part: it waits in the call for member 0's
+            polling.poll(lambda: int(c._posted[1]) == 1, "member 1 in the call", 30)
             g.abort("the leader's forward pass failed")
-            return 0.0
-        started = time.monotonic()
+            return
+        # the abort's error, not the group timeout's ("did not arrive")
         with pytest.raises(shm.SharedMemoryFailed, match="aborted"):
             c.all_reduce(torch.ones(4))
-        return time.monotonic() - started
 
-    waited = members(2, run)[1]
-    assert waited < 5.0, f"the wait ended {waited:.1f}s after it began"
+    members(2, run)
 
 
 MEMBER = """
@@ -116,7 +115,7 @@ os._exit(0)  # dies without a word, before the first call
 """
 
 
-def test_a_member_that_died_fails_the_wait_within_a_second(tmp_path: Any) -> None:
+def test_a_member_that_died_fails_the_wait(tmp_path: Any) -> None:
     spec = group.GroupSpec.local(2, epoch=1, directory=str(tmp_path))
     assert spec.store_path is not None
     paths = (os.path.join(ROOT, p) for p in ("runtime", "contract"))
@@ -127,10 +126,9 @@ def test_a_member_that_died_fails_the_wait_within_a_second(tmp_path: Any) -> Non
         c = shm.collective(g)
         assert isinstance(c, shm.SharedCollective)
         proc.wait(timeout=60)
-        started = time.monotonic()
+        # the dead member's error, not the group timeout's ("did not arrive")
         with pytest.raises(shm.SharedMemoryFailed, match="died"):
             c.all_reduce(torch.ones(4))
-        assert time.monotonic() - started < 2.0
         g.destroy()
     finally:
         proc.kill()

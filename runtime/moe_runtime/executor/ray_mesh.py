@@ -27,6 +27,7 @@ a time (`ray_tensor.FollowerActor`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -37,6 +38,31 @@ from moe_runtime import step as step_mod
 from moe_runtime.executor import ray_tensor
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stepped:
+    """What a step path steps: the ranks' labels, their actors and each one's TP followers
+    with a node of their own in the step graph (() each where none)."""
+
+    ranks: tuple[int, ...]
+    actors: tuple[Any, ...]
+    followers: tuple[tuple[Any, ...], ...]
+
+    @classmethod
+    def of(
+        cls, ranks: Sequence[int], actors: Sequence[Any], followers: Sequence[Sequence[Any]] = ()
+    ) -> Stepped:
+        theirs = tuple(tuple(f) for f in followers) or tuple(() for _ in actors)
+        return cls(tuple(ranks), tuple(actors), theirs)
+
+    def graph_actors(self) -> list[Any]:
+        """Every actor with a node in the graph: the stepped ones, then their followers."""
+        return [*self.actors, *(f for theirs in self.followers for f in theirs)]
+
+    def counts(self) -> list[int]:
+        """How many followers of each rank answer the graph (`outputs`)."""
+        return [len(f) for f in self.followers]
 
 
 class _Job:

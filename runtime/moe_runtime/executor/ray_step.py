@@ -110,10 +110,8 @@ class StepPath:
         self._wake = threading.Condition(self._lock)
         #: One compile or teardown at a time: the graphs of two jobs never overlap.
         self._compile_lock = threading.Lock()
-        self._ranks: list[int] | None = None
-        self._actors: list[Any] = []
-        #: each stepped actor's TP followers, nodes of the graph (`ray_mesh`); () each: none
-        self._followers: list[tuple[Any, ...]] = []
+        #: the ranks stepped (None: no step path), their TP followers in the graph included
+        self._stepped: ray_mesh.Stepped | None = None
         self._graph: Any = None
         self._retired: list[Any] = []
         self._gen = 0
@@ -147,7 +145,7 @@ class StepPath:
     def ranks(self) -> list[int] | None:
         """Labels stepped now (in step order), None when there is no step path."""
         with self._lock:
-            return None if self._ranks is None else list(self._ranks)
+            return None if self._stepped is None else list(self._stepped.ranks)
 
     def graph_live(self) -> bool:
         """A compiled graph carries the steps now (else plain calls do)."""
@@ -156,7 +154,9 @@ class StepPath:
     def graph_nodes(self) -> int:
         """Actors with a node in the live graph (its TP followers too), 0: plain calls."""
         with self._lock:
-            return 0 if self._graph is None else len(self._graph_actors_locked())
+            if self._graph is None or self._stepped is None:
+                return 0
+            return len(self._stepped.graph_actors())
 
     def parked(self) -> bool:
         """The graph was torn down because no step ran for `park_after` s."""
@@ -175,8 +175,7 @@ class StepPath:
         over."""
         with self._lock:
             self._retire_locked()
-            self._ranks, self._actors = list(ranks), list(actors)
-            self._followers = [tuple(f) for f in followers] or [() for _ in actors]
+            self._stepped = ray_mesh.Stepped.of(ranks, actors, followers)
             self._gen += 1
             gen = self._gen
             self._retry_at = None
@@ -188,7 +187,7 @@ class StepPath:
         """No step path (until the next `set`); the graph is retired."""
         with self._lock:
             self._retire_locked()
-            self._ranks, self._actors, self._followers = None, [], []
+            self._stepped = None
             self._gen += 1
             self._parked = False
 
@@ -221,8 +220,7 @@ class StepPath:
                     lambda: not self._in_flight or self._graph is None or self._closed,
                     timeout=HANDOVER_WAIT_SECONDS,
                 )
-            ranks, actors, gen = self._ranks, list(self._actors), self._gen
-            counts = [len(f) for f in self._followers]
+            stepped, gen = self._stepped, self._gen
             graph = self._graph
             if self._in_flight and self._flying_graph is not graph:
                 graph = None  # plain calls in flight (or a retired graph's step): plain calls
@@ -235,33 +233,28 @@ class StepPath:
             )
             if retry:
                 self._retry_at = None
-            resume = self._parked and ranks is not None
+            resume = self._parked and stepped is not None
             if resume:
                 self._parked = False
                 self.resumes += 1
-            if ranks is not None:
+            if stepped is not None:
                 self._in_flight += 1
                 self._flying_graph = graph
-        if ranks is None:
+        if stepped is None:
             raise RuntimeError("no step path")
+        ranks = list(stepped.ranks)
         if retry or resume:
             self._start_job(gen)
         try:
             if graph is not None:
                 sent_at = time.monotonic()
-                return Submitted(
-                    step,
-                    list(ranks),
-                    gen,
-                    graph_ref=graph.execute(step),
-                    sent_at=sent_at,
-                    followers=counts,
-                )
-            refs = [a.execute_step.remote(step) for a in actors]
+                ref = graph.execute(step)
+                return Submitted(step, ranks, gen, graph_ref=ref, sent_at=sent_at, stepped=stepped)
+            refs = [a.execute_step.remote(step) for a in stepped.actors]
         except BaseException:
             self._landed()
             raise
-        return Submitted(step, list(ranks), gen, refs=refs)
+        return Submitted(step, ranks, gen, refs=refs)
 
     def collect(self, sent: Submitted, *, timeout: float) -> list[step_mod.StepOutput]:
         """The outputs of a step `submit` sent, within `timeout` s; raises what the call
@@ -272,7 +265,8 @@ class StepPath:
                 tokens = sent.step.most_tokens()
                 slept = self.wait.wait(tokens, sent.sent_at)
                 raw = ray.get(sent.graph_ref, timeout=max(0.0, timeout - slept))
-                outs = ray_mesh.outputs(raw, sent.ranks, sent.followers)
+                counts = [] if sent.stepped is None else sent.stepped.counts()
+                outs = ray_mesh.outputs(raw, sent.ranks, counts)
                 self.wait.landed(tokens, max((o.seconds for o in outs), default=0.0))
                 return outs
             plain: list[step_mod.StepOutput] = ray_calls.get_all(
@@ -344,7 +338,8 @@ class StepPath:
                 self.parks += 1
                 try:
                     # under the lock: no step is sent behind the hold before it is recorded
-                    self._held = ray_graph.hold(graph, self._graph_actors_locked())
+                    assert self._stepped is not None  # a graph is only ever over a step path
+                    self._held = ray_graph.hold(graph, self._stepped.graph_actors())
                 except Exception:  # noqa: BLE001 - parked the old way instead
                     log.exception("holding the idle step graph failed; tearing it down")
                     self._retire_locked()
@@ -353,10 +348,6 @@ class StepPath:
                     log.info("no step for %.1fs: parking the step graph (held)", self.park_after)
                     continue
             self._start_job(gen, compile=False)
-
-    def _graph_actors_locked(self) -> list[Any]:
-        """Every actor with a node in the graph: the stepped ones, then their followers."""
-        return self._actors + [f for theirs in self._followers for f in theirs]
 
     def _start_parker_locked(self) -> None:
         if self.park_after > 0 and self._parker is None and not self._closed:
@@ -390,15 +381,15 @@ class StepPath:
             self._teardown_retired()
             torn = time.monotonic()
             with self._lock:
-                actors, followers = list(self._actors), list(self._followers)
-            if not compile or not self._current(gen):
+                stepped = self._stepped
+            if not compile or stepped is None or not self._current(gen):
                 return
             built = ray_graph.build(
-                actors,
+                stepped.actors,
                 probe_timeout=self.probe_timeout,
                 current=lambda: self._current(gen),
                 retry_in=RETRY_SECONDS,
-                followers=followers,
+                followers=stepped.followers,
             )
             if built.failed:
                 self.last_compile = built.figures
@@ -421,7 +412,7 @@ class StepPath:
             log.info(
                 "step graph over %d ranks took over from plain calls: teardown %.3fs, "
                 "compile %.3fs, probe %.3fs",
-                len(actors),
+                len(stepped.actors),
                 torn - started,
                 built.figures["compile_s"],
                 built.figures["probe_s"],
@@ -468,7 +459,7 @@ class StepPath:
         with self._lock:
             self._closed = True
             self._retire_locked()
-            self._ranks, self._actors, self._followers = None, [], []
+            self._stepped = None
             self._gen += 1
             self._wake.notify_all()
             parker = self._parker
@@ -500,5 +491,5 @@ class Submitted:
     refs: list[Any] = dataclasses.field(default_factory=list)
     #: Monotonic time a graph's execution was sent (`step_wait`).
     sent_at: float = 0.0
-    #: How many TP followers of each rank answer the graph too (`ray_mesh.outputs`).
-    followers: list[int] = dataclasses.field(default_factory=list)
+    #: What it was sent to (a graph's: its TP followers answer too, `ray_mesh.outputs`).
+    stepped: ray_mesh.Stepped | None = None

@@ -92,7 +92,7 @@ class FollowerActor:
         self._step_lock = threading.Lock()
         #: set by `release_hold`: the graph loop, parked in a hold, goes on
         self._hold = threading.Event()
-        self.steps = {"graph": 0, "plain": 0}
+        self.steps = {"graph": 0, "plain": 0, "holding": 0}
         self.follower = tensor_follower.TensorFollower(
             rank=tp_rank,
             size=tp_size,
@@ -134,8 +134,10 @@ class FollowerActor:
         output of the step): a failed step answers {"error": ...}; its leader's forward pass
         fails with it (the follower aborts their TP group)."""
         if work.step_id == HOLD_STEP_ID:
+            self.steps["holding"] = 1
             self._hold.wait()
             self._hold.clear()
+            self.steps["holding"] = 0
             return {}
         if work.args is None:
             return {}
@@ -147,7 +149,8 @@ class FollowerActor:
         return answer
 
     def step_counts(self) -> dict[str, int]:
-        """Forward passes run from the step graph and from plain calls (tests, benchmarks)."""
+        """Forward passes run from the step graph and from plain calls, and whether its graph
+        loop waits in a parked graph's hold now (tests, benchmarks)."""
         return dict(self.steps)
 
     def release_hold(self) -> None:
