@@ -16,7 +16,9 @@ and one row:
   without a (1, 1) row before it);
 - load s: seconds to start the executor and load the model on its actors;
 - graph: the actors with a node in the compiled step graph after the load (the leader and,
-  at P = 1, its T - 1 TP followers: `executor.ray_mesh`; 0: the steps went by plain calls).
+  at P = 1, its T - 1 TP followers, at P > 1 its P - 1 stage actors: `executor.ray_mesh`; 0:
+  the steps went by plain calls; a mesh with a trailing "r", e.g. `1x2r`, steps by plain
+  calls on purpose: the graph against Ray calls per stage).
 
 A mesh that fails to start prints "(T, P): not served: <error>" and the run goes on. EPLB
 is off: the bench drives the bare engine (no `ElasticService`, hence no rebalancing). The model must split over 2 pipeline stages
@@ -70,15 +72,20 @@ from moe_runtime.model import source as source_mod  # noqa: E402
 DEFAULT_MESHES = ("1x1", "2x1", "1x2", "2x2")
 
 
-#: (T, P, the leader's micro-batch threshold: None for its default)
-Mesh = tuple[int, int, int | None]
+#: (T, P, the leader's micro-batch threshold: None for its default), or (T, P, N, "remote"):
+#: steps by plain actor calls (`--step-mode remote`) instead of the compiled step graph
+Mesh = tuple[int, int, int | None] | tuple[int, int, int | None, str]
+REMOTE = "remote"
 
 
 def parse_mesh(text: str) -> Mesh:
     """Parse "TxP" into (T, P, None), "TxPmN" into (T, P, N): `--pipeline-micro-batch-tokens
-    N` (0: every step whole through the stages)."""
+    N` (0: every step whole through the stages); a trailing "r" (1x2r, 1x2m8r): steps by
+    plain actor calls, not the compiled step graph."""
+    text = text.lower()
+    remote = text.endswith("r")
     try:
-        shape, _, micro = text.lower().partition("m")
+        shape, _, micro = text.removesuffix("r").partition("m")
         tp, pp = (int(part) for part in shape.split("x"))
         tokens = int(micro) if micro else None
     except ValueError:
@@ -87,12 +94,13 @@ def parse_mesh(text: str) -> Mesh:
         ) from None
     if tp < 1 or pp < 1 or (tokens is not None and tokens < 0):
         raise argparse.ArgumentTypeError(f"mesh {text!r}: T and P must be >= 1, N >= 0")
-    return tp, pp, tokens
+    return (tp, pp, tokens, REMOTE) if remote else (tp, pp, tokens)
 
 
 def _label(mesh: Mesh) -> str:
-    tp, pp, tokens = mesh
-    return f"({tp}, {pp})" if tokens is None else f"({tp}, {pp}) m{tokens}"
+    tp, pp, tokens = mesh[:3]
+    label = f"({tp}, {pp})" if tokens is None else f"({tp}, {pp}) m{tokens}"
+    return label + (" plain" if REMOTE in mesh else "")
 
 
 def _load_average() -> str:
@@ -105,10 +113,16 @@ def serve_mesh(
     """The load on a fresh executor of one DP rank of T x P actors, the seconds it took to
     start and the actors with a node in its step graph at the end (0: plain calls); or why
     the mesh could not be served."""
-    tp, pp, tokens = mesh
+    tp, pp, tokens = mesh[:3]
     loaded = time.monotonic()
     try:
-        executor = ray_executor.RayExecutor(1, tp_size=tp, pp_size=pp, pp_micro_batch_tokens=tokens)
+        executor = ray_executor.RayExecutor(
+            1,
+            tp_size=tp,
+            pp_size=pp,
+            pp_micro_batch_tokens=tokens,
+            step_mode=REMOTE if REMOTE in mesh else None,
+        )
     except Exception as exc:  # noqa: BLE001 - a mesh that cannot start is a result
         return str(exc)
     try:
@@ -140,7 +154,8 @@ def main() -> None:
         nargs="+",
         default=[parse_mesh(m) for m in DEFAULT_MESHES],
         help="executor meshes TxP at DP=1, TxPmN with --pipeline-micro-batch-tokens N "
-        "(1x2m0: every step whole through the stages; default: %(default)s)",
+        "(1x2m0: every step whole through the stages), a trailing r for plain actor calls "
+        "instead of the compiled step graph (1x2r; default: %(default)s)",
     )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -161,7 +176,7 @@ def main() -> None:
     src = source_mod.open_source(args.model)
     cfg = src.config
     t0 = time.monotonic()
-    owns = cluster.connect(num_rank_slots=max(8, *(tp * pp for tp, pp, _ in args.meshes)))
+    owns = cluster.connect(num_rank_slots=max(8, *(m[0] * m[1] for m in args.meshes)))
     print(
         f"model {args.model}: {cfg.num_layers} layers, {cfg.num_heads} heads over "
         f"{cfg.num_kv_heads} KV heads, {cfg.num_experts} experts, top-{cfg.top_k}; DP = 1"

@@ -94,8 +94,12 @@ class RankActor:
                 [p for s in stages for p in ray.get(s.follower_pids.remote())],
             )
         self._stages = pipeline
-        #: graph steps over the TP followers at pipeline size 1 (`ray_mesh`)
-        self._mesh = None if tensor is None or pipeline else ray_mesh.MeshStep(self._step, tensor)
+        #: graph steps over the pipeline stages (P > 1), else over the TP followers (`ray_mesh`)
+        self._mesh: ray_mesh.MeshStep | None = None
+        if pipeline is not None:
+            self._mesh = ray_mesh.MeshStep(self._step, stages=pipeline, lanes=1 + len(stages))
+        elif tensor is not None:
+            self._mesh = ray_mesh.MeshStep(self._step, tensor)
         self.worker = worker_mod.RankWorker(
             device=device,
             dtype=dtype,
@@ -114,6 +118,7 @@ class RankActor:
         self._serving = False
         #: Set by `release_hold`: the step graph's loop, parked in a hold, goes on.
         self._hold = threading.Event()
+        self.holding = False
         #: native id of the thread that runs this rank's steps (the default lane), once it has
         self._step_thread: int | None = None
 
@@ -160,27 +165,52 @@ class RankActor:
             return self._wait_hold(step)
         return self._step(step)
 
-    def prepare_step(self, step: step_mod.StepInput) -> ray_tensor.FollowerStep:
-        """The leader's first node of a graph step over its TP followers (`ray_mesh`): the
-        step started, what its followers run of it returned."""
+    def prepare_step(self, step: step_mod.StepInput) -> Any:
+        """The leader's first node of a graph step over its TP followers or its pipeline
+        stages (`ray_mesh`): the step started, what its followers run of it (or its stages'
+        first micro-batch lane) returned."""
         if step.step_id in (PROBE_STEP_ID, HOLD_STEP_ID) or self._mesh is None:
+            if self._stages is not None:
+                return ray_pipeline.StageLane(step.step_id, 0)
             return ray_tensor.FollowerStep(step.step_id)
         return self._mesh.prepare(step)
 
-    def finish_step(self, work: ray_tensor.FollowerStep) -> step_mod.StepOutput:
-        """The leader's second node of a graph step (`ray_mesh`): the step's output."""
-        if work.step_id == PROBE_STEP_ID:
-            return step_mod.StepOutput(rank=-1, step_id=work.step_id)
-        if work.step_id == HOLD_STEP_ID:
-            return self._wait_hold(step_mod.StepInput(step_id=work.step_id, batches={}))
+    def next_lane(self, prev: ray_pipeline.StageLane, lane: int) -> ray_pipeline.StageLane:
+        """The leader's node of micro-batch lane `lane` > 0 of a graph step over its pipeline
+        stages (`ray_mesh`): that micro-batch once its stage 0 ran it (empty: none). A hold
+        waits in the last lane's node (`ray_pipeline.hold_lane`: no actor of the pipeline
+        is left reading a channel meanwhile)."""
+        if prev.step_id == HOLD_STEP_ID and self._stages is not None:
+            if lane == ray_pipeline.hold_lane(0, 1 + len(self._stages.pids())):
+                self._wait_hold(step_mod.StepInput(step_id=HOLD_STEP_ID, batches={}))
+        if prev.step_id in (PROBE_STEP_ID, HOLD_STEP_ID) or self._mesh is None:
+            return ray_pipeline.StageLane(prev.step_id, lane)
+        return self._mesh.lane(lane)
+
+    def finish_step(self, *parts: Any) -> step_mod.StepOutput:
+        """The leader's last node of a graph step (`ray_mesh`): the step's output. `parts`:
+        its `prepare_step`'s output (TP followers), or its last stage's lanes."""
+        step_id = parts[0].step_id
+        if step_id == PROBE_STEP_ID:
+            return step_mod.StepOutput(rank=-1, step_id=step_id)
+        if step_id == HOLD_STEP_ID and self._stages is None:
+            return self._wait_hold(step_mod.StepInput(step_id=step_id, batches={}))
+        if step_id == HOLD_STEP_ID:  # held in `next_lane` already
+            return step_mod.StepOutput(rank=-1, step_id=step_id)
         if self._mesh is None:
-            raise RuntimeError("finish_step on a rank without TP followers")
-        return self._mesh.finish()
+            raise RuntimeError("finish_step on a rank without TP followers or stages")
+        return self._mesh.finish(parts if self._stages is not None else ())
 
     def _wait_hold(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        self.holding = True
         self._hold.wait()
         self._hold.clear()
+        self.holding = False
         return step_mod.StepOutput(rank=-1, step_id=step.step_id)
+
+    def graph_holding(self) -> bool:
+        """Its step graph's loop waits in a parked graph's hold now (tests)."""
+        return self.holding
 
     def _step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         if not self._serving:
@@ -313,6 +343,8 @@ class RankHandle:
     #: pipeline stages 1..P-1 (`ray_pipeline.StageActor`), then their TP followers; the actor
     #: leads them (directly or through its stages).
     followers: tuple[Any, ...] = ()
+    #: Its pipeline stages 1..P-1 alone (in `followers` too): nodes of the step graph.
+    stages: tuple[Any, ...] = ()
 
 
 Member = roster.Member[RankHandle]
@@ -350,6 +382,7 @@ def start_ranks(
     pgs = [ray.util.placement_group(bundle_list, strategy="STRICT_PACK") for _ in range(count)]
     actors: list[Any] = []
     followers: list[tuple[Any, ...]] = []
+    stage_actors: list[tuple[Any, ...]] = []
     try:
         try:
             ray.get([pg.ready() for pg in pgs], timeout=timeout)
@@ -390,6 +423,7 @@ def start_ranks(
                 ).remote(label=label, stage=s, size=pp_size, followers=tp[s], **mesh)
                 for s in range(1, pp_size)
             )
+            stage_actors.append(stages)
             # every actor of the DP rank besides its leader (killed with it)
             followers.append(tp[0] + stages + tuple(f for fs in tp[1:] for f in fs))
             actors.append(
@@ -426,7 +460,7 @@ def start_ranks(
     started = [
         roster.Member(
             label=first_label + offset,
-            handle=RankHandle(actors[i], pgs[i], followers[i]),
+            handle=RankHandle(actors[i], pgs[i], followers[i], stage_actors[i]),
             info=infos[i],
         )
         for offset, i in enumerate(order)

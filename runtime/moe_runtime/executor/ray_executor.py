@@ -51,6 +51,7 @@ from moe_runtime.executor import (
     ray_graph,
     ray_groups,
     ray_health,
+    ray_mesh,
     ray_step,
     ray_weights,
     roster,
@@ -154,6 +155,8 @@ class RayExecutor(base.Executor):
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0  # type: ignore[no-untyped-call]
         self.use_gpu = use_gpu
+        #: Pipeline stage actors are nodes of the step graph (`ray_mesh.stage_nodes`).
+        self._stage_nodes = ray_mesh.stage_nodes(tp_size, use_gpu=use_gpu)
         self._dtype = dtype
         self._ready_timeout = ready_timeout
         #: Seconds one step may take while every rank stays healthy (tests lower it).
@@ -316,12 +319,19 @@ class RayExecutor(base.Executor):
             [m.label for m in members],
             [m.handle.actor for m in members],
             [self._graph_followers(m) for m in members],
+            [self._graph_stages(m) for m in members],
         )
 
     def _graph_followers(self, member: ray_actor.Member) -> tuple[Any, ...]:
         """The TP followers of `member` that are nodes of the step graph (`ray_mesh`): all of
         them at pipeline size 1, none with pipeline stages (a stage leader calls its own)."""
         return member.handle.followers if self.pp_size == 1 else ()
+
+    def _graph_stages(self, member: ray_actor.Member) -> tuple[Any, ...]:
+        """The pipeline stages of `member` (P > 1): nodes of the step graph, a lane of them
+        per micro-batch, where `ray_mesh.stage_nodes` says so; their TP followers are not
+        (each stage calls its own)."""
+        return member.handle.stages if self._stage_nodes else ()
 
     def has_step_path(self) -> bool:
         return self.switcher.switching or self.path.ranks is not None
@@ -359,6 +369,7 @@ class RayExecutor(base.Executor):
         self._warm.start(
             [m.handle.actor for m in members]
             + [f for m in members for f in self._graph_followers(m)]
+            + [s for m in members for s in self._graph_stages(m)]
         )
 
     def prepare_switch(self) -> None:

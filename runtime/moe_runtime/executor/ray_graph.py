@@ -1,7 +1,8 @@
 """The step graph of `RayExecutor`: a Ray compiled graph ``InputNode -> [rank.execute_step]
 -> MultiOutputNode`` (at T > 1 and pipeline size 1 over every TP actor of each DP rank:
-``InputNode -> leader.prepare_step -> [leader.finish_step, follower.graph_step ...]``,
-`ray_mesh`), how a new one is made fit to carry steps (`build`: compiled, checked,
+``InputNode -> leader.prepare_step -> [leader.finish_step, follower.graph_step ...]``; at
+P > 1 over every pipeline stage: P micro-batch lanes ``leader -> stage 1 -> ... -> stage P-1
+-> leader.finish_step``, `ray_mesh`), how a new one is made fit to carry steps (`build`: compiled, checked,
 probed once), its hold while parked (`hold`, `release`: `ray_step`, "Parking"), and
 the warm-up that pays an actor's first compile while it is not stepped yet (`WarmUp`, a part
 of the executor: warm spare ranks, a grow's new ranks).
@@ -34,17 +35,27 @@ RELEASE_TIMEOUT_SECONDS = 10.0
 PROBE_STEP_ID = ray_actor.PROBE_STEP_ID
 
 
-def compile_graph(actors: Sequence[Any], followers: Sequence[Sequence[Any]] = ()) -> Any:
+def compile_graph(
+    actors: Sequence[Any],
+    followers: Sequence[Sequence[Any]] = (),
+    stages: Sequence[Sequence[Any]] = (),
+) -> Any:
     """The step graph over `actors` (and `followers[i]`, the TP followers of `actors[i]`, as
     nodes of their own: `ray_mesh`; its outputs are then the leaders', then the followers'
-    in order). Blocks for the compile (~0.2 s over actors that were in a graph before,
-    seconds over fresh ones): `ray_step` calls it from its background job, which has torn
-    down every other graph over these actors first."""
+    in order; or `stages[i]`, the pipeline stages 1..P-1 of `actors[i]`: P micro-batch lanes,
+    each ``leader -> stage 1 -> ... -> stage P-1 -> leader.finish_step``). Blocks for the
+    compile (~0.2 s over actors that were in a graph before, seconds over fresh ones):
+    `ray_step` calls it from its background job, which has torn down every other graph over
+    these actors first."""
     with ray.dag.InputNode() as inp:
         outs: list[Any] = []
         answers: list[Any] = []
         for i, actor in enumerate(actors):
             theirs = followers[i] if followers else ()
+            chain = stages[i] if stages else ()
+            if chain:
+                outs.append(_pipeline(inp, actor, chain))
+                continue
             if not theirs:
                 outs.append(actor.execute_step.bind(inp))
                 continue
@@ -53,6 +64,24 @@ def compile_graph(actors: Sequence[Any], followers: Sequence[Sequence[Any]] = ()
             answers.extend(f.graph_step.bind(work) for f in theirs)
         dag = ray.dag.MultiOutputNode(outs + answers)
     return _compile(dag)
+
+
+def _pipeline(inp: Any, leader: Any, stages: Sequence[Any]) -> Any:
+    """One DP rank's pipeline in the graph: lane k's micro-batch leaves the leader (lane 0 from
+    `prepare_step`, the others from `next_lane`, each after the one before: an actor runs its
+    nodes in the order they were bound), goes through every stage's node of lane k, and the
+    last stage's lanes meet in the leader's `finish_step`. A stage runs lane k + 1 after lane
+    k, while its leader runs stage 0 of the next micro-batch."""
+    lane = leader.prepare_step.bind(inp)
+    lasts: list[Any] = []
+    for k in range(1 + len(stages)):
+        if k:
+            lane = leader.next_lane.bind(lane, k)
+        work = lane
+        for stage in stages:
+            work = stage.graph_step.bind(work)
+        lasts.append(work)
+    return leader.finish_step.bind(*lasts)
 
 
 def _compile(dag: Any) -> Any:
@@ -106,6 +135,7 @@ def build(
     current: Callable[[], bool],
     retry_in: float,
     followers: Sequence[Sequence[Any]] = (),
+    stages: Sequence[Sequence[Any]] = (),
 ) -> Built:
     """A new step graph over `actors` (and their TP `followers`: `compile_graph`), fit to
     carry steps: compiled, checked (`broken`) and
@@ -115,7 +145,7 @@ def build(
     probe would wait for it). `retry_in` (s) only goes into the logs."""
     started = time.monotonic()
     try:
-        graph = compile_graph(actors, followers)
+        graph = compile_graph(actors, followers, stages)
     except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
         log.exception(
             "compiling the step graph over %d ranks failed; steps stay on plain actor calls "

@@ -1,6 +1,7 @@
-"""The step graph over a DP rank's tensor-parallel mesh (pipeline size 1, T > 1): each TP
-follower is a node of the compiled graph, as in vLLM's executor (``InputNode -> TP group ->
-MultiOutputNode``), instead of a plain Ray call its leader makes in every step.
+"""The step graph over a DP rank's mesh: at pipeline size 1 and T > 1 each TP follower is a
+node of the compiled graph, as in vLLM's executor (``InputNode -> TP group ->
+MultiOutputNode``), instead of a plain Ray call its leader makes in every step; at P > 1 each
+pipeline stage actor is (below).
 
 The leader's part of a graph step is two nodes on its actor:
 
@@ -20,45 +21,88 @@ adds them to their leader's). A probe passes through every node; a hold (parking
 leader's ``finish_step`` and every follower's ``graph_step`` wait on their own event (none of
 them spins on a channel read meanwhile), each released by its `release_hold`.
 
-Plain calls (right after a switch, in remote mode, at P > 1) keep the leader's `execute_step`,
-which reaches its followers by a Ray call per step; a follower runs the two kinds of step one at
-a time (`ray_tensor.FollowerActor`).
+At pipeline size P > 1 the stage actors are the nodes instead (their TP followers are not):
+P micro-batch lanes per DP rank. ``prepare_step`` returns lane 0 (a `ray_pipeline.StageLane`)
+once the worker's pipeline leader sent its first micro-batch to the stages (`RayStages.chain`
+hands it to this step's job instead of a Ray call), the leader's ``next_lane`` nodes return
+lanes 1..P-1 the same way (empty once the step waits for an answer: it sends no more), each
+stage's ``graph_step`` runs its lane and hands it on, and the last stage's lanes meet in
+``finish_step``, which hands them to the step's waits (`RayStages.wait`) and returns the
+output. So stage 1 runs micro-batch 0 while the leader runs micro-batch 1, and the hidden
+states go stage to stage through the graph's channels. A wait ends early when the stages are
+aborted (`RayStages.abort` -> `_Job.cancel`) or a stage stops answering its pings.
+
+Plain calls (right after a switch, in remote mode) keep the leader's `execute_step`, which
+reaches its followers (and its stages) by Ray calls per step; a follower or a stage runs the
+two kinds of step one at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from moe_runtime import step as step_mod
-from moe_runtime.executor import ray_tensor
+from moe_runtime.executor import ray_pipeline, ray_tensor
 
 log = logging.getLogger(__name__)
+
+#: Whether the pipeline stage actors are nodes of the step graph (P > 1): "auto" (the default)
+#: where the DP rank has no TP followers (T = 1) or runs on GPUs, "1" always, "0" never (the
+#: leaders reach their stages by Ray calls per micro-batch, the path before stages were nodes).
+#: Why not at T > 1 on CPUs: each graph node's loop busy-waits on its channel between steps
+#: (Ray 2.60), and a (T, P) = (2, 2) DP rank is 4 processes: at DP = 3 on the 2-core machine
+#: six spinning loops beside twelve rank processes starved the server (its /health unanswered
+#: for over 10 s under load, tests timing out), where at T = 1 (six processes) they do not.
+STAGES_ENV = "MOE_STEP_GRAPH_STAGES"
+
+
+def stage_nodes(tp_size: int, *, use_gpu: bool) -> bool:
+    """Whether the stage actors of a DP rank of `tp_size` TP ranks are nodes of the step graph
+    (`STAGES_ENV`; ValueError naming it for another value)."""
+    raw = os.environ.get(STAGES_ENV, "auto").strip().lower() or "auto"
+    if raw not in ("auto", "1", "0"):
+        raise ValueError(f"{STAGES_ENV} must be auto, 1 or 0, got {raw!r}")
+    return raw == "1" or (raw == "auto" and (tp_size == 1 or use_gpu))
 
 
 @dataclasses.dataclass(frozen=True)
 class Stepped:
-    """What a step path steps: the ranks' labels, their actors and each one's TP followers
-    with a node of their own in the step graph (() each where none)."""
+    """What a step path steps: the ranks' labels, their actors, each one's TP followers with a
+    node of their own in the step graph, and each one's pipeline stages (lanes of nodes in the
+    graph; () each where none)."""
 
     ranks: tuple[int, ...]
     actors: tuple[Any, ...]
     followers: tuple[tuple[Any, ...], ...]
+    stages: tuple[tuple[Any, ...], ...] = ()
 
     @classmethod
     def of(
-        cls, ranks: Sequence[int], actors: Sequence[Any], followers: Sequence[Sequence[Any]] = ()
+        cls,
+        ranks: Sequence[int],
+        actors: Sequence[Any],
+        followers: Sequence[Sequence[Any]] = (),
+        stages: Sequence[Sequence[Any]] = (),
     ) -> Stepped:
         theirs = tuple(tuple(f) for f in followers) or tuple(() for _ in actors)
-        return cls(tuple(ranks), tuple(actors), theirs)
+        chains = tuple(tuple(s) for s in stages) or tuple(() for _ in actors)
+        return cls(tuple(ranks), tuple(actors), theirs, chains)
 
     def graph_actors(self) -> list[Any]:
-        """Every actor with a node in the graph: the stepped ones, then their followers."""
-        return [*self.actors, *(f for theirs in self.followers for f in theirs)]
+        """Every actor with a node in the graph: the stepped ones, their followers, their
+        stages."""
+        return [
+            *self.actors,
+            *(f for theirs in self.followers for f in theirs),
+            *(s for chain in self.stages for s in chain),
+        ]
 
     def counts(self) -> list[int]:
         """How many followers of each rank answer the graph (`outputs`)."""
@@ -67,15 +111,24 @@ class Stepped:
 
 class _Job:
     """One graph step on the step thread: the followers' forward pass (once handed out), the
-    output (once done)."""
+    micro-batches down the stages' lanes (once handed), their answers (once the graph
+    brought them to `finish_step`), the output (once done)."""
 
-    def __init__(self, step: step_mod.StepInput) -> None:
+    def __init__(self, step: step_mod.StepInput, lanes: int = 0) -> None:
         self.step = step
         self.args: tuple[Any, ...] | None = None
         self.output: step_mod.StepOutput | None = None
         self.error: BaseException | None = None
         self.handed = threading.Event()  # args set, or the step is over
         self.done = threading.Event()
+        # pipeline stages (`ray_pipeline.Lanes`)
+        self._lanes = lanes
+        self._cond = threading.Condition()
+        self._handed: list[ray_pipeline.StageLane] = []
+        self._closed = False  # no more micro-batches this step
+        self._answers: Sequence[ray_pipeline.StageLane] = ()
+        self._cancelled: str | None = None
+        self._answered = threading.Event()
 
     def hand(self, args: tuple[Any, ...]) -> None:
         if self.handed.is_set():
@@ -85,36 +138,115 @@ class _Job:
         self.args = args
         self.handed.set()
 
+    # -- the stages' lanes (`ray_pipeline.Lanes`) ------------------------------------------
+    def hand_lane(self, args: tuple[Any, ...]) -> ray_pipeline.LanePending:
+        with self._cond:
+            lane = len(self._handed)
+            if self._closed or lane >= self._lanes:
+                raise RuntimeError(
+                    f"a graph step sends its stages at most {self._lanes} micro-batches, "
+                    "all before it waits for any"
+                )
+            self._handed.append(ray_pipeline.StageLane(self.step.step_id, lane, args))
+            self._cond.notify_all()
+        return ray_pipeline.LanePending(self, lane)
+
+    def take_lane(self, lane: int) -> ray_pipeline.StageLane:
+        """Lane `lane`'s micro-batch once handed; an empty lane once the step sends no more."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._handed) > lane or self._closed)
+            if lane < len(self._handed):
+                return self._handed[lane]
+        return ray_pipeline.StageLane(self.step.step_id, lane)
+
+    def close_lanes(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait_lane(
+        self, lane: int, timeout: float, check: Callable[[], None]
+    ) -> ray_pipeline.StageLane:
+        self.close_lanes()  # every micro-batch is sent before the first wait (`forward`)
+        deadline = time.monotonic() + timeout
+        while not self._answered.wait(ray_pipeline.LANE_PING_S):
+            check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the step graph brought no answer of micro-batch {lane} within {timeout}s"
+                )
+        if self._cancelled is not None:
+            raise RuntimeError(f"the step's stages were aborted: {self._cancelled}")
+        if lane >= len(self._answers):
+            raise RuntimeError(f"the step graph brought no answer of micro-batch {lane}")
+        return self._answers[lane]
+
+    def answer(self, lanes: Sequence[ray_pipeline.StageLane]) -> None:
+        self._answers = lanes
+        self._answered.set()
+
+    def cancel(self, reason: str) -> None:
+        if not self._answered.is_set():
+            self._cancelled = reason
+            self._answered.set()
+
+    def over(self) -> None:
+        self.close_lanes()
+        self.handed.set()  # no forward pass for the followers: they skip it
+        self.done.set()
+
 
 class MeshStep:
     """A leader's graph steps on a thread of their own (module docstring). `run`: the actor's
     step (its worker's `execute_step`, with the actor's bookkeeping); `followers`: the DP
-    rank's TP followers, whose "step" sends a graph step takes."""
+    rank's TP followers, whose "step" sends a graph step takes (pipeline size 1); `stages`:
+    its pipeline stages (P > 1), whose micro-batches (`chain`) a graph step sends down its
+    `lanes` (P: as many as a step's micro-batches may be)."""
 
     def __init__(
-        self, run: Callable[[step_mod.StepInput], step_mod.StepOutput], followers: Any
+        self,
+        run: Callable[[step_mod.StepInput], step_mod.StepOutput],
+        followers: Any = None,
+        *,
+        stages: Any = None,
+        lanes: int = 0,
     ) -> None:
         self._run = run
         self._followers = followers
+        self._stages = stages
+        self._lanes = lanes
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._job: _Job | None = None
         self._thread = threading.Thread(target=self._loop, name="mesh-step", daemon=True)
         self._thread.start()
 
-    def prepare(self, step: step_mod.StepInput) -> ray_tensor.FollowerStep:
+    def prepare(self, step: step_mod.StepInput) -> Any:
         """Start `step` on the step thread; what the followers run of it (once the worker
-        handed it out, or once the step is over without a forward pass for them)."""
-        job = _Job(step)
+        handed it out, or once the step is over without a forward pass for them): a
+        `ray_tensor.FollowerStep`; with stages, lane 0's `ray_pipeline.StageLane` (its
+        micro-batch once handed, or empty once the step sends none)."""
+        job = _Job(step, self._lanes if self._stages is not None else 0)
         self._job = job
         self._jobs.put(job)
+        if self._stages is not None:
+            return job.take_lane(0)
         job.handed.wait()
         return ray_tensor.FollowerStep(step.step_id, job.args)
 
-    def finish(self) -> step_mod.StepOutput:
-        """The output of the step `prepare` started (raises what the step raised)."""
+    def lane(self, lane: int) -> ray_pipeline.StageLane:
+        """Lane `lane`'s micro-batch of the step `prepare` started (empty: none)."""
+        if self._job is None:
+            raise RuntimeError("next_lane without prepare_step")
+        return self._job.take_lane(lane)
+
+    def finish(self, answers: Sequence[Any] = ()) -> step_mod.StepOutput:
+        """The output of the step `prepare` started (raises what the step raised); with
+        stages, `answers` are the last stage's lanes, handed to the step's waits first."""
         job, self._job = self._job, None
         if job is None:
             raise RuntimeError("finish_step without prepare_step")
+        if self._stages is not None:
+            job.answer(answers)
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -126,15 +258,20 @@ class MeshStep:
             job = self._jobs.get()
             if job is None:
                 return
-            self._followers.handoff = job.hand
+            if self._followers is not None:
+                self._followers.handoff = job.hand
+            if self._stages is not None:
+                self._stages.lanes, self._stages.lanes_thread = job, threading.get_ident()
             try:
                 job.output = self._run(job.step)
             except BaseException as exc:  # noqa: BLE001 - raised by `finish`
                 job.error = exc
             finally:
-                self._followers.handoff = None
-                job.handed.set()  # no forward pass for the followers: they skip it
-                job.done.set()
+                if self._followers is not None:
+                    self._followers.handoff = None
+                if self._stages is not None:
+                    self._stages.lanes = None
+                job.over()
 
     def close(self) -> None:
         self._jobs.put(None)

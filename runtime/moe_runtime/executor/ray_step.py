@@ -2,8 +2,8 @@
 handover that keeps a graph compile out of the switch pause.
 
 A step goes either through plain actor calls (``actor.execute_step.remote``, on each actor's
-default lane) or through a Ray compiled graph over the same actors (at T > 1 and pipeline
-size 1 their TP followers are nodes of it too: `ray_mesh`; the graph's execution loop runs
+default lane) or through a Ray compiled graph over the same actors (their TP followers at
+pipeline size 1, their stage actors at P > 1 are nodes of it too: `ray_mesh`; the graph's loop runs
 on the actors' ``_ray_system`` lane, so plain calls still run while a graph is live). Both
 reach the same `RankWorker.execute_step` (its stepper runs one step at a time). The engine
 may send a second step before the first is collected (`submit`, then `collect`: two steps in
@@ -168,14 +168,15 @@ class StepPath:
         ranks: Sequence[int],
         actors: Sequence[Any],
         followers: Sequence[Sequence[Any]] = (),
+        stages: Sequence[Sequence[Any]] = (),
     ) -> None:
         """Step `actors` (labels `ranks`) from the next step on, through plain calls at once;
         in compiled mode a graph over them (and `followers[i]`, the TP followers of
-        `actors[i]`: nodes of the graph, `ray_mesh`) is compiled in the background and takes
-        over."""
+        `actors[i]`, or `stages[i]`, its pipeline stages: nodes of the graph, `ray_mesh`) is
+        compiled in the background and takes over."""
         with self._lock:
             self._retire_locked()
-            self._stepped = ray_mesh.Stepped.of(ranks, actors, followers)
+            self._stepped = ray_mesh.Stepped.of(ranks, actors, followers, stages)
             self._gen += 1
             gen = self._gen
             self._retry_at = None
@@ -390,6 +391,7 @@ class StepPath:
                 current=lambda: self._current(gen),
                 retry_in=RETRY_SECONDS,
                 followers=stepped.followers,
+                stages=stepped.stages,
             )
             if built.failed:
                 self.last_compile = built.figures

@@ -23,8 +23,8 @@ the stages along.
 
 A step with tokens on any DP rank: the leader runs stage 0 (also with no token of its own:
 its stages must join their experts' collectives) and hands its hidden states to stage 1, ...,
-the last stage's logits come back to the leader, which samples (`Stages.chain`: one call per
-stage per step). Each stage returns its expert load; the leader adds it at its MoE layers.
+the last stage's logits come back to the leader, which samples (`Stages.chain`: a lane of the
+compiled step graph per micro-batch, or one call per stage per micro-batch). Each stage returns its expert load; the leader adds it at its MoE layers.
 
 Failures: a stage actor that died or hangs fails its leader (`StageLost`, as a lost TP
 follower: the DP rank is lost); a failed step aborts every stage's group (no peer waits in a
