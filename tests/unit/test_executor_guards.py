@@ -142,7 +142,9 @@ def _fake_ray(
     monkeypatch.setattr(ray_actor.ray.util, "remove_placement_group", lambda pg: None)
     monkeypatch.setattr(ray_actor.ray, "get", lambda refs, **k: refs)
     monkeypatch.setattr(ray_actor.ray, "kill", killed.append)
-    monkeypatch.setattr(ray_actor, "_in_bundle", lambda pg, i: None)
+    monkeypatch.setattr(
+        ray_actor.ray_bundles, "options", lambda pg, i, gpu, extra: {"bundle": i, **extra}
+    )
     monkeypatch.setattr(ray_actor.ray_calls, "get_all", lambda refs, ranks, **k: list(refs))
     return leaders, followers, killed
 

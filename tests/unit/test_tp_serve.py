@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_runtime import cli
-from moe_runtime.executor import ray_actor
+from moe_runtime.executor import ray_bundles
 from moe_runtime.model import experts as experts_mod
 from moe_runtime.model import kv, source, tensor_parallel
 from moe_runtime.rank import tensor_group, worker
@@ -32,9 +32,9 @@ def _few_threads() -> None:
     ],
 )
 def test_a_dp_rank_takes_one_bundle_per_tp_rank(size: int, gpu: bool, want: list[Any]) -> None:
-    assert ray_actor.bundles(size, use_gpu=gpu) == want
+    assert ray_bundles.bundles(size, use_gpu=gpu) == want
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
-        ray_actor.bundles(0, use_gpu=False)
+        ray_bundles.bundles(0, use_gpu=False)
 
 
 @pytest.fixture(scope="module")

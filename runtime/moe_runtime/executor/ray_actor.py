@@ -25,7 +25,6 @@ from typing import Any
 import ray
 import ray.exceptions
 import ray.util
-import ray.util.scheduling_strategies as ray_sched
 
 from moe_contract import names, protocol
 from moe_runtime import logs
@@ -34,6 +33,7 @@ from moe_runtime.executor import (
     base,
     guards,
     niceness,
+    ray_bundles,
     ray_calls,
     ray_mesh,
     ray_pipeline,
@@ -377,7 +377,7 @@ def start_ranks(
     `model.tensor_parallel`). `existing`: the infos of running ranks (`node_id`, `ip`); ranks on
     two nodes that report one IP are refused (`guards.check_node_ips`). `env`: the head's
     variables every actor gets (`guards.rank_env`)."""
-    bundle_list = bundles(tp_size * pp_size, use_gpu=use_gpu)
+    bundle_list = ray_bundles.bundles(tp_size * pp_size, use_gpu=use_gpu)
     bundle = bundle_list[0]
     pgs = [ray.util.placement_group(bundle_list, strategy="STRICT_PACK") for _ in range(count)]
     actors: list[Any] = []
@@ -389,7 +389,7 @@ def start_ranks(
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"{count} placement groups of {len(bundle_list)} x {bundle} were not scheduled "
-                f"within {timeout}s: the cluster offers {free_resource(RANK_RESOURCE)} free "
+                f"within {timeout}s: the cluster offers {ray_bundles.free(RANK_RESOURCE)} free "
                 f"{RANK_RESOURCE}"
             ) from None
         device = "cuda" if use_gpu else "cpu"
@@ -411,7 +411,7 @@ def start_ranks(
             tp = [
                 tuple(
                     ray_tensor.RemoteFollower.options(
-                        **_bundle_options(pg, s * tp_size + t, use_gpu, leader_options)
+                        **ray_bundles.options(pg, s * tp_size + t, use_gpu, leader_options)
                     ).remote(label=label, tp_rank=t, stage=s, **follower)
                     for t in range(1, tp_size)
                 )
@@ -419,7 +419,7 @@ def start_ranks(
             ]
             stages = tuple(
                 ray_pipeline.RemoteStage.options(
-                    **_bundle_options(pg, s * tp_size, use_gpu, leader_options)
+                    **ray_bundles.options(pg, s * tp_size, use_gpu, leader_options)
                 ).remote(label=label, stage=s, size=pp_size, followers=tp[s], **mesh)
                 for s in range(1, pp_size)
             )
@@ -427,7 +427,9 @@ def start_ranks(
             # every actor of the DP rank besides its leader (killed with it)
             followers.append(tp[0] + stages + tuple(f for fs in tp[1:] for f in fs))
             actors.append(
-                RemoteRankActor.options(**_bundle_options(pg, 0, use_gpu, leader_options)).remote(
+                RemoteRankActor.options(
+                    **ray_bundles.options(pg, 0, use_gpu, leader_options)
+                ).remote(
                     label=label,
                     device=device,
                     dtype=dtype,
@@ -472,36 +474,3 @@ def start_ranks(
         [m.info["node_id"][:8] for m in started],
     )
     return started
-
-
-def bundles(tp_size: int, *, use_gpu: bool) -> list[dict[str, float]]:
-    """The placement group bundles of one DP rank: one rank slot (and one GPU on GPU) for each
-    of its T tensor-parallel actors (or P pipeline stages: `tp_size` is then T x P), bundle 0
-    the leader's."""
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    bundle: dict[str, float] = {RANK_RESOURCE: 1}
-    if use_gpu:
-        bundle["GPU"] = 1
-    return [dict(bundle) for _ in range(tp_size)]
-
-
-def _in_bundle(pg: Any, index: int) -> Any:
-    return ray_sched.PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=index
-    )
-
-
-def _bundle_options(pg: Any, index: int, use_gpu: bool, options: dict[str, Any]) -> dict[str, Any]:
-    """The actor options of bundle `index` of `pg`: one rank slot (and one GPU) there."""
-    return dict(
-        scheduling_strategy=_in_bundle(pg, index),
-        resources={RANK_RESOURCE: 1},
-        num_gpus=1 if use_gpu else 0,
-        **options,
-    )
-
-
-def free_resource(resource: str) -> float:
-    free: dict[str, float] = ray.available_resources()  # type: ignore[no-untyped-call]
-    return free.get(resource, 0.0)

@@ -47,6 +47,7 @@ from moe_runtime.executor import (
     base,
     guards,
     ray_actor,
+    ray_bundles,
     ray_calls,
     ray_graph,
     ray_groups,
@@ -452,7 +453,7 @@ class RayExecutor(base.Executor):
     def free_rank_slots(self) -> int | None:
         # in DP ranks: each takes T rank slots (its leader and followers)
         per_rank = self.tp_size * self.pp_size
-        return int(ray_actor.free_resource(ray_actor.RANK_RESOURCE)) // per_rank
+        return int(ray_bundles.free(ray_bundles.RANK_RESOURCE)) // per_rank
 
     def shutdown(self) -> None:
         self._close()
