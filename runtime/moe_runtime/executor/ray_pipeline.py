@@ -41,7 +41,7 @@ _METHODS = ("join", "load", "step", "shutdown")
 #: methods run on `CTL_LANE`, beside the steps
 CTL_METHODS = ("join", "prefetch", "prestage", "drop_prestaged", "transfer_non_expert")
 #: Seconds between the pings of a leader waiting for a micro-batch's answer from the step
-#: graph (`LanePending.wait`): a stage that died ends the wait within about that.
+#: graph (`RayStages.wait`): a stage that died ends the wait within about that.
 LANE_PING_S = 0.2
 
 
@@ -171,8 +171,9 @@ class StageActor:
         stage (or the leader) handed down, run, and handed on: the next stage gets this
         stage's answer as its `prev`, the leader (after the last stage) the answer. Nothing
         to run, or an error of an earlier stage: passed on. A hold waits in one lane's node
-        (`hold_lane`; the other lanes' pass). Never raises (an error would fail every rank's output of the
-        step): a failed forward pass answers ``error``; its leader's step fails with it."""
+        (`hold_lane`; the other lanes' pass). Never raises (an error would fail every rank's
+        output of the step): a failed forward pass answers ``error``; its leader's step fails
+        with it."""
         if work.step_id == ray_tensor.HOLD_STEP_ID and work.lane == self._hold_lane:
             self.steps["holding"] = 1
             self._hold.wait()
