@@ -1,8 +1,9 @@
 """The compiled step graph over a DP rank's pipeline stages (`executor.ray_mesh`, issue 22):
 at pipeline size P > 1 every stage actor is a node of the graph, P micro-batch lanes of them
 per DP rank (``leader -> stage 1 -> ... -> leader.finish_step``), and the hidden states go
-from stage to stage through the graph's shared-memory channels instead of a Ray call per stage
-and micro-batch.
+from stage to stage through the graph's channels instead of a Ray call per stage and
+micro-batch, here by Ray's tensor transport (`MOE_STEP_GRAPH_TRANSPORT=shm`: through shared
+memory on CPUs, its default on GPUs; on CPUs the lanes are pickled by default).
 
 On a RayExecutor of two DP ranks at P = 2 (the tiny synthetic model; micro-batches from 8 new
 tokens, so the prefill goes as two, the decodes whole): once the graph is live every forward
@@ -11,7 +12,9 @@ micro-batches from lanes 0 and 1, and the greedy and seeded tokens equal one pro
 parked graph holds the stages and the leaders (each loop waits on its event, none reads a
 channel) and the next step resumes the same graph with the same
 tokens; right after a new step path is set (plain calls while the graph compiles) the stages
-step from plain calls, and the graph takes over again.
+step from plain calls, and the graph takes over again. A prefill whose micro-batches outgrow a
+graph channel's buffer sends its hidden states through Ray's object store (`ray_pipeline.
+Shipper`), so the next switch's teardown does not hang and the graph comes back.
 """
 
 from __future__ import annotations
@@ -46,11 +49,15 @@ def reference() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def pipeline(ray_session: None) -> Iterator[Any]:
-    from moe_runtime.executor import ray_executor
+    from moe_runtime.executor import ray_executor, ray_mesh
 
-    ex = ray_executor.RayExecutor(
-        2, pp_size=2, pp_micro_batch_tokens=MICRO_BATCH_TOKENS, park_after=PARK_AFTER
-    )
+    with pytest.MonkeyPatch.context() as mp:  # read once, by the executor
+        # Ray's tensor transport, as between GPUs (on CPUs through shared memory; this model's
+        # lanes stay under the channels' buffer: `ray_mesh.TRANSPORT_ENV`)
+        mp.setenv(ray_mesh.TRANSPORT_ENV, "shm")
+        ex = ray_executor.RayExecutor(
+            2, pp_size=2, pp_micro_batch_tokens=MICRO_BATCH_TOKENS, park_after=PARK_AFTER
+        )
     ex.start(lockstep.SOURCE, placement=lockstep.identity(2))
     yield ex
     ex.shutdown()
@@ -93,6 +100,9 @@ def test_the_stages_step_from_their_nodes_of_the_graph(
 ) -> None:
     wait_for(pipeline.path.graph_live, "the step graph took over")
     assert pipeline.path.graph_nodes() == 4  # two leaders and their stage actors
+    # the hidden states and logits go by Ray's tensor transport: per DP rank, 2 lanes of the
+    # leader's node and the stage's
+    assert pipeline.path.last_compile["tensor_nodes"] == 2 * 2 * 2
     before = counts(pipeline)
     assert generate_all(pipeline) == reference
     after = counts(pipeline)
@@ -149,3 +159,38 @@ def test_plain_calls_step_the_stages_until_the_graph_takes_over(
     after = counts(pipeline)
     assert [a["plain"] for a in after] == [m["plain"] for m in middle]
     assert graph_passes(middle, after) == [MAX_TOKENS + 1] * 2
+
+
+def test_a_switch_after_a_prefill_over_a_channel_buffer_gets_the_graph_back(
+    pipeline: Any, reference: list[list[int]]
+) -> None:
+    """A micro-batch whose hidden states outgrow a graph channel's buffer (1 MB) goes through
+    Ray's object store, the lane carrying its reference (`ray_pipeline.Shipper`): a channel
+    that grew would hang the next teardown for good (Ray 2.60), and the graph would never
+    come back after the switch."""
+    wait_for(pipeline.path.graph_live, "the step graph took over")
+    run = lockstep.Lockstep(pipeline)
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(1800)]
+    for i in range(12):  # 6 x 1800 tokens per DP rank: two micro-batches of 5400 tokens each,
+        run.add(f"long{i}", prompt, rank=i % 2, max_tokens=2)  # [5400, 64] float32: 1.4 MB
+    got = run.run()
+    assert len({tuple(tokens) for tokens in got.values()}) == 1  # one prompt, one answer
+    pipeline._set_path()  # a switch: the graph torn down, compiled again
+    wait_for(pipeline.path.graph_live, "the step graph came back after the switch", timeout=60)
+    assert generate_all(pipeline) == reference
+
+
+def test_a_lane_ships_only_its_large_host_tensors_by_reference(ray_session: None) -> None:
+    import ray
+
+    from moe_runtime.executor import ray_pipeline
+
+    shipper = ray_pipeline.Shipper()
+    assert shipper.inline_bytes == 250_000  # a quarter of Ray's default channel buffer
+    small, large = torch.ones(16, 64), torch.arange(1024 * 64, dtype=torch.float32).view(1024, 64)
+    assert shipper.ship(small) is small
+    shipped = shipper.ship({"out": large, "loads": [(0, 2, small)]})
+    assert isinstance(shipped["out"], ray.ObjectRef) and shipped["loads"][0][2] is small
+    landed = ray_pipeline.Shipper.land(shipped)
+    assert torch.equal(landed["out"], large) and landed["loads"] == shipped["loads"]
+    assert ray_pipeline.Shipper.land(small) is small

@@ -292,11 +292,13 @@ def test_a_path_closed_while_a_graph_job_is_stuck_returns_within_its_timeout(
     entered, stuck, compiled = threading.Event(), threading.Event(), ray_graph.compile_graph
     left = threading.Event()
 
-    def stuck_compile(handles: list[Any], followers: Any = (), stages: Any = ()) -> Any:
+    def stuck_compile(
+        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "auto"
+    ) -> Any:
         entered.set()
         stuck.wait(30)
         left.set()
-        return compiled(handles, followers, stages)
+        return compiled(handles, followers, stages, transport)
 
     monkeypatch.setattr(ray_graph, "compile_graph", stuck_compile)
     p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
@@ -330,8 +332,10 @@ def test_a_graph_compiled_for_a_path_since_replaced_is_dropped_unprobed(
     compiled, replaced = ray_graph.compile_graph, threading.Event()
     p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
 
-    def compile_then_replace(handles: list[Any], followers: Any = (), stages: Any = ()) -> Any:
-        graph = compiled(handles, followers, stages)
+    def compile_then_replace(
+        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "auto"
+    ) -> Any:
+        graph = compiled(handles, followers, stages, transport)
         if not replaced.is_set():
             replaced.set()
             p.set([0, 1], actors)  # the switch that came while this graph compiled
@@ -377,8 +381,10 @@ def test_a_graph_whose_failure_monitor_ended_is_dropped_and_compiled_again(
     compiled = ray_graph.compile_graph
     graphs: list[Any] = []
 
-    def compile_broken_once(handles: list[Any], followers: Any = (), stages: Any = ()) -> Any:
-        graph = compiled(handles, followers, stages)
+    def compile_broken_once(
+        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "auto"
+    ) -> Any:
+        graph = compiled(handles, followers, stages, transport)
         graphs.append(_ended_monitor(graph) if not graphs else graph)
         return graph
 

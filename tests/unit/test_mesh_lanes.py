@@ -13,7 +13,8 @@ micro-batches down the lanes (`RayStages.chain`) and waits for their answers.
   lost), an abort of the stages ends it at once, and so does a stage that stopped answering
   pings (`alive`), each naming why;
 - more micro-batches than lanes are refused;
-- which DP ranks' stages are graph nodes (`stage_nodes`, `MOE_STEP_GRAPH_STAGES`).
+- which DP ranks' stages are graph nodes (`stage_nodes`, `MOE_STEP_GRAPH_STAGES`), and how
+  their lanes carry tensors (`stage_transport`, `MOE_STEP_GRAPH_TRANSPORT`).
 """
 
 from __future__ import annotations
@@ -197,3 +198,29 @@ def test_a_bad_stage_nodes_setting_is_refused_naming_it(monkeypatch: pytest.Monk
     monkeypatch.setenv(ray_mesh.STAGES_ENV, "yes")
     with pytest.raises(ValueError, match="MOE_STEP_GRAPH_STAGES must be auto, 1 or 0"):
         ray_mesh.stage_nodes(1, use_gpu=False)
+
+
+@pytest.mark.parametrize(
+    ("setting", "use_gpu", "transport"),
+    [
+        (None, False, "pickle"),  # Ray 2.60's shared-memory tensor channels: see TRANSPORT_ENV
+        (None, True, "auto"),  # NCCL between GPU actors
+        ("", True, "auto"),
+        ("SHM", False, "shm"),
+        ("pickle", True, "pickle"),
+    ],
+)
+def test_the_lanes_transport_setting(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, use_gpu: bool, transport: str
+) -> None:
+    if setting is None:
+        monkeypatch.delenv(ray_mesh.TRANSPORT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ray_mesh.TRANSPORT_ENV, setting)
+    assert ray_mesh.stage_transport(use_gpu=use_gpu) == transport
+
+
+def test_a_bad_transport_setting_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ray_mesh.TRANSPORT_ENV, "nccl")
+    with pytest.raises(ValueError, match="MOE_STEP_GRAPH_TRANSPORT must be one of auto, shm"):
+        ray_mesh.stage_transport(use_gpu=True)

@@ -23,11 +23,21 @@ from moe_runtime.executor import base
 
 #: Prefixes of the head's variables that reach every rank actor: log settings (MOE_LOG_LEVEL,
 #: MOE_LOG_FORMAT, ...), the collectives' settings (NCCL_SOCKET_IFNAME, NCCL_DEBUG,
-#: GLOO_SOCKET_IFNAME, TORCH_NCCL_*), the Hugging Face caches' (HF_HOME, ...).
-RANK_ENV_PREFIXES = ("MOE_", "NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "HF_")
+#: GLOO_SOCKET_IFNAME, TORCH_NCCL_*), the Hugging Face caches' (HF_HOME, ...), Ray's compiled
+#: graph settings (RAY_CGRAPH_buffer_size_bytes: a channel's ends read it where they run).
+RANK_ENV_PREFIXES = (
+    "MOE_",
+    "NCCL_",
+    "GLOO_",
+    "TORCH_NCCL_",
+    "TORCH_DISTRIBUTED_",
+    "HF_",
+    "RAY_CGRAPH_",
+)
 #: Variables under those prefixes that stay where they are set: per worker (its pod's name and
 #: IP, its termination log) or secrets (they would travel through Ray's GCS). Not copied
-#: either, being outside the prefixes: CUDA_VISIBLE_DEVICES (Ray sets it per actor), RAY_*,
+#: either, being outside the prefixes: CUDA_VISIBLE_DEVICES (Ray sets it per actor), RAY_*
+#: but RAY_CGRAPH_*,
 #: HOSTNAME, POD_*, OMP_*/MKL_* thread counts (a rank sets its own), the spare's setup hook.
 RANK_ENV_KEPT = frozenset(
     {

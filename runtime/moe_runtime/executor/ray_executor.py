@@ -173,6 +173,7 @@ class RayExecutor(base.Executor):
             compiled=mode == STEP_COMPILED,
             compile_timeout=switch_timeout,
             park_after=ray_step.park_after_from_env() if park_after is None else park_after,
+            transport=ray_mesh.stage_transport(use_gpu=use_gpu),  # the stages' lanes' tensors
         )
         self._warm = ray_graph.WarmUp(timeout=ready_timeout)
         #: Steps sent and not yet collected (the engine sends a second one ahead of the

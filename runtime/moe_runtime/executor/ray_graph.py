@@ -39,11 +39,13 @@ def compile_graph(
     actors: Sequence[Any],
     followers: Sequence[Sequence[Any]] = (),
     stages: Sequence[Sequence[Any]] = (),
+    transport: str = "auto",
 ) -> Any:
     """The step graph over `actors` (and `followers[i]`, the TP followers of `actors[i]`, as
     nodes of their own: `ray_mesh`; its outputs are then the leaders', then the followers'
     in order; or `stages[i]`, the pipeline stages 1..P-1 of `actors[i]`: P micro-batch lanes,
-    each ``leader -> stage 1 -> ... -> stage P-1 -> leader.finish_step``). Blocks for the
+    each ``leader -> stage 1 -> ... -> stage P-1 -> leader.finish_step``, carrying their
+    tensors by `transport`: `ray_mesh.TRANSPORT_ENV`). Blocks for the
     compile (~0.2 s over actors that were in a graph before, seconds over fresh ones):
     `ray_step` calls it from its background job, which has torn down every other graph over
     these actors first."""
@@ -54,7 +56,7 @@ def compile_graph(
             theirs = followers[i] if followers else ()
             chain = stages[i] if stages else ()
             if chain:
-                outs.append(_pipeline(inp, actor, chain))
+                outs.append(_pipeline(inp, actor, chain, carrier(transport)))
                 continue
             if not theirs:
                 outs.append(actor.execute_step.bind(inp))
@@ -66,22 +68,33 @@ def compile_graph(
     return _compile(dag)
 
 
-def _pipeline(inp: Any, leader: Any, stages: Sequence[Any]) -> Any:
+def _pipeline(inp: Any, leader: Any, stages: Sequence[Any], carry: Callable[[Any], Any]) -> Any:
     """One DP rank's pipeline in the graph: lane k's micro-batch leaves the leader (lane 0 from
     `prepare_step`, the others from `next_lane`, each after the one before: an actor runs its
     nodes in the order they were bound), goes through every stage's node of lane k, and the
     last stage's lanes meet in the leader's `finish_step`. A stage runs lane k + 1 after lane
-    k, while its leader runs stage 0 of the next micro-batch."""
-    lane = leader.prepare_step.bind(inp)
+    k, while its leader runs stage 0 of the next micro-batch. `carry` marks each lane's node
+    for its transport (`carrier`)."""
+    lane = carry(leader.prepare_step.bind(inp))
     lasts: list[Any] = []
     for k in range(1 + len(stages)):
         if k:
-            lane = leader.next_lane.bind(lane, k)
+            lane = carry(leader.next_lane.bind(lane, k))
         work = lane
         for stage in stages:
-            work = stage.graph_step.bind(work)
+            work = carry(stage.graph_step.bind(work))
         lasts.append(work)
     return leader.finish_step.bind(*lasts)
+
+
+def carrier(transport: str) -> Callable[[Any], Any]:
+    """What marks a lane's node for `transport` (`ray_mesh.TRANSPORT_ENV`): Ray's tensor
+    transport finds the tensors nested in the `StageLane` (not returned bare:
+    ``_direct_return`` False) and sends them by it, the rest of the lane through the channel;
+    "pickle": nothing (the channel pickles it all)."""
+    if transport == "pickle":
+        return lambda node: node
+    return lambda node: node.with_tensor_transport(transport=transport)
 
 
 def _compile(dag: Any) -> Any:
@@ -136,6 +149,7 @@ def build(
     retry_in: float,
     followers: Sequence[Sequence[Any]] = (),
     stages: Sequence[Sequence[Any]] = (),
+    transport: str = "auto",
 ) -> Built:
     """A new step graph over `actors` (and their TP `followers`: `compile_graph`), fit to
     carry steps: compiled, checked (`broken`) and
@@ -145,7 +159,7 @@ def build(
     probe would wait for it). `retry_in` (s) only goes into the logs."""
     started = time.monotonic()
     try:
-        graph = compile_graph(actors, followers, stages)
+        graph = compile_graph(actors, followers, stages, transport)
     except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
         log.exception(
             "compiling the step graph over %d ranks failed; steps stay on plain actor calls "
@@ -178,8 +192,21 @@ def build(
             probe_timeout,
         )
         return Built(figures={"error": f"probe: {type(exc).__name__}: {exc}"}, dropped=graph)
-    figures = {"compile_s": compiled - started, "probe_s": time.monotonic() - compiled}
+    figures = {
+        "compile_s": compiled - started,
+        "probe_s": time.monotonic() - compiled,
+        "tensor_nodes": tensor_nodes(graph),
+    }
     return Built(graph=graph, figures=figures)
+
+
+def tensor_nodes(graph: Any) -> int:
+    """The nodes of the compiled `graph` whose output goes by Ray's tensor transport (the
+    pipeline lanes', `carrier`; resolved by the compile)."""
+    from ray.experimental.channel.torch_tensor_type import TorchTensorType
+
+    tasks = getattr(graph, "idx_to_task", {})
+    return sum(isinstance(t.dag_node.type_hint, TorchTensorType) for t in tasks.values())
 
 
 @dataclasses.dataclass(frozen=True)

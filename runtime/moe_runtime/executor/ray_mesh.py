@@ -72,6 +72,30 @@ def stage_nodes(tp_size: int, *, use_gpu: bool) -> bool:
     return raw == "1" or (raw == "auto" and (tp_size == 1 or use_gpu))
 
 
+#: How the step graph's lanes carry the tensors in them (the hidden states a stage hands on,
+#: the last stage's logits) from actor to actor: "auto" (the default) Ray's tensor transport
+#: (`with_tensor_transport("auto")`, resolved per edge at compile time: the accelerator's,
+#: NCCL, between actors on different GPUs, where the tensors stay on the device) when the
+#: ranks run on GPUs, "pickle" on CPUs; "shm" Ray's tensor transport through host shared
+#: memory (a GPU tensor copied to the host and back); "pickle" the channel pickling the whole
+#: lane, tensors included. In every mode a host tensor over a quarter of the channel's buffer
+#: goes through the object store instead (`ray_pipeline.Shipper`: a channel that grows hangs
+#: the next teardown in Ray 2.60), so on CPUs the lanes' channels carry at most ~250 kB of
+#: tensors, where "shm" saved 0.1-0.6 ms of a 1.3-2.2 ms lane on 2 cores
+#: (`bench/graph_lanes.py`): not worth Ray's less used path by default.
+TRANSPORT_ENV = "MOE_STEP_GRAPH_TRANSPORT"
+TRANSPORTS = ("auto", "shm", "pickle")
+
+
+def stage_transport(*, use_gpu: bool) -> str:
+    """The transport of the step graph's lanes, "auto" resolved ("auto" on GPUs, else
+    "pickle"), from `TRANSPORT_ENV`; ValueError naming it for another value."""
+    raw = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if raw not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
+    return "pickle" if raw == "auto" and not use_gpu else raw
+
+
 @dataclasses.dataclass(frozen=True)
 class Stepped:
     """What a step path steps: the ranks' labels, their actors, each one's TP followers with a

@@ -11,8 +11,9 @@
   (`ray_tensor.RayFollowers`' waits and pings, naming "pipeline stage s"). In the compiled
   step graph (`ray_mesh`) each stage has a node per micro-batch lane (`StageActor.graph_step`)
   and a step's micro-batches go through the graph's channels (`StageLane`: the hidden states
-  from stage to stage through shared memory, the last stage's answer back to the leader's
-  `finish_step`); `chain` then hands the micro-batch to its lane (`lanes`). Over plain calls
+  from stage to stage, the last stage's answer back to the leader's `finish_step`; large
+  host tensors by object reference, `Shipper`); `chain` then hands the micro-batch to its
+  lane (`lanes`). Over plain calls
   a step is a chain of calls, each stage's given the previous one's result by reference (Ray
   passes the hidden states from actor to actor through its object store; the leader reads
   only the last).
@@ -23,6 +24,7 @@ their handles to it; removing the DP rank's placement group ends them with it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -30,6 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import ray
+import ray.dag
+import torch
 
 from moe_runtime import logs
 from moe_runtime.executor import niceness, ray_tensor
@@ -43,6 +47,51 @@ CTL_METHODS = ("join", "prefetch", "prestage", "drop_prestaged", "transfer_non_e
 #: Seconds between the pings of a leader waiting for a micro-batch's answer from the step
 #: graph (`RayStages.wait`): a stage that died ends the wait within about that.
 LANE_PING_S = 0.2
+#: The share of a graph channel's buffer (`RAY_CGRAPH_buffer_size_bytes`, 1 MB by default)
+#: from which a host tensor in a lane (hidden states, logits) goes through Ray's object store,
+#: the lane carrying its reference (`Shipper`): a channel that once carried more than its
+#: buffer grows, and in Ray 2.60 the graph's teardown (every switch) then hangs for good,
+#: pickled or by tensor transport alike (`bench/graph_lanes.py`); the rest of a lane (the
+#: micro-batch's token ids, a placement, expert loads) has the other three quarters. Device
+#: tensors stay in the lane (NCCL carries them out of band).
+LANE_INLINE_SHARE = 0.25
+#: References a process keeps to the tensors it shipped, newest last (each is read within
+#: its step: this covers P <= 8 lanes of two steps in flight).
+LANE_KEPT_REFS = 16
+
+
+class Shipper:
+    """Ships a lane's large host tensors through the object store (`LANE_INLINE_SHARE`) and
+    lands what it gets: `ship` on the writing side, `land` on the reading side of a lane."""
+
+    def __init__(self) -> None:
+        self._kept: collections.deque[Any] = collections.deque(maxlen=LANE_KEPT_REFS)
+        #: bytes from which a host tensor is shipped: a share of this process's channel
+        #: buffer (a larger `RAY_CGRAPH_buffer_size_bytes` keeps more in the lanes)
+        buffer = ray.dag.DAGContext.get_current().buffer_size_bytes
+        self.inline_bytes = int(buffer * LANE_INLINE_SHARE)
+
+    def ship(self, value: Any) -> Any:
+        """`value` (a tensor, or a stage's answer: its "out"), a large host tensor replaced
+        by its object reference, kept alive here until `LANE_KEPT_REFS` later ones."""
+        if isinstance(value, dict) and "out" in value:
+            return {**value, "out": self.ship(value["out"])}
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            return value
+        if value.numel() * value.element_size() < self.inline_bytes:
+            return value
+        ref = ray.put(value)
+        self._kept.append(ref)
+        return ref
+
+    @staticmethod
+    def land(value: Any) -> Any:
+        """`value` with a shipped tensor read back from the object store."""
+        if isinstance(value, dict) and "out" in value:
+            return {**value, "out": Shipper.land(value["out"])}
+        if isinstance(value, ray.ObjectRef):
+            return ray.get(value, timeout=pipeline_group.STEP_TIMEOUT_S)
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +176,7 @@ class StageActor:
             pids = ray.get([f.pid.remote() for f in followers])
             tensor = ray_tensor.RayFollowers(followers, pids)
         self._followers = tensor
+        self._shipper = Shipper()  # its lanes' large tensors
         self.worker = stage_worker.StageWorker(
             stage=stage,
             size=size,
@@ -159,12 +209,12 @@ class StageActor:
             return self._step(args)
         return getattr(self.worker, method)(*args)
 
-    def _step(self, args: tuple[Any, ...]) -> dict[str, Any]:
+    def _step(self, args: tuple[Any, ...], *, on_device: bool = False) -> dict[str, Any]:
         if not self._serving:
             self._serving = True
             niceness.set_niceness(self.label, 0, why="steps (pipeline stage)")
         with self._step_lock:
-            return self.worker.step(*args)
+            return self.worker.step(*args, on_device=on_device)
 
     def graph_step(self, work: StageLane) -> StageLane:
         """Its node of one lane of the step graph (`ray_mesh`): the micro-batch the previous
@@ -184,14 +234,16 @@ class StageActor:
             return work
         self.steps["graph"] += 1
         self.steps["started"][work.lane] = time.monotonic()
-        epoch, frees, batch, _, live = work.args
+        epoch, frees, batch, prev, live = work.args
         try:
-            answer = self._step(work.args)
+            args = (epoch, frees, batch, self._shipper.land(prev), live)
+            answer = self._step(args, on_device=True)  # the graph's transport carries it
         except Exception as exc:  # noqa: BLE001 - answered; the leader's step fails with it
             lost = isinstance(exc, tensor_group.FollowerLost)
             error = f"{type(exc).__name__}: {exc}"
             return dataclasses.replace(work, args=None, error=error, lost=lost)
         reads = work.reads + int(answer.get("reads", 0))
+        answer = self._shipper.ship(answer)
         if self._last:
             return dataclasses.replace(work, args=None, answer=answer, reads=reads)
         return dataclasses.replace(work, args=(epoch, frees, batch, answer, live), reads=reads)
@@ -252,6 +304,7 @@ class RayStages(ray_tensor.RayFollowers):
         #: its thread (`lanes_thread`) down the graph's lanes; None: plain calls.
         self.lanes: Lanes | None = None
         self.lanes_thread: int | None = None
+        self._shipper = Shipper()
 
     def follower_pids(self) -> list[int]:
         return list(self._follower_pids)
@@ -266,7 +319,7 @@ class RayStages(ray_tensor.RayFollowers):
         lanes = self.lanes
         if lanes is not None and threading.get_ident() == self.lanes_thread:
             # a graph step (not the tail of a plain call's step): down its next lane
-            return lanes.hand_lane((epoch, list(frees), batch, hidden, live))
+            return lanes.hand_lane((epoch, list(frees), batch, self._shipper.ship(hidden), live))
         refs: list[Any] = []
         prev = hidden
         for actor in self._actors:
@@ -288,7 +341,7 @@ class RayStages(ray_tensor.RayFollowers):
             raise RuntimeError(f"a pipeline stage failed in the step graph: {lane.error}")
         if lane.answer is None:
             raise RuntimeError(f"lane {pending.lane} of the step graph came back empty")
-        return [{**lane.answer, "reads": lane.reads}]  # every stage's reads
+        return [{**Shipper.land(lane.answer), "reads": lane.reads}]  # every stage's reads
 
     def _check(self) -> None:
         why = self.alive()

@@ -88,7 +88,8 @@ class StepPath:
     the probe step of a new graph, and probe_timeout (`PROBE_TIMEOUT_SECONDS`) bounds it
     further. park_after: seconds without a step before a live graph is parked (held in a
     wait) until the next step; 0 never parks. wait: how long `collect` sleeps before it reads
-    a graph's output (`step_wait`; default from the env).
+    a graph's output (`step_wait`; default from the env). transport: how a graph's pipeline
+    lanes carry tensors (`ray_mesh.stage_transport`).
     """
 
     def __init__(
@@ -99,8 +100,9 @@ class StepPath:
         park_after: float = PARK_AFTER_SECONDS,
         wait: step_wait.StepWait | None = None,
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
+        transport: str = "auto",
     ) -> None:
-        self.compiled = compiled
+        self.compiled, self.transport = compiled, transport
         self.compile_timeout = compile_timeout
         self.probe_timeout = min(compile_timeout, probe_timeout)
         self.park_after = park_after
@@ -392,6 +394,7 @@ class StepPath:
                 retry_in=RETRY_SECONDS,
                 followers=stepped.followers,
                 stages=stepped.stages,
+                transport=self.transport,
             )
             if built.failed:
                 self.last_compile = built.figures
@@ -413,11 +416,10 @@ class StepPath:
             self.last_compile = {"teardown_s": torn - started, **built.figures}
             log.info(
                 "step graph over %d ranks took over from plain calls: teardown %.3fs, "
-                "compile %.3fs, probe %.3fs",
+                "compile %.3fs, probe %.3fs (%d nodes hand tensors on by Ray's tensor transport)",
                 len(stepped.actors),
                 torn - started,
-                built.figures["compile_s"],
-                built.figures["probe_s"],
+                *(built.figures[k] for k in ("compile_s", "probe_s", "tensor_nodes")),
             )
 
     def _retry_later(self, gen: int) -> None:

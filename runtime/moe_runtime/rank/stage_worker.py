@@ -404,11 +404,14 @@ class StageWorker:
         batch: kv_mod.ForwardBatch,
         prev: Any,
         live: Live | None = None,
+        *,
+        on_device: bool = False,
     ) -> dict[str, Any]:
         """This stage's forward pass of `batch` given the previous stage's hidden states
         (`prev`: the tensor, or the previous stage's answer), serving as the leader's `live`
         says (`follow`). Returns {"out": hidden states, or the logits at the last stage,
-        "loads": every stage's (first, stop, load) so far}."""
+        "loads": every stage's (first, stop, load) so far}; "out" on the host, or on_device:
+        where it was computed (the step graph's tensor transport carries it from there)."""
         model, kv, stage = self.model, self.kv, self.stage
         if model is None or kv is None or stage is None:
             raise RuntimeError(f"no weights loaded ({self.where()})")
@@ -458,7 +461,7 @@ class StageWorker:
         reads = self.reads_in_step - reads_before
         if tensor is not None and mesh:
             reads += tensor.step_reads  # its followers' (a placement no prefetch prepared)
-        return {"out": out.cpu(), "loads": loads, "reads": reads}
+        return {"out": out if on_device else out.cpu(), "loads": loads, "reads": reads}
 
     def abort_join(self, epoch: int) -> None:
         """Call off this stage's joins of `epoch`, running or still to come (any thread)."""
