@@ -64,28 +64,37 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 from bench import serve as serve_bench  # noqa: E402
-from moe_runtime.executor import cluster, ray_executor  # noqa: E402
+from moe_runtime.executor import cluster, ray_executor, ray_mesh  # noqa: E402
 from moe_runtime.model import source as source_mod  # noqa: E402
 
 DEFAULT_MESHES = ("1x1", "2x1", "1x2", "2x2")
 
 
-#: (T, P, the leader's micro-batch threshold: None for its default), or (T, P, N, "remote"):
-#: steps by plain actor calls (`--step-mode remote`) instead of the compiled step graph
-Mesh = tuple[int, int, int | None] | tuple[int, int, int | None, str]
+#: (T, P, the leader's micro-batch threshold: None for its default, then tags): "remote"
+#: steps by plain actor calls (`--step-mode remote`) instead of the compiled step graph,
+#: "shm" has the graph's lanes carry their tensors by Ray's tensor transport through shared
+#: memory (`MOE_STEP_GRAPH_TRANSPORT=shm`) instead of pickling them (the default on CPUs)
+Mesh = tuple[Any, ...]
 REMOTE = "remote"
+SHM = "shm"
+SUFFIXES = {"r": REMOTE, "s": SHM}
 
 
 def parse_mesh(text: str) -> Mesh:
     """Parse "TxP" into (T, P, None), "TxPmN" into (T, P, N): `--pipeline-micro-batch-tokens
     N` (0: every step whole through the stages); a trailing "r" (1x2r, 1x2m8r): steps by
-    plain actor calls, not the compiled step graph."""
+    plain actor calls, not the compiled step graph; a trailing "s" (1x2s): the graph's lanes
+    carry their tensors by Ray's tensor transport."""
     text = text.lower()
-    remote = text.endswith("r")
+    tags: list[str] = []
+    while text and text[-1] in SUFFIXES:
+        tags.insert(0, SUFFIXES[text[-1]])
+        text = text[:-1]
     try:
-        shape, _, micro = text.removesuffix("r").partition("m")
+        shape, _, micro = text.partition("m")
         tp, pp = (int(part) for part in shape.split("x"))
         tokens = int(micro) if micro else None
     except ValueError:
@@ -94,13 +103,13 @@ def parse_mesh(text: str) -> Mesh:
         ) from None
     if tp < 1 or pp < 1 or (tokens is not None and tokens < 0):
         raise argparse.ArgumentTypeError(f"mesh {text!r}: T and P must be >= 1, N >= 0")
-    return (tp, pp, tokens, REMOTE) if remote else (tp, pp, tokens)
+    return (tp, pp, tokens, *tags)
 
 
 def _label(mesh: Mesh) -> str:
     tp, pp, tokens = mesh[:3]
     label = f"({tp}, {pp})" if tokens is None else f"({tp}, {pp}) m{tokens}"
-    return label + (" plain" if REMOTE in mesh else "")
+    return label + (" plain" if REMOTE in mesh else "") + (" shm" if SHM in mesh else "")
 
 
 def _load_average() -> str:
@@ -115,6 +124,9 @@ def serve_mesh(
     the mesh could not be served."""
     tp, pp, tokens = mesh[:3]
     loaded = time.monotonic()
+    before = os.environ.get(ray_mesh.TRANSPORT_ENV)
+    if SHM in mesh:  # read once, by the executor
+        os.environ[ray_mesh.TRANSPORT_ENV] = SHM
     try:
         executor = ray_executor.RayExecutor(
             1,
@@ -125,6 +137,10 @@ def serve_mesh(
         )
     except Exception as exc:  # noqa: BLE001 - a mesh that cannot start is a result
         return str(exc)
+    finally:
+        os.environ.pop(ray_mesh.TRANSPORT_ENV, None)
+        if before is not None:
+            os.environ[ray_mesh.TRANSPORT_ENV] = before
     try:
         serve_bench.start(executor, args.model, src.config)
         load_s = time.monotonic() - loaded
@@ -155,7 +171,9 @@ def main() -> None:
         default=[parse_mesh(m) for m in DEFAULT_MESHES],
         help="executor meshes TxP at DP=1, TxPmN with --pipeline-micro-batch-tokens N "
         "(1x2m0: every step whole through the stages), a trailing r for plain actor calls "
-        "instead of the compiled step graph (1x2r; default: %(default)s)",
+        "instead of the compiled step graph (1x2r), a trailing s for lanes that carry their "
+        "tensors by Ray's tensor transport instead of pickling them (1x2s; default: "
+        "%(default)s)",
     )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
