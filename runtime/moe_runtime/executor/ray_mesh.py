@@ -82,7 +82,9 @@ def stage_nodes(tp_size: int, *, use_gpu: bool) -> bool:
 #: goes through the object store instead (`ray_pipeline.Shipper`: a channel that grows hangs
 #: the next teardown in Ray 2.60), so on CPUs the lanes' channels carry at most ~250 kB of
 #: tensors, where "shm" saved 0.1-0.6 ms of a 1.3-2.2 ms lane on 2 cores
-#: (`bench/graph_lanes.py`): not worth Ray's less used path by default.
+#: (`bench/graph_lanes.py`): not worth Ray's less used path by default. On GPUs keep "auto":
+#: with "shm" or "pickle" the device tensors go through the channel itself (never shipped),
+#: where a large one makes it grow.
 TRANSPORT_ENV = "MOE_STEP_GRAPH_TRANSPORT"
 TRANSPORTS = ("auto", "shm", "pickle")
 
