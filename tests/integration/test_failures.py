@@ -159,7 +159,7 @@ def test_a_step_graph_that_fails_to_compile_after_a_switch_leaves_plain_calls_se
     compile_graph = ray_graph.compile_graph
 
     def fail_once(
-        actors: Any, followers: Any = (), stages: Any = (), transport: str = "auto"
+        actors: Any, followers: Any = (), stages: Any = (), transport: str = "pickle"
     ) -> Any:
         # The background compile runs in this process: its first call after the arming fails.
         if armed.is_set() and not failed.is_set():

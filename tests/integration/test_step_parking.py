@@ -293,7 +293,7 @@ def test_a_path_closed_while_a_graph_job_is_stuck_returns_within_its_timeout(
     left = threading.Event()
 
     def stuck_compile(
-        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "auto"
+        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "pickle"
     ) -> Any:
         entered.set()
         stuck.wait(30)
@@ -333,7 +333,7 @@ def test_a_graph_compiled_for_a_path_since_replaced_is_dropped_unprobed(
     p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
 
     def compile_then_replace(
-        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "auto"
+        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "pickle"
     ) -> Any:
         graph = compiled(handles, followers, stages, transport)
         if not replaced.is_set():
@@ -382,7 +382,7 @@ def test_a_graph_whose_failure_monitor_ended_is_dropped_and_compiled_again(
     graphs: list[Any] = []
 
     def compile_broken_once(
-        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "auto"
+        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "pickle"
     ) -> Any:
         graph = compiled(handles, followers, stages, transport)
         graphs.append(_ended_monitor(graph) if not graphs else graph)

@@ -146,6 +146,15 @@ def float_from_env(
     return value
 
 
+def choice_from_env(name: str, choices: Sequence[str], *, wanted: str) -> str:
+    """The environment's `name`, stripped and lower-cased, the first of `choices` when unset or
+    empty; ValueError naming the variable and `wanted` (e.g. "auto, 1 or 0") for another."""
+    raw = os.environ.get(name, "").strip().lower() or choices[0]
+    if raw not in choices:
+        raise ValueError(f"{name} must be {wanted}, got {raw!r}")
+    return raw
+
+
 def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The head's variables every rank actor gets (`RANK_ENV_PREFIXES` less `RANK_ENV_KEPT`)."""
     return {

@@ -39,7 +39,7 @@ def compile_graph(
     actors: Sequence[Any],
     followers: Sequence[Sequence[Any]] = (),
     stages: Sequence[Sequence[Any]] = (),
-    transport: str = "auto",
+    transport: str = "pickle",
 ) -> Any:
     """The step graph over `actors` (and `followers[i]`, the TP followers of `actors[i]`, as
     nodes of their own: `ray_mesh`; its outputs are then the leaders', then the followers'
@@ -149,7 +149,7 @@ def build(
     retry_in: float,
     followers: Sequence[Sequence[Any]] = (),
     stages: Sequence[Sequence[Any]] = (),
-    transport: str = "auto",
+    transport: str = "pickle",
 ) -> Built:
     """A new step graph over `actors` (and their TP `followers`: `compile_graph`), fit to
     carry steps: compiled, checked (`broken`) and

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -49,7 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from moe_runtime import step as step_mod
-from moe_runtime.executor import ray_pipeline, ray_tensor
+from moe_runtime.executor import guards, ray_pipeline, ray_tensor
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +65,7 @@ STAGES_ENV = "MOE_STEP_GRAPH_STAGES"
 def stage_nodes(tp_size: int, *, use_gpu: bool) -> bool:
     """Whether the stage actors of a DP rank of `tp_size` TP ranks are nodes of the step graph
     (`STAGES_ENV`; ValueError naming it for another value)."""
-    raw = os.environ.get(STAGES_ENV, "auto").strip().lower() or "auto"
-    if raw not in ("auto", "1", "0"):
-        raise ValueError(f"{STAGES_ENV} must be auto, 1 or 0, got {raw!r}")
+    raw = guards.choice_from_env(STAGES_ENV, ("auto", "1", "0"), wanted="auto, 1 or 0")
     return raw == "1" or (raw == "auto" and (tp_size == 1 or use_gpu))
 
 
@@ -92,9 +89,7 @@ TRANSPORTS = ("auto", "shm", "pickle")
 def stage_transport(*, use_gpu: bool) -> str:
     """The transport of the step graph's lanes, "auto" resolved ("auto" on GPUs, else
     "pickle"), from `TRANSPORT_ENV`; ValueError naming it for another value."""
-    raw = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
-    if raw not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
+    raw = guards.choice_from_env(TRANSPORT_ENV, TRANSPORTS, wanted="one of auto, shm, pickle")
     return "pickle" if raw == "auto" and not use_gpu else raw
 
 

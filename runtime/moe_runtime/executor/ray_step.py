@@ -100,7 +100,7 @@ class StepPath:
         park_after: float = PARK_AFTER_SECONDS,
         wait: step_wait.StepWait | None = None,
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
-        transport: str = "auto",
+        transport: str = "pickle",
     ) -> None:
         self.compiled, self.transport = compiled, transport
         self.compile_timeout = compile_timeout
