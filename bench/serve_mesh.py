@@ -80,14 +80,17 @@ DEFAULT_MESHES = ("1x1", "2x1", "1x2", "2x2")
 Mesh = tuple[Any, ...]
 REMOTE = "remote"
 SHM = "shm"
-SUFFIXES = {"r": REMOTE, "s": SHM}
+INTERLEAVE = "interleave"
+SUFFIXES = {"r": REMOTE, "s": SHM, "i": INTERLEAVE}
 
 
 def parse_mesh(text: str) -> Mesh:
     """Parse "TxP" into (T, P, None), "TxPmN" into (T, P, N): `--pipeline-micro-batch-tokens
     N` (0: every step whole through the stages); a trailing "r" (1x2r, 1x2m8r): steps by
     plain actor calls, not the compiled step graph; a trailing "s" (1x2s): the graph's lanes
-    carry their tensors by Ray's tensor transport."""
+    carry their tensors by Ray's tensor transport; a trailing "i" (1x2i): interleaved steps
+    (`--pipeline-interleave`: two sets of sequences in turn, a step's stage 0 beside the
+    previous step's later stages)."""
     text = text.lower()
     tags: list[str] = []
     while text and text[-1] in SUFFIXES:
@@ -109,7 +112,8 @@ def parse_mesh(text: str) -> Mesh:
 def _label(mesh: Mesh) -> str:
     tp, pp, tokens = mesh[:3]
     label = f"({tp}, {pp})" if tokens is None else f"({tp}, {pp}) m{tokens}"
-    return label + (" plain" if REMOTE in mesh else "") + (" shm" if SHM in mesh else "")
+    label += " plain" if REMOTE in mesh else ""
+    return label + (" shm" if SHM in mesh else "") + (" interleaved" if INTERLEAVE in mesh else "")
 
 
 def _load_average() -> str:
@@ -133,6 +137,7 @@ def serve_mesh(
             tp_size=tp,
             pp_size=pp,
             pp_micro_batch_tokens=tokens,
+            pp_interleave=INTERLEAVE in mesh,
             step_mode=REMOTE if REMOTE in mesh else None,
         )
     except Exception as exc:  # noqa: BLE001 - a mesh that cannot start is a result
@@ -172,8 +177,8 @@ def main() -> None:
         help="executor meshes TxP at DP=1, TxPmN with --pipeline-micro-batch-tokens N "
         "(1x2m0: every step whole through the stages), a trailing r for plain actor calls "
         "instead of the compiled step graph (1x2r), a trailing s for lanes that carry their "
-        "tensors by Ray's tensor transport instead of pickling them (1x2s; default: "
-        "%(default)s)",
+        "tensors by Ray's tensor transport instead of pickling them (1x2s), a trailing i for "
+        "interleaved steps (1x2i: --pipeline-interleave; default: %(default)s)",
     )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)

@@ -96,6 +96,12 @@ class RuntimeMetrics:
             "--pipeline-micro-batch-tokens).",
             registry=r,
         )
+        self.overlapped = prometheus_client.Counter(
+            "moe_pipeline_overlapped_steps",
+            "Steps whose stage 0 ran while the step before was still in the later pipeline "
+            "stages (--pipeline-interleave).",
+            registry=r,
+        )
         self.ttft = prometheus_client.Histogram(
             "moe_time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -144,6 +150,8 @@ class RuntimeMetrics:
         self.source_reads.labels(when="prefetch").inc(sum(o.prefetch_reads for o in outputs))
         if any(o.micro_batches > 1 for o in outputs):
             self.micro_batched.inc()
+        if any(o.overlapped for o in outputs):
+            self.overlapped.inc()
         with self._lock:
             seen = set()
             for out in outputs:

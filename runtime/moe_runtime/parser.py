@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 256); 0: every step goes whole (docs/PIPELINE-PARALLEL.md)",
     )
     serve.add_argument(
+        flags.PIPELINE_INTERLEAVE,
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="at P > 1, consecutive steps take alternate halves of the running sequences and "
+        "a step's stage 0 runs while the previous step is in the later stages (vLLM's "
+        "virtual engines; steps by plain Ray calls; docs/PIPELINE-PARALLEL.md)",
+    )
+    serve.add_argument(
         flags.NUM_REDUNDANT_EXPERTS,
         type=_non_negative,
         default=0,

@@ -100,6 +100,8 @@ class StepOutput:
     P = 1.
     micro_batches: how many micro-batches the step went through the rank's pipeline stages
     as (`pipeline_group.micro_batches`: a prefill at P > 1); 1 when it went whole.
+    overlapped: the rank's stage 0 ran this step while an earlier step was still in its later
+    pipeline stages (`--pipeline-interleave`: `Stepper.begin`).
     seconds: the rank's own time on the step (`Stepper.execute`: control, KV frees, forward
     pass, sampling), without the executor's call and transport around it.
     """
@@ -114,6 +116,7 @@ class StepOutput:
     source_reads: int = 0
     prefetch_reads: int = 0
     micro_batches: int = 1
+    overlapped: bool = False
     seconds: float = 0.0
 
     def __getstate__(self) -> dict[str, Any]:

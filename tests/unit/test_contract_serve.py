@@ -160,6 +160,7 @@ def test_a_flag_renamed_on_one_side_only_is_caught(flag: str) -> None:
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
         pipeline_micro_batch_tokens=64,
+        pipeline_interleave=True,
         expert_layout="mesh",
         shutdown_timeout=5.0,
     )

@@ -9,6 +9,7 @@ collectives)."""
 from __future__ import annotations
 
 import pathlib
+import threading
 from typing import Any
 
 import pytest
@@ -187,3 +188,75 @@ def test_kv_frees_go_with_the_first_micro_batch_and_wait_when_stage_0_fails() ->
     logits = lead.forward(_Model(fail=False), batch, None, None, parts=2, **step)
     assert stages.chains == [(["gone"], ["a"]), ([], ["b"])]
     assert logits.shape == (2, 4)
+
+
+def test_interleaved_steps_of_two_sets_answer_as_transformers(model_dir: pathlib.Path) -> None:
+    """`--pipeline-interleave` on the leader (`Stepper.begin`/`end`): the engine's order with
+    two steps in flight and two sets of sequences (begin N + 1 before N ends, each set's
+    next step begun once its last one ended, with real tokens): every answer is
+    transformers', each step after the first began while the one before was not ended
+    (`overlapped`), and a step that fills a placeholder waits for the steps begun before it
+    to end (it needs their tokens)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    want = [
+        hf.generate(
+            torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
+        )[0, len(p) :]
+        for p in PROMPTS
+    ]
+    stages = _ChainedStages([stage_worker.StageWorker(stage=1, size=2, device="cpu")])
+    lead = worker.RankWorker(device="cpu", dtype="float32", pipeline=stages, pipeline_size=2)
+    cfg = source_mod.open_source(str(model_dir)).config
+    one = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 1)
+    lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
+    lead.groups.join_group(group_mod.GroupSpec.local(1, epoch=1), 0, role=groups_mod.STEP)
+    lead.slots.activate(1, rank=0, num_ranks=1, placement=one)
+    sets = [[0, 1], [2, 3]]
+    answers: list[list[int]] = [[] for _ in PROMPTS]
+
+    def work(i: int) -> step_mod.SeqWork:
+        n = len(answers[i])
+        ids = PROMPTS[i] if n == 0 else [answers[i][-1]]
+        start = 0 if n == 0 else len(PROMPTS[i]) + n - 1
+        return step_mod.SeqWork(f"s{i}", ids, start, GREEDY, n)
+
+    def begin(step_id: int, seqs: list[step_mod.SeqWork]) -> None:
+        lead.stepper.begin(step_mod.StepInput(step_id, {0: step_mod.RankBatch(seqs=seqs)}))
+
+    stepper = lead.stepper
+    begin(1, [work(i) for i in sets[0]])
+    overlapped = []
+    for step_id in range(2, 2 * NEW_TOKENS + 1):
+        begin(step_id, [work(i) for i in sets[(step_id - 1) % 2]])
+        out = stepper.end(step_id - 1)
+        assert out.error is None, out.error
+        overlapped.append(out.overlapped)
+        for seq_id, token in out.tokens.items():
+            answers[int(seq_id[1:])].append(token)
+    last = stepper.end(2 * NEW_TOKENS)
+    assert last.overlapped
+    for seq_id, token in last.tokens.items():
+        answers[int(seq_id[1:])].append(token)
+    assert answers == [w.tolist() for w in want]
+    assert overlapped == [False] + [True] * (2 * NEW_TOKENS - 2)
+
+    # a placeholder of a step not ended yet: its begin waits for that end
+    begin(100, [work(0)])
+    filled = step_mod.SeqWork("s0", [step_mod.PLACEHOLDER], len(PROMPTS[0]) + NEW_TOKENS, GREEDY, 7)
+    waiter = threading.Thread(target=begin, args=(101, [filled]))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # waits for step 100's tokens
+    sampled = stepper.end(100).tokens["s0"]
+    waiter.join(30)
+    assert not waiter.is_alive()
+    out = stepper.end(101)
+    assert out.error is None and not out.overlapped, out
+    want_next = hf.generate(
+        torch.tensor([PROMPTS[0]]),
+        max_new_tokens=NEW_TOKENS + 2,
+        do_sample=False,
+        min_new_tokens=NEW_TOKENS + 2,
+    )[0, len(PROMPTS[0]) :].tolist()
+    assert [sampled, out.tokens["s0"]] == want_next[NEW_TOKENS:]
+    lead.shutdown()

@@ -116,8 +116,7 @@ class Engine:
             max_step_retries=config.max_step_retries,
             observer=lambda: self.listeners.observer,
         )
-        #: Runs the steps (async scheduling: on its own thread); the step launched and not
-        #: yet landed.
+        #: Runs the steps (async scheduling: on its own thread); the step launched, not landed.
         submit = getattr(executor, "submit_step", None) if config.overlap_steps else None
         self._steps = flight_mod.StepThread(
             lambda step: self.executor.execute_step(step),
@@ -126,6 +125,8 @@ class Engine:
             submit=submit,
             collect=getattr(executor, "collect_step", None) if submit is not None else None,
         )
+        if self._steps.overlaps:  # sets of sequences in turn, overlapped by the executor
+            self.scheduler.step_groups = max(1, getattr(executor, "step_groups", 1))
         self._flying: flight_mod.Flight | None = None
         #: The step launched ahead of `_flying` (two steps in flight), not yet landed.
         self._ahead: flight_mod.Flight | None = None

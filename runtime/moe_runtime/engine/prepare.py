@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import scheduler as scheduler_mod
+from moe_runtime.engine import step_groups as groups_mod
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class Prepared:
 
     active: tuple[int, ...]
     entries: list[Entry]
+    #: The interleaved step group it takes (None: every sequence; `engine.step_groups`).
+    group: int | None = None
 
 
 def prepare(scheduler: scheduler_mod.Scheduler, inflight: Sequence[scheduler_mod.Work]) -> Prepared:
@@ -77,8 +80,9 @@ def prepare(scheduler: scheduler_mod.Scheduler, inflight: Sequence[scheduler_mod
             length += 1  # the step in flight samples its next token
         views.append((seq, computed, length))
     lengths = {seq.seq_id: length for seq, _, length in views}
+    group = scheduler.group_of(views)
     entries: list[Entry] = []
-    for seq, start, n in scheduler.plan(views):
+    for seq, start, n in scheduler.plan(groups_mod.of(views, group)):
         length = lengths[seq.seq_id]
         ids = seq.tokens[start : start + n]
         ids += [PLACEHOLDER] * (start + n - len(seq.tokens))  # at most one, last
@@ -90,7 +94,7 @@ def prepare(scheduler: scheduler_mod.Scheduler, inflight: Sequence[scheduler_mod
             num_generated=length - seq.prompt_len,
         )
         entries.append(Entry(seq=seq, rank=seq.rank, start=start, length=length, work=work))
-    return Prepared(active=tuple(scheduler.active), entries=entries)
+    return Prepared(active=tuple(scheduler.active), entries=entries, group=group)
 
 
 def prepare_or_none(
@@ -125,7 +129,7 @@ def commit(
         ids = entry.work.token_ids
         if ids[-1] == PLACEHOLDER:
             ids[-1] = entry.seq.tokens[entry.start + len(ids) - 1]
-    return _made(keep, scheduler)
+    return _made(keep, scheduler, prepared.group)
 
 
 def _running(prepared: Prepared, scheduler: scheduler_mod.Scheduler) -> list[Entry] | None:
@@ -138,9 +142,9 @@ def _running(prepared: Prepared, scheduler: scheduler_mod.Scheduler) -> list[Ent
 
 
 def _made(
-    keep: list[Entry], scheduler: scheduler_mod.Scheduler
+    keep: list[Entry], scheduler: scheduler_mod.Scheduler, group: int | None
 ) -> tuple[dict[int, step_types.RankBatch], list[scheduler_mod.Work]]:
-    """The step of `keep`'s slices, with the KV frees owed (taken)."""
+    """The step of `keep`'s slices (of step group `group`), with the KV frees owed (taken)."""
     batches = scheduler.take_frees()
     work: list[scheduler_mod.Work] = []
     for entry in keep:
@@ -149,6 +153,7 @@ def _made(
         work.append(
             scheduler_mod.Work(seq=entry.seq, rank=entry.rank, num_tokens=len(entry.work.token_ids))
         )
+    scheduler.took(group)
     return batches, work
 
 
@@ -180,6 +185,6 @@ def launch_ahead(
         keep.append(entry)
     if not keep:
         return None
-    batches, work = _made(keep, scheduler)
+    batches, work = _made(keep, scheduler, prepared.group)
     assumed = {e.seq.seq_id: (e.rank, e.start, e.length) for e in keep}
     return Ahead(batches=batches, work=work, assumed=assumed)

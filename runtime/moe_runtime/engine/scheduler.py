@@ -10,7 +10,9 @@
   sequence. A new sequence goes to the least loaded assignable rank.
 - One step's batches (`schedule`): every running sequence gets the next slice of its
   uncomputed tokens within the per-rank token budget (decodes first, one token each; then
-  prefill chunks in arrival order), and the KV frees owed to each rank.
+  prefill chunks in arrival order), and the KV frees owed to each rank. With interleaved
+  step groups (`step_groups` > 1, `engine.step_groups`) only the sequences of one set, the
+  sets in turn.
 - The changes a resize or a recovery makes at a step boundary (`set_active`, `migrate`,
   `drain`, `relabel`): sequences on leaving ranks are re-prefilled on others with prompt +
   generated tokens (same `num_generated`, so seeded sampling goes on identically); after an
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import request as req
+from moe_runtime.engine import step_groups as groups_mod
 from moe_runtime.engine import text as text_mod
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class Seq:
     kv_reserved: int = 0
     dirty: bool = False  # this rank may hold KV of the sequence
     failures: int = 0
+    #: Its interleaved step group (`step_groups`; 0 with one).
+    group: int = 0
 
     @property
     def seq_id(self) -> str:
@@ -96,8 +101,13 @@ class Scheduler:
         kv_tokens_per_rank: int | None = None,
         kv_block_size: int = 16,
         kv_budget: KVBudgetFn | None = None,
+        step_groups: int = 1,
     ) -> None:
         self.max_num_seqs_per_rank = max_num_seqs_per_rank
+        #: Interleaved step groups (`engine.step_groups`): each step takes one set's sequences.
+        self.step_groups = max(1, step_groups)
+        #: The set of the last step made (-1: none yet).
+        self.turn = -1
         self.max_tokens_per_step = max_tokens_per_step
         self.kv_block_size = kv_block_size
         self.kv_budget = kv_budget
@@ -251,6 +261,7 @@ class Scheduler:
             text=text_mod.IncrementalText(tokenizer, stop=request.stop),
             rank=rank,
             kv_reserved=kv_need,
+            group=groups_mod.join(self.running.values(), self.step_groups),
         )
         return True
 
@@ -259,7 +270,8 @@ class Scheduler:
         batches = self.take_frees()
         work: list[Work] = []
         views = [(s, s.num_computed, len(s.tokens)) for s in self.running.values()]
-        for seq, start, n in self.plan(views):
+        group = self.group_of(views)
+        for seq, start, n in self.plan(groups_mod.of(views, group)):
             batches[seq.rank].seqs.append(
                 step_types.SeqWork(
                     seq_id=seq.seq_id,
@@ -271,7 +283,18 @@ class Scheduler:
             )
             seq.dirty = True
             work.append(Work(seq=seq, rank=seq.rank, num_tokens=n))
+        self.took(group)
         return batches, work
+
+    def group_of(self, views: Sequence[tuple[Seq, int, int]]) -> int | None:
+        """The step group the next step takes (None: every sequence), given each sequence as
+        (seq, tokens computed, tokens it has) (pure)."""
+        return groups_mod.pick(views, self.step_groups, self.turn)
+
+    def took(self, group: int | None) -> None:
+        """A step of `group` was made (the next one takes the set after it)."""
+        if group is not None:
+            self.turn = group
 
     def take_frees(self) -> dict[int, step_types.RankBatch]:
         """An empty batch for every active rank carrying the KV frees owed to it (taken)."""

@@ -52,6 +52,9 @@ RANK_RESOURCE = names.RANK_RESOURCE
 CTL_LANE = "ctl"
 EXPORT_LANE = "export"
 HEALTH_LANE = "health"
+#: The lane of `end_step` (`--pipeline-interleave`): it waits for a step's later stages while
+#: `begin_step` runs the next step's stage 0 on the default lane.
+END_LANE = ray_calls.END_LANE
 #: StepInput.step_id of a probe step (`ray_step`): answered by the actor, not its worker.
 PROBE_STEP_ID = -1
 #: StepInput.step_id of a hold (`ray_step`, "Parking"): the actor's graph loop waits in it,
@@ -165,6 +168,16 @@ class RankActor:
             return self._wait_hold(step)
         return self._step(step)
 
+    def begin_step(self, step: step_mod.StepInput) -> None:
+        """A step's stage 0 at P > 1 over plain calls (`--pipeline-interleave`); its output
+        comes from `end_step` (`stepper.Stepper.begin`)."""
+        self._stepping()
+        self.worker.stepper.begin(step)
+
+    def end_step(self, step_id: int) -> step_mod.StepOutput:
+        """The output of a step `begin_step` started (on `END_LANE`)."""
+        return self.worker.stepper.end(step_id)
+
     def prepare_step(self, step: step_mod.StepInput) -> Any:
         """The leader's first node of a graph step over its TP followers or its pipeline
         stages (`ray_mesh`): the step started, what its followers run of it (or its stages'
@@ -213,6 +226,10 @@ class RankActor:
         return self.holding
 
     def _step(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        self._stepping()
+        return self.worker.execute_step(step)
+
+    def _stepping(self) -> None:
         if not self._serving:
             self._serving = True
             niceness.set_niceness(self.worker.label, 0, why="steps")  # followers: their own
@@ -223,7 +240,6 @@ class RankActor:
             # (the survivors of a shrink stepped at 10 after the grow before it).
             self._step_thread = tid
             niceness.thread_niceness(self.worker.label, tid, 0)
-        return self.worker.execute_step(step)
 
     def step_niceness(self) -> int | None:
         """The niceness of the thread that runs this rank's steps (None before the first)."""
@@ -329,7 +345,7 @@ class RankActor:
 
 
 RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
-    num_cpus=0, concurrency_groups={CTL_LANE: 1, EXPORT_LANE: 1, HEALTH_LANE: 1}
+    num_cpus=0, concurrency_groups={CTL_LANE: 1, EXPORT_LANE: 1, HEALTH_LANE: 1, END_LANE: 1}
 )(RankActor)
 
 

@@ -11,6 +11,21 @@ import ray.exceptions
 
 from moe_runtime.executor import base
 
+#: The rank actor's lane of `end_step` (`ray_actor.END_LANE`).
+END_LANE = "end"
+
+
+def step_calls(actors: Sequence[Any], step: Any, *, split: bool) -> list[Any]:
+    """A step sent to every rank actor by plain calls; the refs of its outputs. `split`
+    (`--pipeline-interleave`): `begin_step` on the default lane, then `end_step` on the end
+    lane (`END_LANE`), so the next step's `begin_step` runs while this one's
+    `end_step` waits for the later pipeline stages."""
+    if not split:
+        return [a.execute_step.remote(step) for a in actors]
+    for actor in actors:
+        actor.begin_step.remote(step)  # never raises: its errors are in end_step's output
+    return [a.end_step.options(concurrency_group=END_LANE).remote(step.step_id) for a in actors]
+
 
 def get_all(
     refs: Sequence[Any], ranks: Sequence[int], *, what: str, timeout: float | None

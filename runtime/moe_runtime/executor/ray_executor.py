@@ -117,6 +117,7 @@ class RayExecutor(base.Executor):
         tp_size: int = 1,
         pp_size: int = 1,
         pp_micro_batch_tokens: int | None = None,
+        pp_interleave: bool = False,
         expert_layout: str = "leader",
     ) -> None:
         if tp_size < 1:
@@ -133,7 +134,14 @@ class RayExecutor(base.Executor):
         self.pp_micro_batch_tokens = pp_micro_batch_tokens
         #: Where the routed experts live at T > 1 (`model.tensor_parallel`: "leader", "mesh").
         self.expert_layout = expert_layout
+        #: Interleaved step groups the engine may send (`engine.step_groups`): 2 where a
+        #: step's stage 0 overlaps the previous step's later stages (`pp_interleave` at P > 1:
+        #: plain calls in two parts, no step graph: its leader's nodes run one step at a time).
+        self.step_groups = 2 if pp_interleave and pp_size > 1 else 1
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
+        if self.step_groups > 1 and mode == STEP_COMPILED:
+            log.info("pipeline interleave: steps go by plain calls (begin, end), not a graph")
+            mode = STEP_REMOTE
         if mode not in (STEP_COMPILED, STEP_REMOTE):
             raise ValueError(
                 f"step_mode must be {STEP_COMPILED!r} or {STEP_REMOTE!r}, got {mode!r}"
@@ -174,6 +182,7 @@ class RayExecutor(base.Executor):
             compile_timeout=switch_timeout,
             park_after=ray_step.park_after_from_env() if park_after is None else park_after,
             transport=ray_mesh.stage_transport(use_gpu=use_gpu),  # the stages' lanes' tensors
+            split=self.step_groups > 1,
         )
         self._warm = ray_graph.WarmUp(timeout=ready_timeout)
         #: Steps sent and not yet collected (the engine sends a second one ahead of the

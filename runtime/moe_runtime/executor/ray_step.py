@@ -59,7 +59,7 @@ from moe_runtime.executor import guards, ray_calls, ray_graph, ray_mesh, step_wa
 
 log = logging.getLogger(__name__)
 
-#: Seconds after a failed background compile before the next step starts another one.
+#: Seconds after a failed background compile before the next compile.
 RETRY_SECONDS = 5.0
 #: Seconds without a step after which a live graph is parked (held; module docstring):
 #: default of `StepPath`'s park_after, env MOE_STEP_GRAPH_PARK_SECONDS (0: never park).
@@ -69,8 +69,7 @@ PARK_ENV = "MOE_STEP_GRAPH_PARK_SECONDS"
 #: over fresh actors on a loaded machine); past it the graph is dropped and compiled again
 #: `RETRY_SECONDS` later. `StepPath`'s probe_timeout, never above its compile_timeout.
 PROBE_TIMEOUT_SECONDS = 10.0
-#: Seconds a step waits for the plain calls in flight to land before a newly installed graph
-#: carries it (`StepPath.submit`); past it the step goes through plain calls too.
+#: Seconds a step waits for plain calls in flight to land before a new graph carries it.
 HANDOVER_WAIT_SECONDS = 5.0
 
 
@@ -89,7 +88,8 @@ class StepPath:
     further. park_after: seconds without a step before a live graph is parked (held in a
     wait) until the next step; 0 never parks. wait: how long `collect` sleeps before it reads
     a graph's output (`step_wait`; default from the env). transport: how a graph's pipeline
-    lanes carry tensors (`ray_mesh.stage_transport`).
+    lanes carry tensors (`ray_mesh.stage_transport`). split: plain calls in two parts
+    (`ray_calls.step_calls`; `--pipeline-interleave`).
     """
 
     def __init__(
@@ -101,8 +101,9 @@ class StepPath:
         wait: step_wait.StepWait | None = None,
         probe_timeout: float = PROBE_TIMEOUT_SECONDS,
         transport: str = "pickle",
+        split: bool = False,
     ) -> None:
-        self.compiled, self.transport = compiled, transport
+        self.compiled, self.transport, self.split = compiled, transport, split
         self.compile_timeout = compile_timeout
         self.probe_timeout = min(compile_timeout, probe_timeout)
         self.park_after = park_after
@@ -253,7 +254,7 @@ class StepPath:
                 sent_at = time.monotonic()
                 ref = graph.execute(step)
                 return Submitted(step, ranks, gen, graph_ref=ref, sent_at=sent_at, stepped=stepped)
-            refs = [a.execute_step.remote(step) for a in stepped.actors]
+            refs = ray_calls.step_calls(stepped.actors, step, split=self.split)
         except BaseException:
             self._landed()
             raise

@@ -76,6 +76,15 @@ class StageLost(tensor_group.FollowerLost):
     """A pipeline stage actor died or hangs: its DP rank cannot step again."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """A step's micro-batches in the stages (`PipelineLeader.send`; `receive` waits)."""
+
+    pending: list[Any]
+    expert_load: torch.Tensor
+    device: Any
+
+
 class Stages(Protocol):
     """How a leader reaches its stage actors (stages 1..P-1, in order)."""
 
@@ -328,12 +337,43 @@ class PipelineLeader:
         parts: int = 1,
         tensor: tensor_group.TensorLeader | None = None,
     ) -> torch.Tensor:
-        """Stage 0 here, then the stages in turn; the last stage's logits [seqs, vocab]. Each
-        stage serves `placement` (its MoE layers' rows) as the leader's live `token` says:
-        the placement goes with the first step of a new token (after an activate, a revert or
-        an EPLB commit; a stage then takes the experts it lacks from the model source). Each
-        stage's expert load is added at its MoE layers. On a failure the stages' groups are
-        aborted (their peers must not wait for them) and the error raised.
+        """Stage 0 here, then the stages in turn; the last stage's logits [seqs, vocab]
+        (`send`, then `receive`)."""
+        sent = self.send(
+            model,
+            batch,
+            kv,
+            experts,
+            epoch=epoch,
+            token=token,
+            placement=placement,
+            expert_load=expert_load,
+            parts=parts,
+            tensor=tensor,
+        )
+        return self.receive(sent)
+
+    def send(
+        self,
+        model: decoder.MoEModel,
+        batch: kv_mod.ForwardBatch,
+        kv: kv_mod.KVCache,
+        experts: experts_mod.ExpertBackend,
+        *,
+        epoch: int,
+        token: Token,
+        placement: policy.Placement,
+        expert_load: torch.Tensor,
+        parts: int = 1,
+        tensor: tensor_group.TensorLeader | None = None,
+    ) -> Sent:
+        """Stage 0 here, each micro-batch handed to the stages as it is done (`receive`
+        waits for their answers; meanwhile this leader may run stage 0 of the next step:
+        `RankWorker.begin_step`). Each stage serves `placement` (its MoE layers' rows) as the
+        leader's live `token` says: the placement goes with the first step of a new token
+        (after an activate, a revert or an EPLB commit; a stage then takes the experts it
+        lacks from the model source). On a failure the stages' groups are aborted (their
+        peers must not wait for them) and the error raised.
 
         `parts` > 1: the batch goes through as that many micro-batches (`split`: whole
         sequences, about as many tokens each), stage 0 running micro-batch i + 1 while stage 1
@@ -344,7 +384,6 @@ class PipelineLeader:
         tokens (`TensorLeader.begin`/`end` around the leader's forward pass of it; in the
         mesh expert layout every micro-batch, with the live token)."""
         self.check()
-        self.step_reads = 0
         frees, self._frees = self._frees, []
         live: Live = (token, None if token == self._sent else placement)
         pieces = split(batch, parts)
@@ -379,20 +418,25 @@ class PipelineLeader:
                 self._frees[:0] = frees  # none sent: they go with the next forward pass
             self.abort(f"the leader's forward pass failed: {type(exc).__name__}")
             raise
+        self._sent = token  # the next step's stages see it after this one's (in order)
+        return Sent(pending, expert_load, model.device)
+
+    def receive(self, sent: Sent) -> torch.Tensor:
+        """The last stage's logits [seqs, vocab] of a step `send` handed to the stages, each
+        stage's expert load added at its MoE layers (`sent.expert_load`)."""
         try:
-            answers = [self._wait(p, STEP_TIMEOUT_S) for p in pending]
+            answers = [self._wait(p, STEP_TIMEOUT_S) for p in sent.pending]
         except Exception as exc:
             self._sent = None  # a stage may not have seen it
             self.abort(f"a pipeline stage's step failed: {type(exc).__name__}")
             raise
-        self._sent = token
         self.step_reads = sum(int(a.get("reads", 0)) for each in answers for a in each)
         for each in answers:
             for first, stop, load in each[-1]["loads"]:
                 if load is not None and stop > first:
-                    expert_load[first:stop] += load.to(expert_load.device)
+                    sent.expert_load[first:stop] += load.to(sent.expert_load.device)
         outs = [each[-1]["out"] for each in answers]
-        logits: torch.Tensor = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(model.device)
+        logits: torch.Tensor = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(sent.device)
         return logits
 
     # -- health --------------------------------------------------------------------------

@@ -33,6 +33,28 @@ from moe_runtime.rank import tensor_group as tensor_mod
 
 log = logging.getLogger(__name__)
 
+#: Seconds `Stepper.end` waits for its step's `begin`, and a `begin` with placeholders for the
+#: steps begun before it to end.
+END_WAIT_S = 300.0
+
+
+@dataclasses.dataclass(eq=False)
+class _Begun:
+    """A step between `Stepper._begin` and `_end`: its output so far, and what sampling
+    needs (`fwd` None: no forward pass to sample, or it failed and was undone)."""
+
+    out: step_mod.StepOutput
+    started: float
+    errors: list[str] = dataclasses.field(default_factory=list)
+    seqs: list[step_mod.SeqWork] = dataclasses.field(default_factory=list)
+    fwd: kv_mod.ForwardBatch | None = None
+    load: torch.Tensor | None = None
+    kv: kv_mod.KVCache | None = None
+    group: group_mod.StatelessGroup | None = None
+    logits: torch.Tensor | None = None
+    #: At P > 1: its micro-batches in the stages (`PipelineLeader.send`).
+    sent: pipeline_mod.Sent | None = None
+
 
 class Stepper:
     """Runs steps on one rank, one at a time (see `execute`), with the weights and KV cache of
@@ -62,7 +84,7 @@ class Stepper:
         #: (plain calls, another thread) must not start the next step on this rank while the
         #: old one still runs in the compiled graph's loop: both would use the step group at
         #: once and gloo aborts the process on the mismatched messages.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         #: Steps run since the rank started.
         self.steps = 0
         #: The token each sequence of the last step sampled: a `step.PLACEHOLDER` of the next
@@ -75,6 +97,9 @@ class Stepper:
         #: op then waits for a descheduled thread (a 16-element cos took 5 ms, not 2 us).
         self._threads = torch.get_num_threads()
         self._threaded = threading.local()
+        #: Steps `begin` started and `end` has not finished (`--pipeline-interleave`).
+        self._begun: dict[int, _Begun] = {}
+        self._ended = threading.Condition()
 
     def execute(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         """Apply step.control, free KV, run this rank's batch, sample; never raises.
@@ -89,21 +114,62 @@ class Stepper:
         commit in the control is voted on by every rank (`StepOutput.committed` says whether
         this step committed it), whatever else fails on this rank.
         """
+        self._set_threads()
+        with self._lock:
+            return self._end(self._begin(step))
+
+    def begin(self, step: step_mod.StepInput) -> None:
+        """`execute`'s first part at P > 1 (`--pipeline-interleave`): the step's control, KV
+        frees and stage 0, its micro-batches handed to the stages; `end` (another thread)
+        waits for them and samples. So this leader runs stage 0 of the next step while the
+        stages run this one. A step that fills a placeholder waits for the steps begun
+        before it to end first (it needs the tokens they sample)."""
+        self._set_threads()
+        mine = step.batches.get(-1 if self._slots.rank is None else self._slots.rank)
+        if mine is not None and any(s.token_ids[-1:] == [step_mod.PLACEHOLDER] for s in mine.seqs):
+            with self._ended:
+                if not self._ended.wait_for(lambda: not self._begun, END_WAIT_S):
+                    log.warning(
+                        "step %d: steps %s never ended (%s)",
+                        step.step_id,
+                        sorted(self._begun),
+                        self._ctx.where(),
+                    )
+        with self._lock:
+            with self._ended:
+                earlier = bool(self._begun)  # still in the later stages
+            begun = self._begin(step)
+            begun.out.overlapped = earlier and begun.sent is not None
+        with self._ended:
+            self._begun[step.step_id] = begun
+            self._ended.notify_all()
+
+    def end(self, step_id: int, timeout: float = END_WAIT_S) -> step_mod.StepOutput:
+        """The output of step `step_id` that `begin` started (waits for its begin, at most
+        `timeout` s, then for its stages; samples)."""
+        with self._ended:
+            if not self._ended.wait_for(lambda: step_id in self._begun, timeout):
+                raise TimeoutError(f"step {step_id} was not begun on this rank in {timeout:.0f} s")
+            begun = self._begun[step_id]
+        try:
+            return self._end(begun)
+        finally:
+            with self._ended:
+                del self._begun[step_id]
+                self._ended.notify_all()
+
+    def _set_threads(self) -> None:
         if not getattr(self._threaded, "set", False):
             torch.set_num_threads(self._threads)
             self._threaded.set = True
-        with self._lock:
-            started = time.monotonic()
-            out = self._execute(step)
-            out.seconds = time.monotonic() - started
-            return out
 
-    def _execute(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+    def _begin(self, step: step_mod.StepInput) -> _Begun:
         slots = self._slots
         rank = -1 if slots.rank is None else slots.rank
         out = step_mod.StepOutput(rank=rank, step_id=step.step_id)
+        begun = _Begun(out=out, started=time.monotonic())
+        errors = begun.errors
         batch = step.batches.get(rank) or step_mod.RankBatch()
-        errors: list[str] = []
         run_batch = True
         filled = self._filled(batch.seqs)
         try:
@@ -143,97 +209,143 @@ class Stepper:
             # When no rank has a token, every rank reads that from the same StepInput and all
             # of them skip the forward pass and its expert collectives: none waits for a peer.
             if any(b.seqs for b in step.batches.values()):
-                fwd = kv_mod.ForwardBatch(
-                    seq_ids=[s.seq_id for s in seqs],
-                    token_ids=[list(s.token_ids) for s in seqs],
-                    start_pos=[s.start_pos for s in seqs],
-                )
-                # counted where the routing runs: no host read per layer
-                load = torch.zeros(
-                    cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64, device=self._ctx.device
-                )
-                step_group = getattr(backend, "group", None)
-                if not isinstance(step_group, group_mod.StatelessGroup):
-                    step_group = None
-                following = None
-                # no token: no TP collective; in the mesh layout the followers join the
-                # expert collectives of every step with a token anywhere
-                mesh = self._parts is not None
-                tensor = self._tensor if seqs or mesh else None
-                # the live state the stages or the mesh layout's followers follow
-                epoch, placement = slots.epoch, slots.placement
-                token = (epoch or 0, slots.origin, rank, slots.num_ranks or 0)
-                try:
-                    self._ctx.check("forward")
-                    if tensor is not None and self._pipeline is None:
-                        assert not mesh or placement is not None
-                        live = (token, placement) if mesh else None
-                        following = tensor.begin(model, fwd, live=live)
-                    if self._pipeline is not None:
-                        assert epoch is not None and placement is not None
-                        out.micro_batches = self._micro_batches(step)
-                        logits = self._pipeline.forward(
-                            model,
-                            fwd,
-                            kv,
-                            backend,
-                            epoch=epoch,
-                            token=token,
-                            placement=placement,
-                            expert_load=load,
-                            parts=out.micro_batches,
-                            tensor=tensor,  # stage 0's TP followers, per micro-batch
-                        )
-                    else:
-                        logits = model.forward(fwd, kv, backend, expert_load=load)
-                    if tensor is not None and following is not None:
-                        tensor.end(following)
-                        following = None
-                    # One host read: the tokens (it waits for the step's collectives).
-                    tokens = sampling.sample(
-                        logits,
-                        [s.sampling for s in seqs],
-                        [s.num_generated for s in seqs],
-                    )
-                    if step_group is not None:
-                        step_group.check()  # NCCL's errors show only now (module docstring)
-                except Exception as exc:
-                    # Back to the KV state before this step, so the same step can be sent again.
-                    tensor_mod.restore_kv(kv, fwd)
-                    raised: Exception = exc
-                    if tensor is not None and following is not None:
-                        try:
-                            tensor.end(following, failed=exc)
-                        except tensor_mod.FollowerLost as lost:
-                            raised = lost  # what broke: the DP rank is lost
-                    if step_group is not None:
-                        # Peers may wait for this rank in an expert collective it will not
-                        # join: the group is let go now (gloo: they raise at once), never used
-                        # again (a new epoch's groups replace it).
-                        step_group.abort(f"the forward pass failed: {type(exc).__name__}")
-                    if raised is not exc:
-                        raise raised from exc
-                    raise
-                out.tokens = {s.seq_id: token for s, token in zip(seqs, tokens, strict=True)}
-                self._sampled.update(out.tokens)
-                if self._pipeline is not None:
-                    out.source_reads = self._pipeline.step_reads
-                    out.prefetch_reads = self._pipeline.take_prefetch_reads()
-                elif self._parts is not None and self._tensor is not None:
-                    out.source_reads = self._tensor.step_reads
-                    out.prefetch_reads = self._parts.take_prefetch_reads()
-                out.expert_load = load.cpu()
-                if self._ctx.loaded.total_load is not None:
-                    self._ctx.loaded.total_load += out.expert_load
+                self._forward(step, begun, seqs, model, kv, backend, cfg)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, never kills the actor
-            log.exception("step %d failed (%s)", step.step_id, self._ctx.where())
-            errors.append(f"{type(exc).__name__}: {exc}")
-            out.failure = self._failure(exc)
+            self._failed(step.step_id, begun, exc)
+        return begun
+
+    def _forward(
+        self,
+        step: step_mod.StepInput,
+        begun: _Begun,
+        seqs: list[step_mod.SeqWork],
+        model: Any,
+        kv: kv_mod.KVCache,
+        backend: Any,
+        cfg: config_mod.ModelConfig,
+    ) -> None:
+        """The forward pass of `seqs` (at P > 1: stage 0, the rest handed to the stages)."""
+        slots = self._slots
+        fwd = kv_mod.ForwardBatch(
+            seq_ids=[s.seq_id for s in seqs],
+            token_ids=[list(s.token_ids) for s in seqs],
+            start_pos=[s.start_pos for s in seqs],
+        )
+        # counted where the routing runs: no host read per layer
+        load = torch.zeros(
+            cfg.num_moe_layers, cfg.num_experts, dtype=torch.int64, device=self._ctx.device
+        )
+        step_group = getattr(backend, "group", None)
+        if not isinstance(step_group, group_mod.StatelessGroup):
+            step_group = None
+        begun.seqs, begun.fwd, begun.load, begun.kv, begun.group = seqs, fwd, load, kv, step_group
+        following = None
+        # no token: no TP collective; in the mesh layout the followers join the
+        # expert collectives of every step with a token anywhere
+        mesh = self._parts is not None
+        tensor = self._tensor if seqs or mesh else None
+        # the live state the stages or the mesh layout's followers follow
+        epoch, placement = slots.epoch, slots.placement
+        rank = -1 if slots.rank is None else slots.rank
+        token = (epoch or 0, slots.origin, rank, slots.num_ranks or 0)
+        try:
+            self._ctx.check("forward")
+            if tensor is not None and self._pipeline is None:
+                assert not mesh or placement is not None
+                live = (token, placement) if mesh else None
+                following = tensor.begin(model, fwd, live=live)
+            if self._pipeline is not None:
+                assert epoch is not None and placement is not None
+                begun.out.micro_batches = self._micro_batches(step)
+                begun.sent = self._pipeline.send(
+                    model,
+                    fwd,
+                    kv,
+                    backend,
+                    epoch=epoch,
+                    token=token,
+                    placement=placement,
+                    expert_load=load,
+                    parts=begun.out.micro_batches,
+                    tensor=tensor,  # stage 0's TP followers, per micro-batch
+                )
+            else:
+                begun.logits = model.forward(fwd, kv, backend, expert_load=load)
+            if tensor is not None and following is not None:
+                tensor.end(following)
+                following = None
+        except Exception as exc:
+            raised: Exception = exc
+            if tensor is not None and following is not None:
+                try:
+                    tensor.end(following, failed=exc)
+                except tensor_mod.FollowerLost as lost:
+                    raised = lost  # what broke: the DP rank is lost
+            self._undo(begun, exc)
+            if raised is not exc:
+                raise raised from exc
+            raise
+
+    def _undo(self, begun: _Begun, exc: Exception) -> None:
+        """A failed forward pass: the KV state back to before the step (the same step can be
+        sent again); the step group let go (peers may wait for this rank in an expert
+        collective it will not join: gloo raises at once there; a new epoch's groups replace
+        it)."""
+        assert begun.kv is not None and begun.fwd is not None
+        with self._lock:  # `end` runs beside a later `begin`, which uses the cache
+            tensor_mod.restore_kv(begun.kv, begun.fwd)
+        begun.fwd = None  # nothing to sample
+        if begun.group is not None:
+            begun.group.abort(f"the forward pass failed: {type(exc).__name__}")
+
+    def _end(self, begun: _Begun) -> step_mod.StepOutput:
+        """The step's sampling (at P > 1 once its last stage answered) and its output."""
+        out = begun.out
+        try:
+            if begun.fwd is not None:
+                self._sample(begun)
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, never kills the actor
+            self._failed(out.step_id, begun, exc)
         finally:
             self.steps += 1
-        if errors:
-            out.error = "; ".join(errors)
+        if begun.errors:
+            out.error = "; ".join(begun.errors)
+        out.seconds = time.monotonic() - begun.started
         return out
+
+    def _sample(self, begun: _Begun) -> None:
+        out, seqs, load = begun.out, begun.seqs, begun.load
+        assert load is not None and begun.fwd is not None
+        try:
+            if begun.sent is not None:
+                assert self._pipeline is not None
+                begun.logits = self._pipeline.receive(begun.sent)
+            assert begun.logits is not None
+            # One host read: the tokens (it waits for the step's collectives).
+            tokens = sampling.sample(
+                begun.logits, [s.sampling for s in seqs], [s.num_generated for s in seqs]
+            )
+            if begun.group is not None:
+                begun.group.check()  # NCCL's errors show only now (module docstring)
+        except Exception as exc:
+            self._undo(begun, exc)
+            raise
+        out.tokens = {s.seq_id: token for s, token in zip(seqs, tokens, strict=True)}
+        self._sampled.update(out.tokens)
+        if self._pipeline is not None:
+            out.source_reads = self._pipeline.step_reads
+            out.prefetch_reads = self._pipeline.take_prefetch_reads()
+        elif self._parts is not None and self._tensor is not None:
+            out.source_reads = self._tensor.step_reads
+            out.prefetch_reads = self._parts.take_prefetch_reads()
+        out.expert_load = load.cpu()
+        if self._ctx.loaded.total_load is not None:
+            self._ctx.loaded.total_load += out.expert_load
+
+    def _failed(self, step_id: int, begun: _Begun, exc: Exception) -> None:
+        log.exception("step %d failed (%s)", step_id, self._ctx.where(), exc_info=exc)
+        begun.errors.append(f"{type(exc).__name__}: {exc}")
+        begun.out.failure = self._failure(exc)
 
     def _filled(self, seqs: Sequence[step_mod.SeqWork]) -> list[step_mod.SeqWork]:
         """The batch with each `step.PLACEHOLDER` replaced by the token this rank sampled for
