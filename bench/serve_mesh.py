@@ -26,8 +26,11 @@ is off: the bench drives the bare engine (no `ElasticService`, hence no rebalanc
 has 8 layers, 8 heads over 4 KV heads.
 
 What 2 CPU cores can and cannot show: every actor runs one torch thread, and the T x P
-actors of a mesh share the 2 cores with the engine's process, Ray and other work. P = 2 runs
-a decode step's stages one after the other, so it cannot be faster than P = 1 there; a
+actors of a mesh share the 2 cores with the engine's process, Ray and other work. A mesh
+here is the executor as `RayExecutor` builds it by default, where P = 2 runs a decode step's
+stages one after the other, so it cannot be faster than P = 1 there; interleaved steps
+(`1x2i`, the serve command's default at P > 1: two sets of sequences in turn, a step's stage
+0 beside the step before in stage 1) keep both stages busy; a
 prefill goes through them as micro-batches, the stages at work at once (`1x2` against
 `1x2m0`, every step whole: docs/PIPELINE-PARALLEL.md, "Micro-batches");
 T = 2 could at best spread a step's arithmetic over both cores where (1, 1) uses one, but
@@ -47,6 +50,8 @@ shares of a step in TP collectives and stage transfers.
     .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2 --requests 32 --max-tokens 64
     .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2m0 1x2 --requests 32 --concurrency 16 \
         --prompt-len 128 --max-tokens 4 --repeats 2    # prefills: micro-batches against whole
+    .venv/bin/python bench/serve_mesh.py --meshes 1x1 1x2 1x2i --requests 32 --concurrency 16 \
+        --prompt-len 8 --max-tokens 32 --repeats 3    # decodes: interleaved against the graph
 """
 
 from __future__ import annotations

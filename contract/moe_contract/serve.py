@@ -27,8 +27,8 @@ EXPERT_LAYOUTS: Final = ("leader", "mesh")
 PIPELINE_PARALLEL_SIZE: Final = "--pipeline-parallel-size"
 #: New tokens on the busiest DP rank from which a step goes through the stages as micro-batches.
 PIPELINE_MICRO_BATCH_TOKENS: Final = "--pipeline-micro-batch-tokens"
-#: A boolean flag: consecutive steps take alternate halves of the sequences, a step's first
-#: stage running while the previous step is in the later stages.
+#: A boolean flag (``--no-pipeline-interleave``): consecutive steps take alternate halves of
+#: the sequences, a step's first stage running while the previous step is in the later ones.
 PIPELINE_INTERLEAVE: Final = "--pipeline-interleave"
 SERVED_MODEL_NAME: Final = "--served-model-name"
 HOST: Final = "--host"
@@ -118,8 +118,8 @@ class ServeArgs:
     pipeline_parallel_size: int = 1
     #: ``None``: the runtime's default (left out).
     pipeline_micro_batch_tokens: int | None = None
-    #: False (the runtime's default) is left out.
-    pipeline_interleave: bool = False
+    #: ``None``: the runtime's default (left out); False: ``--no-pipeline-interleave``.
+    pipeline_interleave: bool | None = None
     #: One of ``EXPERT_LAYOUTS``; ``None``: the runtime's default (left out).
     expert_layout: str | None = None
     #: Seconds; the runtime's default (``DEFAULT_SHUTDOWN_TIMEOUT_S``) is left out, so a
@@ -137,8 +137,9 @@ class ServeArgs:
             out += _option(PIPELINE_PARALLEL_SIZE, self.pipeline_parallel_size)
         if self.pipeline_micro_batch_tokens is not None:
             out += _option(PIPELINE_MICRO_BATCH_TOKENS, self.pipeline_micro_batch_tokens)
-        if self.pipeline_interleave:
-            out.append(PIPELINE_INTERLEAVE)
+        if self.pipeline_interleave is not None:
+            on = self.pipeline_interleave
+            out.append(PIPELINE_INTERLEAVE if on else negated(PIPELINE_INTERLEAVE))
         if self.expert_layout is not None:
             out += _option(EXPERT_LAYOUT, self.expert_layout)
         out += _option(SERVED_MODEL_NAME, self.served_model_name)

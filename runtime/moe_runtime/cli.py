@@ -216,7 +216,7 @@ def _build_into(
             tp_size=tp_size,
             pp_size=pp_size,
             pp_micro_batch_tokens=args.pipeline_micro_batch_tokens,
-            pp_interleave=args.pipeline_interleave,
+            pp_interleave=args.pipeline_interleave is not False,  # on unless turned off
             expert_layout=expert_layout(args),
         )
     else:

@@ -59,10 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         flags.PIPELINE_INTERLEAVE,
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=None,  # on: `cli` reads "not False" (the operator leaves it out when unset)
         help="at P > 1, consecutive steps take alternate halves of the running sequences and "
         "a step's stage 0 runs while the previous step is in the later stages (vLLM's "
-        "virtual engines; steps by plain Ray calls; docs/PIPELINE-PARALLEL.md)",
+        "virtual engines; steps by plain Ray calls, not the step graph; default on; "
+        "docs/PIPELINE-PARALLEL.md)",
     )
     serve.add_argument(
         flags.NUM_REDUNDANT_EXPERTS,

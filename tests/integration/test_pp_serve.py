@@ -1,12 +1,16 @@
 """Issue 22 item 2, pipeline stages in `serve`: `moe-runtime serve --model DIR
 --pipeline-parallel-size 2 --no-eplb --dtype float32` (Ray ranks: each DP rank its leader,
 pipeline stage 0, and one stage actor) answers every greedy request token for token as
-transformers' `generate` (prefills going through the stages as micro-batches), at DP = 1
+transformers' `generate` (prefills going through the stages as micro-batches; Mixtral and
+Qwen3-MoE with interleaved steps, the default: two sets of sequences in turn, a step's stage
+0 beside the previous step's stage 1, which the overlap counter shows; DeepSeek-V3 with
+`--no-pipeline-interleave`: every step down the compiled graph's lanes), at DP = 1
 and at DP = 2 (each stage's experts over its own
 expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
 some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
-under load on a warm spare (every answer checked), a SIGKILLed stage actor under load (its
-DP rank out, no request lost, grown back); EPLB switched on live rebalances under load.
+under load on a warm spare (every answer checked, steps overlapped after each), a SIGKILLed
+stage actor under load (its DP rank out, no request lost, grown back); EPLB switched on live
+rebalances under load (over the graph).
 
 One server per case (a module-scoped fixture: Mixtral and DeepSeek-V3 shapes at DP = 2,
 Qwen3-MoE at DP = 1; tiny random checkpoints saved by `save_pretrained`), joining the tests'
@@ -38,6 +42,10 @@ MICRO_BATCHED = "moe_pipeline_micro_batched_steps_total"
 #: placement change was prefetched while the leaders staged it; ahead of one
 #: (when="prefetch"), none when peers' stages held every expert it lacked
 SOURCE_READS = "moe_pipeline_source_reads_total"
+#: steps whose stage 0 ran beside the step before in stage 1 (interleaved steps)
+OVERLAPPED = "moe_pipeline_overlapped_steps_total"
+#: the case that steps down the compiled graph's lanes, not interleaved
+GRAPH = "deepseek_v3"
 
 
 def _source_reads(served: Served) -> dict[str, float]:
@@ -55,6 +63,7 @@ def served(
     family, size = request.param
     root = tmp_path_factory.mktemp(f"{family}-dp{size}")
     mesh = MESH + (SPARE if family == CASES[0][0] else [])
+    mesh += ["--no-pipeline-interleave"] if family == GRAPH else []
     yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=mesh)
 
 
@@ -80,9 +89,17 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
     # each DP rank: its leader (stage 0) and one live stage actor of its own, no TP follower
     ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids")
     assert all(r["tp_pids"] == [] for r in ranks), ranks
+    overlapped = _overlapped(served)
     check_answers(served)
     # prefills went through the stages as two micro-batches, the stages working at once
     assert mesh_serving.metric(served.server.url, MICRO_BATCHED) > 0
+    # interleaved: consecutive steps in the two stages at once (twelve requests, six at a
+    # time, in two sets); over the graph, never
+    assert (_overlapped(served) > overlapped) == (served.family != GRAPH)
+
+
+def _overlapped(served: Served) -> float:
+    return mesh_serving.metric(served.server.url, OVERLAPPED)
 
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:
@@ -103,6 +120,7 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
         120,
     )
     for size in (3, 2):
+        overlapped = _overlapped(served)
         done = mesh_serving.resize_under_load(served, size)
         ranks = mesh_serving.assert_mesh(served, size, "pp_pids")
         assert _source_reads(served) == {"step": 0, "prefetch": 0}
@@ -113,6 +131,7 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
             assert spare["pid"] in {r["pid"] for r in ranks}, (spare, ranks)
             assert spare["pp_pids"] == [r for r in ranks if r["pid"] == spare["pid"]][0]["pp_pids"]
         check_answers(served)
+        assert _overlapped(served) > overlapped  # interleaved at every size
     assert _spare_is_whole(served)["pid"] != spare["pid"]  # a new one replaced it
 
 
@@ -133,7 +152,9 @@ def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
     # peer held, came from the source, ahead of the switch (none inside a step)
     reads = _source_reads(served)
     assert reads["step"] == 0 and reads["prefetch"] > 0, reads
+    overlapped = _overlapped(served)
     check_answers(served)
+    assert _overlapped(served) > overlapped
 
 
 def test_eplb_switched_on_live_moves_the_stages_experts_and_answers_stay_equal(

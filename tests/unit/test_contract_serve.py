@@ -90,6 +90,8 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         spec["pipelineMicroBatchTokens"] = draw(integers("pipelineMicroBatchTokens"))
     if draw(st.booleans()):
+        spec["pipelineInterleave"] = draw(st.booleans())
+    if draw(st.booleans()):
         spec["expertLayout"] = draw(st.sampled_from(node("expertLayout")["enum"]))
     if draw(st.booleans()):
         spec["expertParallel"]["maxExpertsPerRank"] = draw(

@@ -293,6 +293,7 @@ TEMPLATE_CHANGES = {
     "accelerator": ("ray.accelerator", "nvidia.com/gpu"),
     "tensor-parallel": ("tensorParallelSize", 2),
     "pipeline-micro-batch": ("pipelineMicroBatchTokens", 64),
+    "pipeline-interleave": ("pipelineInterleave", False),
     "expert-layout": ("expertLayout", "leader"),  # "mesh" needs T > 1 (`api.spec`)
 }
 LIVE_CHANGES = {
@@ -377,6 +378,7 @@ def test_every_spec_field_is_classified() -> None:
         "tensorParallelSize",
         "pipelineParallelSize",
         "pipelineMicroBatchTokens",
+        "pipelineInterleave",
         "expertLayout",
     }
     assert revision.LIVE_FIELDS <= fields
@@ -393,6 +395,7 @@ def test_an_operator_upgrade_keeps_every_revision() -> None:
     assert revision.revision(spec) == "41fcdfb6eb"
     assert "pipelineParallelSize" not in revision.template_fields(spec)
     assert "pipelineMicroBatchTokens" not in revision.template_fields(spec)
+    assert "pipelineInterleave" not in revision.template_fields(spec)
     assert "expertLayout" not in revision.template_fields(spec)
     assert revision.revision(spec.model_copy(update={"tensor_parallel_size": 2})) != "41fcdfb6eb"
 

@@ -385,6 +385,15 @@ class MoEDeploymentSpec(ApiModel):
             "A change rolls the deployment over (docs/ROLLOUTS.md)."
         ),
     )
+    pipeline_interleave: bool | None = pydantic.Field(
+        default=None,
+        description=(
+            "At pipelineParallelSize > 1: consecutive steps take alternate halves of the "
+            "running sequences, a step's first stage running while the step before is in the "
+            "later stages (vLLM's virtual engines; docs/PIPELINE-PARALLEL.md). Unset: the "
+            "runtime's default. A change rolls the deployment over (docs/ROLLOUTS.md)."
+        ),
+    )
     expert_layout: Literal["leader", "mesh"] | None = pydantic.Field(
         default=None,
         description=(

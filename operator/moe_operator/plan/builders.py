@@ -148,6 +148,7 @@ def serve_args(
         tensor_parallel_size=spec.tensor_parallel_size,
         pipeline_parallel_size=spec.pipeline_parallel_size,
         pipeline_micro_batch_tokens=spec.pipeline_micro_batch_tokens,
+        pipeline_interleave=spec.pipeline_interleave,
         expert_layout=spec.expert_layout,
         # Said, not guessed: at start the head may not see the GPU workers yet.
         device=flags.DEVICE_CUDA if spec.wants_gpus else flags.DEVICE_CPU,

@@ -48,6 +48,7 @@ LIVE_FIELDS: Final = frozenset(
 ADDED_LATER: Final = {
     "pipelineParallelSize": 1,
     "pipelineMicroBatchTokens": None,
+    "pipelineInterleave": None,
     "expertLayout": None,
 }
 #: Hex digits of a revision (enough to tell the revisions of one deployment apart).
