@@ -2,15 +2,15 @@
 --pipeline-parallel-size 2 --no-eplb --dtype float32` (Ray ranks: each DP rank its leader,
 pipeline stage 0, and one stage actor) answers every greedy request token for token as
 transformers' `generate` (prefills going through the stages as micro-batches; Mixtral and
-Qwen3-MoE with interleaved steps, the default: two sets of sequences in turn, a step's stage
-0 beside the previous step's stage 1, which the overlap counter shows; DeepSeek-V3 with
+DeepSeek-V3 with interleaved steps, the default: two sets of sequences in turn, a step's
+stage 0 beside the previous step's stage 1, which the overlap counter shows; Qwen3-MoE with
 `--no-pipeline-interleave`: every step down the compiled graph's lanes), at DP = 1
 and at DP = 2 (each stage's experts over its own
 expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
 some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
 under load on a warm spare (every answer checked, steps overlapped after each), a SIGKILLed
 stage actor under load (its DP rank out, no request lost, grown back); EPLB switched on live
-rebalances under load (over the graph).
+rebalances under load (interleaved steps: the commit's step has none beside it).
 
 One server per case (a module-scoped fixture: Mixtral and DeepSeek-V3 shapes at DP = 2,
 Qwen3-MoE at DP = 1; tiny random checkpoints saved by `save_pretrained`), joining the tests'
@@ -45,7 +45,7 @@ SOURCE_READS = "moe_pipeline_source_reads_total"
 #: steps whose stage 0 ran beside the step before in stage 1 (interleaved steps)
 OVERLAPPED = "moe_pipeline_overlapped_steps_total"
 #: the case that steps down the compiled graph's lanes, not interleaved
-GRAPH = "deepseek_v3"
+GRAPH = "qwen3_moe"
 
 
 def _source_reads(served: Served) -> dict[str, float]:
