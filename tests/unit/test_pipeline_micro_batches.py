@@ -190,7 +190,10 @@ def test_kv_frees_go_with_the_first_micro_batch_and_wait_when_stage_0_fails() ->
     assert logits.shape == (2, 4)
 
 
-def test_interleaved_steps_of_two_sets_answer_as_transformers(model_dir: pathlib.Path) -> None:
+@pytest.mark.parametrize("size", [2, 3], ids=["pp2", "pp3"])
+def test_interleaved_steps_of_two_sets_answer_as_transformers(
+    model_dir: pathlib.Path, size: int
+) -> None:
     """`--pipeline-interleave` on the leader (`Stepper.begin`/`end`): the engine's order with
     two steps in flight and two sets of sequences (begin N + 1 before N ends, each set's
     next step begun once its last one ended, with real tokens): every answer is
@@ -204,8 +207,10 @@ def test_interleaved_steps_of_two_sets_answer_as_transformers(model_dir: pathlib
         )[0, len(p) :]
         for p in PROMPTS
     ]
-    stages = _ChainedStages([stage_worker.StageWorker(stage=1, size=2, device="cpu")])
-    lead = worker.RankWorker(device="cpu", dtype="float32", pipeline=stages, pipeline_size=2)
+    stages = _ChainedStages(
+        [stage_worker.StageWorker(stage=s, size=size, device="cpu") for s in range(1, size)]
+    )
+    lead = worker.RankWorker(device="cpu", dtype="float32", pipeline=stages, pipeline_size=size)
     cfg = source_mod.open_source(str(model_dir)).config
     one = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 1)
     lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
