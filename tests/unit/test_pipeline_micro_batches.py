@@ -183,9 +183,9 @@ def test_kv_frees_go_with_the_first_micro_batch_and_wait_when_stage_0_fails() ->
     step = dict(epoch=1, token=(1, 1, 0, 1), placement=None, expert_load=torch.zeros(1, 1))
     lead.free(["gone"])
     with pytest.raises(RuntimeError, match="stage 0 failed"):
-        lead.forward(_Model(fail=True), batch, None, None, parts=2, **step)
+        lead.send(_Model(fail=True), batch, None, None, parts=2, **step)
     assert stages.chains == []  # nothing sent: the frees wait for the next forward pass
-    logits = lead.forward(_Model(fail=False), batch, None, None, parts=2, **step)
+    logits = lead.receive(lead.send(_Model(fail=False), batch, None, None, parts=2, **step))
     assert stages.chains == [(["gone"], ["a"]), ([], ["b"])]
     assert logits.shape == (2, 4)
 

@@ -323,36 +323,6 @@ class PipelineLeader:
         """KV frees to send with the next forward pass (each stage frees them then)."""
         self._frees.extend(seq_ids)
 
-    def forward(
-        self,
-        model: decoder.MoEModel,
-        batch: kv_mod.ForwardBatch,
-        kv: kv_mod.KVCache,
-        experts: experts_mod.ExpertBackend,
-        *,
-        epoch: int,
-        token: Token,
-        placement: policy.Placement,
-        expert_load: torch.Tensor,
-        parts: int = 1,
-        tensor: tensor_group.TensorLeader | None = None,
-    ) -> torch.Tensor:
-        """Stage 0 here, then the stages in turn; the last stage's logits [seqs, vocab]
-        (`send`, then `receive`)."""
-        sent = self.send(
-            model,
-            batch,
-            kv,
-            experts,
-            epoch=epoch,
-            token=token,
-            placement=placement,
-            expert_load=expert_load,
-            parts=parts,
-            tensor=tensor,
-        )
-        return self.receive(sent)
-
     def send(
         self,
         model: decoder.MoEModel,
