@@ -99,7 +99,9 @@ class RuntimeMetrics:
         self.overlapped = prometheus_client.Counter(
             "moe_pipeline_overlapped_steps",
             "Steps whose stage 0 ran while the step before was still in the later pipeline "
-            "stages (--pipeline-interleave).",
+            "stages (--pipeline-interleave): path=graph down the compiled step graph (the "
+            "last stage sampling), path=calls by plain Ray calls.",
+            ["path"],
             registry=r,
         )
         self.ttft = prometheus_client.Histogram(
@@ -151,7 +153,8 @@ class RuntimeMetrics:
         if any(o.micro_batches > 1 for o in outputs):
             self.micro_batched.inc()
         if any(o.overlapped for o in outputs):
-            self.overlapped.inc()
+            graph = any(o.started_at for o in outputs)  # `Stepper.start`: the graph's
+            self.overlapped.labels(path="graph" if graph else "calls").inc()
         with self._lock:
             seen = set()
             for out in outputs:

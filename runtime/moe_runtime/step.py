@@ -101,9 +101,12 @@ class StepOutput:
     micro_batches: how many micro-batches the step went through the rank's pipeline stages
     as (`pipeline_group.micro_batches`: a prefill at P > 1); 1 when it went whole.
     overlapped: the rank's stage 0 ran this step while an earlier step was still in its later
-    pipeline stages (`--pipeline-interleave`: `Stepper.begin`).
+    pipeline stages (`--pipeline-interleave`: `Stepper.begin`; in the step graph the driver
+    finds it, `ray_mesh.merged`).
     seconds: the rank's own time on the step (`Stepper.execute`: control, KV frees, forward
     pass, sampling), without the executor's call and transport around it.
+    started_at: when the rank began the step (monotonic, its node's clock; an interleaved
+    graph step's, `Stepper.start`; 0.0 otherwise).
     """
 
     rank: int
@@ -118,6 +121,7 @@ class StepOutput:
     micro_batches: int = 1
     overlapped: bool = False
     seconds: float = 0.0
+    started_at: float = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
         # A CPU expert-load tensor travels as raw bytes: pickling a torch tensor costs ~170 us

@@ -1,9 +1,11 @@
 """The compiled step graph over a DP rank's pipeline stages (`executor.ray_mesh`, issue 22):
 at pipeline size P > 1 every stage actor is a node of the graph, P micro-batch lanes of them
-per DP rank (``leader -> stage 1 -> ... -> leader.finish_step``), and the hidden states go
+per DP rank (``leader.start_step -> stage 1 -> ...``), and the hidden states go
 from stage to stage through the graph's channels instead of a Ray call per stage and
 micro-batch, here by Ray's tensor transport (`MOE_STEP_GRAPH_TRANSPORT=shm`: through shared
-memory on CPUs, its default on GPUs; on CPUs the lanes are pickled by default).
+memory on CPUs, its default on GPUs; on CPUs the lanes are pickled by default). The graph is
+the interleaved one (`--pipeline-interleave`, the serve command's default): the last stage
+samples, its lanes are outputs of the graph, and the leader's nodes never wait for it.
 
 On a RayExecutor of two DP ranks at P = 2 (the tiny synthetic model; micro-batches from 8 new
 tokens, so the prefill goes as two, the decodes whole): once the graph is live every forward
@@ -11,7 +13,8 @@ pass of the stages comes from their graph nodes (none from a plain call), the pr
 micro-batches from lanes 0 and 1, and the greedy and seeded tokens equal one process's; a
 parked graph holds the stages and the leaders (each loop waits on its event, none reads a
 channel) and the next step resumes the same graph with the same
-tokens; right after a new step path is set (plain calls while the graph compiles) the stages
+tokens; two sets of sequences with two steps in flight (the engine's interleaved steps) run
+one step's stage 0 beside the step before in stage 1, every token the same; right after a new step path is set (plain calls while the graph compiles) the stages
 step from plain calls, and the graph takes over again. A prefill whose micro-batches outgrow a
 graph channel's buffer sends its hidden states through Ray's object store (`ray_pipeline.
 Shipper`), so the next switch's teardown does not hang and the graph comes back.
@@ -19,6 +22,8 @@ Shipper`), so the next switch's teardown does not hang and the graph comes back.
 
 from __future__ import annotations
 
+import collections
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,8 +61,13 @@ def pipeline(ray_session: None) -> Iterator[Any]:
         # lanes stay under the channels' buffer: `ray_mesh.TRANSPORT_ENV`)
         mp.setenv(ray_mesh.TRANSPORT_ENV, "shm")
         ex = ray_executor.RayExecutor(
-            2, pp_size=2, pp_micro_batch_tokens=MICRO_BATCH_TOKENS, park_after=PARK_AFTER
+            2,
+            pp_size=2,
+            pp_micro_batch_tokens=MICRO_BATCH_TOKENS,
+            park_after=PARK_AFTER,
+            pp_interleave=True,
         )
+    assert not ex.step_placeholders  # the leaders never sample: no step sent ahead with one
     ex.start(lockstep.SOURCE, placement=lockstep.identity(2))
     yield ex
     ex.shutdown()
@@ -100,9 +110,9 @@ def test_the_stages_step_from_their_nodes_of_the_graph(
 ) -> None:
     wait_for(pipeline.path.graph_live, "the step graph took over")
     assert pipeline.path.graph_nodes() == 4  # two leaders and their stage actors
-    # the hidden states and logits go by Ray's tensor transport: per DP rank, 2 lanes of the
-    # leader's node and the stage's
-    assert pipeline.path.last_compile["tensor_nodes"] == 2 * 2 * 2
+    # the hidden states go by Ray's tensor transport: per DP rank, the leader's 2 lanes (the
+    # last stage answers tokens, to the driver)
+    assert pipeline.path.last_compile["tensor_nodes"] == 2 * 2
     before = counts(pipeline)
     assert generate_all(pipeline) == reference
     after = counts(pipeline)
@@ -115,6 +125,42 @@ def test_the_stages_step_from_their_nodes_of_the_graph(
     seeded = generate_all(pipeline, seeded=True)
     assert seeded == generate_all(pipeline, seeded=True)  # seeded sampling repeats itself
     assert [c["plain"] for c in counts(pipeline)] == [b["plain"] for b in before]
+
+
+def test_two_sets_in_flight_run_in_both_stages_at_once(
+    pipeline: Any, reference: list[list[int]]
+) -> None:
+    """The engine's interleaved steps over the graph: two sets of sequences, each step one
+    set's, the next step sent before the last one's outputs are read. The leaders' loops
+    run a step's stage 0 while their stages run the step before (the outputs say so), every
+    pass from the graph, every token the same as one set alone."""
+    wait_for(pipeline.path.graph_live, "the step graph took over")
+    seeded = generate_all(pipeline, seeded=True)
+    sets = [lockstep.Lockstep(pipeline), lockstep.Lockstep(pipeline)]
+    for i, prompt in enumerate(lockstep.PROMPTS):
+        sets[0].add(f"g{i}", prompt, rank=i % 2, max_tokens=MAX_TOKENS)
+        sets[1].add(f"s{i}", prompt, rank=i % 2, max_tokens=MAX_TOKENS, sampling=SEEDED)
+    before = counts(pipeline)
+    ids = itertools.count(10_000)
+    flying: collections.deque[tuple[lockstep.Lockstep, Any]] = collections.deque()
+    for run in sets:
+        flying.append((run, pipeline.submit_step(run.next_step(next(ids)))))
+    overlapped = steps = 0
+    while flying:
+        run, sent = flying.popleft()
+        outs = pipeline.collect_step(sent)
+        run.apply(outs)
+        steps += len(outs)
+        overlapped += sum(o.overlapped for o in outs)
+        if not all(s.done for s in run.seqs.values()):
+            flying.append((run, pipeline.submit_step(run.next_step(next(ids)))))
+    assert [sets[0].seqs[f"g{i}"].generated for i in range(len(reference))] == reference
+    assert [sets[1].seqs[f"s{i}"].generated for i in range(len(reference))] == seeded
+    after = counts(pipeline)
+    assert [a["plain"] for a in after] == [b["plain"] for b in before], "a plain call stepped"
+    assert graph_passes(before, after) == [2 * (MAX_TOKENS + 1)] * 2
+    # most steps began on the leader before its stage answered the step before
+    assert overlapped > steps // 2, (overlapped, steps)
 
 
 def test_a_parked_graph_holds_the_stages_and_resumes(

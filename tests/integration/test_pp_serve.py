@@ -3,8 +3,9 @@
 pipeline stage 0, and one stage actor) answers every greedy request token for token as
 transformers' `generate` (prefills going through the stages as micro-batches; Mixtral and
 DeepSeek-V3 with interleaved steps, the default: two sets of sequences in turn, a step's
-stage 0 beside the previous step's stage 1, which the overlap counter shows; Qwen3-MoE with
-`--no-pipeline-interleave`: every step down the compiled graph's lanes), at DP = 1
+stage 0 beside the previous step's stage 1, which the overlap counter shows, down the
+compiled graph with the last stage sampling; Qwen3-MoE with `--no-pipeline-interleave`:
+every step down the graph's lanes back to the leader, one at a time), at DP = 1
 and at DP = 2 (each stage's experts over its own
 expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
 some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
@@ -89,17 +90,19 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
     # each DP rank: its leader (stage 0) and one live stage actor of its own, no TP follower
     ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids")
     assert all(r["tp_pids"] == [] for r in ranks), ranks
-    overlapped = _overlapped(served)
+    overlapped = _overlapped(served, "graph")
     check_answers(served)
     # prefills went through the stages as two micro-batches, the stages working at once
     assert mesh_serving.metric(served.server.url, MICRO_BATCHED) > 0
     # interleaved: consecutive steps in the two stages at once (twelve requests, six at a
-    # time, in two sets); over the graph, never
-    assert (_overlapped(served) > overlapped) == (served.family != GRAPH)
+    # time, in two sets), down the compiled graph; over the non-interleaved graph, never
+    assert (_overlapped(served, "graph") > overlapped) == (served.family != GRAPH)
 
 
-def _overlapped(served: Served) -> float:
-    return mesh_serving.metric(served.server.url, OVERLAPPED)
+def _overlapped(served: Served, path: str | None = None) -> float:
+    """Steps overlapped so far (`path`: down the step graph, "graph", or by plain calls)."""
+    labels = {} if path is None else {"path": path}
+    return mesh_serving.metric(served.server.url, OVERLAPPED, **labels)
 
 
 def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None:

@@ -57,6 +57,14 @@ class Lockstep:
         seq.rank, seq.in_kv = rank, 0
 
     def step(self, control: dict[str, int] | None = None) -> list[step_mod.StepOutput]:
+        step = self.next_step(self.step_id, control)
+        self.step_id += 1
+        outs = self.executor.execute_step(step)
+        self.apply(outs)
+        return outs
+
+    def next_step(self, step_id: int, control: dict[str, int] | None = None) -> step_mod.StepInput:
+        """The step that runs each unfinished sequence's new tokens (KV frees owed taken)."""
         batches: dict[int, step_mod.RankBatch] = {}
         for rank, ids in self.to_free.items():
             batches.setdefault(rank, step_mod.RankBatch()).free.extend(ids)
@@ -67,9 +75,10 @@ class Lockstep:
             tokens = (seq.prompt + seq.generated)[seq.in_kv :]
             work = step_mod.SeqWork(seq_id, tokens, seq.in_kv, seq.sampling, len(seq.generated))
             batches.setdefault(seq.rank, step_mod.RankBatch()).seqs.append(work)
-        step = step_mod.StepInput(self.step_id, batches, dict(control or {}))
-        self.step_id += 1
-        outs = self.executor.execute_step(step)
+        return step_mod.StepInput(step_id, batches, dict(control or {}))
+
+    def apply(self, outs: list[step_mod.StepOutput]) -> None:
+        """A step's outputs: each sequence's sampled token taken (none may fail)."""
         for out in outs:
             assert out.error is None, f"rank {out.rank}: {out.error}"
             for seq_id, token in out.tokens.items():
@@ -78,7 +87,6 @@ class Lockstep:
                 seq.generated.append(token)
                 if seq.done:
                     self.to_free.setdefault(seq.rank, []).append(seq_id)
-        return outs
 
     def run(self) -> dict[str, list[int]]:
         while not all(s.done for s in self.seqs.values()):

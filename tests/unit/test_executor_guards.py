@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from moe_contract import protocol
-from moe_runtime.executor import guards, niceness, ray_actor
+from moe_runtime.executor import guards, niceness, ray_actor, ray_start
 
 
 def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,20 +137,20 @@ def _fake_ray(
 ) -> tuple[_Remote, _Remote, list[Any]]:
     leaders, followers, killed = _Remote(infos), _Remote(), []
     monkeypatch.setattr(ray_actor, "RemoteRankActor", leaders)
-    monkeypatch.setattr(ray_actor.ray_tensor, "RemoteFollower", followers)
+    monkeypatch.setattr(ray_start.ray_tensor, "RemoteFollower", followers)
     monkeypatch.setattr(ray_actor.ray.util, "placement_group", lambda *a, **k: _PG())
     monkeypatch.setattr(ray_actor.ray.util, "remove_placement_group", lambda pg: None)
     monkeypatch.setattr(ray_actor.ray, "get", lambda refs, **k: refs)
     monkeypatch.setattr(ray_actor.ray, "kill", killed.append)
     monkeypatch.setattr(
-        ray_actor.ray_bundles, "options", lambda pg, i, gpu, extra: {"bundle": i, **extra}
+        ray_start.ray_bundles, "options", lambda pg, i, gpu, extra: {"bundle": i, **extra}
     )
-    monkeypatch.setattr(ray_actor.ray_calls, "get_all", lambda refs, ranks, **k: list(refs))
+    monkeypatch.setattr(ray_start.ray_calls, "get_all", lambda refs, ranks, **k: list(refs))
     return leaders, followers, killed
 
 
 def _start(**kwargs: Any) -> list[ray_actor.Member]:
-    return ray_actor.start_ranks(
+    return ray_start.start_ranks(
         kwargs.pop("count", 2),
         first_label=0,
         use_gpu=False,

@@ -41,7 +41,9 @@ class _ChainedStages:
     def send(self, method: str, *args: Any) -> list[Any]:
         return [getattr(w, method)(*args) for w in self.workers]
 
-    def chain(self, epoch: int, frees: Any, batch: Any, hidden: Any, live: Any) -> list[Any]:
+    def chain(
+        self, epoch: int, frees: Any, batch: Any, hidden: Any, live: Any, sample: Any = None
+    ) -> list[Any]:
         self.chains.append(list(batch.seq_ids))
         answers, prev = [], hidden
         for w in self.workers:
@@ -148,7 +150,9 @@ class _Recorded:
     def __init__(self) -> None:
         self.chains: list[tuple[list[str], list[str]]] = []
 
-    def chain(self, epoch: int, frees: Any, batch: Any, hidden: Any, live: Any) -> list[Any]:
+    def chain(
+        self, epoch: int, frees: Any, batch: Any, hidden: Any, live: Any, sample: Any = None
+    ) -> list[Any]:
         self.chains.append((list(frees), list(batch.seq_ids)))
         return [{"out": torch.zeros(len(batch.seq_ids), 4), "loads": []}]
 
@@ -265,3 +269,138 @@ def test_interleaved_steps_of_two_sets_answer_as_transformers(
     )[0, len(PROMPTS[0]) :].tolist()
     assert [sampled, out.tokens["s0"]] == want_next[NEW_TOKENS:]
     lead.shutdown()
+
+
+class _SampledStages(_ChainedStages):
+    """`_ChainedStages` whose last stage samples when the leader asks (`Stepper.start`), as
+    its graph node does (`ray_pipeline._sampled`); its answers, one per micro-batch, kept as
+    the step graph's lanes would bring them to the driver (`lanes`)."""
+
+    def __init__(self, workers: list[stage_worker.StageWorker]) -> None:
+        super().__init__(workers)
+        self.answers: list[dict[str, Any]] = []
+
+    def chain(
+        self, epoch: int, frees: Any, batch: Any, hidden: Any, live: Any, sample: Any = None
+    ) -> list[Any]:
+        from moe_runtime.executor import ray_pipeline
+
+        answers = super().chain(epoch, frees, batch, hidden, live)
+        assert sample is not None, "a started step's last stage samples"
+        self.answers.append(ray_pipeline._sampled(answers[-1], batch.seq_ids, sample))
+        return []  # the leader never waits for them
+
+    def lanes(self, step_id: int, count: int) -> list[Any]:
+        from moe_runtime.executor import ray_pipeline
+
+        taken, self.answers = self.answers, []
+        lanes = [
+            ray_pipeline.StageLane(step_id, k, answer=a, reads=a["reads"])
+            for k, a in enumerate(taken)
+        ]
+        return lanes + [ray_pipeline.StageLane(step_id, k) for k in range(len(lanes), count)]
+
+
+def test_a_started_step_is_sampled_by_its_last_stage_and_settled_when_it_fails(
+    model_dir: pathlib.Path,
+) -> None:
+    """An interleaved step of the step graph (`Stepper.start`): the leader returns its part
+    (no token, stage 0's expert load) without waiting for the stages; the last stage samples
+    and the driver merges its tokens and loads (`ray_mesh.merged`): the answers are
+    transformers'. A step whose stages failed is settled (`Stepper.settle`): the leader's KV
+    cache is back to before it (the engine sends it again); a stage that lost a TP follower
+    fails the rank."""
+    from moe_runtime.executor import ray_mesh
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    want = [
+        hf.generate(
+            torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
+        )[0, len(p) :].tolist()
+        for p in PROMPTS
+    ]
+    stages = _SampledStages([stage_worker.StageWorker(stage=1, size=2, device="cpu")])
+    lead = worker.RankWorker(
+        device="cpu",
+        dtype="float32",
+        pipeline=stages,
+        pipeline_size=2,
+        pipeline_micro_batch_tokens=8,  # the prefill as two micro-batches: two lanes
+    )
+    cfg = source_mod.open_source(str(model_dir)).config
+    one = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 1)
+    lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
+    lead.groups.join_group(group_mod.GroupSpec.local(1, epoch=1), 0, role=groups_mod.STEP)
+    lead.slots.activate(1, rank=0, num_ranks=1, placement=one)
+    stepper, answered = lead.stepper, {}
+    answers: list[list[int]] = [[] for _ in PROMPTS]
+
+    def start(step_id: int) -> step_mod.StepOutput:
+        works = []
+        for i, prompt in enumerate(PROMPTS):
+            n = len(answers[i])
+            ids, at = (prompt, 0) if n == 0 else ([answers[i][-1]], len(prompt) + n - 1)
+            works.append(step_mod.SeqWork(f"s{i}", ids, at, GREEDY, n))
+        out = stepper.start(step_mod.StepInput(step_id, {0: step_mod.RankBatch(seqs=works)}))
+        assert out.error is None and out.tokens == {} and out.started_at > 0, out
+        return out
+
+    for step_id in range(1, NEW_TOKENS + 1):
+        out = start(step_id)
+        leader_load = int(out.expert_load.sum())
+        assert leader_load > 0  # stage 0's MoE layers
+        made = len(stages.answers)
+        assert made == (2 if step_id == 1 else 1)  # the prefill as two micro-batches
+        (merged,), failures = ray_mesh.merged([out, *stages.lanes(step_id, 2)], [0], [2], answered)
+        assert failures == []
+        assert int(merged.expert_load.sum()) > leader_load  # the stage's layers added
+        assert merged.overlapped is False  # each step started after the last one answered
+        for seq_id, token in merged.tokens.items():
+            answers[int(seq_id[1:])].append(token)
+    assert answers == want
+
+    kv = lead.loaded.kv
+    assert kv is not None
+    held = [kv.num_tokens(f"s{i}") for i in range(len(PROMPTS))]
+    start(50)
+    assert [kv.num_tokens(f"s{i}") for i in range(len(PROMPTS))] == [h + 1 for h in held]
+    assert stepper.settle(50, "GroupFailed: a peer left") == step_mod.FAILURE_GROUP
+    assert [kv.num_tokens(f"s{i}") for i in range(len(PROMPTS))] == held
+    # a stage lost a TP follower: the DP rank is lost
+    assert stepper.settle(51, "FollowerLost: gone", lost=True) == step_mod.FAILURE_RANK
+    lead.shutdown()
+
+
+def test_the_driver_merges_a_started_step_and_names_the_ranks_whose_stages_failed() -> None:
+    """`ray_mesh.merged`: each leader's part with its lanes' tokens, loads and reads; a rank
+    with an error lane is named (with whether it lost a follower), its tokens left out; a
+    step that began before the last stage answered the step before overlapped."""
+    from moe_runtime.executor import ray_mesh, ray_pipeline
+
+    def part(rank: int, at: float) -> step_mod.StepOutput:
+        return step_mod.StepOutput(
+            rank=rank, step_id=7, expert_load=torch.ones(2, 4, dtype=torch.int64), started_at=at
+        )
+
+    def lane(k: int, tokens: dict[str, int], at: float) -> Any:
+        load = torch.full((1, 4), 2, dtype=torch.int64)
+        answer = {"tokens": tokens, "loads": [(1, 2, load)], "reads": 1, "answered_at": at}
+        return ray_pipeline.StageLane(7, k, answer=answer, reads=3)
+
+    failed = ray_pipeline.StageLane(7, 0, error="FollowerLost: x", lost=True)
+    answered = {0: 10.0, 1: 10.0}
+    raw = [
+        part(0, 9.0),
+        part(1, 11.0),
+        lane(0, {"a": 5}, 12.0),
+        lane(1, {"b": 6}, 13.0),
+        failed,
+        ray_pipeline.StageLane(7, 1),
+    ]
+    outs, failures = ray_mesh.merged(raw, [0, 1], [2, 2], answered)
+    assert outs[0].tokens == {"a": 5, "b": 6} and outs[0].source_reads == 6
+    assert outs[0].expert_load.tolist() == [[1] * 4, [5] * 4]  # stage 1's layer: 1 + 2 + 2
+    assert outs[0].overlapped and answered[0] == 13.0  # began at 9, the last answer at 10
+    assert outs[0].seconds == 4.0  # to its last stage's answer
+    assert failures == [ray_mesh.LaneFailure(1, "FollowerLost: x", True)]
+    assert outs[1].tokens == {} and answered[1] == 10.0

@@ -58,8 +58,9 @@ class _GroupedExecutor(ahead.AheadExecutor):
         return super()._run(step)
 
 
-def _serve(groups: int) -> tuple[dict[str, Any], _GroupedExecutor]:
+def _serve(groups: int, *, placeholders: bool = True) -> tuple[dict[str, Any], _GroupedExecutor]:
     executor = _GroupedExecutor(groups)
+    executor.step_placeholders = placeholders
     engine = ahead._engine(executor, max_num_seqs_per_rank=6, max_tokens_per_step=8)
     executor.engine = engine
     assert engine.scheduler.step_groups == groups
@@ -76,9 +77,7 @@ def _waiting_on_the_step_in_flight(executor: _GroupedExecutor) -> int:
     )
 
 
-def test_two_sets_answer_the_same_and_the_step_ahead_needs_nothing_in_flight() -> None:
-    grouped, two = _serve(2)
-    whole, one = _serve(1)
+def _assert_same(grouped: dict[str, Any], whole: dict[str, Any]) -> None:
     assert grouped.keys() == whole.keys()
     for rid, done in grouped.items():
         other = whole[rid]
@@ -91,9 +90,26 @@ def test_two_sets_answer_the_same_and_the_step_ahead_needs_nothing_in_flight() -
         request.FinishReason.STOP,
         request.FinishReason.LENGTH,
     }
+
+
+def test_two_sets_answer_the_same_and_the_step_ahead_needs_nothing_in_flight() -> None:
+    grouped, two = _serve(2)
+    whole, one = _serve(1)
+    _assert_same(grouped, whole)
     assert two.most_in_flight == 2  # steps were launched ahead
     assert all(len(s) <= 1 for s in two.sets), two.sets  # one set per step
     assert {0, 1} <= set().union(*two.sets)
     # with one set nearly every step launched ahead fills placeholders; with two, only
     # those sent while the other set had no work
     assert _waiting_on_the_step_in_flight(two) * 3 < _waiting_on_the_step_in_flight(one)
+
+
+def test_an_executor_whose_ranks_never_fill_placeholders_gets_none() -> None:
+    """An interleaved step graph's leaders never sample (`RayExecutor.step_placeholders`
+    False): the engine launches ahead only what needs nothing of the step in flight (the
+    other set), the rest waits for it; the answers stay the same."""
+    grouped, two = _serve(2, placeholders=False)
+    whole, _ = _serve(1)
+    _assert_same(grouped, whole)
+    assert two.most_in_flight == 2  # the other set still went ahead
+    assert _waiting_on_the_step_in_flight(two) == 0

@@ -10,7 +10,7 @@ A grow that warm spares do not cover takes pooled processes (`take`) for the ran
 start, then loads and transfers the weights as for any new rank; the runtime refills the pool
 in the background afterwards. At tensor-parallel size T or pipeline-parallel size P above 1 a
 pooled process is a whole DP rank (T x P actors in one placement group: its leader, its TP
-followers, its pipeline stage actors and theirs, all weightless: `ray_actor.start_ranks`); the
+followers, its pipeline stage actors and theirs, all weightless: `ray_start.start_ranks`); the
 grow's `load_weights` on the leader loads every one of them (docs/PIPELINE-PARALLEL.md).
 
 Upkeep (`maintain`, every `MAINTAIN_SECONDS` on the pool's thread): drop pooled processes that

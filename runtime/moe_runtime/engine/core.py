@@ -441,7 +441,8 @@ class Engine:
         if flight.step.control or self._held():
             return
         limit = self.config.max_model_len
-        ahead = prepare.launch_ahead(prepared, self.scheduler, max_model_len=limit)
+        ok = getattr(self.executor, "step_placeholders", True)  # its ranks fill placeholders
+        ahead = prepare.launch_ahead(prepared, self.scheduler, max_model_len=limit, placeholders=ok)
         if ahead is not None:
             self._ahead = self._launch(ahead.batches, ahead.work, {}, [], assumed=ahead.assumed)
 

@@ -168,15 +168,23 @@ class Ahead:
 
 
 def launch_ahead(
-    prepared: Prepared, scheduler: scheduler_mod.Scheduler, *, max_model_len: int
+    prepared: Prepared,
+    scheduler: scheduler_mod.Scheduler,
+    *,
+    max_model_len: int,
+    placeholders: bool = True,
 ) -> Ahead | None:
     """The prepared step as the real one while the step it follows is still in flight, or
     None, changing nothing, when it holds no sequence or the ranks changed (see the module
-    docstring)."""
+    docstring). `placeholders` False (an executor whose ranks may not fill them: an
+    interleaved step graph's leaders never sample): without the sequences of the step in
+    flight, which wait for it."""
     keep: list[Entry] = []
     for entry in _running(prepared, scheduler) or []:
         seq = entry.seq
         if entry.work.token_ids[-1] == PLACEHOLDER:
+            if not placeholders:
+                continue
             request = seq.handle.request
             if entry.length - seq.prompt_len >= request.max_tokens:
                 continue  # the step in flight samples its last token

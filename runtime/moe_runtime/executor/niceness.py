@@ -30,9 +30,9 @@ BACKGROUND_NICENESS = 10
 #: `ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR`). Set in an actor's
 #: `runtime_env["env_vars"]` it applies to that actor's process only.
 SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
-#: The hook of a spare's process (`ray_actor.start_ranks(spare=True)`).
+#: The hook of a spare's process (`ray_start.start_ranks(spare=True)`).
 SPARE_SETUP_HOOK = f"{__name__}.spare_setup"
-#: The hook of a process a grow starts beside serving ranks (`ray_actor.start_ranks` with
+#: The hook of a process a grow starts beside serving ranks (`ray_start.start_ranks` with
 #: `existing` ranks, not a spare).
 GROW_SETUP_HOOK = f"{__name__}.grow_setup"
 #: Niceness of a serving rank (and of a grow's new one from its first import on).

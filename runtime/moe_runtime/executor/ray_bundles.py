@@ -1,4 +1,4 @@
-"""The placement group bundles of a DP rank's actors (`ray_actor.start_ranks`): one rank slot
+"""The placement group bundles of a DP rank's actors (`ray_start.start_ranks`): one rank slot
 (and one GPU on GPU) per actor, and the scheduling options that put an actor in its bundle."""
 
 from __future__ import annotations

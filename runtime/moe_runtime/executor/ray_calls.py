@@ -13,6 +13,8 @@ from moe_runtime.executor import base
 
 #: The rank actor's lane of `end_step` (`ray_actor.END_LANE`).
 END_LANE = "end"
+#: The rank actor's lane of pings, aborts and settles (`ray_actor.HEALTH_LANE`).
+HEALTH_LANE = "health"
 
 
 def step_calls(actors: Sequence[Any], step: Any, *, split: bool) -> list[Any]:

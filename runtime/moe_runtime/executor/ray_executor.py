@@ -53,6 +53,7 @@ from moe_runtime.executor import (
     ray_groups,
     ray_health,
     ray_mesh,
+    ray_start,
     ray_step,
     ray_weights,
     roster,
@@ -136,12 +137,13 @@ class RayExecutor(base.Executor):
         self.expert_layout = expert_layout
         #: Interleaved step groups the engine may send (`engine.step_groups`): 2 where a
         #: step's stage 0 overlaps the previous step's later stages (`pp_interleave` at P > 1:
-        #: plain calls in two parts, no step graph: its leader's nodes run one step at a time).
+        #: the step graph's interleaved shape, `ray_graph._pipeline`, or plain calls in two
+        #: parts, `ray_calls.step_calls`).
         self.step_groups = 2 if pp_interleave and pp_size > 1 else 1
+        #: Whether the engine may send a step ahead with placeholders (`engine.core`): not
+        #: through an interleaved graph, whose leader never samples (set below).
+        self.step_placeholders = True
         mode = step_mode or os.environ.get("MOE_STEP_MODE") or STEP_COMPILED
-        if self.step_groups > 1 and mode == STEP_COMPILED:
-            log.info("pipeline interleave: steps go by plain calls (begin, end), not a graph")
-            mode = STEP_REMOTE
         if mode not in (STEP_COMPILED, STEP_REMOTE):
             raise ValueError(
                 f"step_mode must be {STEP_COMPILED!r} or {STEP_REMOTE!r}, got {mode!r}"
@@ -166,6 +168,11 @@ class RayExecutor(base.Executor):
         self.use_gpu = use_gpu
         #: Pipeline stage actors are nodes of the step graph (`ray_mesh.stage_nodes`).
         self._stage_nodes = ray_mesh.stage_nodes(tp_size, use_gpu=use_gpu)
+        if self.step_groups > 1 and mode == STEP_COMPILED and not self._stage_nodes:
+            # without its stages as nodes a graph step is the leader's whole step: no overlap
+            log.info("pipeline interleave: steps go by plain calls (begin, end), not a graph")
+            self.step_mode = mode = STEP_REMOTE
+        self.step_placeholders = not (self.step_groups > 1 and mode == STEP_COMPILED)
         self._dtype = dtype
         self._ready_timeout = ready_timeout
         #: Seconds one step may take while every rank stays healthy (tests lower it).
@@ -213,7 +220,7 @@ class RayExecutor(base.Executor):
     def _start_ranks(
         self, count: int, *, first_label: int, spare: bool = False
     ) -> list[ray_actor.Member]:
-        return ray_actor.start_ranks(
+        return ray_start.start_ranks(
             count,
             first_label=first_label,
             use_gpu=self.use_gpu,

@@ -40,12 +40,14 @@ def compile_graph(
     followers: Sequence[Sequence[Any]] = (),
     stages: Sequence[Sequence[Any]] = (),
     transport: str = "pickle",
+    interleave: bool = False,
 ) -> Any:
     """The step graph over `actors` (and `followers[i]`, the TP followers of `actors[i]`, as
     nodes of their own: `ray_mesh`; its outputs are then the leaders', then the followers'
     in order; or `stages[i]`, the pipeline stages 1..P-1 of `actors[i]`: P micro-batch lanes,
     each ``leader -> stage 1 -> ... -> stage P-1 -> leader.finish_step``, carrying their
-    tensors by `transport`: `ray_mesh.TRANSPORT_ENV`). Blocks for the
+    tensors by `transport`: `ray_mesh.TRANSPORT_ENV`; `interleave`: the last stage's lanes
+    are outputs, after the leaders', P per leader: `_pipeline`). Blocks for the
     compile (~0.2 s over actors that were in a graph before, seconds over fresh ones):
     `ray_step` calls it from its background job, which has torn down every other graph over
     these actors first."""
@@ -56,7 +58,9 @@ def compile_graph(
             theirs = followers[i] if followers else ()
             chain = stages[i] if stages else ()
             if chain:
-                outs.append(_pipeline(inp, actor, chain, carrier(transport)))
+                out, lanes = _pipeline(inp, actor, chain, carrier(transport), interleave)
+                outs.append(out)
+                answers.extend(lanes)
                 continue
             if not theirs:
                 outs.append(actor.execute_step.bind(inp))
@@ -68,23 +72,39 @@ def compile_graph(
     return _compile(dag)
 
 
-def _pipeline(inp: Any, leader: Any, stages: Sequence[Any], carry: Callable[[Any], Any]) -> Any:
+def _pipeline(
+    inp: Any, leader: Any, stages: Sequence[Any], carry: Callable[[Any], Any], interleave: bool
+) -> tuple[Any, list[Any]]:
     """One DP rank's pipeline in the graph: lane k's micro-batch leaves the leader (lane 0 from
     `prepare_step`, the others from `next_lane`, each after the one before: an actor runs its
     nodes in the order they were bound), goes through every stage's node of lane k, and the
     last stage's lanes meet in the leader's `finish_step`. A stage runs lane k + 1 after lane
     k, while its leader runs stage 0 of the next micro-batch. `carry` marks each lane's node
-    for its transport (`carrier`)."""
-    lane = carry(leader.prepare_step.bind(inp))
+    for its transport (`carrier`). Returns the leader's output node and the lanes that are
+    outputs too.
+
+    `interleave` (vLLM's shape): lane 0 leaves `start_step`, the last stage samples and its
+    lanes are outputs of the graph (tokens, no tensors: not carried), and the leader's
+    `finish_step` follows its own last lane: it returns the leader's part of the output
+    (`Stepper.start`) without waiting for any stage, and the driver merges the two
+    (`ray_mesh.merged`). So no node of the leader waits for a later stage, and with two
+    executions in flight its loop runs the next step's stage 0 while the stages run this
+    one (an actor's loop runs one execution's nodes after the other's)."""
+    first = leader.start_step if interleave else leader.prepare_step
+    lane = carry(first.bind(inp))
     lasts: list[Any] = []
     for k in range(1 + len(stages)):
         if k:
             lane = carry(leader.next_lane.bind(lane, k))
         work = lane
-        for stage in stages:
-            work = carry(stage.graph_step.bind(work))
+        for s, stage in enumerate(stages, start=1):
+            work = stage.graph_step.bind(work)
+            if not (interleave and s == len(stages)):
+                work = carry(work)
         lasts.append(work)
-    return leader.finish_step.bind(*lasts)
+    if interleave:
+        return leader.finish_step.bind(lane), lasts
+    return leader.finish_step.bind(*lasts), []
 
 
 def carrier(transport: str) -> Callable[[Any], Any]:
@@ -150,6 +170,7 @@ def build(
     followers: Sequence[Sequence[Any]] = (),
     stages: Sequence[Sequence[Any]] = (),
     transport: str = "pickle",
+    interleave: bool = False,
 ) -> Built:
     """A new step graph over `actors` (and their TP `followers`: `compile_graph`), fit to
     carry steps: compiled, checked (`broken`) and
@@ -159,7 +180,7 @@ def build(
     probe would wait for it). `retry_in` (s) only goes into the logs."""
     started = time.monotonic()
     try:
-        graph = compile_graph(actors, followers, stages, transport)
+        graph = compile_graph(actors, followers, stages, transport, interleave)
     except Exception as exc:  # noqa: BLE001 - plain calls keep serving; retried later
         log.exception(
             "compiling the step graph over %d ranks failed; steps stay on plain actor calls "

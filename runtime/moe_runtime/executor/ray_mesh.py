@@ -47,8 +47,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ray
+
 from moe_runtime import step as step_mod
-from moe_runtime.executor import guards, ray_pipeline, ray_tensor
+from moe_runtime.executor import guards, ray_calls, ray_pipeline, ray_tensor
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ def stage_nodes(tp_size: int, *, use_gpu: bool) -> bool:
     raw = guards.choice_from_env(STAGES_ENV, ("auto", "1", "0"), wanted="auto, 1 or 0")
     return raw == "1" or (raw == "auto" and (tp_size == 1 or use_gpu))
 
+
+#: Seconds a leader may take to settle an interleaved graph step its stages failed.
+SETTLE_TIMEOUT_S = 30.0
 
 #: How the step graph's lanes carry the tensors in them (the hidden states a stage hands on,
 #: the last stage's logits) from actor to actor: "auto" (the default) Ray's tensor transport
@@ -135,8 +140,9 @@ class _Job:
     micro-batches down the stages' lanes (once handed), their answers (once the graph
     brought them to `finish_step`), the output (once done)."""
 
-    def __init__(self, step: step_mod.StepInput, lanes: int = 0) -> None:
+    def __init__(self, step: step_mod.StepInput, lanes: int = 0, *, start: bool = False) -> None:
         self.step = step
+        self.start = start  # `MeshStep.prepare`
         self.args: tuple[Any, ...] | None = None
         self.output: step_mod.StepOutput | None = None
         self.error: BaseException | None = None
@@ -160,7 +166,7 @@ class _Job:
         self.handed.set()
 
     # -- the stages' lanes (`ray_pipeline.Lanes`) ------------------------------------------
-    def hand_lane(self, args: tuple[Any, ...]) -> ray_pipeline.LanePending:
+    def hand_lane(self, args: tuple[Any, ...], sample: Any = None) -> ray_pipeline.LanePending:
         with self._cond:
             lane = len(self._handed)
             if self._closed or lane >= self._lanes:
@@ -168,7 +174,7 @@ class _Job:
                     f"a graph step sends its stages at most {self._lanes} micro-batches, "
                     "all before it waits for any"
                 )
-            self._handed.append(ray_pipeline.StageLane(self.step.step_id, lane, args))
+            self._handed.append(ray_pipeline.StageLane(self.step.step_id, lane, args, sample))
             self._cond.notify_all()
         return ray_pipeline.LanePending(self, lane)
 
@@ -231,8 +237,10 @@ class MeshStep:
         *,
         stages: Any = None,
         lanes: int = 0,
+        start: Callable[[step_mod.StepInput], step_mod.StepOutput] | None = None,
     ) -> None:
         self._run = run
+        self._start = start
         self._followers = followers
         self._stages = stages
         self._lanes = lanes
@@ -241,12 +249,16 @@ class MeshStep:
         self._thread = threading.Thread(target=self._loop, name="mesh-step", daemon=True)
         self._thread.start()
 
-    def prepare(self, step: step_mod.StepInput) -> Any:
+    def prepare(self, step: step_mod.StepInput, *, start: bool = False) -> Any:
         """Start `step` on the step thread; what the followers run of it (once the worker
         handed it out, or once the step is over without a forward pass for them): a
         `ray_tensor.FollowerStep`; with stages, lane 0's `ray_pipeline.StageLane` (its
-        micro-batch once handed, or empty once the step sends none)."""
-        job = _Job(step, self._lanes if self._stages is not None else 0)
+        micro-batch once handed, or empty once the step sends none). `start`: the step runs
+        as `start` (an interleaved graph step: the last stage samples, `finish` returns the
+        leader's part as soon as every micro-batch is handed)."""
+        if start and self._start is None:
+            raise RuntimeError("an interleaved graph step on a leader without stages")
+        job = _Job(step, self._lanes if self._stages is not None else 0, start=start)
         self._job = job
         self._jobs.put(job)
         if self._stages is not None:
@@ -283,8 +295,9 @@ class MeshStep:
                 self._followers.handoff = job.hand
             if self._stages is not None:
                 self._stages.lanes, self._stages.lanes_thread = job, threading.get_ident()
+            run = self._start if job.start and self._start is not None else self._run
             try:
-                job.output = self._run(job.step)
+                job.output = run(job.step)
             except BaseException as exc:  # noqa: BLE001 - raised by `finish`
                 job.error = exc
             finally:
@@ -299,12 +312,21 @@ class MeshStep:
 
 
 def outputs(
-    raw: Sequence[Any], ranks: Sequence[int], followers: Sequence[int]
+    raw: Sequence[Any],
+    ranks: Sequence[int],
+    stepped: Stepped | None,
+    step_id: int,
+    answered: dict[int, float] | None = None,
 ) -> list[step_mod.StepOutput]:
-    """The leaders' outputs of a graph step from the graph's `raw` output (the leaders', then
-    each leader's `followers[i]` followers' answers in order): their experts read from the
-    model source (the mesh layout) added to their leader's `source_reads`; a follower's error
-    logged (its leader's step failed with it: they share the TP collectives)."""
+    """The leaders' outputs of graph step `step_id` over `stepped` from the graph's `raw`
+    output (the leaders', then each leader's followers' answers in order): their experts read
+    from the model source (the mesh layout) added to their leader's `source_reads`; a
+    follower's error logged (its leader's step failed with it: they share the TP
+    collectives). `answered` (not None: an interleaved graph, `ray_graph._pipeline`): with
+    pipeline stages, `interleaved`'s."""
+    if answered is not None and stepped is not None and any(stepped.stages):
+        return interleaved(raw, stepped, step_id, answered)
+    followers = [] if stepped is None else stepped.counts()
     outs: list[step_mod.StepOutput] = list(raw[: len(ranks)])
     if not any(followers):
         return outs
@@ -323,4 +345,76 @@ def outputs(
                     answer["error"],
                 )
             out.source_reads += int(answer.get("reads", 0))
+    return outs
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneFailure:
+    """A DP rank whose interleaved graph step failed in its stages (`merged`): its index in
+    the step's ranks, the error, and whether a stage lost a TP follower (the rank is lost)."""
+
+    index: int
+    error: str
+    lost: bool
+
+
+def merged(
+    raw: Sequence[Any], ranks: Sequence[int], lanes: Sequence[int], answered: dict[int, float]
+) -> tuple[list[step_mod.StepOutput], list[LaneFailure]]:
+    """The leaders' outputs of an interleaved graph step (`ray_graph._pipeline`) from the
+    graph's `raw` output (the leaders' parts, then `lanes[i]` last-stage lanes of each): each
+    leader's part with its last stage's tokens, the stages' expert load added at their MoE
+    layers and their source reads; `overlapped` where the leader began the step before its
+    last stage answered the step before (`answered`: each rank's latest answer, monotonic on
+    its node, updated here); `seconds` up to the last stage's answer (`step_wait` learns the
+    step's length from it). And the ranks whose lanes failed, for the leader to settle
+    (`Stepper.settle`): their tokens are left out."""
+    outs: list[step_mod.StepOutput] = list(raw[: len(ranks)])
+    answers = iter(raw[len(ranks) :])
+    failures: list[LaneFailure] = []
+    for i, (out, label, count) in enumerate(zip(outs, ranks, lanes, strict=True)):
+        mine = [next(answers) for _ in range(count)]
+        failed = next((lane for lane in mine if lane.error is not None), None)
+        if failed is not None:
+            failures.append(LaneFailure(i, failed.error, failed.lost))
+            continue
+        last = 0.0
+        for lane in mine:
+            if lane.answer is None:
+                continue
+            out.tokens.update(lane.answer["tokens"])
+            out.source_reads += lane.reads
+            last = max(last, float(lane.answer["answered_at"]))
+            if out.expert_load is None:
+                continue
+            for first, stop, load in lane.answer["loads"]:
+                if load is not None and stop > first:
+                    out.expert_load[first:stop] += load
+        if last:
+            out.overlapped = out.started_at < answered.get(label, 0.0)
+            answered[label] = last
+            out.seconds = max(out.seconds, last - out.started_at)  # to its last stage's answer
+    return outs, failures
+
+
+def interleaved(
+    raw: Sequence[Any], stepped: Stepped, step_id: int, answered: dict[int, float]
+) -> list[step_mod.StepOutput]:
+    """An interleaved graph step's outputs (`merged`); a rank whose stages failed is settled
+    by its leader (`Stepper.settle`: its KV cache back to before the step, its groups let go,
+    on its health lane) before the step's failure reaches the engine."""
+    lanes = [len(chain) + 1 for chain in stepped.stages]
+    outs, failures = merged(raw, stepped.ranks, lanes, answered)
+    health = {"concurrency_group": ray_calls.HEALTH_LANE}
+    for failed in failures:
+        out, actor = outs[failed.index], stepped.actors[failed.index]
+        try:
+            ref = actor.settle_step.options(**health).remote(step_id, failed.error, failed.lost)
+            out.failure = ray.get(ref, timeout=SETTLE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the rank is gone or stuck: lost
+            log.warning("settling step %d on rank %d failed: %s", step_id, out.rank, exc)
+            out.failure = step_mod.FAILURE_RANK
+        out.tokens = {}
+        errors = [e for e in (out.error, f"a pipeline stage failed: {failed.error}") if e]
+        out.error = "; ".join(errors)
     return outs

@@ -18,7 +18,7 @@
   passes the hidden states from actor to actor through its object store; the leader reads
   only the last).
 
-The executor creates the stage actors with the leader (`ray_actor.start_ranks`) and hands
+The executor creates the stage actors with the leader (`ray_start.start_ranks`) and hands
 their handles to it; removing the DP rank's placement group ends them with it.
 """
 
@@ -37,7 +37,7 @@ import torch
 
 from moe_runtime import logs
 from moe_runtime.executor import niceness, ray_tensor
-from moe_runtime.rank import allocator, pipeline_group, stage_worker, tensor_group
+from moe_runtime.rank import allocator, pipeline_group, sampling, stage_worker, tensor_group
 
 CTL_LANE = ray_tensor.CTL_LANE
 HEALTH_LANE = ray_tensor.HEALTH_LANE
@@ -104,11 +104,15 @@ class StageLane:
     to run in this lane (no such micro-batch, a probe, a hold: `ray_tensor.HOLD_STEP_ID`).
     `answer`: the last stage's; `reads`: experts the stages read from the source so far;
     `error`: why a stage failed (the later stages pass it on); `lost`: it failed because
-    one of its TP followers is lost (`tensor_group.FollowerLost`: so is the DP rank)."""
+    one of its TP followers is lost (`tensor_group.FollowerLost`: so is the DP rank).
+    `sample`: how the last stage samples each sequence of the micro-batch (an interleaved
+    graph step, `Stepper.start`): its answer is then {"tokens" by sequence id, "loads",
+    "reads", "answered_at" (monotonic)}, not the logits, and goes to the driver."""
 
     step_id: int
     lane: int
     args: tuple[Any, ...] | None = None
+    sample: tuple[pipeline_group.Sampling, ...] | None = None
     answer: dict[str, Any] | None = None
     reads: int = 0
     error: str | None = None
@@ -128,9 +132,9 @@ def hold_lane(stage: int, size: int) -> int:
 class Lanes(Protocol):
     """A leader's graph step as its stages' `chain` sees it (`ray_mesh`'s job)."""
 
-    def hand_lane(self, args: tuple[Any, ...]) -> Any:
-        """Send the next micro-batch (`StageWorker.step`'s arguments) down its lane; a handle
-        for `wait_lane`."""
+    def hand_lane(self, args: tuple[Any, ...], sample: Any = None) -> Any:
+        """Send the next micro-batch (`StageWorker.step`'s arguments; `StageLane.sample`)
+        down its lane; a handle for `wait_lane`."""
 
     def wait_lane(self, lane: int, timeout: float, check: Callable[[], None]) -> StageLane:
         """The last stage's `StageLane` of `lane`, within `timeout` s (TimeoutError); raises
@@ -238,6 +242,8 @@ class StageActor:
         try:
             args = (epoch, frees, batch, self._shipper.land(prev), live)
             answer = self._step(args, on_device=True)  # the graph's transport carries it
+            if self._last and work.sample is not None:
+                answer = _sampled(answer, batch.seq_ids, work.sample)
         except Exception as exc:  # noqa: BLE001 - answered; the leader's step fails with it
             lost = isinstance(exc, tensor_group.FollowerLost)
             error = f"{type(exc).__name__}: {exc}"
@@ -287,6 +293,21 @@ class StageActor:
         self.worker.abort_join(epoch)
 
 
+def _sampled(
+    answer: dict[str, Any], seq_ids: Sequence[str], sample: Sequence[pipeline_group.Sampling]
+) -> dict[str, Any]:
+    """The last stage's answer of an interleaved graph step: its logits sampled here (one host
+    read), the tokens by sequence id instead of the logits."""
+    params, generated = [p for p, _ in sample], [n for _, n in sample]
+    tokens = sampling.sample(answer["out"], params, generated)
+    return {
+        "tokens": dict(zip(seq_ids, tokens, strict=True)),
+        "loads": answer["loads"],
+        "reads": answer.get("reads", 0),
+        "answered_at": time.monotonic(),
+    }
+
+
 RemoteStage: Any = ray.remote(  # type: ignore[call-overload]
     num_cpus=0, concurrency_groups={CTL_LANE: 1, HEALTH_LANE: 1}
 )(StageActor)
@@ -315,11 +336,22 @@ class RayStages(ray_tensor.RayFollowers):
             return [getattr(a, method).options(**ctl).remote(*args) for a in self._actors]
         return super().send(method, *args)
 
-    def chain(self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any, live: Any) -> Any:
+    def chain(
+        self,
+        epoch: int,
+        frees: Sequence[str],
+        batch: Any,
+        hidden: Any,
+        live: Any,
+        sample: Sequence[pipeline_group.Sampling] | None = None,
+    ) -> Any:
         lanes = self.lanes
         if lanes is not None and threading.get_ident() == self.lanes_thread:
             # a graph step (not the tail of a plain call's step): down its next lane
-            return lanes.hand_lane((epoch, list(frees), batch, self._shipper.ship(hidden), live))
+            args = (epoch, list(frees), batch, self._shipper.ship(hidden), live)
+            return lanes.hand_lane(args, None if sample is None else tuple(sample))
+        if sample is not None:
+            raise RuntimeError("only a graph step's last stage samples (an interleaved step)")
         refs: list[Any] = []
         prev = hidden
         for actor in self._actors:

@@ -2,9 +2,8 @@
 handover that keeps a graph compile out of the switch pause.
 
 A step goes either through plain actor calls (``actor.execute_step.remote``, on each actor's
-default lane) or through a Ray compiled graph over the same actors (their TP followers at
-pipeline size 1, their stage actors at P > 1 are nodes of it too: `ray_mesh`; the graph's loop runs
-on the actors' ``_ray_system`` lane, so plain calls still run while a graph is live). Both
+default lane) or through a Ray compiled graph over the same actors (with their TP followers
+or pipeline stages: `ray_mesh`; its loop runs on the actors' ``_ray_system`` lane). Both
 reach the same `RankWorker.execute_step` (its stepper runs one step at a time). The engine
 may send a second step before the first is collected (`submit`, then `collect`: two steps in
 flight, docs/ENGINE.md); it takes the path the first one took, so each actor runs them in the
@@ -30,9 +29,8 @@ actor on its health lane, `release_hold`), reads the hold's output and goes thro
 graph: ~3 ms, no compile. Where a hold cannot be sent or released the graph is torn down and
 compiled again (plain calls serving meanwhile). A graph retired while held (a switch,
 `clear`, `close`) is released before its teardown, which could not otherwise stop the
-waiting loop. A busy server never parks; an idle one costs its ranks nothing. The collecting
-thread sleeps through most of each step before it reads the output, which spins
-too (`step_wait`).
+waiting loop. A busy server never parks. The collecting thread sleeps through most of each
+step before it reads the output, which spins too (`step_wait`).
 
 Failures: a compile or a probe that fails leaves the plain-call path serving (no request
 notices) and is tried again `RETRY_SECONDS` later, at the next step. A graph whose compile
@@ -40,7 +38,7 @@ ended after the step path moved on (a switch or a removal: an actor of it may be
 torn down unprobed, and so is one that Ray left half-live (`ray_graph.broken`); the probe
 waits at most `PROBE_TIMEOUT_SECONDS`. A compile that hangs holds the job (plain calls keep
 serving); it runs in the job's thread, never beside another compile. `clear()` leaves no step
-path (a rank was lost); its graph is retired and torn down by the next job, or by `close()`.
+path (a rank was lost); its graph is torn down by the next job, or by `close()`.
 """
 
 from __future__ import annotations
@@ -123,6 +121,7 @@ class StepPath:
         self._closed = False
         #: Steps running now; the monotonic time the last one ended (or a graph was installed).
         self._in_flight = 0
+        self._answered: dict[int, float] = {}  # interleaved graph steps (`ray_mesh.merged`)
         #: The graph the steps in flight were sent through (None: plain calls).
         self._flying_graph: Any = None
         self._last_step = time.monotonic()
@@ -269,8 +268,8 @@ class StepPath:
                 tokens = sent.step.most_tokens()
                 slept = self.wait.wait(tokens, sent.sent_at)
                 raw = ray.get(sent.graph_ref, timeout=max(0.0, timeout - slept))
-                counts = [] if sent.stepped is None else sent.stepped.counts()
-                outs = ray_mesh.outputs(raw, sent.ranks, counts)
+                answered = self._answered if self.split else None
+                outs = ray_mesh.outputs(raw, sent.ranks, sent.stepped, sent.step.step_id, answered)
                 self.wait.landed(tokens, max((o.seconds for o in outs), default=0.0))
                 return outs
             plain: list[step_mod.StepOutput] = ray_calls.get_all(
@@ -396,6 +395,7 @@ class StepPath:
                 followers=stepped.followers,
                 stages=stepped.stages,
                 transport=self.transport,
+                interleave=self.split,
             )
             if built.failed:
                 self.last_compile = built.figures

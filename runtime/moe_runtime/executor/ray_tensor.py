@@ -15,7 +15,7 @@
   takes the leader's "step" send while a graph step runs, and the followers' answers go to
   the graph's output (the driver adds their reads to the leader's `StepOutput`).
 
-The executor creates the followers with the leader (`ray_actor.start_ranks`) and hands their
+The executor creates the followers with the leader (`ray_start.start_ranks`) and hands their
 handles to it; removing the DP rank's placement group ends them with it.
 """
 

@@ -41,7 +41,7 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -70,6 +70,9 @@ MICRO_BATCH_TOKENS = 256
 #: placement of every MoE layer, or None when the stages were sent this token's already).
 Token = tuple[int, int | None, int, int]
 Live = tuple[Token, policy.Placement | None]
+#: What the last stage samples a sequence's next token by (`Stepper.start`): its sampling
+#: params and tokens generated so far (`sampling.sample`).
+Sampling = tuple[Any, int]
 
 
 class StageLost(tensor_group.FollowerLost):
@@ -91,10 +94,20 @@ class Stages(Protocol):
     def send(self, method: str, *args: Any) -> Any:
         """Start `StageWorker.<method>(*args)` on every stage; a handle for `wait`."""
 
-    def chain(self, epoch: int, frees: Sequence[str], batch: Any, hidden: Any, live: Live) -> Any:
+    def chain(
+        self,
+        epoch: int,
+        frees: Sequence[str],
+        batch: Any,
+        hidden: Any,
+        live: Live,
+        sample: Sequence[Sampling] | None = None,
+    ) -> Any:
         """Start one step through the stages: stage 1 gets `hidden`, stage s + 1 what stage s
         returns, each `live`; a handle for `wait`, whose last result is the last stage's
-        answer."""
+        answer. `sample` (one entry per sequence of `batch`): the last stage samples and
+        answers the tokens (a step the leader `Stepper.start`ed: the step graph's interleaved
+        steps); None: it answers the logits."""
 
     def wait(self, pending: Any, timeout: float | None) -> list[Any]:
         """The stages' results; StageLost naming a dead one, RuntimeError for a call that
@@ -336,6 +349,7 @@ class PipelineLeader:
         expert_load: torch.Tensor,
         parts: int = 1,
         tensor: tensor_group.TensorLeader | None = None,
+        sample: Mapping[str, Sampling] | None = None,
     ) -> Sent:
         """Stage 0 here, each micro-batch handed to the stages as it is done (`receive`
         waits for their answers; meanwhile this leader may run stage 0 of the next step:
@@ -352,7 +366,9 @@ class PipelineLeader:
         one still joins them); `micro_batches` derives it from what all of them see.
         `tensor`: stage 0's TP group (T > 1), its followers sent each micro-batch that has
         tokens (`TensorLeader.begin`/`end` around the leader's forward pass of it; in the
-        mesh expert layout every micro-batch, with the live token)."""
+        mesh expert layout every micro-batch, with the live token). `sample` (by sequence id):
+        the last stage samples each micro-batch and answers its tokens (`Stages.chain`), for
+        the step graph's interleaved steps, whose leader never waits for the stages."""
         self.check()
         frees, self._frees = self._frees, []
         live: Live = (token, None if token == self._sent else placement)
@@ -376,8 +392,9 @@ class PipelineLeader:
                         leading.end(following, failed=exc)  # FollowerLost: the rank is lost
                     raise
                 # frees with the first micro-batch: each stage frees before its first forward
+                by = None if sample is None else [sample[i] for i in piece.seq_ids]
                 pending.append(
-                    self.stages.chain(epoch, [] if pending else frees, piece, hidden, live)
+                    self.stages.chain(epoch, [] if pending else frees, piece, hidden, live, by)
                 )
                 if leading is not None:
                     leading.end(following)
@@ -408,6 +425,13 @@ class PipelineLeader:
         outs = [each[-1]["out"] for each in answers]
         logits: torch.Tensor = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(sent.device)
         return logits
+
+    def failed(self, reason: str) -> None:
+        """A step `send` handed to the stages failed there, as the step graph's driver found
+        (`Stepper.settle`; `receive` does this itself): the stages' groups aborted, the next
+        step's stages sent the placement again."""
+        self._sent = None
+        self.abort(reason)
 
     # -- health --------------------------------------------------------------------------
     def check(self) -> None:

@@ -10,6 +10,7 @@ failure; the rank leaves every group at once (`RankContext.fail`), so no peer wa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 #: Seconds `Stepper.end` waits for its step's `begin`, and a `begin` with placeholders for the
 #: steps begun before it to end.
 END_WAIT_S = 300.0
+#: Steps `Stepper.start` keeps for `settle` (the driver settles a step before it sends the one
+#: two after it: two steps in flight).
+STARTED_KEPT = 8
 
 
 @dataclasses.dataclass(eq=False)
@@ -100,6 +104,8 @@ class Stepper:
         #: Steps `begin` started and `end` has not finished (`--pipeline-interleave`).
         self._begun: dict[int, _Begun] = {}
         self._ended = threading.Condition()
+        #: The last steps `start` sent to the stages, for `settle` (newest last).
+        self._started: collections.OrderedDict[int, _Begun] = collections.OrderedDict()
 
     def execute(self, step: step_mod.StepInput) -> step_mod.StepOutput:
         """Apply step.control, free KV, run this rank's batch, sample; never raises.
@@ -158,12 +164,56 @@ class Stepper:
                 del self._begun[step_id]
                 self._ended.notify_all()
 
+    def start(self, step: step_mod.StepInput) -> step_mod.StepOutput:
+        """An interleaved step of the step graph at P > 1 (`ray_graph`): `begin` whose last
+        stage samples. Returns once stage 0 handed every micro-batch to the stages, with the
+        leader's part of the output (control, errors, stage 0's expert load); the driver adds
+        the last stage's tokens and the stages' loads (`ray_mesh.merged`). So this leader's
+        graph loop never waits for a later stage and runs the next step's stage 0 beside
+        this one's. A step whose stages failed is `settle`d."""
+        assert self._pipeline is not None, "start: a pipeline leader's step"
+        self._set_threads()
+        with self._lock:
+            begun = self._begin(step, staged=True)
+            out = begun.out
+            if begun.fwd is not None and begun.load is not None:
+                out.expert_load = begun.load.cpu()  # stage 0's layers: the driver adds theirs
+                if self._ctx.loaded.total_load is not None:
+                    self._ctx.loaded.total_load += out.expert_load
+                out.prefetch_reads = self._pipeline.take_prefetch_reads()
+                self._started[step.step_id] = begun
+                while len(self._started) > STARTED_KEPT:
+                    self._started.popitem(last=False)
+            self.steps += 1
+        if begun.errors:
+            out.error = "; ".join(begun.errors)
+        out.started_at = begun.started
+        out.seconds = time.monotonic() - begun.started
+        return out
+
+    def settle(self, step_id: int, error: str, *, lost: bool = False) -> str | None:
+        """A `start`ed step whose stages failed (`error`, as the driver read it from the
+        graph): each of its sequences' KV cache back to before the step (the engine sends it
+        again), the step group and the stages' groups let go; `lost`: a stage lost a TP
+        follower (so is this DP rank). What the failure broke (`StepOutput.failure`)."""
+        assert self._pipeline is not None, "settle: a pipeline leader's step"
+        exc = (pipeline_mod.StageLost if lost else RuntimeError)(error)
+        with self._lock:
+            begun = self._started.pop(step_id, None)
+            if begun is not None and begun.fwd is not None:
+                self._undo(begun, exc)
+            else:
+                log.warning("step %d: not kept, nothing undone (%s)", step_id, self._ctx.where())
+        self._pipeline.failed(f"a pipeline stage's step failed: {error}")
+        log.error("step %d failed in the stages: %s (%s)", step_id, error, self._ctx.where())
+        return self._failure(exc)
+
     def _set_threads(self) -> None:
         if not getattr(self._threaded, "set", False):
             torch.set_num_threads(self._threads)
             self._threaded.set = True
 
-    def _begin(self, step: step_mod.StepInput) -> _Begun:
+    def _begin(self, step: step_mod.StepInput, *, staged: bool = False) -> _Begun:
         slots = self._slots
         rank = -1 if slots.rank is None else slots.rank
         out = step_mod.StepOutput(rank=rank, step_id=step.step_id)
@@ -209,7 +259,7 @@ class Stepper:
             # When no rank has a token, every rank reads that from the same StepInput and all
             # of them skip the forward pass and its expert collectives: none waits for a peer.
             if any(b.seqs for b in step.batches.values()):
-                self._forward(step, begun, seqs, model, kv, backend, cfg)
+                self._forward(step, begun, seqs, model, kv, backend, cfg, staged=staged)
         except Exception as exc:  # noqa: BLE001 - reported to the engine, never kills the actor
             self._failed(step.step_id, begun, exc)
         return begun
@@ -223,8 +273,11 @@ class Stepper:
         kv: kv_mod.KVCache,
         backend: Any,
         cfg: config_mod.ModelConfig,
+        *,
+        staged: bool = False,
     ) -> None:
-        """The forward pass of `seqs` (at P > 1: stage 0, the rest handed to the stages)."""
+        """The forward pass of `seqs` (at P > 1: stage 0, the rest handed to the stages;
+        `staged`: the last stage samples, `start`)."""
         slots = self._slots
         fwd = kv_mod.ForwardBatch(
             seq_ids=[s.seq_id for s in seqs],
@@ -268,6 +321,9 @@ class Stepper:
                     expert_load=load,
                     parts=begun.out.micro_batches,
                     tensor=tensor,  # stage 0's TP followers, per micro-batch
+                    sample={s.seq_id: (s.sampling, s.num_generated) for s in seqs}
+                    if staged
+                    else None,
                 )
             else:
                 begun.logits = model.forward(fwd, kv, backend, expert_load=load)
