@@ -30,7 +30,8 @@ actors of a mesh share the 2 cores with the engine's process, Ray and other work
 here is the executor as `RayExecutor` builds it by default, where P = 2 runs a decode step's
 stages one after the other, so it cannot be faster than P = 1 there; interleaved steps
 (`1x2i`, the serve command's default at P > 1: two sets of sequences in turn, a step's stage
-0 beside the step before in stage 1) keep both stages busy; a
+0 beside the step before in stage 1; by plain calls on CPUs, down the step graph with
+`MOE_STEP_GRAPH_STAGES=1` in the environment, as on GPUs) keep both stages busy; a
 prefill goes through them as micro-batches, the stages at work at once (`1x2` against
 `1x2m0`, every step whole: docs/PIPELINE-PARALLEL.md, "Micro-batches");
 T = 2 could at best spread a step's arithmetic over both cores where (1, 1) uses one, but

@@ -60,6 +60,8 @@ def pipeline(ray_session: None) -> Iterator[Any]:
         # Ray's tensor transport, as between GPUs (on CPUs through shared memory; this model's
         # lanes stay under the channels' buffer: `ray_mesh.TRANSPORT_ENV`)
         mp.setenv(ray_mesh.TRANSPORT_ENV, "shm")
+        # interleaved steps in the graph, as on GPUs (on CPUs by plain calls by default)
+        mp.setenv(ray_mesh.STAGES_ENV, "1")
         ex = ray_executor.RayExecutor(
             2,
             pp_size=2,

@@ -3,19 +3,21 @@
 pipeline stage 0, and one stage actor) answers every greedy request token for token as
 transformers' `generate` (prefills going through the stages as micro-batches; Mixtral and
 DeepSeek-V3 with interleaved steps, the default: two sets of sequences in turn, a step's
-stage 0 beside the previous step's stage 1, which the overlap counter shows, down the
-compiled graph with the last stage sampling; Qwen3-MoE with `--no-pipeline-interleave`:
-every step down the graph's lanes back to the leader, one at a time), at DP = 1
-and at DP = 2 (each stage's experts over its own
-expert-parallel group: stage s of both DP ranks; concurrent requests leave a DP rank idle in
-some steps, which still runs an empty batch through its stages); a live resize 2 -> 3 -> 2
-under load on a warm spare (every answer checked, steps overlapped after each), a SIGKILLed
-stage actor under load (its DP rank out, no request lost, grown back); EPLB switched on live
-rebalances under load (interleaved steps: the commit's step has none beside it).
+stage 0 beside the previous step's stage 1, which the overlap counter shows; Mixtral's down
+the compiled graph with the last stage sampling, as on GPUs (`MOE_STEP_GRAPH_STAGES=1`),
+DeepSeek-V3's by plain calls, the default on CPUs; Qwen3-MoE with `--no-pipeline-interleave`:
+every step down the graph's lanes back to the leader, one at a time), at DP = 2 (each
+stage's experts over its own expert-parallel group: stage s of both DP ranks; concurrent
+requests leave a DP rank idle in some steps, which still runs an empty batch through its
+stages), and after a live grow to DP = 3 under load (every family; issue 22's acceptance);
+Mixtral's resize 2 -> 3 -> 2 under load on a warm spare (every answer checked, steps
+overlapped down the graph after each), a SIGKILLed stage actor under load (its DP rank out,
+no request lost, grown back); EPLB switched on live rebalances under load (DeepSeek-V3 at
+DP = 3; interleaved steps: the commit's step has none beside it).
 
-One server per case (a module-scoped fixture: Mixtral and DeepSeek-V3 shapes at DP = 2,
-Qwen3-MoE at DP = 1; tiny random checkpoints saved by `save_pretrained`), joining the tests'
-Ray instance; the resize and failure tests run on Mixtral only (which passes DP = 3 too).
+One server per family (a module-scoped fixture, DP = 2; tiny random checkpoints saved by
+`save_pretrained`), joining the tests' Ray instance; the warm-spare resizes and the failure
+test run on Mixtral only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from moe_runtime.executor import ray_mesh
 from tests.support import mesh_serving, polling
 from tests.support.mesh_serving import AUTH, Served, check_answers
 
@@ -34,7 +37,7 @@ pytestmark = pytest.mark.ray
 
 #: (family, data-parallel size); Mixtral keeps a warm spare (a whole DP rank: a leader and a
 #: stage actor) for its grows and its recovery
-CASES = (("mixtral", 2), ("qwen3_moe", 1), ("deepseek_v3", 2))
+CASES = (("mixtral", 2), ("qwen3_moe", 2), ("deepseek_v3", 2))
 #: a step whose busiest DP rank has 8 new tokens goes through the stages as micro-batches (a
 #: prefill beside decodes): every answer below is also one of micro-batched steps
 MESH = ["--pipeline-parallel-size", "2", "--no-eplb", "--pipeline-micro-batch-tokens", "8"]
@@ -47,6 +50,10 @@ SOURCE_READS = "moe_pipeline_source_reads_total"
 OVERLAPPED = "moe_pipeline_overlapped_steps_total"
 #: the case that steps down the compiled graph's lanes, not interleaved
 GRAPH = "qwen3_moe"
+#: the case whose interleaved steps go down the compiled graph (the last stage sampling), as
+#: on GPUs (`MOE_STEP_GRAPH_STAGES=1`); the other interleaved case by plain calls, the
+#: default on CPUs
+INTERLEAVED_GRAPH = "mixtral"
 
 
 def _source_reads(served: Served) -> dict[str, float]:
@@ -65,7 +72,8 @@ def served(
     root = tmp_path_factory.mktemp(f"{family}-dp{size}")
     mesh = MESH + (SPARE if family == CASES[0][0] else [])
     mesh += ["--no-pipeline-interleave"] if family == GRAPH else []
-    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=mesh)
+    env = {ray_mesh.STAGES_ENV: "1"} if family == INTERLEAVED_GRAPH else {}
+    yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=mesh, env=env)
 
 
 def _spare_is_whole(served: Served) -> dict[str, Any]:
@@ -90,13 +98,15 @@ def test_answers_equal_transformers_at_pp2(served: Served) -> None:
     # each DP rank: its leader (stage 0) and one live stage actor of its own, no TP follower
     ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids")
     assert all(r["tp_pids"] == [] for r in ranks), ranks
-    overlapped = _overlapped(served, "graph")
+    overlapped = {path: _overlapped(served, path) for path in ("graph", "calls")}
     check_answers(served)
     # prefills went through the stages as two micro-batches, the stages working at once
     assert mesh_serving.metric(served.server.url, MICRO_BATCHED) > 0
     # interleaved: consecutive steps in the two stages at once (twelve requests, six at a
-    # time, in two sets), down the compiled graph; over the non-interleaved graph, never
-    assert (_overlapped(served, "graph") > overlapped) == (served.family != GRAPH)
+    # time, in two sets), down the compiled graph or by plain calls; over the
+    # non-interleaved graph, never
+    path = "graph" if served.family == INTERLEAVED_GRAPH else "calls"
+    assert (_overlapped(served, path) > overlapped[path]) == (served.family != GRAPH)
 
 
 def _overlapped(served: Served, path: str | None = None) -> float:
@@ -123,7 +133,7 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
         120,
     )
     for size in (3, 2):
-        overlapped = _overlapped(served)
+        overlapped = _overlapped(served, "graph")
         done = mesh_serving.resize_under_load(served, size)
         ranks = mesh_serving.assert_mesh(served, size, "pp_pids")
         assert _source_reads(served) == {"step": 0, "prefetch": 0}
@@ -134,8 +144,21 @@ def test_live_resize_to_three_and_back_to_two_under_load(served: Served) -> None
             assert spare["pid"] in {r["pid"] for r in ranks}, (spare, ranks)
             assert spare["pp_pids"] == [r for r in ranks if r["pid"] == spare["pid"]][0]["pp_pids"]
         check_answers(served)
-        assert _overlapped(served) > overlapped  # interleaved at every size
+        # interleaved at every size, down the step graph compiled over the new DP ranks
+        assert _overlapped(served, "graph") > overlapped
     assert _spare_is_whole(served)["pid"] != spare["pid"]  # a new one replaced it
+
+
+def test_a_grow_to_three_under_load_answers_as_transformers(served: Served) -> None:
+    """Qwen3-MoE (down the non-interleaved graph) and DeepSeek-V3 (interleaved, plain calls):
+    a live grow to DP = 3 under checked load starts a whole new DP rank (its leader and its
+    stage actor); no request fails and every answer during and after equals transformers'.
+    (Mixtral's resizes: above, on its warm spare.)"""
+    if served.family == CASES[0][0]:
+        pytest.skip("Mixtral resizes above")
+    mesh_serving.resize_under_load(served, 3)
+    mesh_serving.assert_mesh(served, 3, "pp_pids")
+    check_answers(served)
 
 
 def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
@@ -155,9 +178,9 @@ def test_a_killed_stage_actor_takes_its_rank_out_and_the_deployment_grows_back(
     # peer held, came from the source, ahead of the switch (none inside a step)
     reads = _source_reads(served)
     assert reads["step"] == 0 and reads["prefetch"] > 0, reads
-    overlapped = _overlapped(served)
+    overlapped = _overlapped(served, "graph")
     check_answers(served)
-    assert _overlapped(served) > overlapped
+    assert _overlapped(served, "graph") > overlapped  # the graph back over the new DP rank
 
 
 def test_eplb_switched_on_live_moves_the_stages_experts_and_answers_stay_equal(

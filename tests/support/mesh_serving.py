@@ -51,11 +51,17 @@ def reference(model: transformers.PreTrainedModel) -> Reference:
 
 
 def serve(
-    root: pathlib.Path, family: str, ray_address: str, *, size: int, mesh: list[str]
+    root: pathlib.Path,
+    family: str,
+    ray_address: str,
+    *,
+    size: int,
+    mesh: list[str],
+    env: dict[str, str] | None = None,
 ) -> Iterator[Served]:
     """`serve --model CKPT --data-parallel-size SIZE MESH --dtype float32` on a fresh tiny
-    checkpoint of `family` under `root`, on the tests' Ray instance (a generator for a
-    fixture: stopped after its yield)."""
+    checkpoint of `family` under `root`, on the tests' Ray instance, with `env` (a generator
+    for a fixture: stopped after its yield)."""
     torch.set_num_threads(1)
     model = hf_families.build(family)
     path = hf_families.save(model, root / "ckpt")
@@ -65,7 +71,7 @@ def serve(
         args,
         lambda: reference(model),
         log=root / "serve.log",
-        env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": ray_address},
+        env={"MOE_ADMIN_TOKEN": TOKEN, "RAY_ADDRESS": ray_address, **(env or {})},
     )
     try:
         yield Served(family, server, ref, size)

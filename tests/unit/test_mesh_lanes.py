@@ -175,23 +175,30 @@ def test_more_micro_batches_than_lanes_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("setting", "tp_size", "use_gpu", "nodes"),
+    ("setting", "tp_size", "use_gpu", "interleave", "nodes"),
     [
-        (None, 1, False, True),  # the pipeline-only mesh on CPUs
-        (None, 2, False, False),  # T x P processes per DP rank on CPUs: Ray calls
-        (None, 2, True, True),  # one device per actor
-        ("1", 2, False, True),
-        ("0", 1, True, False),
+        (None, 1, False, False, True),  # the pipeline-only mesh on CPUs
+        (None, 2, False, False, False),  # T x P processes per DP rank on CPUs: Ray calls
+        (None, 2, True, False, True),  # one device per actor
+        (None, 1, False, True, False),  # interleaved on CPUs: plain calls, faster there
+        (None, 2, True, True, True),  # interleaved on GPUs: vLLM's shape
+        ("1", 2, False, True, True),
+        ("0", 1, True, False, False),
     ],
 )
 def test_which_stages_are_graph_nodes(
-    monkeypatch: pytest.MonkeyPatch, setting: str | None, tp_size: int, use_gpu: bool, nodes: bool
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str | None,
+    tp_size: int,
+    use_gpu: bool,
+    interleave: bool,
+    nodes: bool,
 ) -> None:
     if setting is None:
         monkeypatch.delenv(ray_mesh.STAGES_ENV, raising=False)
     else:
         monkeypatch.setenv(ray_mesh.STAGES_ENV, setting)
-    assert ray_mesh.stage_nodes(tp_size, use_gpu=use_gpu) is nodes
+    assert ray_mesh.stage_nodes(tp_size, use_gpu=use_gpu, interleave=interleave) is nodes
 
 
 def test_a_bad_stage_nodes_setting_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

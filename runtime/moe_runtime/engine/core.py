@@ -12,9 +12,8 @@ Glossary
   thread and changes only there, so resize operations (`migrate_from`, `set_active_ranks`,
   `add_step_control`, through the `boundary.Boundary` part) are queued to the next boundary.
   Requests that arrive meanwhile wait in the queue; none is refused.
-- queue: `queue.RequestQueue`, requests waiting for a sequence slot; its bound
-  (`max_queued_requests`) refuses arrivals with `queue.QueueFull` under overload, never while
-  its `exempt()` says a resize runs.
+- queue: `queue.RequestQueue`, requests waiting for a sequence slot; its bound refuses
+  arrivals with `queue.QueueFull` under overload, never while a resize runs (`exempt()`).
 
 One step: admit waiting requests (per-rank sequence and KV bounds), schedule every running
 sequence's next slice (`scheduler.Scheduler`), run it on the ranks, apply the outputs

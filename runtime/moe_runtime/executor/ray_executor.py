@@ -167,10 +167,15 @@ class RayExecutor(base.Executor):
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0  # type: ignore[no-untyped-call]
         self.use_gpu = use_gpu
         #: Pipeline stage actors are nodes of the step graph (`ray_mesh.stage_nodes`).
-        self._stage_nodes = ray_mesh.stage_nodes(tp_size, use_gpu=use_gpu)
-        if self.step_groups > 1 and mode == STEP_COMPILED and not self._stage_nodes:
+        interleave = self.step_groups > 1
+        self._stage_nodes = ray_mesh.stage_nodes(tp_size, use_gpu=use_gpu, interleave=interleave)
+        if interleave and mode == STEP_COMPILED and not self._stage_nodes:
             # without its stages as nodes a graph step is the leader's whole step: no overlap
-            log.info("pipeline interleave: steps go by plain calls (begin, end), not a graph")
+            log.info(
+                "pipeline interleave: steps go by plain calls (begin, end), not the step graph "
+                "(%s=1 puts the stages in it: the default on GPUs)",
+                ray_mesh.STAGES_ENV,
+            )
             self.step_mode = mode = STEP_REMOTE
         self.step_placeholders = not (self.step_groups > 1 and mode == STEP_COMPILED)
         self._dtype = dtype

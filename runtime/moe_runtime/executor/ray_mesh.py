@@ -55,8 +55,12 @@ from moe_runtime.executor import guards, ray_calls, ray_pipeline, ray_tensor
 log = logging.getLogger(__name__)
 
 #: Whether the pipeline stage actors are nodes of the step graph (P > 1): "auto" (the default)
-#: where the DP rank has no TP followers (T = 1) or runs on GPUs, "1" always, "0" never (the
-#: leaders reach their stages by Ray calls per micro-batch, the path before stages were nodes).
+#: on GPUs, and on CPUs where the DP rank has no TP followers (T = 1) and steps are not
+#: interleaved; "1" always, "0" never (the leaders reach their stages by Ray calls per
+#: micro-batch, the path before stages were nodes; interleaved steps: in two calls a step).
+#: Why not interleaved on CPUs: the graph's spinning loops (below) take the cores the two
+#: stages' steps run on at once: `bench/serve_mesh.py --meshes 1x2ir 1x2i` served 113-118
+#: tok/s by plain calls against 83 down the graph on 2 cores (docs/PIPELINE-PARALLEL.md).
 #: Why not at T > 1 on CPUs: each graph node's loop busy-waits on its channel between steps
 #: (Ray 2.60), and a (T, P) = (2, 2) DP rank is 4 processes: at DP = 3 on the 2-core machine
 #: six spinning loops beside twelve rank processes starved the server (its /health unanswered
@@ -64,11 +68,11 @@ log = logging.getLogger(__name__)
 STAGES_ENV = "MOE_STEP_GRAPH_STAGES"
 
 
-def stage_nodes(tp_size: int, *, use_gpu: bool) -> bool:
+def stage_nodes(tp_size: int, *, use_gpu: bool, interleave: bool = False) -> bool:
     """Whether the stage actors of a DP rank of `tp_size` TP ranks are nodes of the step graph
-    (`STAGES_ENV`; ValueError naming it for another value)."""
+    (`STAGES_ENV`; ValueError naming it for another value); `interleave`: interleaved steps."""
     raw = guards.choice_from_env(STAGES_ENV, ("auto", "1", "0"), wanted="auto, 1 or 0")
-    return raw == "1" or (raw == "auto" and (tp_size == 1 or use_gpu))
+    return raw == "1" or (raw == "auto" and (use_gpu or (tp_size == 1 and not interleave)))
 
 
 #: Seconds a leader may take to settle an interleaved graph step its stages failed.
