@@ -13,7 +13,8 @@ stages), and after a live grow to DP = 3 under load (every family; issue 22's ac
 Mixtral's resize 2 -> 3 -> 2 under load on a warm spare (every answer checked, steps
 overlapped down the graph after each), a SIGKILLed stage actor under load (its DP rank out,
 no request lost, grown back); EPLB switched on live rebalances under load (DeepSeek-V3 at
-DP = 3; interleaved steps: the commit's step has none beside it).
+DP = 3; interleaved steps: the commit's step has none beside it). At P = 3 (Mixtral, DP = 1,
+down the graph): three sets of sequences, three steps in flight, every answer the same.
 
 One server per family (a module-scoped fixture, DP = 2; tiny random checkpoints saved by
 `save_pretrained`), joining the tests' Ray instance; the warm-spare resizes and the failure
@@ -35,12 +36,13 @@ from tests.support.mesh_serving import AUTH, Served, check_answers
 
 pytestmark = pytest.mark.ray
 
-#: (family, data-parallel size); Mixtral keeps a warm spare (a whole DP rank: a leader and a
-#: stage actor) for its grows and its recovery
-CASES = (("mixtral", 2), ("qwen3_moe", 2), ("deepseek_v3", 2))
+#: (family, data-parallel size, pipeline size); Mixtral at DP = 2 keeps a warm spare (a whole
+#: DP rank: a leader and a stage actor) for its grows and its recovery; Mixtral at P = 3
+#: (DP = 1): three sets of sequences, three steps in flight, one per stage
+CASES = (("mixtral", 2, 2), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 2), ("mixtral", 1, 3))
 #: a step whose busiest DP rank has 8 new tokens goes through the stages as micro-batches (a
 #: prefill beside decodes): every answer below is also one of micro-batched steps
-MESH = ["--pipeline-parallel-size", "2", "--no-eplb", "--pipeline-micro-batch-tokens", "8"]
+MESH = ["--no-eplb", "--pipeline-micro-batch-tokens", "8"]
 MICRO_BATCHED = "moe_pipeline_micro_batched_steps_total"
 #: experts a stage read from the source: inside a step (when="step"), none when every
 #: placement change was prefetched while the leaders staged it; ahead of one
@@ -64,13 +66,14 @@ def _source_reads(served: Served) -> dict[str, float]:
 SPARE = ["--warm-spare-ranks", "1", "--rank-hang-timeout", "15"]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-dp{n}" for f, n in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-dp{n}-pp{p}" for f, n, p in CASES])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, ray_address: str
 ) -> Iterator[Served]:
-    family, size = request.param
-    root = tmp_path_factory.mktemp(f"{family}-dp{size}")
-    mesh = MESH + (SPARE if family == CASES[0][0] else [])
+    family, size, pp = request.param
+    root = tmp_path_factory.mktemp(f"{family}-dp{size}-pp{pp}")
+    mesh = [*MESH, "--pipeline-parallel-size", str(pp)]
+    mesh += SPARE if (family, size) == CASES[0][:2] else []
     mesh += ["--no-pipeline-interleave"] if family == GRAPH else []
     env = {ray_mesh.STAGES_ENV: "1"} if family == INTERLEAVED_GRAPH else {}
     yield from mesh_serving.serve(root, family, ray_address, size=size, mesh=mesh, env=env)
@@ -94,9 +97,14 @@ def _spare_prestaged(served: Served) -> dict[str, int] | None:
     return spares[0]["prestaged"] if spares else None
 
 
-def test_answers_equal_transformers_at_pp2(served: Served) -> None:
-    # each DP rank: its leader (stage 0) and one live stage actor of its own, no TP follower
-    ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids")
+def _stages(served: Served) -> int:
+    """The case's pipeline size (`CASES`: P = 3 is the one case at DP = 1)."""
+    return 3 if served.size == 1 else 2
+
+
+def test_answers_equal_transformers(served: Served) -> None:
+    # each DP rank: its leader (stage 0) and P - 1 live stage actors of its own, no TP follower
+    ranks = mesh_serving.assert_mesh(served, served.size, "pp_pids", count=_stages(served) - 1)
     assert all(r["tp_pids"] == [] for r in ranks), ranks
     overlapped = {path: _overlapped(served, path) for path in ("graph", "calls")}
     check_answers(served)

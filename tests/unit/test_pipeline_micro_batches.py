@@ -195,11 +195,11 @@ def test_kv_frees_go_with_the_first_micro_batch_and_wait_when_stage_0_fails() ->
 
 
 @pytest.mark.parametrize("size", [2, 3], ids=["pp2", "pp3"])
-def test_interleaved_steps_of_two_sets_answer_as_transformers(
+def test_interleaved_steps_of_p_sets_answer_as_transformers(
     model_dir: pathlib.Path, size: int
 ) -> None:
     """`--pipeline-interleave` on the leader (`Stepper.begin`/`end`): the engine's order with
-    two steps in flight and two sets of sequences (begin N + 1 before N ends, each set's
+    P sets of sequences and P steps in flight (begin N + P - 1 before N ends, each set's
     next step begun once its last one ended, with real tokens): every answer is
     transformers', each step after the first began while the one before was not ended
     (`overlapped`), and a step that fills a placeholder waits for the steps begun before it
@@ -220,7 +220,8 @@ def test_interleaved_steps_of_two_sets_answer_as_transformers(
     lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
     lead.groups.join_group(group_mod.GroupSpec.local(1, epoch=1), 0, role=groups_mod.STEP)
     lead.slots.activate(1, rank=0, num_ranks=1, placement=one)
-    sets = [[0, 1], [2, 3]]
+    # P sets, P steps in flight (the engine's with `RayExecutor.step_groups` = P)
+    sets = [[0, 1], [2, 3]] if size == 2 else [[0], [1, 2], [3]]
     answers: list[list[int]] = [[] for _ in PROMPTS]
 
     def work(i: int) -> step_mod.SeqWork:
@@ -232,22 +233,22 @@ def test_interleaved_steps_of_two_sets_answer_as_transformers(
     def begin(step_id: int, seqs: list[step_mod.SeqWork]) -> None:
         lead.stepper.begin(step_mod.StepInput(step_id, {0: step_mod.RankBatch(seqs=seqs)}))
 
-    stepper = lead.stepper
-    begin(1, [work(i) for i in sets[0]])
+    stepper, k = lead.stepper, len(sets)
+    for step_id in range(1, k):
+        begin(step_id, [work(i) for i in sets[step_id - 1]])
     overlapped = []
-    for step_id in range(2, 2 * NEW_TOKENS + 1):
-        begin(step_id, [work(i) for i in sets[(step_id - 1) % 2]])
-        out = stepper.end(step_id - 1)
+    steps = k * NEW_TOKENS
+    for step_id in range(k, steps + k):
+        if step_id <= steps:  # each set's next step once its last one ended
+            begin(step_id, [work(i) for i in sets[(step_id - 1) % k]])
+        out = stepper.end(step_id - k + 1)
         assert out.error is None, out.error
         overlapped.append(out.overlapped)
         for seq_id, token in out.tokens.items():
             answers[int(seq_id[1:])].append(token)
-    last = stepper.end(2 * NEW_TOKENS)
-    assert last.overlapped
-    for seq_id, token in last.tokens.items():
-        answers[int(seq_id[1:])].append(token)
     assert answers == [w.tolist() for w in want]
-    assert overlapped == [False] + [True] * (2 * NEW_TOKENS - 2)
+    # every step but the first began while an earlier one was in the later stages
+    assert overlapped == [False] + [True] * (steps - 1)
 
     # a placeholder of a step not ended yet: its begin waits for that end
     begin(100, [work(0)])

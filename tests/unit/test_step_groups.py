@@ -113,3 +113,20 @@ def test_an_executor_whose_ranks_never_fill_placeholders_gets_none() -> None:
     _assert_same(grouped, whole)
     assert two.most_in_flight == 2  # the other set still went ahead
     assert _waiting_on_the_step_in_flight(two) == 0
+
+
+def test_three_sets_keep_three_steps_in_flight_and_answer_the_same() -> None:
+    """At pipeline size 3 the executor asks for three sets (`RayExecutor.step_groups` = P):
+    the engine keeps a step of each in flight (one per stage), each holding one set, none of
+    the sequences of another step in flight beyond the first one ahead (placeholders there
+    only); the answers stay the same."""
+    grouped, three = _serve(3)
+    whole, _ = _serve(1)
+    _assert_same(grouped, whole)
+    assert three.most_in_flight == 3
+    assert all(len(s) <= 1 for s in three.sets), three.sets  # one set per step
+    assert {0, 1, 2} <= set().union(*three.sets)
+    # the graph's rule too (its ranks never fill a placeholder): three in flight, none sent
+    grouped, graph = _serve(3, placeholders=False)
+    _assert_same(grouped, whole)
+    assert graph.most_in_flight == 3 and _waiting_on_the_step_in_flight(graph) == 0

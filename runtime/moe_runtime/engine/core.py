@@ -15,13 +15,13 @@ Glossary
 - queue: `queue.RequestQueue`, requests waiting for a sequence slot; its bound refuses
   arrivals with `queue.QueueFull` under overload, never while a resize runs (`exempt()`).
 
-One step: admit waiting requests (per-rank sequence and KV bounds), schedule every running
-sequence's next slice (`scheduler.Scheduler`), run it on the ranks, apply the outputs
-(`outputs.Outputs`); `delivery.Delivery`'s thread makes and streams what consumers see while
-the ranks run the next step. With async scheduling the step runs on the step thread
-(`flight.StepThread`) while the engine thread admits and prepares the next step (`prepare`),
-and with overlapping steps launches it before the one in flight lands (two in flight, the
-ranks fill the placeholders); whatever might make the prepared step wrong (a failure, a
+One step: admit (per-rank sequence and KV bounds), schedule each running sequence's next
+slice (`scheduler.Scheduler`), run it on the ranks, apply the outputs (`outputs.Outputs`;
+`delivery.Delivery`'s thread streams them while the ranks run the next step). With async
+scheduling the step runs on the step thread (`flight.StepThread`) while the engine thread
+prepares the next (`prepare`) and, with overlapping steps, launches it before the one in
+flight lands (`flight.Aheads`: two in flight, the ranks fill the placeholders; one per set
+of interleaved step groups); whatever might make a prepared step wrong (a failure, a
 boundary call, a step control, a stop) sends the loop to a boundary with no step in flight.
 The `Engine` holds those parts and the boundary's (`boundary.Boundary`). docs/ENGINE.md.
 """
@@ -127,8 +127,8 @@ class Engine:
         if self._steps.overlaps:  # sets of sequences in turn, overlapped by the executor
             self.scheduler.step_groups = max(1, getattr(executor, "step_groups", 1))
         self._flying: flight_mod.Flight | None = None
-        #: The step launched ahead of `_flying` (two steps in flight), not yet landed.
-        self._ahead: flight_mod.Flight | None = None
+        #: The steps launched ahead of `_flying` (`flight.Aheads`).
+        self._aheads = flight_mod.Aheads(max(1, self.scheduler.step_groups - 1))
         self._step_id = 0
         self._last_step_seconds = 0.0
         self._last_token_time: float | None = None
@@ -136,7 +136,6 @@ class Engine:
         self._alive = False
 
     # ------------------------------------------------------------------ lifecycle
-
     def start(self) -> None:
         """Starts the step loop thread."""
         if self._thread is not None:
@@ -168,7 +167,6 @@ class Engine:
         self.stop()
 
     # ------------------------------------------------------------------ requests
-
     def add_request(self, request: req.Request) -> req.RequestHandle:
         """Queues a request; returns its handle at once (never blocks on the step loop).
 
@@ -194,7 +192,6 @@ class Engine:
             self._notify_locked()
 
     # ------------------------------------------------------------------ boundary operations
-
     def call_at_boundary(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Runs `fn` on the engine thread between two steps (`boundary.Boundary.call`)."""
         return self.boundary.call(fn)
@@ -264,7 +261,6 @@ class Engine:
         return list(self.stats().active_ranks)
 
     # ------------------------------------------------------------------ callbacks and figures
-
     def on_step(self, callback: seam.StepCallback) -> None:
         """Registers `callback(outputs)`, called on the engine thread after every step."""
         self.listeners.on_step(callback)
@@ -293,7 +289,6 @@ class Engine:
         return self.stats().last_token_time
 
     # ------------------------------------------------------------------ engine thread
-
     def _notify_locked(self) -> None:
         self._events += 1
         self._cond.notify_all()
@@ -315,7 +310,7 @@ class Engine:
         except Exception:
             log.exception("engine: step loop died at step %d", self._step_id)
         finally:
-            flying = [f.future for f in (self._flying, self._ahead) if f is not None]
+            flying = [f.future for f in (self._flying, *self._aheads.flights) if f is not None]
             if flying:  # the loop died with a step running: let it end
                 concurrent.futures.wait(flying, timeout=30.0)
             self._steps.close()
@@ -404,25 +399,29 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
             self.outputs.abort_queued(aborts, self.queue)
             later |= aborts
-            if (self._admit() or prepared is None) and self._ahead is None:
-                prepared = prepare.prepare_or_none(self.scheduler, flight.work, self._step_id + 1)
+            if (self._admit() or prepared is None) and self._aheads.room():
+                work = self._aheads.work(flight)  # every step in flight
+                prepared = prepare.prepare_or_none(self.scheduler, work, self._step_id + 1)
                 if prepared is not None and self._steps.overlaps:
-                    self._launch_ahead(prepared, flight)
+                    if self._launch_ahead(prepared, flight) and self._aheads.room():
+                        prepared, seen = None, -1  # the next set's step at once
             self.delivery.send()
             self._publish_stats()
             if flight.done():
                 break
-        self._flying, self._ahead = self._ahead, None  # boundary calls wait for a boundary
-        ahead = self._flying
+        aheads = self._aheads.take()
+        self._flying = aheads[0] if aheads else None  # boundary calls wait for a boundary
         landed = self.outputs.land(flight)
         self.outputs.abort(later, self.queue)
         ran = self.boundary.ran_at_once
         failure = self._answer(flight, landed)  # step callbacks: at this boundary
         launched = None
-        if ahead is not None and failure is None:
-            launched = ahead
-        elif ahead is not None:
-            self.outputs.drop(ahead)  # what `flight` failed, the retries re-run
+        if aheads and failure is None:
+            launched = aheads[0]
+            self._aheads.flights.extend(aheads[1:])
+        elif aheads:
+            for ahead in aheads:
+                self.outputs.drop(ahead)  # what `flight` failed, the retries re-run
             self._flying = None
         elif failure is None and prepared is not None and self.boundary.ran_at_once == ran:
             committed = None if self._held() else prepare.commit(prepared, self.scheduler)
@@ -435,15 +434,14 @@ class Engine:
             self._failed(failure)  # no step in flight: the next one is scheduled afresh
         return launched
 
-    def _launch_ahead(self, prepared: prepare.Prepared, flight: flight_mod.Flight) -> None:
-        """Launch the prepared step before `flight` lands, unless a control or boundary waits."""
+    def _launch_ahead(self, prepared: prepare.Prepared, flight: flight_mod.Flight) -> bool:
+        """Launch the prepared step before `flight` lands, unless a control or boundary waits;
+        whether it did."""
         if flight.step.control or self._held():
-            return
-        limit = self.config.max_model_len
+            return False
         ok = getattr(self.executor, "step_placeholders", True)  # its ranks fill placeholders
-        ahead = prepare.launch_ahead(prepared, self.scheduler, max_model_len=limit, placeholders=ok)
-        if ahead is not None:
-            self._ahead = self._launch(ahead.batches, ahead.work, {}, [], assumed=ahead.assumed)
+        limit = self.config.max_model_len
+        return self._aheads.launch(prepared, self.scheduler, self._launch, ok, limit)
 
     def _held(self) -> bool:
         with self._cond:  # a stop, a boundary call or a step control waits

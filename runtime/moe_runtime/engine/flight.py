@@ -13,6 +13,7 @@ thread runs the blocking `execute_step(step)`, one step in flight at a time.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -21,8 +22,8 @@ from typing import Any
 
 from moe_runtime import step as step_types
 from moe_runtime.engine import boundary as boundary_mod
+from moe_runtime.engine import prepare, seam
 from moe_runtime.engine import scheduler as scheduler_mod
-from moe_runtime.engine import seam
 
 #: What a step gives: every rank's output, and the seconds `execute_step` took.
 Result = tuple[list[step_types.StepOutput], float]
@@ -77,6 +78,51 @@ class Landed:
             ranks=tuple(sorted(self.errors)),
             message="; ".join(self.errors[r] for r in sorted(self.errors)),
         )
+
+
+class Aheads:
+    """The steps launched ahead of the one that lands next (`core.Engine._fly`), oldest
+    first: at most `most` of them (one with two steps in flight; with interleaved step groups
+    one per set less one, so that every pipeline stage has a step)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.flights: collections.deque[Flight] = collections.deque()
+
+    def room(self) -> bool:
+        return len(self.flights) < self.most
+
+    def work(self, flight: Flight) -> list[scheduler_mod.Work]:
+        """What `flight` and the steps ahead of it carry (the next step follows all of them)."""
+        return [*flight.work, *(w for ahead in self.flights for w in ahead.work)]
+
+    def launch(
+        self,
+        prepared: prepare.Prepared,
+        scheduler: scheduler_mod.Scheduler,
+        launch: Callable[..., Flight],
+        placeholders: bool,
+        max_model_len: int,
+    ) -> bool:
+        """`prepared` made real and launched ahead (`prepare.launch_ahead`; `launch`: the
+        engine's); whether it was. Placeholders (`placeholders`: the ranks fill them) in the
+        first step ahead only: a later one would need two of one sequence."""
+        ahead = prepare.launch_ahead(
+            prepared,
+            scheduler,
+            max_model_len=max_model_len,
+            placeholders=placeholders and not self.flights,
+        )
+        if ahead is None:
+            return False
+        self.flights.append(launch(ahead.batches, ahead.work, {}, [], assumed=ahead.assumed))
+        return True
+
+    def take(self) -> list[Flight]:
+        """Every step ahead, oldest first (none left here)."""
+        taken = list(self.flights)
+        self.flights.clear()
+        return taken
 
 
 class StepThread:

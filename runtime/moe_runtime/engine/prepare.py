@@ -69,9 +69,11 @@ class Prepared:
 
 
 def prepare(scheduler: scheduler_mod.Scheduler, inflight: Sequence[scheduler_mod.Work]) -> Prepared:
-    """The step after the one running `inflight`, assuming that step succeeds (pure)."""
+    """The step after the ones running `inflight`, assuming they succeed (pure)."""
     running = scheduler.running
-    after = {w.seq.seq_id: w.seq.num_computed + w.num_tokens for w in inflight}
+    after: dict[str, int] = {}
+    for w in inflight:  # a sequence in two steps in flight: both slices
+        after[w.seq.seq_id] = after.get(w.seq.seq_id, w.seq.num_computed) + w.num_tokens
     views: list[tuple[scheduler_mod.Seq, int, int]] = []
     for seq in running.values():
         computed = after.get(seq.seq_id, seq.num_computed)

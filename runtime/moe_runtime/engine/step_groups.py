@@ -3,16 +3,18 @@ sets, each step taking the sequences of one set, the sets in turn (a part of `Sc
 
 Why: over pipeline stages a step's sequences cannot enter stage 0 again before the last
 stage sampled them, so with one set the stages of consecutive steps never work at once. With
-two sets, step N + 1 (the other set) needs nothing of step N: an executor that runs a step's
-stage 0 while the previous step is in a later stage (`RayExecutor` at
-`--pipeline-interleave`, which says so by `step_groups`) keeps two stages busy. The engine's
-two steps in flight (`EngineConfig.overlap_steps`) give it the next step in time.
+P sets, step N + 1 (another set) needs nothing of step N: an executor that runs a step's
+stage 0 while the earlier steps are in later stages (`RayExecutor` at
+`--pipeline-interleave`, which says so by `step_groups` = P) keeps every stage busy. The
+engine keeps a step of each set in flight (`flight.Aheads`: `groups` steps in flight with
+`EngineConfig.overlap_steps`), so the next step is there in time.
 
 - A new sequence joins the set with the fewest running sequences (`join`); a migration, a
   retry or a wait for room keeps its set.
 - A step takes the first set after the last step's that has work (`pick`); when only the
-  set of the step in flight has work, it takes that one (its tokens then wait for the step
-  in flight, as without sets). One set (`groups` 1) is the scheduler as before.
+  sets of steps in flight have work, it takes the next of those (its tokens then wait for
+  that step: placeholders, in the first step ahead only). One set (`groups` 1) is the
+  scheduler as before.
 """
 
 from __future__ import annotations
