@@ -231,3 +231,18 @@ def test_a_bad_transport_setting_is_refused_naming_it(monkeypatch: pytest.Monkey
     monkeypatch.setenv(ray_mesh.TRANSPORT_ENV, "nccl")
     with pytest.raises(ValueError, match="MOE_STEP_GRAPH_TRANSPORT must be one of auto, shm"):
         ray_mesh.stage_transport(use_gpu=True)
+
+
+def test_interleaved_steps_take_a_set_per_stage_unless_told_fewer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ray_mesh.STEP_GROUPS_ENV, raising=False)
+    assert ray_mesh.step_groups(3, interleave=True) == 3  # a step per stage
+    assert ray_mesh.step_groups(3, interleave=False) == 1
+    assert ray_mesh.step_groups(1, interleave=True) == 1
+    monkeypatch.setenv(ray_mesh.STEP_GROUPS_ENV, "2")
+    assert ray_mesh.step_groups(3, interleave=True) == 2
+    for bad in ("4", "1", "2.5", "two"):
+        monkeypatch.setenv(ray_mesh.STEP_GROUPS_ENV, bad)
+        with pytest.raises(ValueError, match="MOE_PIPELINE_STEP_GROUPS must be a whole number"):
+            ray_mesh.step_groups(3, interleave=True)

@@ -136,10 +136,10 @@ class RayExecutor(base.Executor):
         #: Where the routed experts live at T > 1 (`model.tensor_parallel`: "leader", "mesh").
         self.expert_layout = expert_layout
         #: Interleaved step groups the engine may send (`engine.step_groups`), as many steps
-        #: in flight: P where each step's stage 0 overlaps the earlier steps' later stages
-        #: (`pp_interleave` at P > 1: the step graph's interleaved shape,
-        #: `ray_graph._pipeline`, or plain calls in two parts, `ray_calls.step_calls`).
-        self.step_groups = pp_size if pp_interleave and pp_size > 1 else 1
+        #: in flight: P (`ray_mesh.step_groups`) where each step's stage 0 overlaps the
+        #: earlier steps' later stages (`pp_interleave` at P > 1: the step graph's interleaved
+        #: shape, `ray_graph._pipeline`, or plain calls in two parts, `ray_calls.step_calls`).
+        self.step_groups = ray_mesh.step_groups(pp_size, interleave=pp_interleave)
         #: Whether the engine may send a step ahead with placeholders (`engine.core`): not
         #: through an interleaved graph, whose leader never samples (set below).
         self.step_placeholders = True

@@ -75,6 +75,27 @@ def stage_nodes(tp_size: int, *, use_gpu: bool, interleave: bool = False) -> boo
     return raw == "1" or (raw == "auto" and (use_gpu or (tp_size == 1 and not interleave)))
 
 
+#: How many interleaved step groups (sets of sequences, and steps in flight) at pipeline size
+#: P > 1 with `--pipeline-interleave`: P by default (a step per stage, vLLM's), 2..P. Fewer
+#: where the stages' processes share fewer cores than P: on the 2-core machine two sets
+#: served 111 tok/s at P = 3 against 95-97 with three (`bench/serve_mesh.py --meshes 1x3i`).
+STEP_GROUPS_ENV = "MOE_PIPELINE_STEP_GROUPS"
+
+
+def step_groups(pp_size: int, *, interleave: bool) -> int:
+    """The interleaved step groups of a RayExecutor at pipeline size `pp_size` (1: none;
+    `STEP_GROUPS_ENV`; ValueError naming it for a value outside 2..P)."""
+    if not interleave or pp_size < 2:
+        return 1
+    groups = guards.float_from_env(
+        STEP_GROUPS_ENV,
+        pp_size,
+        valid=lambda v: v == int(v) and 2 <= v <= pp_size,
+        wanted=f"a whole number from 2 to the pipeline size ({pp_size})",
+    )
+    return int(groups)
+
+
 #: Seconds a leader may take to settle an interleaved graph step its stages failed.
 SETTLE_TIMEOUT_S = 30.0
 
