@@ -409,7 +409,7 @@ class Engine:
             self._publish_stats()
             if flight.done():
                 break
-        aheads = self._aheads.take()
+        aheads = list(self._aheads.flights)  # kept there until they land or are dropped
         self._flying = aheads[0] if aheads else None  # boundary calls wait for a boundary
         landed = self.outputs.land(flight)
         self.outputs.abort(later, self.queue)
@@ -417,10 +417,9 @@ class Engine:
         failure = self._answer(flight, landed)  # step callbacks: at this boundary
         launched = None
         if aheads and failure is None:
-            launched = aheads[0]
-            self._aheads.flights.extend(aheads[1:])
+            launched = self._aheads.flights.popleft()
         elif aheads:
-            for ahead in aheads:
+            for ahead in self._aheads.take():
                 self.outputs.drop(ahead)  # what `flight` failed, the retries re-run
             self._flying = None
         elif failure is None and prepared is not None and self.boundary.ran_at_once == ran:
