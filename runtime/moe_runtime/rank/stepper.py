@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 #: steps begun before it to end.
 END_WAIT_S = 300.0
 #: Steps `Stepper.start` keeps for `settle` (the driver settles a step before it sends the one
-#: two after it: two steps in flight).
+#: P after it: P steps in flight, P <= 8 as the operator bounds it).
 STARTED_KEPT = 8
 
 
