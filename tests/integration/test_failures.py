@@ -158,14 +158,12 @@ def test_a_step_graph_that_fails_to_compile_after_a_switch_leaves_plain_calls_se
     armed = threading.Event()
     compile_graph = ray_graph.compile_graph
 
-    def fail_once(
-        actors: Any, followers: Any = (), stages: Any = (), transport: str = "pickle"
-    ) -> Any:
+    def fail_once(*args: Any, **kwargs: Any) -> Any:
         # The background compile runs in this process: its first call after the arming fails.
         if armed.is_set() and not failed.is_set():
             failed.set()
             raise RuntimeError("injected failure compiling the step graph")
-        return compile_graph(actors, followers, stages, transport)
+        return compile_graph(*args, **kwargs)
 
     failed = threading.Event()
     monkeypatch.setattr(ray_graph, "compile_graph", fail_once)

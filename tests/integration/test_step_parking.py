@@ -292,13 +292,11 @@ def test_a_path_closed_while_a_graph_job_is_stuck_returns_within_its_timeout(
     entered, stuck, compiled = threading.Event(), threading.Event(), ray_graph.compile_graph
     left = threading.Event()
 
-    def stuck_compile(
-        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "pickle"
-    ) -> Any:
+    def stuck_compile(*args: Any, **kwargs: Any) -> Any:
         entered.set()
         stuck.wait(30)
         left.set()
-        return compiled(handles, followers, stages, transport)
+        return compiled(*args, **kwargs)
 
     monkeypatch.setattr(ray_graph, "compile_graph", stuck_compile)
     p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
@@ -332,10 +330,8 @@ def test_a_graph_compiled_for_a_path_since_replaced_is_dropped_unprobed(
     compiled, replaced = ray_graph.compile_graph, threading.Event()
     p = ray_step.StepPath(compiled=True, compile_timeout=60.0, park_after=0)
 
-    def compile_then_replace(
-        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "pickle"
-    ) -> Any:
-        graph = compiled(handles, followers, stages, transport)
+    def compile_then_replace(*args: Any, **kwargs: Any) -> Any:
+        graph = compiled(*args, **kwargs)
         if not replaced.is_set():
             replaced.set()
             p.set([0, 1], actors)  # the switch that came while this graph compiled
@@ -381,10 +377,8 @@ def test_a_graph_whose_failure_monitor_ended_is_dropped_and_compiled_again(
     compiled = ray_graph.compile_graph
     graphs: list[Any] = []
 
-    def compile_broken_once(
-        handles: list[Any], followers: Any = (), stages: Any = (), transport: str = "pickle"
-    ) -> Any:
-        graph = compiled(handles, followers, stages, transport)
+    def compile_broken_once(*args: Any, **kwargs: Any) -> Any:
+        graph = compiled(*args, **kwargs)
         graphs.append(_ended_monitor(graph) if not graphs else graph)
         return graph
 
