@@ -69,16 +69,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return path
 
 
-def _serve(model_dir: pathlib.Path, micro_batch_tokens: int) -> tuple[list[list[int]], Any]:
-    """Greedy answers of `PROMPTS` from one DP rank at P = 2 (all prompts in one prefill step,
-    then one decode step per token, each decode's token a placeholder the rank fills), and the
-    stages' record of chains."""
-    stages = _ChainedStages([stage_worker.StageWorker(stage=1, size=2, device="cpu")])
+def _leader(
+    model_dir: pathlib.Path, stages: Any, size: int, micro_batch_tokens: int | None = None
+) -> worker.RankWorker:
+    """A `RankWorker` leading `stages` at pipeline size `size`, loaded from `model_dir`,
+    serving alone (DP = 1, epoch 1)."""
     lead = worker.RankWorker(
         device="cpu",
         dtype="float32",
         pipeline=stages,
-        pipeline_size=2,
+        pipeline_size=size,
         pipeline_micro_batch_tokens=micro_batch_tokens,
     )
     cfg = source_mod.open_source(str(model_dir)).config
@@ -86,6 +86,15 @@ def _serve(model_dir: pathlib.Path, micro_batch_tokens: int) -> tuple[list[list[
     lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
     lead.groups.join_group(group_mod.GroupSpec.local(1, epoch=1), 0, role=groups_mod.STEP)
     lead.slots.activate(1, rank=0, num_ranks=1, placement=one)
+    return lead
+
+
+def _serve(model_dir: pathlib.Path, micro_batch_tokens: int) -> tuple[list[list[int]], Any]:
+    """Greedy answers of `PROMPTS` from one DP rank at P = 2 (all prompts in one prefill step,
+    then one decode step per token, each decode's token a placeholder the rank fills), and the
+    stages' record of chains."""
+    stages = _ChainedStages([stage_worker.StageWorker(stage=1, size=2, device="cpu")])
+    lead = _leader(model_dir, stages, 2, micro_batch_tokens)
     ids = [f"s{i}" for i in range(len(PROMPTS))]
     works = [step_mod.SeqWork(s, p, 0, GREEDY) for s, p in zip(ids, PROMPTS, strict=True)]
     answers: list[list[int]] = [[] for _ in PROMPTS]
@@ -214,12 +223,7 @@ def test_interleaved_steps_of_p_sets_answer_as_transformers(
     stages = _ChainedStages(
         [stage_worker.StageWorker(stage=s, size=size, device="cpu") for s in range(1, size)]
     )
-    lead = worker.RankWorker(device="cpu", dtype="float32", pipeline=stages, pipeline_size=size)
-    cfg = source_mod.open_source(str(model_dir)).config
-    one = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 1)
-    lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
-    lead.groups.join_group(group_mod.GroupSpec.local(1, epoch=1), 0, role=groups_mod.STEP)
-    lead.slots.activate(1, rank=0, num_ranks=1, placement=one)
+    lead = _leader(model_dir, stages, size)
     # P sets, P steps in flight (the engine's with `RayExecutor.step_groups` = P)
     sets = [[0, 1], [2, 3]] if size == 2 else [[0], [1, 2], [3]]
     answers: list[list[int]] = [[] for _ in PROMPTS]
@@ -321,18 +325,7 @@ def test_a_started_step_is_sampled_by_its_last_stage_and_settled_when_it_fails(
         for p in PROMPTS
     ]
     stages = _SampledStages([stage_worker.StageWorker(stage=1, size=2, device="cpu")])
-    lead = worker.RankWorker(
-        device="cpu",
-        dtype="float32",
-        pipeline=stages,
-        pipeline_size=2,
-        pipeline_micro_batch_tokens=8,  # the prefill as two micro-batches: two lanes
-    )
-    cfg = source_mod.open_source(str(model_dir)).config
-    one = policy.identity(cfg.num_moe_layers, cfg.num_experts, cfg.num_experts, 1)
-    lead.load_weights(source=str(model_dir), rank=0, num_ranks=1, placement=one)
-    lead.groups.join_group(group_mod.GroupSpec.local(1, epoch=1), 0, role=groups_mod.STEP)
-    lead.slots.activate(1, rank=0, num_ranks=1, placement=one)
+    lead = _leader(model_dir, stages, 2, 8)  # the prefill as two micro-batches: two lanes
     stepper, answered = lead.stepper, {}
     answers: list[list[int]] = [[] for _ in PROMPTS]
 
