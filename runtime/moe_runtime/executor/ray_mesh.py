@@ -51,6 +51,7 @@ import ray
 
 from moe_runtime import step as step_mod
 from moe_runtime.executor import guards, ray_calls, ray_pipeline, ray_tensor
+from moe_runtime.rank import pipeline_group
 
 log = logging.getLogger(__name__)
 
@@ -410,11 +411,8 @@ def merged(
             out.tokens.update(lane.answer["tokens"])
             out.source_reads += lane.reads
             last = max(last, float(lane.answer["answered_at"]))
-            if out.expert_load is None:
-                continue
-            for first, stop, load in lane.answer["loads"]:
-                if load is not None and stop > first:
-                    out.expert_load[first:stop] += load
+            if out.expert_load is not None:
+                pipeline_group.add_loads(out.expert_load, lane.answer["loads"])
         if last:
             out.overlapped = out.started_at < answered.get(label, 0.0)
             answered[label] = last

@@ -129,6 +129,14 @@ class Stages(Protocol):
         """The process ids of the stages' TP followers (stage by stage; none at T = 1)."""
 
 
+def add_loads(expert_load: torch.Tensor, loads: Sequence[tuple[int, int, Any]]) -> None:
+    """The stages' expert loads (a last stage's answer's "loads": (first, stop, load) of each
+    stage's MoE layers) added into a DP rank's `expert_load` [L, E] at their layers."""
+    for first, stop, load in loads:
+        if load is not None and stop > first:
+            expert_load[first:stop] += load.to(expert_load.device)
+
+
 def micro_batches(size: int, batches: Sequence[Sequence[int]], min_tokens: int) -> int:
     """How many micro-batches a step goes through the P = `size` stages as, the same on every
     DP rank: `batches` is each DP rank's new tokens per sequence (all of the step's, which
@@ -419,9 +427,7 @@ class PipelineLeader:
             raise
         self.step_reads = sum(int(a.get("reads", 0)) for each in answers for a in each)
         for each in answers:
-            for first, stop, load in each[-1]["loads"]:
-                if load is not None and stop > first:
-                    sent.expert_load[first:stop] += load.to(sent.expert_load.device)
+            add_loads(sent.expert_load, each[-1]["loads"])
         outs = [each[-1]["out"] for each in answers]
         logits: torch.Tensor = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(sent.device)
         return logits
